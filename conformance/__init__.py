@@ -1,0 +1,1 @@
+"""The statedict-conformance suite: requirements (SPEC.md), harness, adapters and tests."""

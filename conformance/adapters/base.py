@@ -1,0 +1,139 @@
+"""The protocol every implementation under test satisfies.
+
+An adapter is a small class with a ``name`` and one method per capability of ``conformance/SPEC.md``.
+Each method returns an *ops* object for that capability (its protocol lives next to the shipped ops,
+in ``conformance/adapters/<capability>.py``), or raises :class:`Unsupported` with the reason the
+implementation does not provide it. The harness turns ``Unsupported`` into a skip that names the
+adapter, the capability and the reason, never into a pass.
+
+A downstream project writes::
+
+    from conformance.adapters.base import Adapter, Unsupported
+
+    class MyForkAdapter(Adapter):
+        name = "myfork"
+
+        def checkpoint(self):
+            from conformance.adapters.checkpoint import TorchCheckpointOps
+            return MyCheckpointOps()          # anything satisfying CheckpointOps
+
+and runs ``pytest conformance/ --impl mypkg.adapters:MyForkAdapter``.
+
+Adapters are created on every rank from their spec string (``reference`` or ``pkg.mod:Class``), so
+they pickle by spec, not by value: keep per-process state out of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, ClassVar
+
+__all__ = ["Adapter", "Unsupported", "CAPABILITIES", "SHIPPED", "load_adapter", "capability_of"]
+
+#: Capability name -> the SPEC.md ID prefix of its requirements.
+CAPABILITIES: dict[str, str] = {
+    "flat_param": "FP",
+    "state_dict": "SD",
+    "optim_state": "OS",
+    "checkpoint": "ML",
+}
+
+#: Shipped adapter names -> ``module:Class``.
+SHIPPED: dict[str, str] = {
+    "reference": "conformance.adapters.impls:ReferenceAdapter",
+    "torch": "conformance.adapters.impls:TorchAdapter",
+    "torch-fsdp2": "conformance.adapters.impls:TorchFSDP2Adapter",
+    "fairscale": "conformance.adapters.impls:FairscaleAdapter",
+}
+
+
+class Unsupported(Exception):
+    """Raised by an adapter for a capability or feature it does not provide; the message is the reason."""
+
+
+def capability_of(requirement_id: str) -> str | None:
+    """The capability a requirement ID belongs to (``"OS-3"`` -> ``"optim_state"``); None for ``HX-``."""
+    prefix = requirement_id.split("-", 1)[0]
+    for capability, cap_prefix in CAPABILITIES.items():
+        if cap_prefix == prefix:
+            return capability
+    return None
+
+
+class Adapter:
+    """Base class of implementation adapters. Subclasses override the capabilities they provide."""
+
+    #: Short name used in test ids and the report.
+    name: ClassVar[str] = "unnamed"
+    #: Path (relative to the repository root or absolute) of the checked-in expected-failures file of
+    #: this adapter, applied whenever it is selected; None for none.
+    xfails_file: ClassVar[str | None] = None
+
+    spec: str  # set by load_adapter: how to recreate this adapter on another process
+
+    def flat_param(self) -> Any:
+        """Ops for FlatParameter wrapping (FP-*)."""
+        raise Unsupported("not provided by this adapter")
+
+    def state_dict(self) -> Any:
+        """Ops for get/set_state_dict with submodules (SD-*)."""
+        raise Unsupported("not provided by this adapter")
+
+    def optim_state(self) -> Any:
+        """Ops for sharded models and their optimizer state dicts (OS-*)."""
+        raise Unsupported("not provided by this adapter")
+
+    def checkpoint(self) -> Any:
+        """Ops for distributed checkpoint save/load and meta-tensor loading (ML-*)."""
+        raise Unsupported("not provided by this adapter")
+
+    # -- used by the harness -------------------------------------------------------------------
+
+    def unsupported_reason(self, capability: str) -> str | None:
+        """None if ``capability`` is provided, else the reason it is not."""
+        try:
+            getattr(self, capability)()
+        except Unsupported as exc:
+            return str(exc)
+        return None
+
+    def require(self, capability: str) -> Any:
+        """The ops of ``capability``, or a pytest skip naming the adapter, capability and reason."""
+        try:
+            return getattr(self, capability)()
+        except Unsupported as exc:
+            import pytest
+
+            pytest.skip(f"{self.name} does not provide {capability}: {exc}")
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return load_adapter, (self.spec,)
+
+    def __repr__(self) -> str:
+        return f"<adapter {self.name} ({self.spec})>"
+
+
+_CACHE: dict[str, Adapter] = {}
+
+
+def load_adapter(spec: str) -> Adapter:
+    """The adapter named by ``spec``: a shipped name (``reference``, ``torch``, ...) or ``pkg.module:Class``."""
+    if spec in _CACHE:
+        return _CACHE[spec]
+    target = SHIPPED.get(spec, spec)
+    if ":" not in target:
+        raise ValueError(
+            f"unknown implementation {spec!r}: expected one of {sorted(SHIPPED)} or 'package.module:AdapterClass'"
+        )
+    module_name, _, class_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"implementation {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Adapter)):
+        raise ValueError(f"implementation {spec!r}: {target!r} is not a subclass of conformance.adapters.base.Adapter")
+    adapter = cls()
+    adapter.spec = spec
+    _CACHE[spec] = adapter
+    return adapter
