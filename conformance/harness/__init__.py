@@ -1,0 +1,26 @@
+"""The multi-rank harness of the conformance suite (pytest plugin, rank pools, xfails, requirement IDs).
+
+How a test uses it (the contract; see ``conformance/SPEC.md`` HX-*):
+
+``impl``
+    Fixture, parametrized over ``--impl``: an :class:`~conformance.adapters.base.Adapter`.
+    ``impl.require("checkpoint")`` returns that capability's ops or skips with the reason. A test whose
+    ``req`` IDs belong to a capability (``FP``/``SD``/``OS``/``ML``) is skipped up front when the
+    adapter lacks it.
+``reference_impl``
+    Fixture: the reference adapter, for differential checks of another implementation.
+``dist``
+    Asking for this argument makes the test a *rank test*: it is parametrized over ``--world-size``
+    (ids ``ws1``, ``ws2``, ...) and its body runs on every rank of that world size's pool, with
+    ``dist`` bound to that rank's :class:`~conformance.harness.context.RankContext`. Every other
+    argument must pickle (parametrize values, ``tmp_path``, ``impl``).
+``@pytest.mark.world_size(2, 4)`` / ``@pytest.mark.world_size(min=2)``
+    Restricts a rank test (or a ``world_size_pair`` test) to those world sizes; if none of the selected
+    ones qualifies, the test is a skip saying which to select.
+``pools``
+    Controller-side fixture: ``pools.run(world_size, fn, *args, **kwargs)`` runs the module-level
+    function ``fn(ctx, *args, **kwargs)`` on every rank of that pool and returns the per-rank return
+    values, rank order. For tests with several phases (save at 4 ranks, load at 2).
+``world_size_pair``
+    Argument parametrized over ordered pairs of distinct selected world sizes (ids ``ws4-ws2``).
+"""
