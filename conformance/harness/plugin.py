@@ -432,4 +432,4 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             "spec": load_spec(),
             "tests": _SESSION_RESULTS,
         }
-        Path(path).write_text(json.dumps(payload, indent=1, sort_keys=True), encoding="utf-8")
+        Path(path).write_text(json.dumps(payload, indent=1), encoding="utf-8")
