@@ -104,8 +104,8 @@ def _make_optimizer(setup: Setup, groups: list[dict[str, Any]], named: list[tupl
 
 def _add_extra_state(optim: torch.optim.Optimizer) -> None:
     for state in optim.state.values():
-        state["note"] = "kept as is"
-        state["scale"] = torch.tensor(2.5)
+        state["decay_rate"] = 0.5  # a non-tensor (not a str: torch.optim's load turns those into generators)
+        state["scale"] = torch.tensor(2.5)  # a 0-dim tensor
 
 
 class Run:
@@ -209,8 +209,9 @@ def assert_osd_matches(got: dict[str, Any], expected: dict[str, Any], where: str
         f"{where}: {len(got['param_groups'])} param groups, expected {len(expected['param_groups'])}"
     )
     for index, (group, want) in enumerate(zip(got["param_groups"], expected["param_groups"])):
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        want_hyper = {k: v for k, v in want.items() if k != "params"}
+        # A list where torch.optim has a tuple (`betas`) is the same hyperparameter.
+        hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in group.items() if k != "params"}
+        want_hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in want.items() if k != "params"}
         assert hyper == want_hyper, f"{where}: param group {index} hyperparameters {hyper}, expected {want_hyper}"
         assert sorted(group["params"]) == sorted(want["params"]), (
             f"{where}: param group {index} lists {sorted(group['params'])}, expected {sorted(want['params'])}"
@@ -434,3 +435,270 @@ def test_zoo_model(dist, impl, case: Setup, use_orig_params: bool) -> None:
     fresh.train(1)
     assert_model_matches(ops, fresh, f"{setup} reloaded")
     assert_osd_matches(ops.optim_state_dict(fresh.model, fresh.optim), fresh.oracle_osd(), f"{setup} reloaded")
+
+
+# -- OS-2, OS-15: layout and keying ---------------------------------------------------------------------
+
+
+@pytest.mark.req("OS-2")
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_what_the_optimizer_sees(dist, impl, strategy: str, use_orig_params: bool) -> None:
+    """The optimizer's parameters: flat shards standing for every FQN of their unit (each FQN once), or
+    the original parameters under their own names, each this rank's part of its shard; together they
+    cover each parameter exactly once across the shard group."""
+    ops = impl.require("optim_state")
+    run = Run(dist, ops, Setup(model="tiny", strategy=strategy, use_orig_params=use_orig_params))
+    oracle_numel = {n: p.numel() for n, p in run.oracle.named_parameters()}
+    named = ops.optimizer_params(run.model)
+    fqns = [f for group, _ in named for f in group]
+    assert sorted(fqns) == sorted(oracle_numel), f"optimizer parameters stand for {sorted(fqns)}, expected {sorted(oracle_numel)}"
+    shard_count = 1 if strategy == "NO_SHARD" else dist.world_size
+    if use_orig_params:
+        assert all(len(group) == 1 for group, _ in named), f"original parameters stand for one FQN each: {[g for g, _ in named]}"
+        local = {group[0]: param.numel() for group, param in named}
+        totals = dist.all_gather_object(local)
+        for fqn, numel in oracle_numel.items():
+            held = sum(t[fqn] for t in totals)
+            assert held == numel * (dist.world_size // shard_count), f"{fqn!r}: ranks hold {held} elements in all, expected {numel} per replica"
+    else:
+        for group, param in named:
+            unit_numel = sum(oracle_numel[f] for f in group)
+            # Invariant: padded to a multiple of the shard count, one equal shard per rank.
+            expected = -(-unit_numel // shard_count)
+            assert param.dim() == 1 and param.numel() == expected, (
+                f"flat parameter of {list(group)}: shape {tuple(param.shape)}, expected ({expected},) = ceil({unit_numel} / {shard_count})"
+            )
+
+
+@pytest.mark.req("OS-15")
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+def test_fqn_to_param_info_from_any_module(dist, impl, use_orig_params: bool) -> None:
+    """From the root: every clean FQN with its unit's flat parameter and its index there. From the
+    submodule ``net``: only the units below it, with FQNs relative to ``net``."""
+    ops = impl.require("optim_state")
+    run = Run(dist, ops, Setup(model="mlp", use_orig_params=use_orig_params))
+    try:
+        from_root = ops.fqn_to_param_info(run.model)
+    except Exception as exc:  # noqa: BLE001 - Unsupported is the adapter's way to say "no flat parameters"
+        from conformance.adapters.base import Unsupported
+
+        if isinstance(exc, Unsupported):
+            pytest.skip(str(exc))
+        raise
+    assert sorted(from_root) == sorted(n for n, _ in run.oracle.named_parameters()), f"FQNs from the root: {sorted(from_root)}"
+    assert _same_partition(from_root), f"FQN -> (flat parameter, index) from the root: {from_root}"
+    assert all(index == (0 if fqn.endswith("weight") else 1) for fqn, (_, index) in from_root.items()), (
+        f"each unit flattens weight, then bias: {from_root}"
+    )
+    net = next(m for n, m in run.model.named_modules() if n.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "") == "net")
+    from_net = ops.fqn_to_param_info(net)
+    assert sorted(from_net) == ["0.bias", "0.weight", "4.bias", "4.weight"], f"FQNs from the submodule 'net': {sorted(from_net)}"
+    assert from_net["0.weight"][1] == 0 and from_net["0.bias"][1] == 1, f"indices inside net.0's flat parameter: {from_net}"
+
+
+def _same_partition(info: dict[str, tuple[int, int]]) -> bool:
+    """Units are {net.0}, {net.4}, {root: net.2}, whatever their numbering."""
+    units: dict[int, set[str]] = {}
+    for fqn, (unit, _) in info.items():
+        units.setdefault(unit, set()).add(fqn.rsplit(".", 1)[0])
+    return sorted(map(sorted, units.values())) == [["net.0"], ["net.2"], ["net.4"]]
+
+
+@pytest.mark.req("OS-15")
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+def test_reference_optim_state_keys(dist, use_orig_params: bool) -> None:
+    """The reference's ``_OptimStateKey`` of every optimizer parameter: a flat parameter stands for its
+    unit's FQNs, an original parameter for its own; both FSDP-managed. Local (no collective)."""
+    from reference.fsdp import FullyShardedDataParallel
+    from reference.optim_state import _OptimStateKey, get_fqn_to_fsdp_param_info, get_param_to_fqns
+
+    model = models.build("tied", device=dist.device)
+    model = FullyShardedDataParallel(model, use_orig_params=use_orig_params, auto_wrap_policy=lambda m: m is model.body, device_id=dist.device)
+    infos = get_fqn_to_fsdp_param_info(model)
+    keys = sorted(_OptimStateKey(tuple(fqns), fqns[0] in infos) for fqns in get_param_to_fqns(model).values())
+    if use_orig_params:
+        expected = [
+            _OptimStateKey(("body.bias",), True),
+            _OptimStateKey(("body.weight",), True),
+            _OptimStateKey(("embed.weight", "head.weight"), True),  # tied: first name first
+        ]
+    else:
+        expected = [_OptimStateKey(("body.weight", "body.bias"), True), _OptimStateKey(("embed.weight",), True)]
+    assert keys == expected, f"optimizer state keys {keys}, expected {expected}"
+    assert infos["head.weight"].param_indices["head.weight"] == infos["embed.weight"].param_indices["embed.weight"] == 0, (
+        "a tied alias maps to its parameter's index"
+    )
+
+
+# -- OS-16, OS-17: bad input --------------------------------------------------------------------------
+
+
+def _bad_osd(kind: str, osd: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """``osd`` broken one way, and the FQN the error must name."""
+    osd = copy.deepcopy(osd)
+    if kind == "unknown-fqn":
+        osd["state"]["net.9.weight"] = copy.deepcopy(osd["state"]["net.2.weight"])
+        return osd, "net.9.weight"
+    if kind == "wrong-shape":
+        osd["state"]["net.2.weight"]["exp_avg"] = torch.zeros(3, 7)
+        return osd, "net.2.weight"
+    if kind == "group-mismatch":
+        osd["param_groups"][0]["params"].remove("net.4.bias")
+        osd["param_groups"].append({**{k: v for k, v in osd["param_groups"][0].items() if k != "params"}, "params": ["net.4.bias"]})
+        return osd, "net.4.bias"
+    raise AssertionError(kind)
+
+
+@pytest.mark.req("OS-16")
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+@pytest.mark.parametrize("kind", ["unknown-fqn", "wrong-shape", "group-mismatch"])
+def test_bad_optimizer_state_dict_is_a_clear_error(dist, impl, kind: str, use_orig_params: bool) -> None:
+    ops = impl.require("optim_state")
+    run = Run(dist, ops, Setup(use_orig_params=use_orig_params))
+    run.train(1)
+    before = copy.deepcopy(ops.optim_state_dict(run.model, run.optim))
+    bad, fqn = _bad_osd(kind, before)
+    with pytest.raises((ValueError, RuntimeError)) as info:
+        ops.load_optim_state_dict(run.model, run.optim, bad)
+    assert fqn in str(info.value), f"{kind}: the error does not name {fqn!r}: {type(info.value).__name__}: {info.value}"
+    assert_osd_matches(ops.optim_state_dict(run.model, run.optim), before, f"{kind}: after the failed load")
+
+
+@pytest.mark.req("OS-17")
+@pytest.mark.parametrize("kind", ["mixed-requires-grad", "shared-across-units"])
+def test_bad_layout_is_a_clear_error(dist, impl, kind: str) -> None:
+    """Frozen and trainable parameters in one flat parameter, or one parameter in two units."""
+    ops = impl.require("optim_state")
+    if kind == "mixed-requires-grad":
+        model, units, names, orig = models.build("frozen", device=dist.device), (), ("stem.weight", "body.weight"), False
+    else:  # embed.weight is head.weight: a unit at `embed` and the root would both hold it
+        model, units, names, orig = models.build("tied", device=dist.device), ("embed",), ("embed.weight", "head.weight"), True
+    reason = ops.unsupported("FULL_SHARD", orig)
+    if reason:
+        pytest.skip(reason)
+    ids = {id(m) for n, m in model.named_modules() if n in units}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        ops.wrap(model, strategy="FULL_SHARD", use_orig_params=orig, units=lambda m: id(m) in ids, device=dist.device)
+    message = str(info.value)
+    assert any(n in message for n in names), f"{kind}: the error names none of {names}: {message}"
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], v) for k, v in before.items()), f"{kind}: the model changed"
+
+
+@pytest.mark.req("OS-17")
+def test_reference_rejects_a_mesh_that_does_not_fit(dist) -> None:
+    from conformance.adapters.optim_state import _mesh
+    from reference.fsdp import FullyShardedDataParallel
+
+    def init_device_mesh(device_type: str, shape: tuple[int, ...]) -> Any:
+        return _mesh(dist.device, shape)
+
+    model = models.build("mlp", device=dist.device)
+    with pytest.raises(ValueError, match="HYBRID_SHARD needs a 2-D device_mesh"):
+        FullyShardedDataParallel(model, sharding_strategy="HYBRID_SHARD", device_mesh=init_device_mesh(dist.device.type, (dist.world_size,)))
+    with pytest.raises(ValueError, match=r"1-D device_mesh, got shape \(1, "):
+        FullyShardedDataParallel(model, sharding_strategy="FULL_SHARD", device_mesh=init_device_mesh(dist.device.type, (1, dist.world_size)))
+    with pytest.raises(ValueError, match="HYBRID_SHARD needs device_mesh"):
+        FullyShardedDataParallel(model, sharding_strategy="HYBRID_SHARD")
+    assert not any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()), "the model was wrapped"
+
+
+# -- OS-18: golden structure ------------------------------------------------------------------------------
+
+
+def _structure(osd: dict[str, Any]) -> str:
+    """State FQNs with each state's kind, shape and dtype, then param groups: stable text for a golden."""
+    lines = []
+    for fqn in sorted(osd["state"]):
+        states = osd["state"][fqn]
+        parts = []
+        for name in sorted(states):
+            value = _full(states[name])
+            if isinstance(value, torch.Tensor):
+                parts.append(f"{name}={str(value.dtype).replace('torch.', '')}{list(value.shape)}")
+            else:
+                parts.append(f"{name}={value!r}")
+        lines.append(f"{fqn}: {' '.join(parts)}")
+    for index, group in enumerate(osd["param_groups"]):
+        hyper = {k: (tuple(v) if isinstance(v, list) else v) for k, v in group.items() if k in ("lr", "weight_decay", "betas", "tag")}
+        lines.append(f"group {index}: {hyper} params={sorted(group['params'])}")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.req("OS-18")
+def test_optim_state_dict_structure_golden(dist, impl) -> None:
+    """AdamW on the ``groups`` model (two param groups, use_orig_params): the full optimizer state dict's
+    structure, identical at every world size and for every implementation."""
+    from expecttest import assert_expected_inline
+
+    ops = impl.require("optim_state")
+    run = Run(dist, ops, Setup(model="groups", groups=True))
+    run.train(1)
+    structure = _structure(ops.optim_state_dict(run.model, run.optim))
+    assert structure == _structure(run.oracle_osd()), f"structure differs from the unwrapped model's:\n{structure}"
+    if dist.rank == 0:  # one rank writes the golden when accepting
+        assert_expected_inline(structure, """\
+inp.bias: exp_avg=float32[9] exp_avg_sq=float32[9] step=float32[]
+inp.weight: exp_avg=float32[9, 5] exp_avg_sq=float32[9, 5] step=float32[]
+norm.bias: exp_avg=float32[9] exp_avg_sq=float32[9] step=float32[]
+norm.weight: exp_avg=float32[9] exp_avg_sq=float32[9] step=float32[]
+out.bias: exp_avg=float32[2] exp_avg_sq=float32[2] step=float32[]
+out.weight: exp_avg=float32[2, 9] exp_avg_sq=float32[2, 9] step=float32[]
+group 0: {'lr': 0.02, 'weight_decay': 0.01, 'tag': 'group-0', 'betas': (0.9, 0.999)} params=['inp.weight', 'out.weight']
+group 1: {'lr': 0.01, 'weight_decay': 0.0, 'tag': 'group-1', 'betas': (0.9, 0.999)} params=['inp.bias', 'norm.bias', 'norm.weight', 'out.bias']
+""")
+
+
+# -- OS-19: model state dicts -------------------------------------------------------------------------------
+
+
+@pytest.mark.req("OS-19")
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+def test_full_model_state_dict(dist, impl, use_orig_params: bool) -> None:
+    """Keys (in order) and values of the unwrapped model; loads back; a wrong shape or a missing key is
+    an error naming the key that leaves the model unchanged."""
+    ops = impl.require("optim_state")
+    run = Run(dist, ops, Setup(model="tied", use_orig_params=use_orig_params))
+    run.train(1)
+    full = ops.full_state_dict(run.model)
+    assert list(full) == list(run.oracle.state_dict()), f"keys {list(full)}, expected {list(run.oracle.state_dict())}"
+    assert_model_matches(ops, run, str(run.setup))
+    for key, broken in (("body.weight", {**full, "body.weight": torch.zeros(2, 3)}), ("body.bias", {k: v for k, v in full.items() if k != "body.bias"})):
+        with pytest.raises((ValueError, RuntimeError)) as info:
+            ops.load_full_state_dict(run.model, broken)
+        assert key in str(info.value), f"the error does not name {key!r}: {info.value}"
+        assert_model_matches(ops, run, f"{run.setup}: after the failed load of {key!r}")
+    fresh = Run(dist, ops, replace(run.setup, seed=1))
+    fresh.continue_oracle_of(run)
+    ops.load_full_state_dict(fresh.model, full)
+    assert_model_matches(ops, fresh, f"{run.setup}: loaded into a fresh model")
+
+
+@pytest.mark.req("OS-19")
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_reference_sharded_model_state_dict(dist, strategy: str, use_orig_params: bool) -> None:
+    """``reference.fsdp.sharded_state_dict``: parameters as DTensors of their full shape laid out by the
+    strategy, buffers plain; ``load_sharded_state_dict`` restores it into a fresh model."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from conformance.adapters.base import load_adapter
+    from reference.fsdp import load_sharded_state_dict, sharded_state_dict
+
+    ops = load_adapter("reference").require("optim_state")
+    run = Run(dist, ops, Setup(model="tiny", strategy=strategy, use_orig_params=use_orig_params))
+    run.train(1)
+    sharded = sharded_state_dict(run.model)
+    shard = Shard(0)
+    expected = {"FULL_SHARD": (shard,), "SHARD_GRAD_OP": (shard,), "NO_SHARD": (Replicate(),), "HYBRID_SHARD": (Replicate(), shard)}[strategy]
+    for key, value in run.oracle.state_dict().items():
+        got = sharded[key]
+        assert isinstance(got, DTensor) and got.shape == value.shape, f"{key!r}: {type(got).__name__} of shape {tuple(got.shape)}"
+        assert tuple(got.placements) == expected, f"{key!r}: placements {got.placements}, expected {expected}"
+        torch.testing.assert_close(got.full_tensor(), value)
+    fresh = Run(dist, ops, replace(run.setup, seed=1))
+    fresh.continue_oracle_of(run)
+    load_sharded_state_dict(fresh.model, sharded)
+    assert_model_matches(ops, fresh, f"{run.setup}: sharded state dict loaded into a fresh model")

@@ -355,10 +355,6 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
 
     # Param groups: each local group takes the hyperparameters of the saved group holding its FQNs.
     saved_groups = osd["param_groups"]
-    if len(saved_groups) != len(optim.param_groups):
-        raise ValueError(
-            f"optimizer state dict has {len(saved_groups)} param groups, the optimizer has {len(optim.param_groups)}"
-        )
     group_of: dict[str, int] = {}
     for index, group in enumerate(saved_groups):
         for fqn in group.get("params", []):
@@ -384,4 +380,10 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
         loaded = copy.deepcopy({k: v for k, v in saved_groups[next(iter(homes.values()))].items() if k != "params"} if fqns else {})
         loaded["params"] = ids
         param_groups.append(loaded)
+    # Checked after the per-group check above, whose message names the FQNs that moved.
+    if len(saved_groups) != len(optim.param_groups):
+        raise ValueError(
+            f"optimizer state dict has {len(saved_groups)} param groups "
+            f"({[list(g.get('params', [])) for g in saved_groups]}), the optimizer has {len(optim.param_groups)}"
+        )
     return {"state": state, "param_groups": param_groups}

@@ -158,7 +158,9 @@ class TorchFSDP1OptimStateOps:
         from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
         from torch.distributed.fsdp.wrap import CustomPolicy
 
-        mesh = _mesh(device, hybrid_mesh_shape(_world_size())) if strategy == "HYBRID_SHARD" else None
+        # Always a mesh: with one, FSDP1's sharded state dicts hold DTensors (else ShardedTensors).
+        ws = _world_size()
+        mesh = _mesh(device, hybrid_mesh_shape(ws) if strategy == "HYBRID_SHARD" else (ws,))
         root = model
         policy = CustomPolicy(lambda m: m is not root and bool(units(m))) if units is not None else None
         return FullyShardedDataParallel(
@@ -219,14 +221,12 @@ class TorchFSDP1OptimStateOps:
             optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, osd))
 
     def full_state_dict(self, model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        with self._state_dict_type(model):
+            return model.state_dict()
 
     def load_full_state_dict(self, model, state_dict):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
+        with self._state_dict_type(model):
+            model.load_state_dict(state_dict)
 
     def fqn_to_param_info(self, model):
         # Private in torch: the map this requirement is about has no public accessor.
@@ -265,6 +265,16 @@ class TorchFSDP2OptimStateOps(TorchFSDP1OptimStateOps):
 
     def optimizer_params(self, model):
         return [((clean_fqn(name),), param) for name, param in model.named_parameters()]
+
+    def full_state_dict(self, model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+    def load_full_state_dict(self, model, state_dict):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
 
     def optim_state_dict(self, model, optim, *, rank0_only=False, cpu_offload=False, sharded=False):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
