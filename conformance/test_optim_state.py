@@ -175,6 +175,24 @@ def _full(value: Any) -> Any:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (a DTensor's local tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor moved to the CPU (containers rebuilt), to send between pools."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
 def assert_model_matches(ops: Any, run: Run, where: str) -> None:
     got = ops.full_state_dict(run.model)
     expected = run.oracle.state_dict()
@@ -321,9 +339,8 @@ def _save_phase(ctx: Any, impl: Any, setup: Setup, steps: int) -> tuple[dict, di
     ops = impl.require("optim_state")
     run = Run(ctx, ops, setup)
     run.train(steps)
-    model_sd = {k: v.cpu() for k, v in ops.full_state_dict(run.model).items()}
-    osd = ops.optim_state_dict(run.model, run.optim, cpu_offload=True)
-    return (model_sd, osd) if ctx.rank == 0 else None
+    saved = _to_cpu((ops.full_state_dict(run.model), ops.optim_state_dict(run.model, run.optim)))
+    return saved if ctx.rank == 0 else None
 
 
 def _load_phase(ctx: Any, impl: Any, setup: Setup, steps: int, saved: tuple[dict, dict]) -> None:
@@ -456,7 +473,7 @@ def test_what_the_optimizer_sees(dist, impl, strategy: str, use_orig_params: boo
     shard_count = 1 if strategy == "NO_SHARD" else dist.world_size
     if use_orig_params:
         assert all(len(group) == 1 for group, _ in named), f"original parameters stand for one FQN each: {[g for g, _ in named]}"
-        local = {group[0]: param.numel() for group, param in named}
+        local = {group[0]: _local(param).numel() for group, param in named}
         totals = dist.all_gather_object(local)
         for fqn, numel in oracle_numel.items():
             held = sum(t[fqn] for t in totals)

@@ -232,7 +232,8 @@ class TorchFSDP1OptimStateOps:
         # Private in torch: the map this requirement is about has no public accessor.
         from torch.distributed.fsdp._optim_utils import _get_fqn_to_fsdp_param_info
 
-        return _number_flat_params({fqn: (info.flat_param, info.param_indices[fqn]) for fqn, info in _get_fqn_to_fsdp_param_info(model).items()})
+        infos = _get_fqn_to_fsdp_param_info(model)
+        return _number_flat_params({fqn: (info.handle.flat_param, info.param_indices[fqn]) for fqn, info in infos.items()})
 
 
 class TorchFSDP2OptimStateOps(TorchFSDP1OptimStateOps):
