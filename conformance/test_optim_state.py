@@ -35,8 +35,9 @@ UNITS: dict[str, dict[bool, tuple[str, ...]]] = {
     "nested": {False: ("1", "1.inner", "10"), True: ("1", "1.inner", "10")},
     "groups": {False: ("inp",), True: ()},
     "tiny": {False: ("a",), True: ("a",)},  # a.weight: 6 elements, so at 4 ranks one shard is padding only
-    # mlp whose middle layer runs under an activation-checkpoint wrapper; the wrapped Linear is a unit
-    "checkpoint": {False: ("net.0", "net.2._checkpoint_wrapped_module"), True: ("net.2._checkpoint_wrapped_module",)},
+    # mlp whose middle layer runs under an activation-checkpoint wrapper: the wrapper around a unit (the
+    # Linear inside), and a unit around the wrapper (its recomputation runs inside the unit's backward)
+    "checkpoint": {False: ("net.0", "net.2._checkpoint_wrapped_module"), True: ("net.2",)},
 }
 
 

@@ -19,6 +19,12 @@ States of a handle, and who moves between them (all ranks of the shard axis toge
 
 The gathered buffer is allocated once and its storage freed between uses (``resize_(0)``), so the views
 autograd saved in forward see the data again after the all-gather before backward.
+
+The flat parameter is a :class:`reference.flat_param.FlatParameter` (its names, shapes and offsets are
+the slots'; ``shard_by_offsets`` records this rank's shard with :func:`~reference.flat_param.even_shard_range`).
+The module rewiring is done here rather than by ``FlattenParamsWrapper``: that wrapper exposes views of
+an *unsharded* flat parameter (``get_param_views`` needs all ``full_numel`` elements), while a sharded
+unit must also expose the sharded state (``use_orig_params``) and mix frozen and trainable parameters.
 """
 
 from __future__ import annotations
@@ -324,6 +330,10 @@ class FlatParamHandle:
         if not self.in_backward:
             self.in_backward = True
             self.unshard()
+            # Fresh views for a recomputation (activation checkpointing inside the unit), made with
+            # grad enabled (backward runs without) so that it reaches the flat parameter.
+            with torch.enable_grad():
+                self.use_unsharded_views()
 
     def post_backward(self) -> None:
         """Average the unsharded gradient into this rank's shard (reduce-scatter over the shard axis, then
