@@ -149,14 +149,19 @@ class TorchStateDictOps(_Functions):
         self._module = dsd
 
     def shard(self, model: nn.Module, device: torch.device, *, strategy: str = "FULL_SHARD") -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import ShardingStrategy
 
         if strategy not in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
             raise Unsupported(f"sharding strategy {strategy} needs a 2-D mesh; the SD tests use a 1-D group")
+        # A device mesh (rather than a process group) makes FSDP1's sharded state dicts DTensors
+        # instead of the legacy ShardedTensor.
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
         kwargs: dict[str, Any] = {
             "sharding_strategy": ShardingStrategy[strategy],
             "device_id": device,
+            "device_mesh": mesh,
             "use_orig_params": True,
         }
         for unit in _wrap_units(model):
