@@ -448,8 +448,10 @@ class FlattenParamsWrapper(nn.Module):
             # While unflattened (or never flattened), flat_param is not registered but still readable.
             # Not while flattened: then a miss means it is being registered (register_parameter
             # checks hasattr first).
-            if name == FLAT_PARAM and not self.__dict__.get("_flattened", False):
-                return self.__dict__["_flat"]
+            if name == FLAT_PARAM:  # never the flat_param of a wrapper inside this one
+                if not self.__dict__.get("_flattened", False):
+                    return self.__dict__["_flat"]
+                raise
             return getattr(self._fpw_module, name)
 
     def __getitem__(self, key: Any) -> Any:
@@ -504,14 +506,23 @@ class FlattenParamsWrapper(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a state_dict keyed like the unwrapped module (``nn.Module.load_state_dict`` semantics).
 
-        Values of flattened parameters are written into ``flat_param``. Size mismatches of flattened
-        parameters, and in strict mode their missing keys, are raised as ``nn.Module`` raises them
-        (``RuntimeError`` naming the keys) *before* anything is written; other problems (buffers,
-        parameters not flattened, unexpected keys) behave exactly as in the unwrapped module.
+        Values of flattened parameters are written into ``flat_param``. Errors are the ones the
+        unwrapped module raises (``RuntimeError`` naming the keys by their unwrapped FQNs), and a load
+        that fails leaves every parameter and buffer as it was (unless ``assign=True``, which
+        replaces tensors instead of writing into them).
         """
-        self._check_flat_entries(state_dict, strict)
+        # nn.Module.load_state_dict reports every problem at the end, after writing whatever fit;
+        # keep a copy to put back (the values of state_dict() alias the live tensors).
+        before = {} if assign else {k: v.clone() for k, v in self.state_dict().items() if isinstance(v, Tensor)}
         try:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        except BaseException:
+            self._finish_interrupted_load()
+            with torch.no_grad():
+                for key, value in self.state_dict().items():
+                    if key in before:
+                        value.copy_(before[key])
+            raise
         finally:
             self._finish_interrupted_load()
 
@@ -626,29 +637,6 @@ class FlattenParamsWrapper(nn.Module):
         if self._loading:
             self._loading = False
             self._reflatten()
-
-    def _check_flat_entries(self, state_dict: Any, strict: bool) -> None:
-        """Raise, before any write, the errors load_state_dict would report for flattened parameters."""
-        if self._flat is None or not hasattr(state_dict, "keys"):
-            return  # nn.Module.load_state_dict reports a non-mapping itself
-        missing, errors = [], []
-        for group, shape in zip(self._slots, self._flat.param_shapes):
-            for slot in group:
-                if slot.name not in state_dict:
-                    missing.append(slot.name)
-                    continue
-                value = state_dict[slot.name]
-                if isinstance(value, Tensor) and value.shape != shape:
-                    errors.append(
-                        f"size mismatch for {slot.name}: copying a param with shape {value.shape} from "
-                        f"checkpoint, the shape in current model is {shape}."
-                    )
-        if strict and missing:
-            errors.insert(0, "Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
-        if errors:
-            raise RuntimeError(
-                "Error(s) in loading state_dict for {}:\n\t{}".format(type(self).__name__, "\n\t".join(errors))
-            )
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> FlattenParamsWrapper:
         # .to()/.cuda()/.double() may replace flat_param by a plain Parameter (on a device change, or
