@@ -25,6 +25,7 @@ a listed parameter to a module outside the wrapped one (the wrapper cannot see i
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Iterable, Iterator, NamedTuple, Sequence
@@ -128,10 +129,11 @@ class _Layout:
 
     @classmethod
     def build(cls, names: Sequence[str], shapes: Sequence[torch.Size]) -> _Layout:
-        numels = tuple(int(torch.Size(s).numel()) for s in shapes)
+        sizes = tuple(s if isinstance(s, torch.Size) else torch.Size(s) for s in shapes)
+        numels = tuple(math.prod(s) for s in sizes)
         ends = list(accumulate(numels))
         offsets = tuple(ParamRange(end - n, end - 1) for end, n in zip(ends, numels))
-        return cls(tuple(names), tuple(torch.Size(s) for s in shapes), numels, offsets)
+        return cls(tuple(names), sizes, numels, offsets)
 
     def shard(self, start: int, end: int, num_padded: int) -> ShardMetadata:
         """Metadata of the shard ``[start, end]`` (flat indices, padding included); inputs validated."""
@@ -422,9 +424,10 @@ class FlattenParamsWrapper(nn.Module):
             # parameters where they were and state_dict keys come out in the unwrapped order.
             for group in self._slots:
                 for slot in group:
-                    self._param_order.setdefault(
-                        slot.module, tuple(n for n, _ in slot.module.named_parameters(recurse=False, remove_duplicate=False))
-                    )
+                    if slot.module not in self._param_order:
+                        self._param_order[slot.module] = tuple(
+                            n for n, _ in slot.module.named_parameters(recurse=False, remove_duplicate=False)
+                        )
             self.__dict__["_flat"] = flat
             self._flatten()
 
@@ -533,11 +536,11 @@ class FlattenParamsWrapper(nn.Module):
 
     # -- flattening ---------------------------------------------------------------------------
 
-    def _set_views(self) -> None:
+    def _set_views(self, views: Sequence[Tensor] | None = None) -> None:
         """Point every registration of every flattened parameter at its view of flat_param."""
         flat = self._flat
         assert flat is not None and self._flattened
-        for group, view in zip(self._slots, flat.get_param_views()):
+        for group, view in zip(self._slots, flat.get_param_views() if views is None else views):
             for slot in group:
                 # A plain attribute (not a parameter): the module reads it as before.
                 setattr(slot.module, slot.attr, view)
@@ -557,6 +560,8 @@ class FlattenParamsWrapper(nn.Module):
         """Register each listed parameter again, as a Parameter over its slice of flat_param."""
         flat = self._flat
         assert flat is not None and self._flattened
+        # Kept to put back on re-flattening when flat_param's memory did not move (saves making views).
+        self.__dict__["_views_before"] = (flat.data_ptr(), [getattr(g[0].module, g[0].attr) for g in self._slots])
         with torch.no_grad():
             views = list(flat.get_param_views(flat.detach()))
         delattr(self, FLAT_PARAM)
@@ -576,7 +581,8 @@ class FlattenParamsWrapper(nn.Module):
         """Re-register ``owner``'s parameters in the order they had before wrapping."""
         order = self._param_order.get(owner, ())
         current = dict(owner.named_parameters(recurse=False, remove_duplicate=False))
-        wanted = [n for n in order if n in current] + [n for n in current if n not in order]
+        known = set(order)
+        wanted = [n for n in order if n in current] + [n for n in current if n not in known]
         if list(current) == wanted:
             return
         for name in wanted:
@@ -593,26 +599,26 @@ class FlattenParamsWrapper(nn.Module):
         flat = self._flat
         assert flat is not None and not self._flattened
         problems = []
+        base, itemsize = flat.data_ptr(), flat.element_size()
         with torch.no_grad():
-            targets = list(flat.get_param_views(flat.detach()))
-            for group, target in zip(self._slots, targets):
+            for group, shape, offset in zip(self._slots, flat.param_shapes, flat.param_offsets):
                 slot = group[0]
                 value = getattr(slot.module, slot.attr, None)
                 if not isinstance(value, Tensor):
-                    problems.append(f"{slot.name!r} was removed (expected a tensor of shape {tuple(target.shape)})")
-                elif value.shape != target.shape:
-                    problems.append(
-                        f"{slot.name!r} has shape {tuple(value.shape)}, expected {tuple(target.shape)}"
-                    )
-                elif value.data_ptr() != target.data_ptr() or value.dtype != target.dtype:
-                    target.copy_(value)  # replaced inside the body (e.g. load with assign=True)
+                    problems.append(f"{slot.name!r} was removed (expected a tensor of shape {tuple(shape)})")
+                elif value.shape != shape:
+                    problems.append(f"{slot.name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}")
+                elif value.data_ptr() != base + offset.start * itemsize or value.dtype != flat.dtype:
+                    # Replaced inside the body (e.g. load with assign=True): copy into the slice.
+                    flat.detach()[offset.start : offset.end + 1].copy_(value.reshape(-1))
         for group in self._slots:
             for slot in group:
                 if isinstance(getattr(slot.module, slot.attr, None), Tensor):
                     delattr(slot.module, slot.attr)
         self._flattened = True  # first: see __getattr__
         self.register_parameter(FLAT_PARAM, flat)
-        self._set_views()
+        ptr, views = self.__dict__.pop("_views_before", (None, None))
+        self._set_views(views if ptr == flat.data_ptr() else None)
         if problems:
             raise RuntimeError(
                 "unflatten_params: cannot re-flatten: " + "; ".join(problems) + " (flat_param kept its old values)"
@@ -671,7 +677,9 @@ class FlattenParamsWrapper(nn.Module):
         if self._flattened:
             with torch.no_grad():
                 self._set_views()
-        return super().__getstate__()
+        state = dict(super().__getstate__())
+        state.pop("_views_before", None)  # a cache of views (inside unflatten_params), rebuilt when missing
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -740,21 +748,21 @@ def _byte_span(t: Tensor) -> tuple[int, int, int]:
 
 def _check_no_storage_ties(module: nn.Module, slots: dict[int, list[_Slot]]) -> None:
     """Refuse a listed parameter whose memory overlaps an unlisted parameter or buffer of ``module``."""
-    listed = {}
+    listed: dict[int, list[tuple[str, int, int]]] = {}  # storage pointer -> (name, first byte, end byte)
     for group in slots.values():
         t = getattr(group[0].module, group[0].attr)
         if t.numel() > 0 and t.device.type != "meta":
-            listed[group[0].name] = _byte_span(t)
+            ptr, lo, hi = _byte_span(t)
+            listed.setdefault(ptr, []).append((group[0].name, lo, hi))
     if not listed:
         return
-    flattened = set(slots)
     named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
     for other_name, other in named:
-        if id(other) in flattened or other.numel() == 0 or other.device.type == "meta":
+        if id(other) in slots or other.numel() == 0 or other.device.type == "meta":
             continue
         ptr, lo, hi = _byte_span(other)
-        for name, (p_ptr, p_lo, p_hi) in listed.items():
-            if p_ptr == ptr and p_lo < hi and lo < p_hi:
+        for name, p_lo, p_hi in listed.get(ptr, ()):
+            if p_lo < hi and lo < p_hi:
                 raise ValueError(
                     f"FlattenParamsWrapper: listed parameter {name!r} shares memory with {other_name!r}, which is "
                     f"not listed; flattening copies {name!r} and would cut that tie. List both or neither"
