@@ -7,8 +7,8 @@ Vocabulary used throughout:
 - *flat index*: an element index into the (unsharded) flat parameter, ``0 <= i < full_numel``.
 - *param index*: an element index into one original parameter flattened, ``param.reshape(-1)``.
 - *shard*: the inclusive flat-index range ``[start, end]`` one rank holds of the flat parameter,
-  padded at the end with zeros so that every rank holds the same number of elements; its last
-  ``num_padded`` elements are padding (indices ``>= full_numel``).
+  which is padded at its end so that every rank holds the same number of elements; the shard's last
+  ``num_padded`` elements are padding (flat indices ``>= full_numel``). See :func:`even_shard_range`.
 - *name*: a parameter's path relative to the wrapped module (``"layers.0.weight"``), the key the
   unwrapped module's ``state_dict`` uses for it.
 
@@ -16,10 +16,13 @@ What :class:`FlattenParamsWrapper` promises (each is a requirement FP-* of ``con
 the wrapped module computes exactly what it did; gradients land on ``flat_param`` as the original
 gradients concatenated; ``state_dict``/``load_state_dict`` of the wrapper, or of any model containing
 wrappers at any depth, use the unwrapped keys; ``unflatten_params()`` restores real parameters and
-re-flattens on exit, also on error. What it asks of the caller: do not keep references to the
-parameter views across ``.to()``/``load_state_dict(assign=True)`` (they are rebuilt), and do not tie
-a listed parameter to a module outside the wrapped one (the wrapper cannot see it; see
-:class:`FlattenParamsWrapper`).
+re-flattens on exit, also on error. What it asks of the caller: do not hold on to the parameter
+views (they are rebuilt at every forward, ``.to()`` and ``unflatten_params()``; read them from the
+module), and do not tie a listed parameter to a module outside the wrapped one (the wrapper cannot
+see it; see :class:`FlattenParamsWrapper`).
+
+Helpers for other wrappers: :mod:`reference._prefix_hooks` (hide a wrapper's path segment from
+state_dict keys; clean FQNs of a model with wrappers).
 """
 
 from __future__ import annotations
