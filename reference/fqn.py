@@ -10,8 +10,8 @@ wrapper                                         segment it inserts
 ``torch.compile`` (``OptimizedModule``)         ``_orig_mod``
 activation checkpointing (``ActivationWrapper``)  ``_checkpoint_wrapped_module``
 torch ``FullyShardedDataParallel`` (FSDP1)      ``_fsdp_wrapped_module``
-reference ``FullyShardedDataParallel``          its ``wrapped_module_attr``
-reference ``FlattenParamsWrapper``              its ``wrapped_module_attr``
+reference ``FullyShardedDataParallel``          ``_fsdp_wrapped_module``
+reference ``FlattenParamsWrapper``              ``_fpw_module``
 ==============================================  =================================
 
 Some wrappers remove their segment from ``state_dict()`` keys themselves (activation
@@ -27,7 +27,7 @@ submodule filter of :mod:`reference.state_dict` relies on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -75,18 +75,18 @@ def _builtin_wrappers() -> dict[type, str]:
     # torch.distributed.algorithms.checkpoint_wrapper's public functions return.
     _WRAPPERS.setdefault(ActivationWrapper, "_checkpoint_wrapped_module")
     _WRAPPERS.setdefault(TorchFSDP, "_fsdp_wrapped_module")
+    # The reference wrappers (imported here, not at module level: they may import this module).
+    from reference.flat_param import FPW_MODULE, FlattenParamsWrapper
+    from reference.fsdp import FSDP_WRAPPED_MODULE, FullyShardedDataParallel
+
+    _WRAPPERS.setdefault(FlattenParamsWrapper, FPW_MODULE)
+    _WRAPPERS.setdefault(FullyShardedDataParallel, FSDP_WRAPPED_MODULE)
     _BUILTINS_LOADED = True
     return _WRAPPERS
 
 
 def wrapped_child_attr(module: nn.Module) -> str | None:
-    """The segment ``module`` inserts as a wrapper (``"module"`` for DDP), or None if it is no wrapper.
-
-    A module may also declare itself a wrapper with a class attribute ``wrapped_module_attr`` naming
-    the attribute that holds the wrapped module (the reference wrappers do)."""
-    declared = getattr(type(module), "wrapped_module_attr", None)
-    if isinstance(declared, str) and isinstance(getattr(module, declared, None), nn.Module):
-        return declared
+    """The segment ``module`` inserts as a wrapper (``"module"`` for DDP), or None if it is no wrapper."""
     for cls, attr in _builtin_wrappers().items():
         if isinstance(module, cls):
             return attr
@@ -231,4 +231,3 @@ def named_parameter_fqns(root: nn.Module, resolver: FQNResolver | None = None) -
     return out
 
 
-Predicate = Callable[[str], bool]

@@ -177,34 +177,91 @@ class PlainBackend:
 class ShardedBackend(PlainBackend):
     """Models containing the reference ``FullyShardedDataParallel`` (:mod:`reference.fsdp`).
 
-    Every method is collective. Model state goes through ``reference.fsdp``'s
-    ``full_state_dict`` / ``sharded_state_dict`` / ``load_*_state_dict``, optimizer state through
-    ``FullyShardedDataParallel.optim_state_dict`` / ``optim_state_dict_to_load``; both give and take
-    canonical FQNs."""
-
-    def __init__(self, fsdp: Any) -> None:
-        self._fsdp = fsdp  # the reference.fsdp module
+    Every method is collective. Model state goes through ``reference.fsdp``'s ``full_state_dict`` /
+    ``sharded_state_dict`` / ``load_*_state_dict``, optimizer state through
+    ``FullyShardedDataParallel.optim_state_dict`` / ``optim_state_dict_to_load``; all of them give and
+    take canonical FQNs."""
 
     def model_state_dict(self, model: nn.Module, options: StateDictOptions) -> dict[str, Any]:
+        from reference import fsdp
+
         if options.full_state_dict:
-            return dict(
-                self._fsdp.full_state_dict(model, rank0_only=options.cpu_offload, cpu_offload=options.cpu_offload)
-            )
-        return dict(self._fsdp.sharded_state_dict(model))
+            # rank0_only with cpu_offload: N ranks must not hold N CPU copies (torch's contract).
+            return fsdp.full_state_dict(model, rank0_only=options.cpu_offload, cpu_offload=options.cpu_offload)
+        return fsdp.sharded_state_dict(model)
 
     def local_state(self, model: nn.Module) -> Mapping[str, Any]:
-        # The sharded state dict's DTensors carry the full shapes, which is what a load checks.
-        return self._fsdp.sharded_state_dict(model)
+        # Shapes without a collective: meta tensors of each entry's full shape. reference.fsdp computes
+        # them in _expected_entries (no public name yet; it is the one place that knows the layout).
+        from reference.fsdp import _expected_entries
+
+        return {key: torch.empty(shape, dtype=dtype, device="meta") for key, (shape, dtype) in _expected_entries(model).items()}
 
     def load_model_state_dict(self, model: nn.Module, state_dict: dict[str, Any], options: StateDictOptions) -> None:
-        sharded = any(isinstance(v, DTensor) for v in state_dict.values())
-        if sharded:
-            self._fsdp.load_sharded_state_dict(model, state_dict, strict=False)
+        from reference import fsdp
+
+        # Invariant: every rank holds the same keys (all ranks got them from one get, or from the
+        # broadcast), so the all-gathers inside load_sharded_state_dict line up.
+        if any(isinstance(v, DTensor) for v in state_dict.values()):
+            fsdp.load_sharded_state_dict(model, state_dict, strict=False)
         else:
-            self._fsdp.load_full_state_dict(model, state_dict, strict=False)
+            fsdp.load_full_state_dict(model, state_dict, strict=False)
+
+    def frozen_fqns(self, model: nn.Module, resolver: FQNResolver) -> set[str]:
+        # With use_orig_params=False a flat parameter is frozen exactly when all its parameters are
+        # (reference.fsdp refuses mixed units), so its requires_grad speaks for each FQN it holds.
+        return {fqn for p, fqns in self.param_fqns(model).items() if not p.requires_grad for fqn in fqns}
+
+    def param_fqns(self, model: nn.Module) -> dict[torch.Tensor, list[str]]:
+        from reference.optim_state import get_param_to_fqns
+
+        return get_param_to_fqns(model)
+
+    def optim_state_dict(
+        self, model: nn.Module, optims: tuple[torch.optim.Optimizer, ...], options: StateDictOptions
+    ) -> dict[str, Any]:
+        from reference.fsdp import FullyShardedDataParallel as FSDP
+
+        merged: dict[str, Any] = {_optim.STATE: {}, _optim.PG: []}
+        rank0_only = options.full_state_dict and options.cpu_offload
+        for optim in optims:
+            _optim.init_state(optim)
+            osd = FSDP.optim_state_dict(
+                model, optim, rank0_only=rank0_only, cpu_offload=options.cpu_offload, sharded=not options.full_state_dict
+            )
+            if not osd:  # rank0_only, on a rank > 0
+                return {}
+            merged[_optim.STATE].update(osd[_optim.STATE])
+            merged[_optim.PG].extend(osd[_optim.PG])
+        return merged
+
+    def plan_optim_load(
+        self,
+        model: nn.Module,
+        optims: tuple[torch.optim.Optimizer, ...],
+        osd: dict[str, Any],
+        options: StateDictOptions,
+    ) -> Callable[[], None]:
+        from reference.fsdp import FullyShardedDataParallel as FSDP
+
+        param_fqns = self.param_fqns(model)
+        _optim.check_keys(optims, osd, param_fqns, strict=options.strict)
+        to_load = []
+        for optim in optims:
+            part = _optim.part_of(optim, osd, param_fqns)
+            to_load.append(FSDP.optim_state_dict_to_load(model, optim, part))
+
+        def apply() -> None:
+            for optim, sd in zip(optims, to_load):
+                optim.load_state_dict(sd)
+
+        return apply
 
     def finish(self, state_dict: dict[str, Any], options: StateDictOptions) -> dict[str, Any]:
-        # full_state_dict / cpu_offload were applied by reference.fsdp already.
+        # full_state_dict and its cpu_offload were applied by reference.fsdp; a sharded dict's local
+        # shards still go to CPU when asked.
+        if options.cpu_offload and not options.full_state_dict:
+            return _map_tensors(state_dict, lambda t: t.cpu())
         return state_dict
 
 
@@ -218,12 +275,10 @@ def for_model(model: nn.Module) -> ModelBackend:
             f"{type(model).__name__} contains torch.distributed.fsdp.FullyShardedDataParallel; the reference "
             "get/set_state_dict handles the reference FullyShardedDataParallel, plain and DTensor models"
         )
-    try:
-        from reference import fsdp as ref_fsdp
-    except ImportError:
-        return PlainBackend()
-    if ref_fsdp.fsdp_modules(model):
-        return ShardedBackend(ref_fsdp)
+    from reference.fsdp import FullyShardedDataParallel
+
+    if FullyShardedDataParallel.fsdp_modules(model):
+        return ShardedBackend()
     return PlainBackend()
 
 

@@ -17,7 +17,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["STATE", "PG", "PARAMS", "init_state", "to_fqn_keyed", "plan_load", "flatten", "unflatten"]
+__all__ = [
+    "STATE",
+    "PG",
+    "PARAMS",
+    "init_state",
+    "to_fqn_keyed",
+    "plan_load",
+    "check_keys",
+    "part_of",
+    "flatten",
+    "unflatten",
+]
 
 STATE = "state"
 PG = "param_groups"
@@ -167,6 +178,45 @@ def plan_load(
             optim.load_state_dict(new)
 
     return apply
+
+
+def check_keys(
+    optims: tuple[torch.optim.Optimizer, ...], osd: Mapping[str, Any], param_fqns: ParamFQNs, *, strict: bool
+) -> None:
+    """The key checks of :func:`plan_load`, for backends that convert state themselves: under
+    ``strict``, a trainable parameter none of whose FQNs has state, or state for an FQN that no
+    optimizer holds, is a ``RuntimeError`` naming the FQN."""
+    if not isinstance(osd.get(STATE), Mapping) or not isinstance(osd.get(PG), list):
+        raise ValueError(f"optimizer state dict: expected {STATE!r} (dict) and {PG!r} (list), got keys {sorted(osd)}")
+    if not strict:
+        return
+    held: set[str] = set()
+    for oi, optim in enumerate(optims):
+        for group in optim.param_groups:
+            for p in group[PARAMS]:
+                names = param_fqns.get(p) or [_key_of(p, param_fqns, f"optimizers[{oi}]")]
+                held.update(names)
+                if p.requires_grad and not any(n in osd[STATE] for n in names):
+                    raise RuntimeError(
+                        f"optimizer state dict: no state for trainable parameter {names[0]!r}; nothing was loaded "
+                        "(strict=False keeps its current state)"
+                    )
+    unexpected = [name for name in osd[STATE] if name not in held]
+    if unexpected:
+        raise RuntimeError(
+            f"optimizer state dict: state for {', '.join(repr(n) for n in unexpected[:10])}, "
+            "which no given optimizer holds; nothing was loaded"
+        )
+
+
+def part_of(optim: torch.optim.Optimizer, osd: Mapping[str, Any], param_fqns: ParamFQNs) -> dict[str, Any]:
+    """The part of a combined FQN-keyed ``osd`` that belongs to ``optim``: the state of its
+    parameters and the saved groups that hold any of them."""
+    names = {n for group in optim.param_groups for p in group[PARAMS] for n in param_fqns.get(p, ())}
+    return {
+        STATE: {n: s for n, s in osd[STATE].items() if n in names},
+        PG: [g for g in osd[PG] if any(n in names for n in g.get(PARAMS, ()))],
+    }
 
 
 def flatten(osd: Mapping[str, Any]) -> dict[str, Any]:

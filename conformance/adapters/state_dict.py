@@ -131,7 +131,7 @@ class ReferenceStateDictOps(_Functions):
             from reference import fsdp
         except ImportError as exc:
             raise Unsupported(f"reference.fsdp is not available ({exc})") from exc
-        kwargs: dict[str, Any] = {"sharding_strategy": strategy, "device_id": device}
+        kwargs: dict[str, Any] = {"sharding_strategy": strategy, "device_id": device, "use_orig_params": False}
         for unit in _wrap_units(model):
             _replace_child(model, unit, fsdp.FullyShardedDataParallel(unit, **kwargs))
         return fsdp.FullyShardedDataParallel(model, **kwargs)
