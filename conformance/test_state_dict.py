@@ -25,8 +25,9 @@ from conformance.adapters.state_dict import SHARDING_STRATEGIES, StateDictOps
 
 # -- helpers -----------------------------------------------------------------------------------------
 
-#: Wrappers that run without a process group; "ddp" is added in rank tests.
-LOCAL_WRAPPERS = ("plain", "checkpoint", "compile", "checkpoint+compile")
+#: Wrappers that run without a process group; "ddp" is added in rank tests. "fpw" is the reference
+#: FlattenParamsWrapper over the model's trainable parameters (its state dict shows the original keys).
+LOCAL_WRAPPERS = ("plain", "checkpoint", "compile", "checkpoint+compile", "fpw")
 #: Zoo models that the sharded tests use (``groups`` adds nothing to the SD section).
 SHARDED_ZOO = ("mlp", "tied", "frozen", "buffers", "nested", "tiny")
 ATOL, RTOL = 1e-6, 1e-5  # ranks average identical gradients; the sum over 4 ranks may round
@@ -37,11 +38,16 @@ def sd_ops(impl: Any) -> StateDictOps:
 
 
 def wrap(model: nn.Module, how: str) -> nn.Module:
-    """``model`` inside the wrappers named in ``how`` ("checkpoint+compile+ddp"), innermost first.
+    """``model`` inside the wrappers named in ``how`` ("checkpoint+compile+ddp"), innermost first
+    (fpw, checkpoint, compile, ddp).
     Activation checkpointing wraps each direct child; the returned model shares ``model``'s modules."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     parts = set(how.split("+")) - {"plain"}
+    if "fpw" in parts:
+        from reference.flat_param import FlattenParamsWrapper
+
+        model = FlattenParamsWrapper(model, [p for p in model.parameters() if p.requires_grad])
     if "checkpoint" in parts:
         for name, child in list(model.named_children()):
             setattr(model, name, checkpoint_wrapper(child))
