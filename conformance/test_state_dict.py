@@ -377,6 +377,21 @@ def test_strict_load_error_changes_nothing(impl: Any, broken: str) -> None:
 
 
 @pytest.mark.req("SD-8")
+def test_non_persistent_buffer_is_unexpected(impl: Any) -> None:
+    """A non-persistent buffer is not part of the state dict: given, it is an unexpected key."""
+    ops = sd_ops(impl)
+    source, target = zoo.build("buffers", seed=0), zoo.build("buffers", seed=1)
+    sd = {**source.state_dict(), "scale": torch.zeros(3)}
+    before = snapshot(target)
+    with pytest.raises(RuntimeError, match="scale"):
+        ops.set_model_state_dict(target, sd, options=ops.options(strict=True))
+    assert_same(snapshot(target), before, "model after the failed load")
+    result = ops.set_model_state_dict(target, sd, options=ops.options(strict=False))
+    assert list(result.unexpected_keys) == ["scale"]
+    assert torch.equal(target.scale, torch.full((3,), 0.75)), "a non-persistent buffer must not be loaded"
+
+
+@pytest.mark.req("SD-8")
 def test_strict_optimizer_load_missing_state(impl: Any) -> None:
     """Optimizer state dict without the state of one trainable parameter: RuntimeError naming it."""
     ops = sd_ops(impl)
@@ -562,6 +577,41 @@ def test_sharded_full_state_dict_cpu_offload(dist: Any, impl: Any, part: str) ->
     assert_same(got, expected, f"full {part} state dict", exact=False)
     leaves = list(got.values()) if part == "model" else [t for s in got["state"].values() for t in s.values()]
     assert all(t.device.type == "cpu" for t in leaves if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.req("SD-4", "SD-5")
+@pytest.mark.parametrize("keep", (True, False), ids=("keep-prefixes", "strip-prefixes"))
+@pytest.mark.parametrize("path", ("1", "10", "1.inner"))
+def test_sharded_submodule_selection(dist: Any, impl: Any, path: str, keep: bool) -> None:
+    """Selecting a module of the user's model after it was sharded (inside a sharding unit)."""
+    ops = sd_ops(impl)
+    oracle = zoo.build("nested", seed=0, device=dist.device)
+    model = zoo.build("nested", seed=0, device=dist.device)
+    sub = model.get_submodule(path)  # the user's handle, taken before sharding
+    from conformance.adapters.base import Unsupported
+
+    try:
+        sharded = ops.shard(model, dist.device, strategy="FULL_SHARD")
+    except Unsupported as exc:
+        pytest.skip(str(exc))
+    options = ops.options(full_state_dict=True, keep_submodule_prefixes=keep)
+    with recording_deprecations(ops):
+        got = ops.get_model_state_dict(sharded, submodules={sub}, options=options)
+    expected = {k: v for k, v in oracle.state_dict().items() if k.startswith(path + ".")}
+    if not keep:
+        expected = {k[len(path) + 1 :]: v for k, v in expected.items()}
+    assert list(got) == list(expected)
+    assert_same(got, expected, f"entries of {path!r}")
+
+
+@pytest.mark.req("SD-3")
+def test_sharded_ignore_frozen_params(dist: Any, impl: Any) -> None:
+    ops = sd_ops(impl)
+    model, _, oracle, _ = _shard_or_skip(ops, dist, "frozen", "FULL_SHARD")
+    frozen = {n for n, p in oracle.named_parameters() if not p.requires_grad}
+    got = ops.get_model_state_dict(model, options=ops.options(full_state_dict=True, ignore_frozen_params=True))
+    assert list(got) == [k for k in oracle.state_dict() if k not in frozen]
+    assert_same(got, {k: v for k, v in oracle.state_dict().items() if k not in frozen}, "trainable entries", exact=False)
 
 
 @pytest.mark.req("SD-13")

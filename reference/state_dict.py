@@ -167,10 +167,10 @@ def _select(
         out[key] = value
 
     for raw_key, value in raw.items():
-        fqn = resolver.clean_key(raw_key)
         resolved = resolver.resolve_key(raw_key)
-        assert resolved is not None  # clean_key raised otherwise
-        owner = resolved[1]
+        if resolved is None:
+            resolver.clean_key(raw_key)  # raises the error that names the key
+        fqn, owner = resolved
         if fqn in frozen:
             continue
         if not selecting:
