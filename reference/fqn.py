@@ -121,7 +121,6 @@ class FQNResolver:
     root: nn.Module
     selected: frozenset[int] = field(default_factory=frozenset)  # ids of selected modules
     _memo: dict[str, ResolvedPath | None] = field(default_factory=dict, init=False, repr=False)
-    _seen_selected: dict[int, set[str]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._memo[""] = ResolvedPath("", self.root, self._mark(self.root, "", ()))
@@ -136,7 +135,6 @@ class FQNResolver:
         node: nn.Module | None = module
         while node is not None:
             if id(node) in self.selected:
-                self._seen_selected.setdefault(id(node), set()).add(fqn)
                 if not selected or selected[-1] != fqn:
                     selected = selected + (fqn,)
             attr = wrapped_child_attr(node)
@@ -191,10 +189,6 @@ class FQNResolver:
                 f"{type(self.root).__name__}: no module at {raw_key.rpartition('.')[0]!r}"
             )
         return resolved[0]
-
-    def selected_paths(self) -> dict[int, set[str]]:
-        """Canonical paths at which each selected module (by id) was met during resolution so far."""
-        return {k: set(v) for k, v in self._seen_selected.items()}
 
 
 def submodule_paths(root: nn.Module, submodules: Iterable[nn.Module]) -> dict[int, set[str]]:

@@ -9,8 +9,9 @@
   full/sharded state-dict functions and its optimizer-state conversion.
 
 The FQN logic, submodule selection and validation live in :mod:`reference.state_dict`, the same for
-both; a backend only moves values. Every method of :class:`ShardedBackend` is collective (all ranks
-call it, in the same order); :class:`PlainBackend` is collective only where it says so.
+both; a backend only moves values. Getting and loading state through :class:`ShardedBackend` is
+collective (all ranks call, in the same order); :class:`PlainBackend` is collective only for DTensor
+parameters (gathering them for ``full_state_dict``) and in :func:`broadcast_from_rank0`.
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ class PlainBackend:
 class ShardedBackend(PlainBackend):
     """Models containing the reference ``FullyShardedDataParallel`` (:mod:`reference.fsdp`).
 
-    Every method is collective. Model state goes through ``reference.fsdp``'s ``full_state_dict`` /
+    Getting and loading are collective. Model state goes through ``reference.fsdp``'s ``full_state_dict`` /
     ``sharded_state_dict`` / ``load_*_state_dict``, optimizer state through
     ``FullyShardedDataParallel.optim_state_dict`` / ``optim_state_dict_to_load``; all of them give and
     take canonical FQNs."""
