@@ -243,10 +243,12 @@ def test_replicated_data_is_written_once(dist, impl) -> None:
 
 
 def _tp_plan() -> dict[str, Any]:
+    """PR #113319's plan on zoo "mlp" (5 -> 10 -> 15 -> 1): net.0 row-wise (its 5 input features over the
+    ranks: 3+2 at 2 ranks, 2+2+1+0 at 4), net.2 column-wise (15 outputs: 8+7, 4+4+4+3). The layouts at
+    the model's edges are Replicate so that the forward runs on the full batch and gives full outputs."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    # mlp is 5 -> 10 -> 15 -> 1: the sharded dims (10 and 15... ) divide by no world size > 1 except 5.
-    return {"net.0": ColwiseParallel(), "net.2": RowwiseParallel()}
+    return {"net.0": RowwiseParallel(input_layouts=Replicate()), "net.2": ColwiseParallel(output_layouts=Replicate())}
 
 
 def _tp_model(dist: Any, seed: int, device: str | torch.device) -> nn.Module:
@@ -448,6 +450,8 @@ def _save_training(dist: Any, impl: Any, name: str, path: str) -> None:
     optimizer = _optimizer(model)
     _train(model, optimizer, name, range(_TRAIN_STEPS), dist.device)
     model_sd, optim_sd = ops.get_state_dicts(model, optimizer)
+    if dist.world_size > 1:  # otherwise this test would not reshard anything
+        assert any(isinstance(v, DTensor) for v in model_sd.values()), "the sharded model state dict holds no DTensor"
     ops.save({"model": model_sd, "optim": optim_sd}, path, process_group=_pg(dist))
 
 

@@ -86,16 +86,12 @@ class _TorchStateDicts:
 def _fully_shard(model: nn.Module, mesh: Any) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    for module in model.modules():
-        if isinstance(module, nn.Linear) or isinstance(module, nn.Embedding):
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return fully_shard(model, mesh=mesh)
 
 
-class ReferenceCheckpointOps(_TorchStateDicts):
-    """``reference.checkpoint.save/load``. Sharded models: ``reference.fsdp`` when it provides DTensor
-    state dicts, else upstream ``fully_shard`` (the checkpoint I/O under test is the reference's either way)."""
+class ReferenceCheckpointOps:
+    """``reference.checkpoint.save/load``; sharded models are ``reference.fsdp.FullyShardedDataParallel``
+    (``use_orig_params=True``) with its DTensor-valued sharded model and optimizer state dicts."""
 
     name = "reference"
 
@@ -124,7 +120,22 @@ class ReferenceCheckpointOps(_TorchStateDicts):
         )
 
     def shard(self, model: nn.Module, mesh: Any) -> nn.Module:
-        return _fully_shard(model, mesh)
+        from reference.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(model, device_mesh=mesh, use_orig_params=True)
+
+    def get_state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        from reference.fsdp import FullyShardedDataParallel, sharded_state_dict
+
+        return sharded_state_dict(model), FullyShardedDataParallel.optim_state_dict(model, optimizer, sharded=True)
+
+    def set_state_dicts(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict
+    ) -> None:
+        from reference.fsdp import FullyShardedDataParallel, load_sharded_state_dict
+
+        load_sharded_state_dict(model, model_sd)
+        optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, optim_sd))
 
 
 class TorchCheckpointOps(_TorchStateDicts):

@@ -42,13 +42,11 @@ def process_group_device(process_group: dist.ProcessGroup | None) -> torch.devic
     accelerator for nccl/xccl. This is where meta values are built."""
     if process_group is None and not (dist.is_available() and dist.is_initialized()):
         return torch.device("cpu")
-    backend = str(dist.get_backend(process_group))
+    # "nccl", "gloo", or per-device pairs such as "cpu:gloo,cuda:nccl".
+    backends = {part.split(":")[-1] for part in str(dist.get_backend(process_group)).split(",")}
     for device_type, device_backend in dist.Backend.default_device_backend_map.items():
-        if device_type != "cpu" and device_backend in backend.split(":")[-1].split(","):
-            if device_type == "mps":
-                continue
-            module = getattr(torch, device_type)
-            return torch.device(device_type, module.current_device())
+        if device_type not in ("cpu", "mps") and device_backend in backends:
+            return torch.device(device_type, getattr(torch, device_type).current_device())
     return torch.device("cpu")
 
 
@@ -62,6 +60,7 @@ class Collective:
         self.rank = dist.get_rank(process_group) if self.use_dist else 0
         self.world_size = dist.get_world_size(process_group) if self.use_dist else 1
         self.action = action  # "save to '/path'", used in error messages
+        self._local_error: Exception | None = None  # this rank's last failure, chained to the raised error
 
     @property
     def is_coordinator(self) -> bool:
@@ -91,8 +90,7 @@ class Collective:
             lines = [f"ranks {_ranges(r)}: {m}" if len(r) > 1 else f"rank {r[0]}: {m}" for m, r in by_message.items()]
             text = f"{self.action} failed in {step} on {len(failures)} ranks{where}:\n" + "\n".join(lines)
         error = cls(text, failures={r: f.message for r, f in failures.items()})
-        local = getattr(self, "_local_error", None)
-        self._local_error = None
+        local, self._local_error = self._local_error, None
         if local is not None:
             raise error from local
         raise error
