@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -244,6 +245,14 @@ def _check_rank_agreement(all_plans: list[SavePlan]) -> list[str]:
     return problems
 
 
+def _item_bytes(item: WriteItem) -> int:
+    """Bytes this item writes: its chunk's for a tensor (not the global tensor's), its size for an object."""
+    if item.tensor_data is not None:
+        dtype = item.tensor_data.properties.dtype
+        return math.prod(item.tensor_data.chunk.sizes) * torch.empty((), dtype=dtype).element_size()
+    return item.bytes_io_data.nbytes if item.bytes_io_data is not None else 0
+
+
 def _dedup(all_plans: list[SavePlan]) -> list[SavePlan]:
     """Each write item (same key, same offsets) is kept on one rank only: replicated data is written
     once. Among the ranks holding it, the one with the fewest bytes planned so far keeps it."""
@@ -255,10 +264,11 @@ def _dedup(all_plans: list[SavePlan]) -> list[SavePlan]:
             items.setdefault(item.index, item)
     planned = [0] * len(all_plans)
     keep: list[set[MetadataIndex]] = [set() for _ in all_plans]
-    # Biggest first, so that balancing by bytes works on the items that matter.
-    for index in sorted(holders, key=lambda i: -(items[i].tensor_storage_size() or 0)):
+    # Items held by one rank first (no choice to make), then the biggest shared ones first, so that
+    # balancing by bytes works on the items that matter.
+    for index in sorted(holders, key=lambda i: (len(holders[i]) > 1, -_item_bytes(items[i]))):
         rank = min(holders[index], key=lambda r: (planned[r], r))
-        planned[rank] += items[index].tensor_storage_size() or (items[index].bytes_io_data or BytesIOWriteData(1)).nbytes
+        planned[rank] += _item_bytes(items[index])
         keep[rank].add(index)
     return [
         dataclasses.replace(plan, items=[item for item in plan.items if item.index in keep[rank]])
@@ -359,8 +369,9 @@ class ReferenceLoadPlanner(LoadPlanner):
         if problems:
             raise _problems_error(f"state dict does not match the checkpoint ({len(problems)} problems)", problems)
         self._materialize(meta_keys)
+        skipped = set(missing) | set(self._objects)
         for key, value in self._flat.values.items():
-            if key in missing or key in self._objects:
+            if key in skipped:
                 continue
             chunk = local_chunk(key, value)
             if chunk is None:
