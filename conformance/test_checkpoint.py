@@ -190,6 +190,7 @@ def _mixed(dist: Any, seed: int, blank: bool = False) -> dict[str, Any]:
     return {
         "plain": _KINDS["plain"](dist, seed, blank),
         "sharded": _dtensors_1d(dist, seed, blank),
+        "sharded_2d": _dtensors_2d(dist, seed + 1, blank),
         "meta": _objects(-1 if blank else seed),
     }
 
@@ -425,11 +426,19 @@ def _load_tp(dist: Any, impl: Any, path: str) -> None:
     torch.testing.assert_close(meta_model(inputs), models.build("mlp", seed=8, device=dist.device)(inputs))
 
 
-@pytest.mark.req("ML-8")
-def test_reshard_tensor_parallel_model(pools, world_size_pair, impl, tmp_path: Path) -> None:
+_ROUTES = ["impl-to-impl", "reference-to-impl", "impl-to-reference"]
+
+
+@pytest.mark.req("ML-2", "ML-8")
+@pytest.mark.parametrize("route", _ROUTES)
+def test_reshard_tensor_parallel_model(pools, world_size_pair, impl, reference_impl, tmp_path: Path, route: str) -> None:
+    """The grid of saver x loader x (saved world size, loaded world size), on the uneven TP model."""
+    if impl.name == reference_impl.name and route != "impl-to-impl":
+        pytest.skip("for the reference itself this route is impl-to-impl")
+    saver, loader = (reference_impl if part == "reference" else impl for part in route.split("-to-"))
     saved_at, loaded_at = world_size_pair
-    pools.run(saved_at, _save_tp, impl, str(tmp_path / "ckpt"))
-    pools.run(loaded_at, _load_tp, impl, str(tmp_path / "ckpt"))
+    pools.run(saved_at, _save_tp, saver, str(tmp_path / "ckpt"))
+    pools.run(loaded_at, _load_tp, loader, str(tmp_path / "ckpt"))
 
 
 _TRAIN_STEPS = 2

@@ -89,8 +89,11 @@ def load(
     Called by every rank of ``process_group``, each with the state dict it wants filled: the keys
     and shapes say what to read, DTensor placements say which part. The checkpoint may have been
     saved at any world size and sharding. Tensors are filled in place; a value on the meta device is
-    replaced by a new one on the process group's device (see
+    replaced by a new one on the process group's device (CPU for gloo or without a group, the current
+    CUDA device for nccl; a DTensor on its mesh's device), built once and read into directly, so the
+    load's peak memory is about the local shards (see
     :class:`~reference.checkpoint.planner.ReferenceLoadPlanner`); non-tensor values are replaced.
+    With ``strict=False`` the meta values of keys missing from the checkpoint stay on meta.
 
     Strictness: by default a key missing from the checkpoint, or a dtype mismatch, is an error;
     ``strict=False`` skips missing keys and converts dtypes. Keys in the checkpoint that the state
