@@ -184,3 +184,28 @@ def test_records_are_parsed_and_read_in_place(name: str) -> None:
 def test_a_record_that_is_not_a_zip_is_an_error() -> None:
     with pytest.raises(ValueError, match="not a torch.save record"):
         parse_tensor_record(io.BytesIO(b"\x00" * 100), 0, 100)
+
+
+# -- Stateful values (DCP's convention), one process ------------------------------------------------
+
+
+class _Counter:
+    """A Stateful: saved and loaded through state_dict()/load_state_dict()."""
+
+    def __init__(self, count: int) -> None:
+        self.count = torch.tensor(count)
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.count = state_dict["count"].clone()
+
+
+def test_stateful_values_are_saved_and_loaded_through_their_state_dicts(tmp_path) -> None:
+    from reference import checkpoint
+
+    checkpoint.save({"counter": _Counter(5), "w": torch.ones(2)}, checkpoint_id=tmp_path)
+    counter = _Counter(0)
+    checkpoint.load({"counter": counter, "w": torch.zeros(2)}, checkpoint_id=tmp_path)
+    assert counter.count.item() == 5

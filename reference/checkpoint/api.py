@@ -13,6 +13,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from reference.checkpoint.collective import Collective, process_group_device
@@ -20,6 +21,12 @@ from reference.checkpoint.planner import LoadResult, ReferenceLoadPlanner, Refer
 from reference.checkpoint.storage import FileSystemReader, FileSystemWriter
 
 __all__ = ["save", "load"]
+
+
+def _expand_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """DCP's convention: a top-level value with ``state_dict()``/``load_state_dict()`` (``Stateful``) is
+    saved and loaded as its state dict."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
 def save(
@@ -44,6 +51,7 @@ def save(
     and :class:`~reference.checkpoint.errors.CheckpointError` for an I/O failure, naming the key,
     file and rank.
     """
+    state_dict = _expand_stateful(state_dict)
     writer = storage_writer if storage_writer is not None else FileSystemWriter()
     writer.reset(checkpoint_id)
     planner = planner if planner is not None else ReferenceSavePlanner()
@@ -109,7 +117,11 @@ def load(
     Tied weights: values that shared a storage on meta share one after loading. ``nn.Module.
     load_state_dict(sd, assign=True)`` still makes one Parameter per key, so re-tie afterwards
     (``model.head.weight = model.embed.weight``, or the model's ``tie_weights()``).
+
+    A top-level ``Stateful`` value (with ``state_dict``/``load_state_dict``) is loaded through its state
+    dict, and its ``load_state_dict`` is called once every rank has read successfully.
     """
+    user_state_dict, state_dict = state_dict, _expand_stateful(state_dict)
     reader = storage_reader if storage_reader is not None else FileSystemReader()
     reader.reset(checkpoint_id)
     planner = (
@@ -136,4 +148,8 @@ def load(
         reader.read_data(planner.finish_plan(plan), planner).wait()
 
     collective.all_succeed("reading", read)
-    return planner.commit()
+    result = planner.commit()
+    for key, value in user_state_dict.items():
+        if isinstance(value, Stateful):
+            value.load_state_dict(state_dict[key])
+    return result
