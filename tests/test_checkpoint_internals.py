@@ -209,3 +209,12 @@ def test_stateful_values_are_saved_and_loaded_through_their_state_dicts(tmp_path
     counter = _Counter(0)
     checkpoint.load({"counter": counter, "w": torch.zeros(2)}, checkpoint_id=tmp_path)
     assert counter.count.item() == 5
+
+
+def test_top_level_values_are_replaced_in_the_callers_dict(tmp_path) -> None:
+    from reference import checkpoint
+
+    checkpoint.save({"counter": _Counter(2), "w": torch.ones(2), "name": "x"}, checkpoint_id=tmp_path)
+    sd = {"counter": _Counter(0), "w": torch.empty(2, device="meta"), "name": ""}
+    checkpoint.load(sd, checkpoint_id=tmp_path)
+    assert sd["w"].device.type == "cpu" and torch.equal(sd["w"], torch.ones(2)) and sd["name"] == "x"

@@ -152,4 +152,6 @@ def load(
     for key, value in user_state_dict.items():
         if isinstance(value, Stateful):
             value.load_state_dict(state_dict[key])
+        else:  # commit replaced top-level values (built meta tensors, objects) in the expanded dict
+            user_state_dict[key] = state_dict[key]
     return result
