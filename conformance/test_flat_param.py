@@ -572,7 +572,8 @@ def test_failed_direct_load_changes_nothing(ops: FlatParamOps, name: str, proble
 def test_unflatten_params_restores_real_params(ops: FlatParamOps, name: str) -> None:
     plain, wrapped = _pair(ops, name)
     with ops.unflatten_params(wrapped):
-        assert not _flat_params(ops, wrapped.module) or name == "nested"  # inner wrappers stay flat
+        inner_flats = _flat_params(ops, wrapped.module)
+        assert bool(inner_flats) == (name == "nested"), "only the wrappers nested inside stay flattened"
         outer_flats = [p for p in wrapped.parameters(recurse=False) if ops.is_flat_param(p)]
         assert outer_flats == [], "the flat parameter is still registered inside unflatten_params()"
         own = dict(wrapped.module.named_parameters())
