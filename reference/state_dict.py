@@ -233,7 +233,7 @@ def get_optimizer_state_dict(
         _check_submodules(model, submodules)
         backend = _backend.for_model(model)
         osd = backend.optim_state_dict(model, optims, options)
-        if options.flatten_optimizer_state_dict:
+        if options.flatten_optimizer_state_dict and osd:  # {} on ranks > 0 with full + cpu_offload
             osd = _optim.flatten(osd)
         return backend.finish(osd, options)
 
@@ -248,7 +248,8 @@ def get_state_dict(
     """``(model state dict, optimizer state dict)`` of ``model`` and ``optimizers`` (may be empty).
 
     Both are keyed by canonical FQNs. ``submodules`` keeps only the model entries that lie in one of
-    those modules (see the module docstring). ``options`` as in :class:`StateDictOptions`."""
+    those modules (see the module docstring; an empty set selects nothing, None selects everything).
+    ``options`` as in :class:`StateDictOptions`."""
     options = options or StateDictOptions()
     model_sd = get_model_state_dict(model, submodules=submodules, options=options)
     optims = _as_optimizers(optimizers)
