@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from conformance import models as zoo
+from conformance.adapters.base import Unsupported, load_adapter
 from conformance.adapters.state_dict import SHARDING_STRATEGIES, StateDictOps
 
 # -- helpers -----------------------------------------------------------------------------------------
@@ -58,14 +59,10 @@ def wrap(model: nn.Module, how: str) -> nn.Module:
     return model
 
 
-def trainable_groups(model: nn.Module) -> list[dict[str, Any]]:
-    return zoo.param_groups(model)
-
-
 def trained(name: str, seed: int = 0, steps: int = 1, device: Any = "cpu") -> tuple[nn.Module, torch.optim.Optimizer]:
     """Zoo model ``name`` and its Adam (two param groups) after ``steps`` training steps."""
     model = zoo.build(name, seed=seed, device=device)
-    optim = torch.optim.Adam(trainable_groups(model))
+    optim = torch.optim.Adam(zoo.param_groups(model))
     for step in range(steps):
         zoo.train_step(model, optim, zoo.batch(name, seed=step, device=device))
     return model, optim
@@ -528,8 +525,6 @@ def sharded_and_oracle(
 
 
 def _shard_or_skip(ops: StateDictOps, dist: Any, name: str, strategy: str, **kw: Any) -> Any:
-    from conformance.adapters.base import Unsupported
-
     try:
         return sharded_and_oracle(ops, dist, name, strategy, **kw)
     except Unsupported as exc:
@@ -588,8 +583,6 @@ def test_sharded_submodule_selection(dist: Any, impl: Any, path: str, keep: bool
     oracle = zoo.build("nested", seed=0, device=dist.device)
     model = zoo.build("nested", seed=0, device=dist.device)
     sub = model.get_submodule(path)  # the user's handle, taken before sharding
-    from conformance.adapters.base import Unsupported
-
     try:
         sharded = ops.shard(model, dist.device, strategy="FULL_SHARD")
     except Unsupported as exc:
@@ -693,8 +686,7 @@ def test_cross_implementation_plain(impl: Any, reference_impl: Any, name: str, d
 @pytest.mark.parametrize("direction", ("reference-to-impl", "impl-to-reference"))
 @pytest.mark.parametrize("name", ("nested", "buffers"))
 def test_cross_implementation_sharded(dist: Any, impl: Any, name: str, direction: str, full_state_dict: bool) -> None:
-    from conformance.adapters.base import load_adapter
-
+    # reference_impl is a controller-side fixture; on the ranks the adapter is loaded by name.
     ops, ref = sd_ops(impl), sd_ops(load_adapter("reference"))
     producer, consumer = (ref, ops) if direction == "reference-to-impl" else (ops, ref)
     model, optim, oracle, oracle_optim = _shard_or_skip(producer, dist, name, "FULL_SHARD")
