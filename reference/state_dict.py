@@ -53,6 +53,8 @@ OptimizerStateDict = dict[str, ValueType]
 ModuleKeyedStateDict = Mapping[nn.Module, Mapping[str, ValueType]]
 Optimizers = Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer]]
 
+#: The key suffix under which nn.Module stores get_extra_state(): its value may be any object.
+_EXTRA_STATE_SUFFIX = "_extra_state"
 #: How many keys an error message lists before it says "and N more".
 _MAX_KEYS_IN_MESSAGE = 10
 
@@ -324,7 +326,7 @@ def _plan_model_load(
     frozen = backend.frozen_fqns(model, resolver) if options.ignore_frozen_params else set()
 
     for fqn, value in state_dict.items():
-        if not isinstance(value, torch.Tensor) and not fqn.endswith(nn.modules.module._EXTRA_STATE_KEY_SUFFIX):
+        if not isinstance(value, torch.Tensor) and not fqn.endswith(_EXTRA_STATE_SUFFIX):
             raise TypeError(f"model state dict: {fqn!r} must be a tensor, got {type(value).__name__}")
 
     unexpected = [fqn for fqn in state_dict if fqn not in expected]
