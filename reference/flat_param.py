@@ -7,8 +7,8 @@ Vocabulary used throughout:
 - *flat index*: an element index into the (unsharded) flat parameter, ``0 <= i < full_numel``.
 - *param index*: an element index into one original parameter flattened, ``param.reshape(-1)``.
 - *shard*: the inclusive flat-index range ``[start, end]`` one rank holds of the flat parameter,
-  padded at the end with zeros so that every rank holds the same number of elements; its last
-  ``num_padded`` elements are padding (indices ``>= full_numel``).
+  which is padded at its end so that every rank holds the same number of elements; the shard's last
+  ``num_padded`` elements are padding (flat indices ``>= full_numel``). See :func:`even_shard_range`.
 - *name*: a parameter's path relative to the wrapped module (``"layers.0.weight"``), the key the
   unwrapped module's ``state_dict`` uses for it.
 
@@ -16,15 +16,19 @@ What :class:`FlattenParamsWrapper` promises (each is a requirement FP-* of ``con
 the wrapped module computes exactly what it did; gradients land on ``flat_param`` as the original
 gradients concatenated; ``state_dict``/``load_state_dict`` of the wrapper, or of any model containing
 wrappers at any depth, use the unwrapped keys; ``unflatten_params()`` restores real parameters and
-re-flattens on exit, also on error. What it asks of the caller: do not keep references to the
-parameter views across ``.to()``/``load_state_dict(assign=True)`` (they are rebuilt), and do not tie
-a listed parameter to a module outside the wrapped one (the wrapper cannot see it; see
-:class:`FlattenParamsWrapper`).
+re-flattens on exit, also on error. What it asks of the caller: do not hold on to the parameter
+views (they are rebuilt at every forward, ``.to()`` and ``unflatten_params()``; read them from the
+module), and do not tie a listed parameter to a module outside the wrapped one (the wrapper cannot
+see it; see :class:`FlattenParamsWrapper`).
+
+Helpers for other wrappers: :mod:`reference._prefix_hooks` (hide a wrapper's path segment from
+state_dict keys; clean FQNs of a model with wrappers).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Iterable, Iterator, NamedTuple, Sequence
@@ -128,10 +132,11 @@ class _Layout:
 
     @classmethod
     def build(cls, names: Sequence[str], shapes: Sequence[torch.Size]) -> _Layout:
-        numels = tuple(int(torch.Size(s).numel()) for s in shapes)
+        sizes = tuple(s if isinstance(s, torch.Size) else torch.Size(s) for s in shapes)
+        numels = tuple(math.prod(s) for s in sizes)
         ends = list(accumulate(numels))
         offsets = tuple(ParamRange(end - n, end - 1) for end, n in zip(ends, numels))
-        return cls(tuple(names), tuple(torch.Size(s) for s in shapes), numels, offsets)
+        return cls(tuple(names), sizes, numels, offsets)
 
     def shard(self, start: int, end: int, num_padded: int) -> ShardMetadata:
         """Metadata of the shard ``[start, end]`` (flat indices, padding included); inputs validated."""
@@ -422,9 +427,10 @@ class FlattenParamsWrapper(nn.Module):
             # parameters where they were and state_dict keys come out in the unwrapped order.
             for group in self._slots:
                 for slot in group:
-                    self._param_order.setdefault(
-                        slot.module, tuple(n for n, _ in slot.module.named_parameters(recurse=False, remove_duplicate=False))
-                    )
+                    if slot.module not in self._param_order:
+                        self._param_order[slot.module] = tuple(
+                            n for n, _ in slot.module.named_parameters(recurse=False, remove_duplicate=False)
+                        )
             self.__dict__["_flat"] = flat
             self._flatten()
 
@@ -448,8 +454,10 @@ class FlattenParamsWrapper(nn.Module):
             # While unflattened (or never flattened), flat_param is not registered but still readable.
             # Not while flattened: then a miss means it is being registered (register_parameter
             # checks hasattr first).
-            if name == FLAT_PARAM and not self.__dict__.get("_flattened", False):
-                return self.__dict__["_flat"]
+            if name == FLAT_PARAM:  # never the flat_param of a wrapper inside this one
+                if not self.__dict__.get("_flattened", False):
+                    return self.__dict__["_flat"]
+                raise
             return getattr(self._fpw_module, name)
 
     def __getitem__(self, key: Any) -> Any:
@@ -504,14 +512,23 @@ class FlattenParamsWrapper(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a state_dict keyed like the unwrapped module (``nn.Module.load_state_dict`` semantics).
 
-        Values of flattened parameters are written into ``flat_param``. Size mismatches of flattened
-        parameters, and in strict mode their missing keys, are raised as ``nn.Module`` raises them
-        (``RuntimeError`` naming the keys) *before* anything is written; other problems (buffers,
-        parameters not flattened, unexpected keys) behave exactly as in the unwrapped module.
+        Values of flattened parameters are written into ``flat_param``. Errors are the ones the
+        unwrapped module raises (``RuntimeError`` naming the keys by their unwrapped FQNs), and a load
+        that fails leaves every parameter and buffer as it was (unless ``assign=True``, which
+        replaces tensors instead of writing into them).
         """
-        self._check_flat_entries(state_dict, strict)
+        # nn.Module.load_state_dict reports every problem at the end, after writing whatever fit;
+        # keep a copy to put back (the values of state_dict() alias the live tensors).
+        before = {} if assign else {k: v.clone() for k, v in self.state_dict().items() if isinstance(v, Tensor)}
         try:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        except BaseException:
+            self._finish_interrupted_load()
+            with torch.no_grad():
+                for key, value in self.state_dict().items():
+                    if key in before:
+                        value.copy_(before[key])
+            raise
         finally:
             self._finish_interrupted_load()
 
@@ -522,11 +539,11 @@ class FlattenParamsWrapper(nn.Module):
 
     # -- flattening ---------------------------------------------------------------------------
 
-    def _set_views(self) -> None:
+    def _set_views(self, views: Sequence[Tensor] | None = None) -> None:
         """Point every registration of every flattened parameter at its view of flat_param."""
         flat = self._flat
         assert flat is not None and self._flattened
-        for group, view in zip(self._slots, flat.get_param_views()):
+        for group, view in zip(self._slots, flat.get_param_views() if views is None else views):
             for slot in group:
                 # A plain attribute (not a parameter): the module reads it as before.
                 setattr(slot.module, slot.attr, view)
@@ -546,6 +563,8 @@ class FlattenParamsWrapper(nn.Module):
         """Register each listed parameter again, as a Parameter over its slice of flat_param."""
         flat = self._flat
         assert flat is not None and self._flattened
+        # Kept to put back on re-flattening when flat_param's memory did not move (saves making views).
+        self.__dict__["_views_before"] = (flat.data_ptr(), [getattr(g[0].module, g[0].attr) for g in self._slots])
         with torch.no_grad():
             views = list(flat.get_param_views(flat.detach()))
         delattr(self, FLAT_PARAM)
@@ -565,7 +584,8 @@ class FlattenParamsWrapper(nn.Module):
         """Re-register ``owner``'s parameters in the order they had before wrapping."""
         order = self._param_order.get(owner, ())
         current = dict(owner.named_parameters(recurse=False, remove_duplicate=False))
-        wanted = [n for n in order if n in current] + [n for n in current if n not in order]
+        known = set(order)
+        wanted = [n for n in order if n in current] + [n for n in current if n not in known]
         if list(current) == wanted:
             return
         for name in wanted:
@@ -582,26 +602,26 @@ class FlattenParamsWrapper(nn.Module):
         flat = self._flat
         assert flat is not None and not self._flattened
         problems = []
+        base, itemsize = flat.data_ptr(), flat.element_size()
         with torch.no_grad():
-            targets = list(flat.get_param_views(flat.detach()))
-            for group, target in zip(self._slots, targets):
+            for group, shape, offset in zip(self._slots, flat.param_shapes, flat.param_offsets):
                 slot = group[0]
                 value = getattr(slot.module, slot.attr, None)
                 if not isinstance(value, Tensor):
-                    problems.append(f"{slot.name!r} was removed (expected a tensor of shape {tuple(target.shape)})")
-                elif value.shape != target.shape:
-                    problems.append(
-                        f"{slot.name!r} has shape {tuple(value.shape)}, expected {tuple(target.shape)}"
-                    )
-                elif value.data_ptr() != target.data_ptr() or value.dtype != target.dtype:
-                    target.copy_(value)  # replaced inside the body (e.g. load with assign=True)
+                    problems.append(f"{slot.name!r} was removed (expected a tensor of shape {tuple(shape)})")
+                elif value.shape != shape:
+                    problems.append(f"{slot.name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}")
+                elif value.data_ptr() != base + offset.start * itemsize or value.dtype != flat.dtype:
+                    # Replaced inside the body (e.g. load with assign=True): copy into the slice.
+                    flat.detach()[offset.start : offset.end + 1].copy_(value.reshape(-1))
         for group in self._slots:
             for slot in group:
                 if isinstance(getattr(slot.module, slot.attr, None), Tensor):
                     delattr(slot.module, slot.attr)
         self._flattened = True  # first: see __getattr__
         self.register_parameter(FLAT_PARAM, flat)
-        self._set_views()
+        ptr, views = self.__dict__.pop("_views_before", (None, None))
+        self._set_views(views if ptr == flat.data_ptr() else None)
         if problems:
             raise RuntimeError(
                 "unflatten_params: cannot re-flatten: " + "; ".join(problems) + " (flat_param kept its old values)"
@@ -626,29 +646,6 @@ class FlattenParamsWrapper(nn.Module):
         if self._loading:
             self._loading = False
             self._reflatten()
-
-    def _check_flat_entries(self, state_dict: Any, strict: bool) -> None:
-        """Raise, before any write, the errors load_state_dict would report for flattened parameters."""
-        if self._flat is None or not hasattr(state_dict, "keys"):
-            return  # nn.Module.load_state_dict reports a non-mapping itself
-        missing, errors = [], []
-        for group, shape in zip(self._slots, self._flat.param_shapes):
-            for slot in group:
-                if slot.name not in state_dict:
-                    missing.append(slot.name)
-                    continue
-                value = state_dict[slot.name]
-                if isinstance(value, Tensor) and value.shape != shape:
-                    errors.append(
-                        f"size mismatch for {slot.name}: copying a param with shape {value.shape} from "
-                        f"checkpoint, the shape in current model is {shape}."
-                    )
-        if strict and missing:
-            errors.insert(0, "Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
-        if errors:
-            raise RuntimeError(
-                "Error(s) in loading state_dict for {}:\n\t{}".format(type(self).__name__, "\n\t".join(errors))
-            )
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> FlattenParamsWrapper:
         # .to()/.cuda()/.double() may replace flat_param by a plain Parameter (on a device change, or
@@ -683,7 +680,9 @@ class FlattenParamsWrapper(nn.Module):
         if self._flattened:
             with torch.no_grad():
                 self._set_views()
-        return super().__getstate__()
+        state = dict(super().__getstate__())
+        state.pop("_views_before", None)  # a cache of views (inside unflatten_params), rebuilt when missing
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -752,21 +751,21 @@ def _byte_span(t: Tensor) -> tuple[int, int, int]:
 
 def _check_no_storage_ties(module: nn.Module, slots: dict[int, list[_Slot]]) -> None:
     """Refuse a listed parameter whose memory overlaps an unlisted parameter or buffer of ``module``."""
-    listed = {}
+    listed: dict[int, list[tuple[str, int, int]]] = {}  # storage pointer -> (name, first byte, end byte)
     for group in slots.values():
         t = getattr(group[0].module, group[0].attr)
         if t.numel() > 0 and t.device.type != "meta":
-            listed[group[0].name] = _byte_span(t)
+            ptr, lo, hi = _byte_span(t)
+            listed.setdefault(ptr, []).append((group[0].name, lo, hi))
     if not listed:
         return
-    flattened = set(slots)
     named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
     for other_name, other in named:
-        if id(other) in flattened or other.numel() == 0 or other.device.type == "meta":
+        if id(other) in slots or other.numel() == 0 or other.device.type == "meta":
             continue
         ptr, lo, hi = _byte_span(other)
-        for name, (p_ptr, p_lo, p_hi) in listed.items():
-            if p_ptr == ptr and p_lo < hi and lo < p_hi:
+        for name, p_lo, p_hi in listed.get(ptr, ()):
+            if p_lo < hi and lo < p_hi:
                 raise ValueError(
                     f"FlattenParamsWrapper: listed parameter {name!r} shares memory with {other_name!r}, which is "
                     f"not listed; flattening copies {name!r} and would cut that tie. List both or neither"
