@@ -430,16 +430,26 @@ def to_dtensor(unit: FullyShardedDataParallel, full: torch.Tensor) -> Any:
     return DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
-def _param_owner_units(model: nn.Module) -> dict[str, FullyShardedDataParallel]:
-    """Clean FQN of every flattened parameter (aliases included) -> its unit."""
-    out: dict[str, FullyShardedDataParallel] = {}
+def _units(model: nn.Module) -> list[tuple[str, FullyShardedDataParallel]]:
+    """``(raw prefix of the unit's wrapped module, unit)`` for every unit under ``model`` owning parameters."""
+    out = []
     for prefix, unit in model.named_modules():
         if isinstance(unit, FullyShardedDataParallel) and unit._handle is not None:
-            base = prefix + "." if prefix else ""
-            names = [s.fqn for s in unit._handle.slots] + [a.fqn for a in unit._handle.aliases]
-            for name in names:
-                out[clean_fqn(f"{base}{FSDP_WRAPPED_MODULE}.{name}")] = unit
+            out.append(((prefix + "." if prefix else "") + FSDP_WRAPPED_MODULE + ".", unit))
     return out
+
+
+def _slot_names(base: str, handle: FlatParamHandle) -> list[list[str]]:
+    """Per slot of ``handle``, its clean FQNs under ``model``: the first name, then tied aliases."""
+    names = [[clean_fqn(base + slot.fqn)] for slot in handle.slots]
+    for alias in handle.aliases:
+        names[alias.slot_index].append(clean_fqn(base + alias.fqn))
+    return names
+
+
+def _param_owner_units(model: nn.Module) -> dict[str, FullyShardedDataParallel]:
+    """Clean FQN of every flattened parameter (aliases included) -> its unit."""
+    return {name: unit for base, unit in _units(model) for names in _slot_names(base, unit._handle) for name in names}
 
 
 def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
@@ -464,26 +474,22 @@ def load_sharded_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, 
 
 
 def _expected_entries(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Clean FQN -> (shape, dtype) of every entry of the full state dict, without any collective."""
-    owners = _param_owner_units(model)
+    """Clean FQN -> (shape, dtype) of every entry of the full state dict, without any collective.
+
+    Used by ``reference.state_dict`` for the layout of a sharded model: keep it stable."""
     shapes = {}
-    for unit in set(owners.values()):
+    for base, unit in _units(model):
         handle = unit._handle
-        for prefix, m in model.named_modules():
-            if m is unit:
-                base = prefix + "." if prefix else ""
-        for slot in handle.slots:
-            shapes[clean_fqn(f"{base}{FSDP_WRAPPED_MODULE}.{slot.fqn}")] = (slot.shape, handle.flat_param.dtype)
-        for alias in handle.aliases:
-            slot = handle.slots[alias.slot_index]
-            shapes[clean_fqn(f"{base}{FSDP_WRAPPED_MODULE}.{alias.fqn}")] = (slot.shape, handle.flat_param.dtype)
+        for slot, names in zip(handle.slots, _slot_names(base, handle)):
+            for name in names:
+                shapes[name] = (slot.shape, handle.flat_param.dtype)
     out = {}
     for key, value in model.state_dict(keep_vars=True).items():
         name = clean_fqn(key)
+        # Flattened parameters show as 1-D shards (or not at all) here; their real shapes are above.
         if key.split(".")[-1] == FLAT_PARAM or name in shapes:
             continue
         out[name] = (value.shape, value.dtype)
-    # Flattened parameters have None placeholders (or 1-D shards) in state_dict(); take their real shape.
     out.update(shapes)
     return out
 
@@ -519,20 +525,14 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     _reshard_all(model)
     with torch.no_grad():
         done: set[str] = set()
-        for prefix, unit in model.named_modules():
-            if not isinstance(unit, FullyShardedDataParallel) or unit._handle is None:
-                continue
+        for base, unit in _units(model):
             handle = unit._handle
-            base = (prefix + "." if prefix else "") + FSDP_WRAPPED_MODULE + "."
-            names: list[list[str]] = [[clean_fqn(base + s.fqn)] for s in handle.slots]
-            for alias in handle.aliases:
-                names[alias.slot_index].append(clean_fqn(base + alias.fqn))
-            for slot, slot_names in zip(handle.slots, names):
+            for slot, slot_names in zip(handle.slots, _slot_names(base, handle)):
                 done.update(slot_names)
                 key = next((n for n in slot_names if n in state_dict), None)
                 if key is None:
                     continue
-                r = handle.shard_range(slot)
+                r = handle.slot_shard(slot)
                 source = state_dict[key].detach().reshape(-1)[r.start : r.end]
                 handle.local_shard[r.shard_offset : r.shard_offset + r.numel].copy_(source)
         # Everything else (buffers, parameters outside any unit) is plain: load it as torch would.

@@ -165,7 +165,7 @@ def _gather_positional(info: FSDPParamInfo, key: _OptimStateKey, local: torch.Te
         # An original parameter's part (or a missing state) sits at its offset in an otherwise zero shard.
         shard = torch.zeros(handle.shard_numel, dtype=dtype, device=handle.local_shard.device)
         if local is not None:
-            r = handle.shard_range(slots[0])
+            r = handle.slot_shard(slots[0])
             shard[r.shard_offset : r.shard_offset + r.numel].copy_(local.detach().reshape(-1))
     full = torch.empty(handle.padded_numel, dtype=dtype, device=shard.device)
     C.all_gather_flat(full, shard, handle.shard_group)
@@ -348,7 +348,7 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
             else:
                 fqn = key.unflat_param_names[0]
                 slot = _slot_of(info, fqn)
-                r = handle.shard_range(slot)
+                r = handle.slot_shard(slot)
                 value = checked(fqn, name, first).reshape(-1)[r.start : r.end]
                 local[name] = value.clone().view(handle.local_view(slot).shape)
         state[param_id] = local

@@ -39,7 +39,7 @@ import torch.nn as nn
 from reference import _collectives as C
 from reference.flat_param import FlatParameter, even_shard_range
 
-__all__ = ["ParamSlot", "AliasSlot", "ShardRange", "FlatParamHandle"]
+__all__ = ["ParamSlot", "AliasSlot", "SlotShard", "FlatParamHandle"]
 
 
 class ParamSlot(NamedTuple):
@@ -62,7 +62,7 @@ class AliasSlot(NamedTuple):
     slot_index: int  #: index of the :class:`ParamSlot` it aliases
 
 
-class ShardRange(NamedTuple):
+class SlotShard(NamedTuple):
     """The part of one slot held by one shard; empty when ``start == end``.
 
     ``start``/``end`` index the slot's flattened elements; ``shard_offset`` is where ``start`` lies in
@@ -77,15 +77,15 @@ class ShardRange(NamedTuple):
         return self.end - self.start
 
 
-def shard_range(slot_offset: int, slot_numel: int, shard_start: int, shard_numel: int) -> ShardRange:
+def slot_shard(slot_offset: int, slot_numel: int, shard_start: int, shard_numel: int) -> SlotShard:
     """The elements of a slot at ``[slot_offset, slot_offset + slot_numel)`` inside the shard
     ``[shard_start, shard_start + shard_numel)`` of the flat parameter."""
     lo = max(slot_offset, shard_start)
     hi = min(slot_offset + slot_numel, shard_start + shard_numel)
     if hi <= lo:  # no overlap: an empty range at the nearest position, so views stay in bounds
         lo = hi = min(max(slot_offset, shard_start), shard_start + shard_numel)
-        return ShardRange(0, 0, lo - shard_start)
-    return ShardRange(lo - slot_offset, hi - slot_offset, lo - shard_start)
+        return SlotShard(0, 0, lo - shard_start)
+    return SlotShard(lo - slot_offset, hi - slot_offset, lo - shard_start)
 
 
 def _module_param_names(module: nn.Module, exclude: set[nn.Module]) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
@@ -245,14 +245,14 @@ class FlatParamHandle:
     def shard_world(self) -> int:
         return C.group_size(self.shard_group)
 
-    def shard_range(self, slot: ParamSlot) -> ShardRange:
+    def slot_shard(self, slot: ParamSlot) -> SlotShard:
         """The part of ``slot`` in this rank's shard."""
-        return shard_range(slot.offset, slot.numel, self.shard_rank * self.shard_numel, self.shard_numel)
+        return slot_shard(slot.offset, slot.numel, self.shard_rank * self.shard_numel, self.shard_numel)
 
     def local_view(self, slot: ParamSlot) -> torch.Tensor:
         """The view of ``local_shard`` holding this rank's part of ``slot``: the original shape when the
         shard axis is trivial (the whole parameter is local), else 1-D."""
-        r = self.shard_range(slot)
+        r = self.slot_shard(slot)
         view = self.local_shard[r.shard_offset : r.shard_offset + r.numel]
         return view.view(slot.shape) if self.shard_world == 1 else view
 
@@ -352,7 +352,7 @@ class FlatParamHandle:
             for i, (slot, param) in enumerate(zip(self.slots, self.orig_params)):
                 if not param.requires_grad or i not in used:
                     continue
-                r = self.shard_range(slot)
+                r = self.slot_shard(slot)
                 part = grad[r.shard_offset : r.shard_offset + r.numel].view_as(param)
                 param.grad = part.clone() if param.grad is None else param.grad.add_(part)
             self._saved_grad = None
