@@ -125,6 +125,9 @@ def _world_group(model: nn.Module) -> dist.ProcessGroup | None:
     return units[0].process_group if units else None
 
 
+_MISSING = object()  # placeholder for a scalar state whose value this rank has not seen yet
+
+
 def _is_positional(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
@@ -144,32 +147,39 @@ def _slot_of(info: FSDPParamInfo, fqn: str) -> ParamSlot:
     return info.handle.slots[info.param_indices[fqn]]
 
 
-def _gather_positional(info: FSDPParamInfo, key: _OptimStateKey, local: torch.Tensor | None, state_name: str) -> list[torch.Tensor]:
-    """The full value of one positional state for every FQN of ``key`` (collective over the shard axis).
+def _gather_positional(
+    info: FSDPParamInfo, state_name: str, items: list[tuple[_OptimStateKey, torch.Tensor | None]]
+) -> dict[_OptimStateKey, list[torch.Tensor]]:
+    """The full values of one positional state of several keys of one unit, with ONE all-gather over
+    its shard axis (collective: every rank passes the same keys, in the same order).
 
-    ``local`` is this rank's tensor: the flat shard's state (``use_orig_params=False``) or the original
-    parameter's part (``True``); None if this rank holds no state for the key (zeros stand in)."""
+    Each ``items`` entry is a key and this rank's tensor of it: the flat shard's state
+    (``use_orig_params=False``) or the original parameter's part (``True``); None if this rank holds no
+    state for it (zeros stand in). Returns, per key, the full value for each of its FQNs."""
     handle = info.handle
-    slots = [_slot_of(info, fqn) for fqn in key.unflat_param_names]
     flat_mode = not info.state.use_orig_params
-    expected = handle.local_shard.shape if flat_mode else handle.local_view(slots[0]).shape
-    if local is not None and local.shape != expected:
-        raise RuntimeError(
-            f"optimizer state {state_name!r} of {key.unflat_param_names[0]!r}: local tensor of shape "
-            f"{tuple(local.shape)}, expected the parameter's local shape {tuple(expected)}"
-        )
-    dtype = local.dtype if local is not None else handle.flat_param.dtype
-    if flat_mode and local is not None:
-        shard = local.detach()
-    else:
-        # An original parameter's part (or a missing state) sits at its offset in an otherwise zero shard.
-        shard = torch.zeros(handle.shard_numel, dtype=dtype, device=handle.local_shard.device)
-        if local is not None:
-            r = handle.slot_shard(slots[0])
+    present = [t for _, t in items if t is not None]
+    dtype = present[0].dtype if present else handle.flat_param.dtype
+    # The state laid out like the flat parameter: every key's part at its offset in this rank's shard.
+    shard = torch.zeros(handle.shard_numel, dtype=dtype, device=handle.local_shard.device)
+    slots_of = {key: [_slot_of(info, fqn) for fqn in key.unflat_param_names] for key, _ in items}
+    for key, local in items:
+        if local is None:
+            continue
+        expected = handle.local_shard.shape if flat_mode else handle.local_view(slots_of[key][0]).shape
+        if local.shape != expected:
+            raise RuntimeError(
+                f"optimizer state {state_name!r} of {key.unflat_param_names[0]!r}: local tensor of shape "
+                f"{tuple(local.shape)}, expected the parameter's local shape {tuple(expected)}"
+            )
+        if flat_mode:
+            shard.copy_(local.detach())
+        else:
+            r = handle.slot_shard(slots_of[key][0])
             shard[r.shard_offset : r.shard_offset + r.numel].copy_(local.detach().reshape(-1))
     full = torch.empty(handle.padded_numel, dtype=dtype, device=shard.device)
     C.all_gather_flat(full, shard, handle.shard_group)
-    return [full[s.offset : s.offset + s.numel].view(s.shape).clone() for s in slots]
+    return {key: [full[s.offset : s.offset + s.numel].view(s.shape).clone() for s in slots] for key, slots in slots_of.items()}
 
 
 def optim_state_dict(
@@ -209,17 +219,46 @@ def optim_state_dict(
         ({k: v for k, v in g.items() if k != "params"}, [keys[i] for i in g["params"]]) for g in local_osd["param_groups"]
     ]
 
-    # One order for every rank: rank 0's, then what only other ranks hold. The replicated (non-
-    # positional) values travel along, for a rank that lacks a key's state.
-    summary = [(key, {n: (None if _is_positional(v) else v) for n, v in local_state[key].items()}) for key in keys if key in local_state]
+    # One order for every rank: rank 0's, then what only other ranks hold. Only structure travels
+    # (which states each key has, and which are positional); values are exchanged below only for keys
+    # some rank holds no state for.
+    summary = [(key, {n: _is_positional(v) for n, v in local_state[key].items()}) for key in keys if key in local_state]
     gathered = C.all_gather_objects((summary, groups), _world_group(model))
     order: dict[_OptimStateKey, dict[str, Any]] = {}
+    holders: dict[_OptimStateKey, int] = {}
     for rank_summary, _ in gathered:
         for key, names in rank_summary:
+            holders[key] = holders.get(key, 0) + 1
             merged = order.setdefault(key, {})
-            for name, value in names.items():
-                merged.setdefault(name, value)
+            for name, positional in names.items():
+                merged.setdefault(name, None if positional else _MISSING)
+    lacking = [key for key, count in holders.items() if count < len(gathered)]
+    if lacking:
+        # Scalar state of a key this rank may lack: every holder sends it, the first one counts.
+        offers = {k: {n: v for n, v in local_state[k].items() if not _is_positional(v)} for k in lacking if k in local_state}
+        for rank_offers in C.all_gather_objects(offers, _world_group(model)):
+            for key, values in rank_offers.items():
+                for name, value in values.items():
+                    if order[key].get(name) is _MISSING:
+                        order[key][name] = value
     keep = not rank0_only or C.group_rank(_world_group(model)) == 0
+
+    # Positional states of FSDP-managed keys travel one (unit, state name) at a time: one all-gather of
+    # the unit's flat layout carries that state of all its parameters. Batches are formed in the agreed
+    # key order, so every rank issues the same all-gathers in the same order.
+    batches: dict[tuple[int, str], list[_OptimStateKey]] = {}
+    for key, names in order.items():
+        if key.is_fsdp_managed:
+            flat_id = id(infos[key.unflat_param_names[0]].flat_param)
+            for name, replicated in names.items():
+                if replicated is None:
+                    batches.setdefault((flat_id, name), []).append(key)
+    gathered_full: dict[tuple[_OptimStateKey, str], list[torch.Tensor]] = {}
+    for (_, name), batch in batches.items():
+        info = infos[batch[0].unflat_param_names[0]]
+        items = [(key, local_state.get(key, {}).get(name)) for key in batch]
+        for key, fulls in _gather_positional(info, name, items).items():
+            gathered_full[key, name] = fulls
 
     state: dict[str, dict[str, Any]] = {}
     for key, names in order.items():
@@ -227,14 +266,14 @@ def optim_state_dict(
         info = infos.get(key.unflat_param_names[0]) if key.is_fsdp_managed else None
         per_fqn: list[dict[str, Any]] = [{} for _ in key.unflat_param_names]
         for name, replicated in names.items():
-            value = local.get(name, replicated)
-            if replicated is None and info is not None:  # positional state of a sharded parameter
-                fulls = _gather_positional(info, key, local.get(name), name)
-                for entry, full in zip(per_fqn, fulls):
+            if (key, name) in gathered_full:
+                for entry, full in zip(per_fqn, gathered_full[key, name]):
                     entry[name] = to_dtensor(info.state, full) if sharded else full
-            else:
-                for entry in per_fqn:
-                    entry[name] = value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+                continue
+            # Scalar state, or any state of a parameter outside every unit: as is, one copy per FQN.
+            value = local.get(name, replicated)
+            for entry in per_fqn:
+                entry[name] = value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
         for fqn, entry in zip(key.unflat_param_names, per_fqn):
             state[fqn] = entry
     if not keep:
@@ -294,13 +333,17 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
     if unknown:
         raise ValueError(f"optimizer state dict has state for {unknown}, which are not parameters of the model")
 
+    # Every name of each flattened parameter (tied aliases included), built once.
+    names_by_slot: dict[tuple[int, int], list[str]] = {}
+    for fqn, info in infos.items():
+        names_by_slot.setdefault((id(info.flat_param), info.param_indices[fqn]), []).append(fqn)
+
     def names_of(fqn: str) -> list[str]:
-        """Every name of the parameter ``fqn`` (tied aliases included), ``fqn`` first."""
+        """Every name of the parameter ``fqn``, ``fqn`` first."""
         info = infos.get(fqn)
         if info is None:
             return [fqn]
-        index = info.param_indices[fqn]
-        return [fqn] + [f for f, i in info.param_indices.items() if i == index and f != fqn]
+        return [fqn] + [f for f in names_by_slot[id(info.flat_param), info.param_indices[fqn]] if f != fqn]
 
     def saved_entry(fqn: str) -> Mapping[str, Any] | None:
         return next((saved[n] for n in names_of(fqn) if n in saved), None)

@@ -126,6 +126,7 @@ class FlatParamHandle:
     padded_numel: int
     shard_numel: int
     shard_rank: int
+    shard_world: int  #: number of ranks on the shard axis
     local_shard: torch.Tensor
     orig_params: list[nn.Parameter] = field(default_factory=list)
     #: the gathered padded flat tensor; its storage is freed while sharded
@@ -221,6 +222,7 @@ class FlatParamHandle:
             padded_numel=padded,
             shard_numel=chunk,
             shard_rank=shard_rank,
+            shard_world=shard_world,
             local_shard=local_shard,
         )
         if shard_world > 1:
@@ -240,10 +242,6 @@ class FlatParamHandle:
         return handle
 
     # -- views ---------------------------------------------------------------------------------------
-
-    @property
-    def shard_world(self) -> int:
-        return C.group_size(self.shard_group)
 
     def slot_shard(self, slot: ParamSlot) -> SlotShard:
         """The part of ``slot`` in this rank's shard."""
