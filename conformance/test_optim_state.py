@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from conformance import models
-from conformance.adapters.optim_state import STRATEGIES, hybrid_mesh_shape
+from conformance.adapters.optim_state import STRATEGIES
 
 GLOBAL_BATCH = 8  # divisible by every world size the suite is run at (1, 2, 4, 8)
 
