@@ -289,6 +289,19 @@ def test_no_rank_outlives_a_killed_controller(suite: pytest.Pytester, tmp_path: 
 
 REUSE = '''
 import os
+import torch
+
+
+def bump(dist, t):
+    if dist.rank == 0:
+        t.add_(100)
+    dist.barrier()
+    return float(t.sum())
+
+
+def test_tensor_arguments_are_copies_per_rank(pools):
+    # Rank 0's in-place update must not show on rank 1: each rank has its own copy, as on separate hosts.
+    assert pools.run(2, bump, torch.zeros(3)) == [300.0, 0.0]
 
 
 def test_a(dist):
@@ -308,7 +321,7 @@ def test_pools_are_reused_across_tests(suite: pytest.Pytester, monkeypatch: pyte
     monkeypatch.setenv("SDC_PID_FILE", str(pid_file))
     suite.makepyfile(test_reuse=REUSE)
     result = run_suite(suite, "--world-size", "2", "--report-json", "out.json")
-    result.assert_outcomes(passed=2)
+    result.assert_outcomes(passed=3)
     seen: dict[str, dict[str, str]] = {}
     for line in pid_file.read_text().splitlines():
         test, rank, pid = line.split()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import signal
 import sys
@@ -19,7 +20,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Callable
 
-from conformance.harness.worker import Task, RankOutcome, rank_main
+from conformance.harness.worker import RankOutcome, Task, rank_main, recv_message, send_message
 
 __all__ = ["RankPool", "PoolManager", "PoolRun", "PoolStartError"]
 
@@ -115,8 +116,9 @@ class RankPool:
         if not self.alive:
             self.start()
         offsets = {r: self._log_size(r) for r in range(self.world_size)}
+        payload = pickle.dumps(task, protocol=pickle.HIGHEST_PROTOCOL)  # once for all ranks; see send_message
         for conn in self._conns:
-            conn.send(task)
+            conn.send_bytes(payload)
         run = self._collect(time.monotonic() + timeout_s, offsets)
         if not run.healthy:
             self.stop()
@@ -127,7 +129,7 @@ class RankPool:
         for proc, conn in zip(self._procs, self._conns):
             if proc.is_alive():
                 try:
-                    conn.send(None)
+                    send_message(conn, None)
                 except (OSError, BrokenPipeError):
                     pass
         deadline = time.monotonic() + 3.0
@@ -181,7 +183,7 @@ class RankPool:
                     if rank not in pending:
                         continue
                     try:
-                        outcome: RankOutcome = obj.recv()
+                        outcome: RankOutcome = recv_message(obj)
                     except (EOFError, OSError):
                         continue  # the sentinel reports the death
                     run.outcomes[rank] = outcome

@@ -13,6 +13,7 @@ import faulthandler
 import importlib
 import importlib.util
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -23,7 +24,23 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Task", "RankOutcome", "DistArg", "DIST_ARG", "rank_main"]
+__all__ = ["Task", "RankOutcome", "DistArg", "DIST_ARG", "rank_main", "send_message", "recv_message"]
+
+
+def send_message(conn: Any, obj: Any) -> None:
+    """Send ``obj`` as plain pickle bytes.
+
+    ``Connection.send`` pickles with multiprocessing's ForkingPickler, for which torch registers
+    reductions that move tensors into shared memory: every rank would then get the *same* storage for
+    a tensor argument, and one rank's in-place update (an optimizer's ``step``) would show on the
+    others. Plain pickle gives each rank its own copy, as separate hosts would have.
+    """
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv_message(conn: Any) -> Any:
+    """Receive what :func:`send_message` sent."""
+    return pickle.loads(conn.recv_bytes())
 
 class DistArg:
     """Stands for the rank's RankContext among a task's arguments; replaced on each rank."""
@@ -183,29 +200,35 @@ def rank_main(
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
         )
-        conn.send(RankOutcome(rank=rank, status="ok", value="ready"))
+        send_message(conn, RankOutcome(rank=rank, status="ok", value="ready"))
     except BaseException:  # noqa: BLE001 - reported to the controller, which fails the pool start
-        conn.send(RankOutcome(rank=rank, status="fail", error=traceback.format_exc()))
+        send_message(conn, RankOutcome(rank=rank, status="fail", error=traceback.format_exc()))
         return
 
     while True:
         try:
-            task = conn.recv()
+            data = conn.recv_bytes()
         except EOFError:
             break
+        try:
+            task = pickle.loads(data)
+        except Exception:  # noqa: BLE001 - e.g. an argument whose class this rank cannot import
+            send_message(conn, RankOutcome(rank=rank, status="fail", error=f"could not unpickle the task:\n{traceback.format_exc()}"))
+            continue
         if task is None:
             break
         outcome = _run(task, rank, world_size, backend)
         try:
-            conn.send(outcome)
+            send_message(conn, outcome)
         except Exception:  # noqa: BLE001 - the value did not pickle: say so instead of dying
-            conn.send(
+            send_message(
+                conn,
                 RankOutcome(
                     rank=rank,
                     status="fail",
                     error=f"the test body's return value could not be sent to the controller:\n{traceback.format_exc()}",
                     seconds=outcome.seconds,
-                )
+                ),
             )
     try:
         dist.destroy_process_group()
