@@ -164,6 +164,14 @@ class RankPool:
         except FileNotFoundError:
             return ""
 
+    def _try_recv(self, rank: int) -> RankOutcome | None:
+        """The rank's answer if one is waiting on its pipe; None at EOF (the rank died) or if none."""
+        conn = self._conns[rank]
+        try:
+            return recv_message(conn) if conn.poll() else None
+        except (EOFError, OSError):
+            return None
+
     def _collect(self, deadline: float, offsets: dict[int, int]) -> PoolRun:
         run = PoolRun(world_size=self.world_size)
         pending = set(range(self.world_size))
@@ -177,28 +185,21 @@ class RankPool:
             waitables = {self._conns[r]: r for r in pending}
             sentinels = {self._procs[r].sentinel: r for r in pending}
             ready = wait(list(waitables) + list(sentinels), timeout=limit - now)
-            for obj in ready:
-                if obj in waitables:
-                    rank = waitables[obj]
-                    if rank not in pending:
-                        continue
-                    try:
-                        outcome: RankOutcome = recv_message(obj)
-                    except (EOFError, OSError):
-                        continue  # the sentinel reports the death
+            for rank in sorted({waitables.get(obj, sentinels.get(obj)) for obj in ready}):
+                if rank not in pending:
+                    continue
+                outcome = self._try_recv(rank)
+                if outcome is not None:
                     run.outcomes[rank] = outcome
-                    pending.discard(rank)
-                    if outcome.status == "fail" and first_failure_at is None:
-                        first_failure_at = time.monotonic()
-            for obj in ready:
-                if obj in sentinels:
-                    rank = sentinels[obj]
-                    if rank in pending and not self._conns[rank].poll():
-                        self._procs[rank].join(timeout=1.0)
-                        run.died[rank] = self._procs[rank].exitcode
-                        pending.discard(rank)
-                        if first_failure_at is None:
-                            first_failure_at = time.monotonic()
+                    failed = outcome.status == "fail"
+                else:
+                    # Readable without a message (EOF) or its sentinel fired: the rank is gone.
+                    self._procs[rank].join(timeout=5.0)
+                    run.died[rank] = self._procs[rank].exitcode
+                    failed = True
+                pending.discard(rank)
+                if failed and first_failure_at is None:
+                    first_failure_at = time.monotonic()
         run.hung = sorted(pending)
         if run.hung:
             # Ask the hung ranks where they are before the pool is killed.
