@@ -53,6 +53,7 @@ __all__ = [
     "sharded_state_dict",
     "load_full_state_dict",
     "load_sharded_state_dict",
+    "state_dict_layout",
 ]
 
 #: The attribute under which a unit holds the module it wraps: a segment of raw FQNs, never of clean ones.
@@ -465,7 +466,7 @@ def load_sharded_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, 
     tensors). Collective. Checked like :func:`load_full_state_dict` before anything is gathered."""
     from torch.distributed.tensor import DTensor
 
-    _check_state_dict(model, state_dict, strict=strict, expected=_expected_entries(model))
+    _check_state_dict(model, state_dict, strict=strict, expected=state_dict_layout(model))
     full = {}
     for key in sorted(state_dict):  # one order on every rank: full_tensor() is a collective
         value = state_dict[key]
@@ -473,10 +474,9 @@ def load_sharded_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, 
     load_full_state_dict(model, full, strict=strict)
 
 
-def _expected_entries(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Clean FQN -> (shape, dtype) of every entry of the full state dict, without any collective.
-
-    Used by ``reference.state_dict`` for the layout of a sharded model: keep it stable."""
+def state_dict_layout(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Clean FQN -> (shape, dtype) of every parameter entry of the full state dict, computed locally
+    (no collective), so any rank can describe a sharded model without gathering it."""
     shapes = {}
     for base, unit in _units(model):
         handle = unit._handle
@@ -520,7 +520,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     Every entry is checked first (missing/unexpected keys under ``strict``, shapes): on error the model
     is unchanged and the message names the key. Local: each rank copies its own shard, no collective.
     A tied parameter is written from the first of its names present."""
-    expected = _expected_entries(model)
+    expected = state_dict_layout(model)
     _check_state_dict(model, state_dict, strict=strict, expected=expected)
     _reshard_all(model)
     with torch.no_grad():

@@ -192,11 +192,10 @@ class ShardedBackend(PlainBackend):
         return fsdp.sharded_state_dict(model)
 
     def local_state(self, model: nn.Module) -> Mapping[str, Any]:
-        # Shapes without a collective: meta tensors of each entry's full shape. reference.fsdp computes
-        # them in _expected_entries (no public name yet; it is the one place that knows the layout).
-        from reference.fsdp import _expected_entries
+        # Shapes without a collective: meta tensors of each entry's full shape.
+        from reference.fsdp import state_dict_layout
 
-        return {key: torch.empty(shape, dtype=dtype, device="meta") for key, (shape, dtype) in _expected_entries(model).items()}
+        return {key: torch.empty(shape, dtype=dtype, device="meta") for key, (shape, dtype) in state_dict_layout(model).items()}
 
     def load_model_state_dict(self, model: nn.Module, state_dict: dict[str, Any], options: StateDictOptions) -> None:
         from reference import fsdp
