@@ -237,6 +237,22 @@ def assert_osd_matches(got: dict[str, Any], expected: dict[str, Any], where: str
         )
 
 
+def assert_continues(target: Run, source: Run, osd: dict[str, Any] | None = None, *, where: str) -> None:
+    """``target`` takes over from ``source`` and one more step matches the unwrapped model.
+
+    ``target``'s oracle becomes a copy of ``source``'s; its model loads ``source``'s full model state
+    dict, then ``osd`` (by default ``source``'s full optimizer state dict, taken after the model's), each
+    run's own ops saving and loading. Collective: every rank calls."""
+    target.continue_oracle_of(source)
+    target.ops.load_full_state_dict(target.model, source.ops.full_state_dict(source.model))
+    if osd is None:
+        osd = source.ops.optim_state_dict(source.model, source.optim)
+    target.ops.load_optim_state_dict(target.model, target.optim, osd)
+    target.train(1)
+    assert_model_matches(target.ops, target, where)
+    assert_osd_matches(target.ops.optim_state_dict(target.model, target.optim), target.oracle_osd(), where)
+
+
 def _check_sharded_layout(osd: dict[str, Any], run: Run, where: str) -> None:
     """Positional states are DTensors of the parameter's shape, sharded on dim 0 unless replicated."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -276,12 +292,7 @@ def test_parity_and_optim_state_dict(dist, impl, strategy: str, use_orig_params:
         assert_osd_matches(sharded, run.oracle_osd(), f"{setup} sharded")
 
         fresh = Run(dist, ops, replace(setup, seed=1))
-        fresh.continue_oracle_of(run)
-        ops.load_full_state_dict(fresh.model, ops.full_state_dict(run.model))
-        ops.load_optim_state_dict(fresh.model, fresh.optim, sharded)
-        fresh.train(1)
-        assert_model_matches(ops, fresh, f"{setup}: loaded the sharded state dict, one more step")
-        assert_osd_matches(ops.optim_state_dict(fresh.model, fresh.optim), fresh.oracle_osd(), f"{setup} after load and step")
+        assert_continues(fresh, run, sharded, where=f"{setup}: loaded the sharded state dict, one more step")
 
 
 @pytest.mark.req("OS-4")
@@ -328,12 +339,7 @@ def test_load_into_other_strategy(dist, impl, trip) -> None:
     source = Run(dist, ops, Setup(strategy=s1, use_orig_params=u1, optimizer="adamw"))
     source.train(2)
     target = Run(dist, ops, Setup(strategy=s2, use_orig_params=u2, optimizer="adamw", seed=1))
-    target.continue_oracle_of(source)
-    ops.load_full_state_dict(target.model, ops.full_state_dict(source.model))
-    ops.load_optim_state_dict(target.model, target.optim, ops.optim_state_dict(source.model, source.optim))
-    target.train(1)
-    assert_model_matches(ops, target, f"{_trip_id(trip)}")
-    assert_osd_matches(ops.optim_state_dict(target.model, target.optim), target.oracle_osd(), _trip_id(trip))
+    assert_continues(target, source, where=_trip_id(trip))
 
 
 def _save_phase(ctx: Any, impl: Any, setup: Setup, steps: int) -> tuple[dict, dict] | None:
@@ -384,12 +390,7 @@ def test_load_across_implementations(dist, impl, reference_impl, direction: str,
     source = Run(dist, saver, Setup(strategy="FULL_SHARD", use_orig_params=use_orig_params))
     source.train(2)
     target = Run(dist, loader, Setup(strategy="SHARD_GRAD_OP", use_orig_params=use_orig_params, seed=1))
-    target.continue_oracle_of(source)
-    loader.load_full_state_dict(target.model, saver.full_state_dict(source.model))
-    loader.load_optim_state_dict(target.model, target.optim, saver.optim_state_dict(source.model, source.optim))
-    target.train(1)
-    assert_model_matches(loader, target, direction)
-    assert_osd_matches(loader.optim_state_dict(target.model, target.optim), target.oracle_osd(), direction)
+    assert_continues(target, source, where=direction)
 
 
 # -- OS-9: one key order on every rank -----------------------------------------------------------------
@@ -446,13 +447,7 @@ def test_zoo_model(dist, impl, case: Setup, use_orig_params: bool) -> None:
     assert_osd_matches(osd, run.oracle_osd(), str(setup))
     if setup.model == "tied":
         assert "head.weight" not in osd["state"], f"{setup}: tied weight has a second entry under 'head.weight'"
-    fresh = Run(dist, ops, replace(setup, seed=1))
-    fresh.continue_oracle_of(run)
-    ops.load_full_state_dict(fresh.model, ops.full_state_dict(run.model))
-    ops.load_optim_state_dict(fresh.model, fresh.optim, osd)
-    fresh.train(1)
-    assert_model_matches(ops, fresh, f"{setup} reloaded")
-    assert_osd_matches(ops.optim_state_dict(fresh.model, fresh.optim), fresh.oracle_osd(), f"{setup} reloaded")
+    assert_continues(Run(dist, ops, replace(setup, seed=1)), run, osd, where=f"{setup} reloaded")
 
 
 # -- OS-2, OS-15: layout and keying ---------------------------------------------------------------------
