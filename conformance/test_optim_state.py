@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from conformance import models
 from conformance.adapters.optim_state import STRATEGIES
+from conformance.compare import fqn_keyed_optim, full_tensor, local_tensor
 
 GLOBAL_BATCH = 8  # divisible by every world size the suite is run at (1, 2, 4, 8)
 
@@ -151,36 +152,10 @@ class Run:
         self.steps = other.steps
 
     def oracle_osd(self) -> dict[str, Any]:
-        return fqn_keyed(self.oracle, self.oracle_optim)
-
-
-def fqn_keyed(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    """``optim.state_dict()`` of an unwrapped model with parameter ids replaced by FQNs (first name)."""
-    names: dict[nn.Parameter, str] = {}
-    for name, param in model.named_parameters():
-        names.setdefault(param, name)
-    raw = optim.state_dict()
-    ids = [names[p] for g in optim.param_groups for p in g["params"]]
-    return {
-        "state": {ids[i]: s for i, s in raw["state"].items()},
-        "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [ids[i] for i in g["params"]]} for g in raw["param_groups"]],
-    }
+        return fqn_keyed_optim(self.oracle, self.oracle_optim)
 
 
 # -- comparisons ---------------------------------------------------------------------------------------
-
-
-def _full(value: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor`` (a DTensor's local tensor)."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -199,7 +174,7 @@ def assert_model_matches(ops: Any, run: Run, where: str) -> None:
     expected = run.oracle.state_dict()
     assert sorted(got) == sorted(expected), f"{where}: full state dict keys {sorted(got)}, expected {sorted(expected)}"
     for key, value in expected.items():
-        torch.testing.assert_close(_full(got[key]).to(value.device), value, msg=lambda m: f"{where}: parameter {key!r} differs from the unwrapped model: {m}")
+        torch.testing.assert_close(full_tensor(got[key]).to(value.device), value, msg=lambda m: f"{where}: parameter {key!r} differs from the unwrapped model: {m}")
 
 
 def assert_osd_matches(got: dict[str, Any], expected: dict[str, Any], where: str) -> None:
@@ -214,7 +189,7 @@ def assert_osd_matches(got: dict[str, Any], expected: dict[str, Any], where: str
         states, actual_states = expected["state"][fqn], got["state"][fqn]
         assert sorted(actual_states) == sorted(states), f"{where}: {fqn!r} has states {sorted(actual_states)}, expected {sorted(states)}"
         for name in sorted(states):
-            value, actual = states[name], _full(actual_states[name])
+            value, actual = states[name], full_tensor(actual_states[name])
             if isinstance(value, torch.Tensor):
                 assert isinstance(actual, torch.Tensor), f"{where}: state {name!r} of {fqn!r} is {type(actual).__name__}, expected a tensor"
                 if value.dim() == 0:  # `step` and other scalars stay where torch.optim keeps them
@@ -469,7 +444,7 @@ def test_what_the_optimizer_sees(dist, impl, strategy: str, use_orig_params: boo
     shard_count = 1 if strategy == "NO_SHARD" else dist.world_size
     if use_orig_params:
         assert all(len(group) == 1 for group, _ in named), f"original parameters stand for one FQN each: {[g for g, _ in named]}"
-        local = {group[0]: _local(param).numel() for group, param in named}
+        local = {group[0]: local_tensor(param).numel() for group, param in named}
         totals = dist.all_gather_object(local)
         for fqn, numel in oracle_numel.items():
             held = sum(t[fqn] for t in totals)
@@ -628,7 +603,7 @@ def _structure(osd: dict[str, Any]) -> str:
         states = osd["state"][fqn]
         parts = []
         for name in sorted(states):
-            value = _full(states[name])
+            value = full_tensor(states[name])
             if isinstance(value, torch.Tensor):
                 parts.append(f"{name}={str(value.dtype).replace('torch.', '')}{list(value.shape)}")
             else:

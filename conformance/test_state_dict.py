@@ -1,7 +1,8 @@
 """SD: get/set state_dict with submodules, on plain, wrapped and sharded models (conformance/SPEC.md).
 
 Oracles: ``nn.Module.state_dict()`` and ``Optimizer.state_dict()`` of the unwrapped model (keyed by
-FQN here, :func:`fqn_keyed_optim`), trained identically on one process; for SD-15 the reference.
+FQN, :func:`conformance.compare.fqn_keyed_optim`), trained identically on one process; for SD-15 the
+reference.
 
 Tests without ``dist`` run on the controller, on plain models (the state_dict functions need no
 process group there); tests with ``dist`` run on every rank.
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from conformance import models as zoo
 from conformance.adapters.base import Unsupported, load_adapter
 from conformance.adapters.state_dict import SHARDING_STRATEGIES, StateDictOps
+from conformance.compare import fqn_keyed_optim, full_on_cpu
 
 # -- helpers -----------------------------------------------------------------------------------------
 
@@ -68,38 +70,11 @@ def trained(name: str, seed: int = 0, steps: int = 1, device: Any = "cpu") -> tu
     return model, optim
 
 
-def fqn_keyed_optim(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    """The oracle of SD-2: ``optim.state_dict()`` with ids replaced by the FQN ``named_parameters``
-    gives first (tied parameters appear once there)."""
-    osd = optim.state_dict()
-    # The model's own children may be checkpoint-wrapped (``wrap`` wraps in place); its state_dict()
-    # hides that segment, named_parameters() of the parent does not.
-    name_of = {p: n.replace("_checkpoint_wrapped_module.", "") for n, p in model.named_parameters()}
-    fqns = [name_of[p] for group in optim.param_groups for p in group["params"]]
-    return {
-        "state": {fqns[i]: s for i, s in osd["state"].items()},
-        "param_groups": [{**g, "params": [fqns[i] for i in g["params"]]} for g in osd["param_groups"]],
-    }
-
-
-def full(value: Any) -> Any:
-    """Plain tensors for comparison: DTensors gathered, everything on CPU."""
-    if isinstance(value, DTensor):
-        return value.full_tensor().cpu()
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: full(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(full(v) for v in value)
-    return value
-
-
 def assert_same(actual: Any, expected: Any, what: str, exact: bool = True, path: str = "") -> None:
     """Equal nested state: same keys, tensors equal in value and dtype (``exact`` or within the
     tolerance of ranks averaging), other values ``==``. The message names ``what`` and the path."""
     where = f"{what}, at {path or 'the top'}"
-    actual, expected = full(actual), full(expected)
+    actual, expected = full_on_cpu(actual), full_on_cpu(expected)
     if isinstance(expected, dict):
         assert isinstance(actual, dict), f"{where}: got {type(actual).__name__}, expected a dict"
         assert sorted(map(str, actual)) == sorted(map(str, expected)), (
