@@ -506,10 +506,14 @@ def _shard_or_skip(ops: StateDictOps, dist: Any, name: str, strategy: str, **kw:
         pytest.skip(f"sharding {strategy}: {exc}")
 
 
+#: (zoo model, strategy) for SD-12: every strategy on two models, every sharded zoo model under FULL_SHARD.
+FULL_SD_CASES = [(name, strategy) for name in ("nested", "tied") for strategy in SHARDING_STRATEGIES]
+FULL_SD_CASES += [(name, "FULL_SHARD") for name in SHARDED_ZOO if (name, "FULL_SHARD") not in FULL_SD_CASES]
+
+
 @pytest.mark.req("SD-12")
-@pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
-@pytest.mark.parametrize("name", ("nested", "tied"))
-def test_sharded_full_state_dict_by_strategy(dist: Any, impl: Any, name: str, strategy: str) -> None:
+@pytest.mark.parametrize("name, strategy", FULL_SD_CASES)
+def test_sharded_full_state_dict(dist: Any, impl: Any, name: str, strategy: str) -> None:
     ops = sd_ops(impl)
     model, optim, oracle, oracle_optim = _shard_or_skip(ops, dist, name, strategy)
     model_sd, optim_sd = ops.get_state_dict(model, optim, options=ops.options(full_state_dict=True))
@@ -517,17 +521,6 @@ def test_sharded_full_state_dict_by_strategy(dist: Any, impl: Any, name: str, st
     assert all(not isinstance(v, DTensor) for v in model_sd.values())
     assert_same(model_sd, oracle.state_dict(), f"full model state dict ({strategy})", exact=False)
     assert_same(optim_sd, fqn_keyed_optim(oracle, oracle_optim), f"full optimizer state dict ({strategy})", exact=False)
-
-
-@pytest.mark.req("SD-12")
-@pytest.mark.parametrize("name", SHARDED_ZOO)
-def test_sharded_full_state_dict(dist: Any, impl: Any, name: str) -> None:
-    ops = sd_ops(impl)
-    model, optim, oracle, oracle_optim = _shard_or_skip(ops, dist, name, "FULL_SHARD")
-    model_sd, optim_sd = ops.get_state_dict(model, optim, options=ops.options(full_state_dict=True))
-    assert list(model_sd) == list(oracle.state_dict())
-    assert_same(model_sd, oracle.state_dict(), "full model state dict", exact=False)
-    assert_same(optim_sd, fqn_keyed_optim(oracle, oracle_optim), "full optimizer state dict", exact=False)
 
 
 @pytest.mark.req("SD-12")
