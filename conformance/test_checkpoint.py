@@ -248,15 +248,25 @@ def _tp_plan() -> dict[str, Any]:
     return {"net.0": RowwiseParallel(input_layouts=Replicate()), "net.2": ColwiseParallel(output_layouts=Replicate())}
 
 
+def _zoo_model(dist: Any, name: str, seed: int, device: str | torch.device) -> nn.Module:
+    """Zoo model ``name`` built from ``seed`` on this rank's device, or, for ``device="meta"``, with
+    every tensor on meta (the seed does not matter there)."""
+    if str(device) == "meta":
+        with torch.device("meta"):
+            return models.ZOO[name]()
+    return models.build(name, seed=seed, device=dist.device)
+
+
 def _tp_model(dist: Any, seed: int, device: str | torch.device) -> nn.Module:
     from torch.distributed.tensor.parallel import parallelize_module
 
-    if str(device) == "meta":
-        with torch.device("meta"):
-            model = models.ZOO["mlp"]()
-    else:
-        model = models.build("mlp", seed=seed, device=dist.device)
-    return parallelize_module(model, dist.mesh(), _tp_plan())
+    return parallelize_module(_zoo_model(dist, "mlp", seed, device), dist.mesh(), _tp_plan())
+
+
+def _fsdp2_model(dist: Any, name: str, seed: int, device: str | torch.device) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(_zoo_model(dist, name, seed, device), mesh=dist.mesh())
 
 
 def _check_built(dist: Any, loaded: dict[str, Any], saved: dict[str, Any]) -> None:
@@ -273,44 +283,36 @@ def _check_built(dist: Any, loaded: dict[str, Any], saved: dict[str, Any]) -> No
         assert torch.equal(full_tensor(got), full_tensor(want)), f"{key}: loaded values differ from the saved ones"
 
 
+def _assert_meta_load_rebuilds(dist: Any, ops: Any, name: str, model: nn.Module, meta_model: Callable[[], nn.Module]) -> None:
+    """Save ``model``'s state dict, load it into the state dict of ``meta_model()`` (built after the
+    save), check what the load built, assign it and compare outputs with ``model``'s exactly."""
+    path = dist.tmp_dir / "ckpt"
+    saved = model.state_dict()
+    ops.save(saved, path, process_group=_pg(dist))
+
+    target = meta_model()
+    sd = target.state_dict()
+    _call(lambda: ops.load(sd, path, process_group=_pg(dist)))
+    _check_built(dist, sd, saved)
+    target.load_state_dict(sd, assign=True)
+    inputs = models.batch(name, seed=3, device=dist.device)
+    torch.testing.assert_close(target(inputs), model(inputs), rtol=0, atol=0)
+
+
 @pytest.mark.req("ML-4")
 def test_meta_load_tensor_parallel_model(dist, impl) -> None:
     """PR #113319's test: a tensor-parallel model with uneven shards, loaded into a meta copy."""
     ops = _ops(impl)
-    path = dist.tmp_dir / "ckpt"
     model = _tp_model(dist, seed=5, device=dist.device)
-    saved = model.state_dict()
-    ops.save(saved, path, process_group=_pg(dist))
-
-    meta_model = _tp_model(dist, seed=0, device="meta")
-    sd = meta_model.state_dict()
-    _call(lambda: ops.load(sd, path, process_group=_pg(dist)))
-    _check_built(dist, sd, saved)
-    meta_model.load_state_dict(sd, assign=True)
-    inputs = models.batch("mlp", seed=3, device=dist.device)
-    torch.testing.assert_close(meta_model(inputs), model(inputs), rtol=0, atol=0)
+    _assert_meta_load_rebuilds(dist, ops, "mlp", model, lambda: _tp_model(dist, seed=0, device="meta"))
 
 
 @pytest.mark.req("ML-4")
 @pytest.mark.parametrize("name", ["mlp", "nested", "groups"])
 def test_meta_load_fsdp2_model(dist, impl, name: str) -> None:
-    from torch.distributed.fsdp import fully_shard
-
     ops = _ops(impl)
-    path = dist.tmp_dir / "ckpt"
-    model = fully_shard(models.build(name, seed=6, device=dist.device), mesh=dist.mesh())
-    saved = model.state_dict()
-    ops.save(saved, path, process_group=_pg(dist))
-
-    with torch.device("meta"):
-        meta_model = models.ZOO[name]()
-    meta_model = fully_shard(meta_model, mesh=dist.mesh())
-    sd = meta_model.state_dict()
-    _call(lambda: ops.load(sd, path, process_group=_pg(dist)))
-    _check_built(dist, sd, saved)
-    meta_model.load_state_dict(sd, assign=True)
-    inputs = models.batch(name, seed=3, device=dist.device)
-    torch.testing.assert_close(meta_model(inputs), model(inputs), rtol=0, atol=0)
+    model = _fsdp2_model(dist, name, seed=6, device=dist.device)
+    _assert_meta_load_rebuilds(dist, ops, name, model, lambda: _fsdp2_model(dist, name, seed=0, device="meta"))
 
 
 # -- ML-5 tied parameters -------------------------------------------------------------------------
@@ -323,8 +325,7 @@ def test_meta_load_keeps_tied_storage_shared(dist, impl) -> None:
     model = models.build("tied", seed=2, device=dist.device)
     ops.save(model.state_dict(), path, process_group=_pg(dist))
 
-    with torch.device("meta"):
-        meta_model = models.ZOO["tied"]()
+    meta_model = _zoo_model(dist, "tied", seed=0, device="meta")
     sd = meta_model.state_dict()
     _call(lambda: ops.load(sd, path, process_group=_pg(dist)))
     _no_meta(sd)
