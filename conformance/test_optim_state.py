@@ -159,7 +159,8 @@ class Run:
 
 
 def _to_cpu(obj: Any) -> Any:
-    """``obj`` with every tensor moved to the CPU (containers rebuilt), to send between pools."""
+    """``obj`` with every tensor moved to the CPU (containers rebuilt), to send between pools. Not
+    :func:`conformance.compare.full_on_cpu`: this moves full state dicts as they are, gathering nothing."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):
