@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from conformance import models
 from conformance.adapters.base import Unsupported
+from conformance.compare import fqn_keyed_optim, full_on_cpu, full_tensor, local_tensor
 
 # -- helpers ----------------------------------------------------------------------------------
 
@@ -153,12 +154,7 @@ def _no_meta(sd: Any, where: str = "") -> None:
         for k, v in sd.items():
             _no_meta(v, f"{where}.{k}" if where else str(k))
     elif isinstance(sd, torch.Tensor):
-        local = sd.to_local() if isinstance(sd, DTensor) else sd
-        assert local.device.type != "meta", f"{where}: still on meta after load"
-
-
-def _full(value: torch.Tensor) -> torch.Tensor:
-    return value.full_tensor() if isinstance(value, DTensor) else value
+        assert local_tensor(sd).device.type != "meta", f"{where}: still on meta after load"
 
 
 # -- ML-1 round trip ---------------------------------------------------------------------------
@@ -252,15 +248,25 @@ def _tp_plan() -> dict[str, Any]:
     return {"net.0": RowwiseParallel(input_layouts=Replicate()), "net.2": ColwiseParallel(output_layouts=Replicate())}
 
 
+def _zoo_model(dist: Any, name: str, seed: int, device: str | torch.device) -> nn.Module:
+    """Zoo model ``name`` built from ``seed`` on this rank's device, or, for ``device="meta"``, with
+    every tensor on meta (the seed does not matter there)."""
+    if str(device) == "meta":
+        with torch.device("meta"):
+            return models.ZOO[name]()
+    return models.build(name, seed=seed, device=dist.device)
+
+
 def _tp_model(dist: Any, seed: int, device: str | torch.device) -> nn.Module:
     from torch.distributed.tensor.parallel import parallelize_module
 
-    if str(device) == "meta":
-        with torch.device("meta"):
-            model = models.ZOO["mlp"]()
-    else:
-        model = models.build("mlp", seed=seed, device=dist.device)
-    return parallelize_module(model, dist.mesh(), _tp_plan())
+    return parallelize_module(_zoo_model(dist, "mlp", seed, device), dist.mesh(), _tp_plan())
+
+
+def _fsdp2_model(dist: Any, name: str, seed: int, device: str | torch.device) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(_zoo_model(dist, name, seed, device), mesh=dist.mesh())
 
 
 def _check_built(dist: Any, loaded: dict[str, Any], saved: dict[str, Any]) -> None:
@@ -268,53 +274,45 @@ def _check_built(dist: Any, loaded: dict[str, Any], saved: dict[str, Any]) -> No
     _no_meta(loaded)
     for key, want in saved.items():
         got = loaded[key]
-        local = got.to_local() if isinstance(got, DTensor) else got
+        local = local_tensor(got)
         assert local.device == dist.device, f"{key}: built on {local.device}, expected {dist.device}"
         if isinstance(want, DTensor):
             assert isinstance(got, DTensor), f"{key}: became {type(got).__name__}"
             assert got.device_mesh == want.device_mesh and got.placements == want.placements, f"{key}: layout changed"
             assert got.shape == want.shape and got.stride() == want.stride(), f"{key}: global shape/stride changed"
-        assert torch.equal(_full(got), _full(want)), f"{key}: loaded values differ from the saved ones"
+        assert torch.equal(full_tensor(got), full_tensor(want)), f"{key}: loaded values differ from the saved ones"
+
+
+def _assert_meta_load_rebuilds(dist: Any, ops: Any, name: str, model: nn.Module, meta_model: Callable[[], nn.Module]) -> None:
+    """Save ``model``'s state dict, load it into the state dict of ``meta_model()`` (built after the
+    save), check what the load built, assign it and compare outputs with ``model``'s exactly."""
+    path = dist.tmp_dir / "ckpt"
+    saved = model.state_dict()
+    ops.save(saved, path, process_group=_pg(dist))
+
+    target = meta_model()
+    sd = target.state_dict()
+    _call(lambda: ops.load(sd, path, process_group=_pg(dist)))
+    _check_built(dist, sd, saved)
+    target.load_state_dict(sd, assign=True)
+    inputs = models.batch(name, seed=3, device=dist.device)
+    torch.testing.assert_close(target(inputs), model(inputs), rtol=0, atol=0)
 
 
 @pytest.mark.req("ML-4")
 def test_meta_load_tensor_parallel_model(dist, impl) -> None:
     """PR #113319's test: a tensor-parallel model with uneven shards, loaded into a meta copy."""
     ops = _ops(impl)
-    path = dist.tmp_dir / "ckpt"
     model = _tp_model(dist, seed=5, device=dist.device)
-    saved = model.state_dict()
-    ops.save(saved, path, process_group=_pg(dist))
-
-    meta_model = _tp_model(dist, seed=0, device="meta")
-    sd = meta_model.state_dict()
-    _call(lambda: ops.load(sd, path, process_group=_pg(dist)))
-    _check_built(dist, sd, saved)
-    meta_model.load_state_dict(sd, assign=True)
-    inputs = models.batch("mlp", seed=3, device=dist.device)
-    torch.testing.assert_close(meta_model(inputs), model(inputs), rtol=0, atol=0)
+    _assert_meta_load_rebuilds(dist, ops, "mlp", model, lambda: _tp_model(dist, seed=0, device="meta"))
 
 
 @pytest.mark.req("ML-4")
 @pytest.mark.parametrize("name", ["mlp", "nested", "groups"])
 def test_meta_load_fsdp2_model(dist, impl, name: str) -> None:
-    from torch.distributed.fsdp import fully_shard
-
     ops = _ops(impl)
-    path = dist.tmp_dir / "ckpt"
-    model = fully_shard(models.build(name, seed=6, device=dist.device), mesh=dist.mesh())
-    saved = model.state_dict()
-    ops.save(saved, path, process_group=_pg(dist))
-
-    with torch.device("meta"):
-        meta_model = models.ZOO[name]()
-    meta_model = fully_shard(meta_model, mesh=dist.mesh())
-    sd = meta_model.state_dict()
-    _call(lambda: ops.load(sd, path, process_group=_pg(dist)))
-    _check_built(dist, sd, saved)
-    meta_model.load_state_dict(sd, assign=True)
-    inputs = models.batch(name, seed=3, device=dist.device)
-    torch.testing.assert_close(meta_model(inputs), model(inputs), rtol=0, atol=0)
+    model = _fsdp2_model(dist, name, seed=6, device=dist.device)
+    _assert_meta_load_rebuilds(dist, ops, name, model, lambda: _fsdp2_model(dist, name, seed=0, device="meta"))
 
 
 # -- ML-5 tied parameters -------------------------------------------------------------------------
@@ -327,8 +325,7 @@ def test_meta_load_keeps_tied_storage_shared(dist, impl) -> None:
     model = models.build("tied", seed=2, device=dist.device)
     ops.save(model.state_dict(), path, process_group=_pg(dist))
 
-    with torch.device("meta"):
-        meta_model = models.ZOO["tied"]()
+    meta_model = _zoo_model(dist, "tied", seed=0, device="meta")
     sd = meta_model.state_dict()
     _call(lambda: ops.load(sd, path, process_group=_pg(dist)))
     _no_meta(sd)
@@ -420,7 +417,7 @@ def _load_tp(dist: Any, impl: Any, path: str) -> None:
     _no_meta(sd)
     oracle = models.build("mlp", seed=8, device=dist.device).state_dict()
     for key, value in sd.items():
-        assert torch.equal(_full(value), oracle[key]), f"{key}: resharded values differ from the saved model"
+        assert torch.equal(full_tensor(value), oracle[key]), f"{key}: resharded values differ from the saved model"
     meta_model.load_state_dict(sd, assign=True)
     inputs = models.batch("mlp", seed=4, device=dist.device)
     torch.testing.assert_close(meta_model(inputs), models.build("mlp", seed=8, device=dist.device)(inputs))
@@ -464,16 +461,6 @@ def _save_training(dist: Any, impl: Any, name: str, path: str) -> None:
     ops.save({"model": model_sd, "optim": optim_sd}, path, process_group=_pg(dist))
 
 
-def _full_dict(sd: Any) -> Any:
-    if isinstance(sd, dict):
-        return {k: _full_dict(v) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [_full_dict(v) for v in sd]
-    if isinstance(sd, torch.Tensor):
-        return _full(sd).detach().cpu()
-    return sd
-
-
 def _load_training(dist: Any, impl: Any, name: str, path: str) -> None:
     ops = _ops(impl)
     model = ops.shard(models.build(name, seed=99, device=dist.device), dist.mesh())
@@ -489,11 +476,9 @@ def _load_training(dist: Any, impl: Any, name: str, path: str) -> None:
     _train(oracle, oracle_optimizer, name, range(_TRAIN_STEPS), dist.device)
     got_model, got_optim = ops.get_state_dicts(model, optimizer)
     for key, value in oracle.state_dict().items():
-        torch.testing.assert_close(_full(got_model[key]).cpu(), value.cpu(), msg=lambda m: f"model {key}: {m}")
-    names = {id(p): n for n, p in oracle.named_parameters()}
-    got_state = _full_dict(got_optim["state"])
-    for param, state_values in oracle_optimizer.state.items():
-        fqn = names[id(param)]
+        torch.testing.assert_close(full_tensor(got_model[key]).cpu(), value.cpu(), msg=lambda m: f"model {key}: {m}")
+    got_state = full_on_cpu(got_optim["state"])
+    for fqn, state_values in fqn_keyed_optim(oracle, oracle_optimizer)["state"].items():
         for slot, value in state_values.items():
             torch.testing.assert_close(got_state[fqn][slot], value.cpu(), msg=lambda m: f"optim {fqn}.{slot}: {m}")
     # Training resumes where the saved run left off.
@@ -501,7 +486,7 @@ def _load_training(dist: Any, impl: Any, name: str, path: str) -> None:
     _train(oracle, oracle_optimizer, name, range(_TRAIN_STEPS, _TRAIN_STEPS + 1), dist.device)
     got_model, _ = ops.get_state_dicts(model, optimizer)
     for key, value in oracle.state_dict().items():
-        torch.testing.assert_close(_full(got_model[key]).cpu(), value.cpu(), msg=lambda m: f"after resuming, {key}: {m}")
+        torch.testing.assert_close(full_tensor(got_model[key]).cpu(), value.cpu(), msg=lambda m: f"after resuming, {key}: {m}")
 
 
 @pytest.mark.req("ML-8")

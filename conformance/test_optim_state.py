@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from conformance import models
 from conformance.adapters.optim_state import STRATEGIES
+from conformance.compare import fqn_keyed_optim, full_tensor, local_tensor
 
 GLOBAL_BATCH = 8  # divisible by every world size the suite is run at (1, 2, 4, 8)
 
@@ -151,40 +152,15 @@ class Run:
         self.steps = other.steps
 
     def oracle_osd(self) -> dict[str, Any]:
-        return fqn_keyed(self.oracle, self.oracle_optim)
-
-
-def fqn_keyed(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    """``optim.state_dict()`` of an unwrapped model with parameter ids replaced by FQNs (first name)."""
-    names: dict[nn.Parameter, str] = {}
-    for name, param in model.named_parameters():
-        names.setdefault(param, name)
-    raw = optim.state_dict()
-    ids = [names[p] for g in optim.param_groups for p in g["params"]]
-    return {
-        "state": {ids[i]: s for i, s in raw["state"].items()},
-        "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [ids[i] for i in g["params"]]} for g in raw["param_groups"]],
-    }
+        return fqn_keyed_optim(self.oracle, self.oracle_optim)
 
 
 # -- comparisons ---------------------------------------------------------------------------------------
 
 
-def _full(value: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor`` (a DTensor's local tensor)."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _to_cpu(obj: Any) -> Any:
-    """``obj`` with every tensor moved to the CPU (containers rebuilt), to send between pools."""
+    """``obj`` with every tensor moved to the CPU (containers rebuilt), to send between pools. Not
+    :func:`conformance.compare.full_on_cpu`: this moves full state dicts as they are, gathering nothing."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):
@@ -199,7 +175,7 @@ def assert_model_matches(ops: Any, run: Run, where: str) -> None:
     expected = run.oracle.state_dict()
     assert sorted(got) == sorted(expected), f"{where}: full state dict keys {sorted(got)}, expected {sorted(expected)}"
     for key, value in expected.items():
-        torch.testing.assert_close(_full(got[key]).to(value.device), value, msg=lambda m: f"{where}: parameter {key!r} differs from the unwrapped model: {m}")
+        torch.testing.assert_close(full_tensor(got[key]).to(value.device), value, msg=lambda m: f"{where}: parameter {key!r} differs from the unwrapped model: {m}")
 
 
 def assert_osd_matches(got: dict[str, Any], expected: dict[str, Any], where: str) -> None:
@@ -214,7 +190,7 @@ def assert_osd_matches(got: dict[str, Any], expected: dict[str, Any], where: str
         states, actual_states = expected["state"][fqn], got["state"][fqn]
         assert sorted(actual_states) == sorted(states), f"{where}: {fqn!r} has states {sorted(actual_states)}, expected {sorted(states)}"
         for name in sorted(states):
-            value, actual = states[name], _full(actual_states[name])
+            value, actual = states[name], full_tensor(actual_states[name])
             if isinstance(value, torch.Tensor):
                 assert isinstance(actual, torch.Tensor), f"{where}: state {name!r} of {fqn!r} is {type(actual).__name__}, expected a tensor"
                 if value.dim() == 0:  # `step` and other scalars stay where torch.optim keeps them
@@ -235,6 +211,22 @@ def assert_osd_matches(got: dict[str, Any], expected: dict[str, Any], where: str
         assert sorted(group["params"]) == sorted(want["params"]), (
             f"{where}: param group {index} lists {sorted(group['params'])}, expected {sorted(want['params'])}"
         )
+
+
+def assert_continues(target: Run, source: Run, osd: dict[str, Any] | None = None, *, where: str) -> None:
+    """``target`` takes over from ``source`` and one more step matches the unwrapped model.
+
+    ``target``'s oracle becomes a copy of ``source``'s; its model loads ``source``'s full model state
+    dict, then ``osd`` (by default ``source``'s full optimizer state dict, taken after the model's), each
+    run's own ops saving and loading. Collective: every rank calls."""
+    target.continue_oracle_of(source)
+    target.ops.load_full_state_dict(target.model, source.ops.full_state_dict(source.model))
+    if osd is None:
+        osd = source.ops.optim_state_dict(source.model, source.optim)
+    target.ops.load_optim_state_dict(target.model, target.optim, osd)
+    target.train(1)
+    assert_model_matches(target.ops, target, where)
+    assert_osd_matches(target.ops.optim_state_dict(target.model, target.optim), target.oracle_osd(), where)
 
 
 def _check_sharded_layout(osd: dict[str, Any], run: Run, where: str) -> None:
@@ -276,12 +268,7 @@ def test_parity_and_optim_state_dict(dist, impl, strategy: str, use_orig_params:
         assert_osd_matches(sharded, run.oracle_osd(), f"{setup} sharded")
 
         fresh = Run(dist, ops, replace(setup, seed=1))
-        fresh.continue_oracle_of(run)
-        ops.load_full_state_dict(fresh.model, ops.full_state_dict(run.model))
-        ops.load_optim_state_dict(fresh.model, fresh.optim, sharded)
-        fresh.train(1)
-        assert_model_matches(ops, fresh, f"{setup}: loaded the sharded state dict, one more step")
-        assert_osd_matches(ops.optim_state_dict(fresh.model, fresh.optim), fresh.oracle_osd(), f"{setup} after load and step")
+        assert_continues(fresh, run, sharded, where=f"{setup}: loaded the sharded state dict, one more step")
 
 
 @pytest.mark.req("OS-4")
@@ -328,12 +315,7 @@ def test_load_into_other_strategy(dist, impl, trip) -> None:
     source = Run(dist, ops, Setup(strategy=s1, use_orig_params=u1, optimizer="adamw"))
     source.train(2)
     target = Run(dist, ops, Setup(strategy=s2, use_orig_params=u2, optimizer="adamw", seed=1))
-    target.continue_oracle_of(source)
-    ops.load_full_state_dict(target.model, ops.full_state_dict(source.model))
-    ops.load_optim_state_dict(target.model, target.optim, ops.optim_state_dict(source.model, source.optim))
-    target.train(1)
-    assert_model_matches(ops, target, f"{_trip_id(trip)}")
-    assert_osd_matches(ops.optim_state_dict(target.model, target.optim), target.oracle_osd(), _trip_id(trip))
+    assert_continues(target, source, where=_trip_id(trip))
 
 
 def _save_phase(ctx: Any, impl: Any, setup: Setup, steps: int) -> tuple[dict, dict] | None:
@@ -384,12 +366,7 @@ def test_load_across_implementations(dist, impl, reference_impl, direction: str,
     source = Run(dist, saver, Setup(strategy="FULL_SHARD", use_orig_params=use_orig_params))
     source.train(2)
     target = Run(dist, loader, Setup(strategy="SHARD_GRAD_OP", use_orig_params=use_orig_params, seed=1))
-    target.continue_oracle_of(source)
-    loader.load_full_state_dict(target.model, saver.full_state_dict(source.model))
-    loader.load_optim_state_dict(target.model, target.optim, saver.optim_state_dict(source.model, source.optim))
-    target.train(1)
-    assert_model_matches(loader, target, direction)
-    assert_osd_matches(loader.optim_state_dict(target.model, target.optim), target.oracle_osd(), direction)
+    assert_continues(target, source, where=direction)
 
 
 # -- OS-9: one key order on every rank -----------------------------------------------------------------
@@ -446,13 +423,7 @@ def test_zoo_model(dist, impl, case: Setup, use_orig_params: bool) -> None:
     assert_osd_matches(osd, run.oracle_osd(), str(setup))
     if setup.model == "tied":
         assert "head.weight" not in osd["state"], f"{setup}: tied weight has a second entry under 'head.weight'"
-    fresh = Run(dist, ops, replace(setup, seed=1))
-    fresh.continue_oracle_of(run)
-    ops.load_full_state_dict(fresh.model, ops.full_state_dict(run.model))
-    ops.load_optim_state_dict(fresh.model, fresh.optim, osd)
-    fresh.train(1)
-    assert_model_matches(ops, fresh, f"{setup} reloaded")
-    assert_osd_matches(ops.optim_state_dict(fresh.model, fresh.optim), fresh.oracle_osd(), f"{setup} reloaded")
+    assert_continues(Run(dist, ops, replace(setup, seed=1)), run, osd, where=f"{setup} reloaded")
 
 
 # -- OS-2, OS-15: layout and keying ---------------------------------------------------------------------
@@ -474,7 +445,7 @@ def test_what_the_optimizer_sees(dist, impl, strategy: str, use_orig_params: boo
     shard_count = 1 if strategy == "NO_SHARD" else dist.world_size
     if use_orig_params:
         assert all(len(group) == 1 for group, _ in named), f"original parameters stand for one FQN each: {[g for g, _ in named]}"
-        local = {group[0]: _local(param).numel() for group, param in named}
+        local = {group[0]: local_tensor(param).numel() for group, param in named}
         totals = dist.all_gather_object(local)
         for fqn, numel in oracle_numel.items():
             held = sum(t[fqn] for t in totals)
@@ -633,7 +604,7 @@ def _structure(osd: dict[str, Any]) -> str:
         states = osd["state"][fqn]
         parts = []
         for name in sorted(states):
-            value = _full(states[name])
+            value = full_tensor(states[name])
             if isinstance(value, torch.Tensor):
                 parts.append(f"{name}={str(value.dtype).replace('torch.', '')}{list(value.shape)}")
             else:

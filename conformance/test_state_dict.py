@@ -1,7 +1,8 @@
 """SD: get/set state_dict with submodules, on plain, wrapped and sharded models (conformance/SPEC.md).
 
 Oracles: ``nn.Module.state_dict()`` and ``Optimizer.state_dict()`` of the unwrapped model (keyed by
-FQN here, :func:`fqn_keyed_optim`), trained identically on one process; for SD-15 the reference.
+FQN, :func:`conformance.compare.fqn_keyed_optim`), trained identically on one process; for SD-15 the
+reference.
 
 Tests without ``dist`` run on the controller, on plain models (the state_dict functions need no
 process group there); tests with ``dist`` run on every rank.
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from conformance import models as zoo
 from conformance.adapters.base import Unsupported, load_adapter
 from conformance.adapters.state_dict import SHARDING_STRATEGIES, StateDictOps
+from conformance.compare import fqn_keyed_optim, full_on_cpu
 
 # -- helpers -----------------------------------------------------------------------------------------
 
@@ -68,38 +70,11 @@ def trained(name: str, seed: int = 0, steps: int = 1, device: Any = "cpu") -> tu
     return model, optim
 
 
-def fqn_keyed_optim(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    """The oracle of SD-2: ``optim.state_dict()`` with ids replaced by the FQN ``named_parameters``
-    gives first (tied parameters appear once there)."""
-    osd = optim.state_dict()
-    # The model's own children may be checkpoint-wrapped (``wrap`` wraps in place); its state_dict()
-    # hides that segment, named_parameters() of the parent does not.
-    name_of = {p: n.replace("_checkpoint_wrapped_module.", "") for n, p in model.named_parameters()}
-    fqns = [name_of[p] for group in optim.param_groups for p in group["params"]]
-    return {
-        "state": {fqns[i]: s for i, s in osd["state"].items()},
-        "param_groups": [{**g, "params": [fqns[i] for i in g["params"]]} for g in osd["param_groups"]],
-    }
-
-
-def full(value: Any) -> Any:
-    """Plain tensors for comparison: DTensors gathered, everything on CPU."""
-    if isinstance(value, DTensor):
-        return value.full_tensor().cpu()
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: full(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(full(v) for v in value)
-    return value
-
-
 def assert_same(actual: Any, expected: Any, what: str, exact: bool = True, path: str = "") -> None:
     """Equal nested state: same keys, tensors equal in value and dtype (``exact`` or within the
     tolerance of ranks averaging), other values ``==``. The message names ``what`` and the path."""
     where = f"{what}, at {path or 'the top'}"
-    actual, expected = full(actual), full(expected)
+    actual, expected = full_on_cpu(actual), full_on_cpu(expected)
     if isinstance(expected, dict):
         assert isinstance(actual, dict), f"{where}: got {type(actual).__name__}, expected a dict"
         assert sorted(map(str, actual)) == sorted(map(str, expected)), (
@@ -531,10 +506,14 @@ def _shard_or_skip(ops: StateDictOps, dist: Any, name: str, strategy: str, **kw:
         pytest.skip(f"sharding {strategy}: {exc}")
 
 
+#: (zoo model, strategy) for SD-12: every strategy on two models, every sharded zoo model under FULL_SHARD.
+FULL_SD_CASES = [(name, strategy) for name in ("nested", "tied") for strategy in SHARDING_STRATEGIES]
+FULL_SD_CASES += [(name, "FULL_SHARD") for name in SHARDED_ZOO if (name, "FULL_SHARD") not in FULL_SD_CASES]
+
+
 @pytest.mark.req("SD-12")
-@pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
-@pytest.mark.parametrize("name", ("nested", "tied"))
-def test_sharded_full_state_dict_by_strategy(dist: Any, impl: Any, name: str, strategy: str) -> None:
+@pytest.mark.parametrize("name, strategy", FULL_SD_CASES)
+def test_sharded_full_state_dict(dist: Any, impl: Any, name: str, strategy: str) -> None:
     ops = sd_ops(impl)
     model, optim, oracle, oracle_optim = _shard_or_skip(ops, dist, name, strategy)
     model_sd, optim_sd = ops.get_state_dict(model, optim, options=ops.options(full_state_dict=True))
@@ -542,17 +521,6 @@ def test_sharded_full_state_dict_by_strategy(dist: Any, impl: Any, name: str, st
     assert all(not isinstance(v, DTensor) for v in model_sd.values())
     assert_same(model_sd, oracle.state_dict(), f"full model state dict ({strategy})", exact=False)
     assert_same(optim_sd, fqn_keyed_optim(oracle, oracle_optim), f"full optimizer state dict ({strategy})", exact=False)
-
-
-@pytest.mark.req("SD-12")
-@pytest.mark.parametrize("name", SHARDED_ZOO)
-def test_sharded_full_state_dict(dist: Any, impl: Any, name: str) -> None:
-    ops = sd_ops(impl)
-    model, optim, oracle, oracle_optim = _shard_or_skip(ops, dist, name, "FULL_SHARD")
-    model_sd, optim_sd = ops.get_state_dict(model, optim, options=ops.options(full_state_dict=True))
-    assert list(model_sd) == list(oracle.state_dict())
-    assert_same(model_sd, oracle.state_dict(), "full model state dict", exact=False)
-    assert_same(optim_sd, fqn_keyed_optim(oracle, oracle_optim), "full optimizer state dict", exact=False)
 
 
 @pytest.mark.req("SD-12")

@@ -93,16 +93,22 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(tree, torch.Tensor):
+def _map_leaves(tree: Any, leaf: type, fn: Callable[[Any], Any]) -> Any:
+    """``tree`` (mappings, lists, tuples) rebuilt with ``fn`` applied to each instance of ``leaf``, in
+    depth-first order (the same on every rank for the same structure); other values as they are."""
+    if isinstance(tree, leaf):
         return fn(tree)
     if isinstance(tree, Mapping):
-        return {k: _map_tensors(v, fn) for k, v in tree.items()}
+        return {k: _map_leaves(v, leaf, fn) for k, v in tree.items()}
     if isinstance(tree, list):
-        return [_map_tensors(v, fn) for v in tree]
+        return [_map_leaves(v, leaf, fn) for v in tree]
     if isinstance(tree, tuple):
-        return tuple(_map_tensors(v, fn) for v in tree)
+        return tuple(_map_leaves(v, leaf, fn) for v in tree)
     return tree
+
+
+def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    return _map_leaves(tree, torch.Tensor, fn)
 
 
 def _full_and_offloaded(tree: dict[str, Any], options: StateDictOptions) -> dict[str, Any]:
@@ -314,21 +320,14 @@ def broadcast_from_rank0(tree: Any, device: torch.device) -> Any:
 
     box: list[Any] = [_map_tensors(tree, to_slot) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    skeleton = box[0]
-    def walk(node: Any) -> Any:
-        if isinstance(node, _TensorSlot):
-            if rank == 0:
-                buf = tensors[node.index].detach().to(device)
-            else:
-                buf = torch.empty(node.shape, dtype=node.dtype, device=device)
-            dist.broadcast(buf, src=0)
-            return buf if rank != 0 else tensors[node.index]
-        if isinstance(node, Mapping):
-            return {k: walk(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        if isinstance(node, tuple):
-            return tuple(walk(v) for v in node)
-        return node
 
-    return walk(skeleton)
+    def receive(slot: _TensorSlot) -> torch.Tensor:
+        if rank == 0:
+            buf = tensors[slot.index].detach().to(device)
+        else:
+            buf = torch.empty(slot.shape, dtype=slot.dtype, device=device)
+        dist.broadcast(buf, src=0)
+        return buf if rank != 0 else tensors[slot.index]
+
+    # Every rank walks the same skeleton, so the broadcasts pair up.
+    return _map_leaves(box[0], _TensorSlot, receive)

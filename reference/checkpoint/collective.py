@@ -95,28 +95,37 @@ class Collective:
             raise error from local
         raise error
 
-    def reduce_scatter(
-        self, step: str, local_fn: Callable[[], T], global_fn: Callable[[list[T]], list[R]]
-    ) -> R:
-        """``local_fn`` on every rank; ``global_fn`` on the coordinator with all results (rank order),
-        returning one value per rank; each rank gets its value. Any failure raises on every rank."""
+    def _gather_and_decide(
+        self, local_fn: Callable[[], T], global_fn: Callable[[list[T]], R]
+    ) -> tuple[R | None, dict[int, _Failure] | None]:
+        """``local_fn`` on every rank, its outcomes gathered to the coordinator (rank order); there, unless
+        a rank failed, ``global_fn`` of the results. On the coordinator: ``(result, None)`` or ``(None,
+        failures by rank)``; on the other ranks ``(None, None)``. The caller sends the decision out."""
         local = self._run(local_fn)
         gathered: list[Any] = [None] * self.world_size if self.is_coordinator else []
         if self.use_dist:
             dist.gather_object(local, gathered if self.is_coordinator else None, group=self.group, group_dst=0)
         else:
             gathered = [local]
+        if not self.is_coordinator:
+            return None, None
+        failures = {r: v for r, v in enumerate(gathered) if isinstance(v, _Failure)}
+        if failures:
+            return None, failures
+        result = self._run(lambda: global_fn(gathered))
+        if isinstance(result, _Failure):
+            return None, {self.rank: result}
+        return result, None
+
+    def reduce_scatter(
+        self, step: str, local_fn: Callable[[], T], global_fn: Callable[[list[T]], list[R]]
+    ) -> R:
+        """``local_fn`` on every rank; ``global_fn`` on the coordinator with all results (rank order),
+        returning one value per rank; each rank gets its value. Any failure raises on every rank."""
+        result, failures = self._gather_and_decide(local_fn, global_fn)
         outgoing: list[Any] = []
         if self.is_coordinator:
-            failures = {r: v for r, v in enumerate(gathered) if isinstance(v, _Failure)}
-            if not failures:
-                result = self._run(lambda: global_fn(gathered))
-                if isinstance(result, _Failure):
-                    failures = {self.rank: result}
-                else:
-                    outgoing = list(result)
-            if failures:
-                outgoing = [failures] * self.world_size
+            outgoing = [failures] * self.world_size if failures else list(result)
         if self.use_dist:
             received: list[Any] = [None]
             dist.scatter_object_list(received, outgoing if self.is_coordinator else None, group=self.group, group_src=0)
@@ -130,23 +139,10 @@ class Collective:
     def all_reduce(self, step: str, local_fn: Callable[[], T], reduce_fn: Callable[[list[T]], R]) -> R:
         """``local_fn`` on every rank; ``reduce_fn`` on the coordinator with all results; every rank
         gets its return value. Any failure raises on every rank."""
-        local = self._run(local_fn)
-        gathered: list[Any] = [None] * self.world_size if self.is_coordinator else []
-        if self.use_dist:
-            dist.gather_object(local, gathered if self.is_coordinator else None, group=self.group, group_dst=0)
-        else:
-            gathered = [local]
+        result, failures = self._gather_and_decide(local_fn, reduce_fn)
         outcome: list[Any] = [None]
         if self.is_coordinator:
-            failures = {r: v for r, v in enumerate(gathered) if isinstance(v, _Failure)}
-            if not failures:
-                result = self._run(lambda: reduce_fn(gathered))
-                if isinstance(result, _Failure):
-                    failures = {self.rank: result}
-                else:
-                    outcome = [("ok", result)]
-            if failures:
-                outcome = [("failed", failures)]
+            outcome = [("failed", failures)] if failures else [("ok", result)]
         if self.use_dist:
             dist.broadcast_object_list(outcome, group=self.group, group_src=0)
         status, value = outcome[0]

@@ -1,0 +1,59 @@
+"""What the test sections compare against, and the tensor conversions they compare with.
+
+The oracle of an FQN-keyed optimizer state dict (:func:`fqn_keyed_optim`) and the small conversions
+from what an implementation returns (DTensors, tensors on any device) to what the oracle holds.
+Comparison rules themselves (exact or within a tolerance, which keys, in which order) stay with the
+section that states them: they differ on purpose from section to section.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["fqn_keyed_optim", "full_on_cpu", "full_tensor", "local_tensor"]
+
+#: The segment torch's activation-checkpoint wrapper adds to parameter names (state_dict() hides it).
+_CHECKPOINT_SEGMENT = "_checkpoint_wrapped_module."
+
+
+def fqn_keyed_optim(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """The oracle of SD-2 and OS-1: ``optim.state_dict()`` of the unwrapped ``model`` with parameter
+    ids replaced by the FQN ``named_parameters`` gives first (tied parameters appear once there).
+
+    The model's children may be checkpoint-wrapped in place; their FQNs are spelled as ``state_dict()``
+    spells them, without the wrapper's segment. Tensors are ``optim``'s own, not copies."""
+    osd = optim.state_dict()
+    name_of = {p: n.replace(_CHECKPOINT_SEGMENT, "") for n, p in model.named_parameters()}
+    fqns = [name_of[p] for group in optim.param_groups for p in group["params"]]
+    return {
+        "state": {fqns[i]: s for i, s in osd["state"].items()},
+        "param_groups": [{**g, "params": [fqns[i] for i in g["params"]]} for g in osd["param_groups"]],
+    }
+
+
+def full_tensor(value: Any) -> Any:
+    """A DTensor's full value (collective: every rank of its mesh calls); anything else as it is."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def local_tensor(value: Any) -> Any:
+    """A DTensor's local shard on this rank; anything else as it is."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def full_on_cpu(value: Any) -> Any:
+    """``value`` with every tensor a plain tensor on the CPU (DTensors gathered, so collective when it
+    holds any); dicts, lists and tuples rebuilt, other values as they are."""
+    if isinstance(value, DTensor):
+        return value.full_tensor().cpu()
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: full_on_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(full_on_cpu(v) for v in value)
+    return value
