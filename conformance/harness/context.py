@@ -1,0 +1,71 @@
+"""What a rank test body gets as ``dist``: the rank's view of its process group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankContext", "device_for_rank", "backend_for_device"]
+
+
+def backend_for_device(device_type: str) -> str:
+    """The c10d backend that drives ``device_type``: nccl for cuda, gloo for cpu."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def device_for_rank(backend: str, rank: int) -> torch.device:
+    """The device a rank computes on: ``cuda:<rank>`` under nccl (one GPU per rank), else cpu."""
+    if backend == "nccl":
+        return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """One rank of a pool, as seen by a test body running on it.
+
+    The default process group (``dist.group.WORLD``) spans all ``world_size`` ranks of the pool and
+    stays initialized across tests. ``tmp_dir`` is the same directory on every rank and fresh for each
+    test, so a body can save on one world size and load on another through it.
+    """
+
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    tmp_dir: Path
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The default process group of the pool."""
+        return dist.group.WORLD
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def mesh(self, *shape: int, names: Sequence[str] | None = None) -> Any:
+        """A DeviceMesh of ``shape`` (default: 1-D over all ranks) on this rank's device type."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = shape or (self.world_size,)
+        return init_device_mesh(self.device.type, tuple(shape), mesh_dim_names=tuple(names) if names else None)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """``obj`` from every rank, rank order."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]

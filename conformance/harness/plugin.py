@@ -1,0 +1,435 @@
+"""The pytest plugin of the conformance suite: options, axes, rank dispatch, xfails, the JSON result.
+
+Loaded by ``conformance/conftest.py`` (and by the self-tests with ``-p conformance.harness.plugin``).
+How tests use it is in :mod:`conformance.harness`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import itertools
+import json
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from conformance.adapters.base import SHIPPED, Adapter, capability_of, load_adapter
+from conformance.harness.pool import PoolManager, PoolRun, PoolStartError
+from conformance.harness.requirements import load_spec
+from conformance.harness.worker import DIST_ARG
+from conformance.harness.xfails import XfailEntry, parse_xfails
+
+__all__ = ["DistSpec", "Pools", "StaleXfailWarning"]
+
+_CONFORMANCE_DIR = Path(__file__).resolve().parent.parent
+_REPO_ROOT = _CONFORMANCE_DIR.parent
+_MANAGER = pytest.StashKey[PoolManager]()
+
+
+class StaleXfailWarning(UserWarning):
+    """An expected-failures entry matched no collected test of its file."""
+
+
+@dataclass(frozen=True)
+class DistSpec:
+    """The value the controller holds for ``dist`` until the body runs on the ranks."""
+
+    world_size: int
+    backend: str
+
+    def __repr__(self) -> str:
+        return f"ws{self.world_size}"
+
+
+# -- options and configuration ---------------------------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("conformance", "statedict-conformance")
+    group.addoption("--world-size", default="1,2", help="world sizes to run rank tests at, e.g. 1,2,4 (default 1,2)")
+    group.addoption(
+        "--backend",
+        default="auto",
+        choices=("auto", "gloo", "nccl"),
+        help="process-group backend: nccl with one GPU per rank, gloo on CPU; auto picks nccl when a world size has enough GPUs",
+    )
+    group.addoption(
+        "--impl",
+        action="append",
+        default=[],
+        help=f"implementation(s) under test: {', '.join(SHIPPED)} or package.module:AdapterClass; comma-separated or repeated (default: all shipped)",
+    )
+    group.addoption("--xfails", action="append", default=[], help="expected-failures file (one test id a line); repeatable")
+    group.addoption("--rank-timeout", type=float, default=120.0, help="seconds a rank test may run before it is cut (default 120)")
+    group.addoption("--report-json", default=None, help="write each test's outcome, requirement IDs and axes to this JSON file")
+
+
+def _world_sizes(config: pytest.Config) -> list[int]:
+    raw = config.getoption("--world-size")
+    try:
+        sizes = sorted({int(part) for part in str(raw).split(",") if part.strip()})
+    except ValueError:
+        raise pytest.UsageError(f"--world-size expects integers like 1,2,4; got {raw!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise pytest.UsageError(f"--world-size expects positive integers; got {raw!r}")
+    return sizes
+
+
+def _impl_specs(config: pytest.Config) -> list[str]:
+    specs = [s.strip() for opt in config.getoption("--impl") for s in opt.split(",") if s.strip()]
+    return list(dict.fromkeys(specs)) or list(SHIPPED)
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _backend_for(config: pytest.Config, world_size: int) -> str:
+    choice = config.getoption("--backend")
+    if choice == "auto":
+        return "nccl" if _cuda_count() >= world_size else "gloo"
+    return choice
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "req(*ids): the SPEC.md requirement IDs this test checks")
+    config.addinivalue_line(
+        "markers", "world_size(*sizes, min=None): restrict a rank test to these world sizes (or at least min)"
+    )
+    manager = PoolManager(pg_timeout_s=max(60.0, config.getoption("--rank-timeout") * 2))
+    config.stash[_MANAGER] = manager
+    _SESSION_RESULTS.clear()
+    atexit.register(manager.stop_all)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _MANAGER in config.stash:
+        config.stash[_MANAGER].stop_all()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    import torch
+
+    sizes = _world_sizes(config)
+    backends = ", ".join(f"ws{ws}={_backend_for(config, ws)}" for ws in sizes)
+    return [
+        f"conformance: torch {torch.__version__}, cuda devices {_cuda_count()}",
+        f"conformance: world sizes {sizes}, backends {backends}, rank timeout {config.getoption('--rank-timeout')}s",
+        f"conformance: implementations {', '.join(_impl_specs(config))}",
+    ]
+
+
+# -- parametrization over the axes ----------------------------------------------------------------
+
+
+def _allowed_sizes(metafunc: pytest.Metafunc, sizes: list[int]) -> tuple[list[int], str]:
+    marker = metafunc.definition.get_closest_marker("world_size")
+    if marker is None:
+        return sizes, ""
+    wanted = set(marker.args)
+    minimum = marker.kwargs.get("min")
+    allowed = [ws for ws in sizes if (not wanted or ws in wanted) and (minimum is None or ws >= minimum)]
+    need = f"world size in {sorted(wanted)}" if wanted else ""
+    if minimum is not None:
+        need = f"{need} and >= {minimum}" if need else f"world size >= {minimum}"
+    return allowed, need
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    config = metafunc.config
+    sizes = _world_sizes(config)
+    if "dist" in metafunc.fixturenames:
+        allowed, need = _allowed_sizes(metafunc, sizes)
+        if allowed:
+            specs = [DistSpec(ws, _backend_for(config, ws)) for ws in allowed]
+            metafunc.parametrize("dist", specs, ids=[f"ws{s.world_size}" for s in specs])
+        else:
+            reason = f"needs {need}; selected --world-size {','.join(map(str, sizes))}"
+            metafunc.parametrize("dist", [pytest.param(None, marks=pytest.mark.skip(reason=reason))], ids=["ws-none"])
+    if "world_size_pair" in metafunc.fixturenames:
+        allowed, need = _allowed_sizes(metafunc, sizes)
+        pairs = list(itertools.permutations(allowed, 2))
+        if pairs:
+            metafunc.parametrize("world_size_pair", pairs, ids=[f"ws{a}-ws{b}" for a, b in pairs])
+        else:
+            reason = "needs two distinct world sizes" + (f" ({need})" if need else "") + f"; selected --world-size {','.join(map(str, sizes))}"
+            metafunc.parametrize("world_size_pair", [pytest.param(None, marks=pytest.mark.skip(reason=reason))], ids=["ws-none"])
+    if "impl" in metafunc.fixturenames:
+        adapters = []
+        for spec in _impl_specs(config):
+            try:
+                adapters.append(load_adapter(spec))
+            except ValueError as exc:
+                raise pytest.UsageError(str(exc)) from None
+        metafunc.parametrize("impl", adapters, ids=[a.name for a in adapters])
+
+
+@pytest.fixture
+def reference_impl() -> Adapter:
+    """The reference adapter, for differential checks of another implementation."""
+    return load_adapter("reference")
+
+
+# -- collection: requirement IDs and expected failures --------------------------------------------
+
+
+def _item_reqs(item: pytest.Item) -> list[str]:
+    return [req for marker in item.iter_markers("req") for req in marker.args]
+
+
+def _item_impl(item: pytest.Item) -> Adapter | None:
+    callspec = getattr(item, "callspec", None)
+    value = callspec.params.get("impl") if callspec is not None else None
+    return value if isinstance(value, Adapter) else None
+
+
+def _load_xfail_entries(config: pytest.Config) -> list[XfailEntry]:
+    entries: list[XfailEntry] = []
+    for raw in config.getoption("--xfails"):
+        entries += parse_xfails(Path(raw))
+    for spec in _impl_specs(config):
+        adapter = load_adapter(spec)
+        if adapter.xfails_file:
+            path = Path(adapter.xfails_file)
+            path = path if path.is_absolute() else _REPO_ROOT / path
+            if path.is_file():
+                entries += parse_xfails(path, impl=adapter.name)
+    return entries
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    spec_ids = set(load_spec())
+    unknown: dict[str, list[str]] = {}
+    untagged: list[str] = []
+    for item in items:
+        reqs = _item_reqs(item)
+        for req in reqs:
+            if req not in spec_ids:
+                unknown.setdefault(req, []).append(item.nodeid)
+        in_suite = _CONFORMANCE_DIR in Path(str(item.path)).resolve().parents
+        if in_suite and not reqs:
+            untagged.append(item.nodeid)
+        impl = _item_impl(item)
+        item.user_properties.append(("reqs", reqs))
+        item.user_properties.append(("impl", impl.name if impl else None))
+    if unknown:
+        listing = "; ".join(f"{req} (named by {nodes[0]})" for req, nodes in sorted(unknown.items()))
+        raise pytest.UsageError(f"requirement IDs not in conformance/SPEC.md: {listing}")
+    if untagged:
+        raise pytest.UsageError(
+            "conformance tests must name the requirement IDs they check with @pytest.mark.req(...): "
+            + ", ".join(untagged[:10])
+        )
+
+    entries = _load_xfail_entries(config)
+    used: set[XfailEntry] = set()
+    for item in items:
+        impl = _item_impl(item)
+        for entry in entries:
+            if entry.matches(item.nodeid, impl.name if impl else None):
+                used.add(entry)
+                item.add_marker(pytest.mark.xfail(reason=f"{entry.reason} [{entry.source}]", strict=False))
+                break
+    collected_files = {item.nodeid.split("::", 1)[0] for item in items}
+    for entry in entries:
+        if entry not in used and entry.file_part in collected_files:
+            warnings.warn(
+                StaleXfailWarning(f"expected-failures entry {entry.pattern!r} ({entry.source}) matches no collected test"),
+                stacklevel=1,
+            )
+
+
+# -- running: capability skips, backend checks, rank dispatch -------------------------------------
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return
+    spec = callspec.params.get("dist")
+    if isinstance(spec, DistSpec) and spec.backend == "nccl" and _cuda_count() < spec.world_size:
+        pytest.skip(f"nccl at world size {spec.world_size} needs {spec.world_size} CUDA devices; found {_cuda_count()}")
+    pair = callspec.params.get("world_size_pair")
+    if pair and item.config.getoption("--backend") == "nccl" and _cuda_count() < max(pair):
+        pytest.skip(f"nccl at world size {max(pair)} needs {max(pair)} CUDA devices; found {_cuda_count()}")
+    impl = _item_impl(item)
+    if impl is not None:
+        for capability in sorted({c for c in map(capability_of, _item_reqs(item)) if c}):
+            reason = impl.unsupported_reason(capability)
+            if reason is not None:
+                pytest.skip(f"{impl.name} does not provide {capability}: {reason}")
+
+
+def _format_run(run: PoolRun, backend: str, timeout_s: float, headline: str) -> str:
+    lines = [f"{headline} (world size {run.world_size}, {backend})"]
+    for rank in range(run.world_size):
+        outcome = run.outcomes.get(rank)
+        if rank in run.died:
+            code = run.died[rank]
+            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            lines.append(f"  rank {rank}: DIED ({how})")
+        elif rank in run.hung:
+            lines.append(f"  rank {rank}: HUNG (no answer within {timeout_s:.0f}s; Python stacks in its output)")
+        elif outcome is not None:
+            status = {"ok": "passed", "fail": "FAILED", "skip": "skipped", "xfail": "xfailed"}[outcome.status]
+            reason = f": {outcome.error}" if outcome.status in ("skip", "xfail") else ""
+            lines.append(f"  rank {rank}: {status}{reason}")
+    if not run.healthy:
+        lines.append("  the pool was killed and is restarted for the next test")
+    for rank in range(run.world_size):
+        outcome = run.outcomes.get(rank)
+        if outcome is not None and outcome.status == "fail":
+            lines += ["", f"---------- rank {rank} traceback ----------", outcome.error.rstrip()]
+    for rank in range(run.world_size):
+        text = run.output.get(rank, "").rstrip()
+        if text:
+            lines += ["", f"---------- rank {rank} output ----------", text]
+    return "\n".join(lines)
+
+
+def _judge(run: PoolRun, backend: str, timeout_s: float) -> list[Any]:
+    """Turn what the ranks did into one pytest outcome; return per-rank values when all passed."""
+    statuses = {r: o.status for r, o in run.outcomes.items()}
+    kinds = set(statuses.values())
+    if not run.healthy or "fail" in kinds:
+        culprits = sorted([r for r, s in statuses.items() if s == "fail"] + list(run.died) + run.hung)
+        pytest.fail(_format_run(run, backend, timeout_s, f"rank test failed on rank(s) {culprits}"), pytrace=False)
+    if kinds == {"ok"}:
+        return [run.outcomes[r].value for r in range(run.world_size)]
+    if len(kinds) == 1:
+        reasons = {o.error for o in run.outcomes.values()}
+        if len(reasons) == 1:
+            reason = reasons.pop()
+        else:
+            reason = "ranks gave different reasons: " + "; ".join(
+                f"rank {r}: {run.outcomes[r].error}" for r in sorted(run.outcomes)
+            )
+        if kinds == {"skip"}:
+            pytest.skip(reason)
+        pytest.xfail(reason)
+    pytest.fail(_format_run(run, backend, timeout_s, "ranks disagree"), pytrace=False)
+
+
+def health_check_body(ctx: Any) -> None:
+    """Run after ranks ended a test differently: proves the group still completes a collective."""
+    ctx.barrier()
+
+
+def _run_on_ranks(
+    config: pytest.Config, world_size: int, backend: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[Any]:
+    manager = config.stash[_MANAGER]
+    timeout_s = config.getoption("--rank-timeout")
+    tmp_dir = tempfile.mkdtemp(prefix="sdc-test-")
+    try:
+        try:
+            run = manager.run(world_size, backend, fn, args, kwargs, tmp_dir=tmp_dir, timeout_s=timeout_s)
+        except PoolStartError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        if run.healthy and len({o.status for o in run.outcomes.values()}) > 1:
+            manager.run(world_size, backend, health_check_body, (DIST_ARG,), {}, tmp_dir=tmp_dir, timeout_s=30.0)
+        return _judge(run, backend, timeout_s)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    spec = pyfuncitem.funcargs.get("dist")
+    if not isinstance(spec, DistSpec):
+        return None
+    names = list(inspect.signature(pyfuncitem.obj).parameters)
+    kwargs = {name: (DIST_ARG if name == "dist" else pyfuncitem.funcargs[name]) for name in names}
+    _run_on_ranks(pyfuncitem.config, spec.world_size, spec.backend, pyfuncitem.obj, (), kwargs)
+    return True
+
+
+class Pools:
+    """Controller-side access to the pools, for tests with several phases (``pools`` fixture)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self._config = config
+
+    def run(self, world_size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(ctx, *args, **kwargs)`` on every rank of the ``world_size`` pool; per-rank return values."""
+        backend = _backend_for(self._config, world_size)
+        if backend == "nccl" and _cuda_count() < world_size:
+            pytest.skip(f"nccl at world size {world_size} needs {world_size} CUDA devices; found {_cuda_count()}")
+        return _run_on_ranks(self._config, world_size, backend, fn, (DIST_ARG, *args), kwargs)
+
+
+@pytest.fixture
+def pools(request: pytest.FixtureRequest) -> Pools:
+    """Run module-level functions on the rank pools of any world size (see :class:`Pools`)."""
+    return Pools(request.config)
+
+
+# -- the JSON result -------------------------------------------------------------------------------
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        reason = str(longrepr[2])
+        return reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
+    return str(longrepr) if longrepr else ""
+
+
+def _failure_line(report: pytest.TestReport) -> str:
+    text = (report.longreprtext or "").strip()
+    error_lines = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
+    first = error_lines[0] if error_lines else (text.splitlines()[0] if text else "")
+    return first[:300]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    props = dict(report.user_properties)
+    entry = _SESSION_RESULTS.setdefault(
+        report.nodeid, {"outcome": None, "reason": "", "reqs": props.get("reqs", []), "impl": props.get("impl")}
+    )
+    xfail_reason = getattr(report, "wasxfail", None)
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        if xfail_reason is not None:
+            entry["outcome"] = "xfailed" if report.skipped else "xpassed"
+            entry["reason"] = xfail_reason
+        elif report.skipped:
+            entry["outcome"], entry["reason"] = "skipped", _skip_reason(report)
+        elif report.failed:
+            entry["outcome"] = "failed" if report.when == "call" else "error"
+            entry["reason"] = _failure_line(report)
+        else:
+            entry["outcome"] = "passed"
+    elif report.when == "teardown" and report.failed:
+        entry["outcome"], entry["reason"] = "error", "teardown: " + _failure_line(report)
+
+
+#: nodeid -> outcome, reason, reqs, impl; written by --report-json at the end of the session.
+_SESSION_RESULTS: dict[str, dict[str, Any]] = {}
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if _MANAGER in config.stash:
+        config.stash[_MANAGER].stop_all()
+    path = config.getoption("--report-json")
+    if path:
+        import torch
+
+        payload = {
+            "torch": torch.__version__,
+            "world_sizes": _world_sizes(config),
+            "backend": config.getoption("--backend"),
+            "impls": [load_adapter(s).name for s in _impl_specs(config)],
+            "spec": load_spec(),
+            "tests": _SESSION_RESULTS,
+        }
+        Path(path).write_text(json.dumps(payload, indent=1, sort_keys=True), encoding="utf-8")

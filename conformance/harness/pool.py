@@ -1,0 +1,261 @@
+"""Pools of rank processes, started once per (world size, backend) and reused by every test.
+
+The controller (the pytest process) sends one :class:`~conformance.harness.worker.Task` to every rank
+and waits for every rank's answer, a rank dying, or the deadline, whichever comes first. A pool that
+hung or lost a rank is killed; the next ``run`` starts a fresh one in a fresh rendezvous directory.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any, Callable
+
+from conformance.harness.worker import Task, RankOutcome, rank_main
+
+__all__ = ["RankPool", "PoolManager", "PoolRun", "PoolStartError"]
+
+#: After the first rank fails, how long the others get to finish before they count as hung.
+FAILURE_GRACE_S = 10.0
+#: How long SIGUSR1's stack dump gets before the logs are read.
+STACK_DUMP_WAIT_S = 1.0
+
+
+class PoolStartError(RuntimeError):
+    """The ranks could not form a process group."""
+
+
+@dataclass
+class PoolRun:
+    """Everything observed on the ranks for one task."""
+
+    world_size: int
+    outcomes: dict[int, RankOutcome] = field(default_factory=dict)
+    output: dict[int, str] = field(default_factory=dict)
+    #: rank -> exit code (negative: the signal) of ranks that died during the task
+    died: dict[int, int | None] = field(default_factory=dict)
+    #: ranks that neither answered nor died by the deadline (their stacks are in ``output``)
+    hung: list[int] = field(default_factory=list)
+    timed_out: bool = False
+
+    @property
+    def healthy(self) -> bool:
+        return not self.died and not self.hung
+
+
+class RankPool:
+    """``world_size`` rank processes joined in one process group over ``backend``."""
+
+    def __init__(self, world_size: int, backend: str, *, pg_timeout_s: float = 1800.0) -> None:
+        self.world_size = world_size
+        self.backend = backend
+        self.pg_timeout_s = pg_timeout_s
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._dir: Path | None = None
+        self.starts = 0
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def log_path(self, rank: int) -> Path:
+        assert self._dir is not None
+        return self._dir / f"rank{rank}.log"
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Spawn the ranks and wait until each has joined the process group."""
+        self.stop()
+        self._dir = Path(tempfile.mkdtemp(prefix=f"sdc-pool-ws{self.world_size}-"))
+        ctx = mp.get_context("spawn")
+        for rank in range(self.world_size):
+            parent_conn, child_conn = ctx.Pipe()
+            proc = ctx.Process(
+                target=rank_main,
+                name=f"sdc-rank{rank}-of-{self.world_size}",
+                args=(
+                    rank,
+                    self.world_size,
+                    self.backend,
+                    str(self._dir / "store"),
+                    str(self.log_path(rank)),
+                    child_conn,
+                    os.getpid(),
+                    self.pg_timeout_s,
+                ),
+                daemon=True,
+            )
+            proc.start()
+            child_conn.close()
+            self._procs.append(proc)
+            self._conns.append(parent_conn)
+        self.starts += 1
+        run = self._collect(time.monotonic() + timeout_s, offsets={r: 0 for r in range(self.world_size)})
+        failed = {r: o for r, o in run.outcomes.items() if o.status != "ok"}
+        if failed or not run.healthy or len(run.outcomes) != self.world_size:
+            self.stop()
+            details = "\n".join(f"[rank {r}] {o.error}" for r, o in failed.items())
+            details += "".join(f"\n[rank {r}] died with exit code {c}" for r, c in run.died.items())
+            details += "".join(f"\n[rank {r}] did not join within {timeout_s:.0f}s" for r in run.hung)
+            details += "".join(f"\n[rank {r} output]\n{out}" for r, out in run.output.items() if out.strip())
+            raise PoolStartError(
+                f"could not start a {self.backend} pool of world size {self.world_size}:\n{details}"
+            )
+
+    def run(self, task: Task, timeout_s: float) -> PoolRun:
+        """Run ``task`` on every rank. The pool is stopped (to be restarted) if the run was not healthy."""
+        if not self.alive:
+            self.start()
+        offsets = {r: self._log_size(r) for r in range(self.world_size)}
+        for conn in self._conns:
+            conn.send(task)
+        run = self._collect(time.monotonic() + timeout_s, offsets)
+        if not run.healthy:
+            self.stop()
+        return run
+
+    def stop(self) -> None:
+        """Ask the ranks to exit, kill what does not, and remove the rendezvous directory."""
+        for proc, conn in zip(self._procs, self._conns):
+            if proc.is_alive():
+                try:
+                    conn.send(None)
+                except (OSError, BrokenPipeError):
+                    pass
+        deadline = time.monotonic() + 3.0
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5.0)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _log_size(self, rank: int) -> int:
+        try:
+            return self.log_path(rank).stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def _read_log(self, rank: int, offset: int) -> str:
+        try:
+            with open(self.log_path(rank), "rb") as f:
+                f.seek(offset)
+                return f.read().decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def _collect(self, deadline: float, offsets: dict[int, int]) -> PoolRun:
+        run = PoolRun(world_size=self.world_size)
+        pending = set(range(self.world_size))
+        first_failure_at: float | None = None
+        while pending:
+            now = time.monotonic()
+            limit = deadline if first_failure_at is None else min(deadline, first_failure_at + FAILURE_GRACE_S)
+            if now >= limit:
+                run.timed_out = now >= deadline
+                break
+            waitables = {self._conns[r]: r for r in pending}
+            sentinels = {self._procs[r].sentinel: r for r in pending}
+            ready = wait(list(waitables) + list(sentinels), timeout=limit - now)
+            for obj in ready:
+                if obj in waitables:
+                    rank = waitables[obj]
+                    if rank not in pending:
+                        continue
+                    try:
+                        outcome: RankOutcome = obj.recv()
+                    except (EOFError, OSError):
+                        continue  # the sentinel reports the death
+                    run.outcomes[rank] = outcome
+                    pending.discard(rank)
+                    if outcome.status == "fail" and first_failure_at is None:
+                        first_failure_at = time.monotonic()
+            for obj in ready:
+                if obj in sentinels:
+                    rank = sentinels[obj]
+                    if rank in pending and not self._conns[rank].poll():
+                        self._procs[rank].join(timeout=1.0)
+                        run.died[rank] = self._procs[rank].exitcode
+                        pending.discard(rank)
+                        if first_failure_at is None:
+                            first_failure_at = time.monotonic()
+        run.hung = sorted(pending)
+        if run.hung:
+            # Ask the hung ranks where they are before the pool is killed.
+            for rank in run.hung:
+                try:
+                    os.kill(self._procs[rank].pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+            time.sleep(STACK_DUMP_WAIT_S)
+        for rank in range(self.world_size):
+            run.output[rank] = self._read_log(rank, offsets.get(rank, 0))
+        return run
+
+
+class PoolManager:
+    """The pools of one pytest session, keyed by (world size, backend); stops them all at exit."""
+
+    def __init__(self, *, pg_timeout_s: float = 1800.0) -> None:
+        self._pools: dict[tuple[int, str], RankPool] = {}
+        self.pg_timeout_s = pg_timeout_s
+
+    def get(self, world_size: int, backend: str) -> RankPool:
+        key = (world_size, backend)
+        if key not in self._pools:
+            self._pools[key] = RankPool(world_size, backend, pg_timeout_s=self.pg_timeout_s)
+        return self._pools[key]
+
+    def run(
+        self,
+        world_size: int,
+        backend: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        tmp_dir: str,
+        timeout_s: float,
+        seed: int = 0,
+    ) -> PoolRun:
+        task = Task(
+            module=fn.__module__,
+            qualname=fn.__qualname__,
+            args=args,
+            kwargs=kwargs,
+            tmp_dir=tmp_dir,
+            sys_path=tuple(sys.path),
+            seed=seed,
+        )
+        if "<locals>" in task.qualname or "<lambda>" in task.qualname:
+            raise ValueError(
+                f"{fn.__module__}.{task.qualname} cannot run on the ranks: the function must be defined at "
+                "module level so that every rank can import it"
+            )
+        return self.get(world_size, backend).run(task, timeout_s)
+
+    def all_pids(self) -> list[int]:
+        return [pid for pool in self._pools.values() for pid in pool.pids()]
+
+    def stop_all(self) -> None:
+        for pool in self._pools.values():
+            pool.stop()
+        self._pools.clear()

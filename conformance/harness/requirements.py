@@ -1,0 +1,59 @@
+"""The requirement IDs of ``conformance/SPEC.md`` and the tests that name them."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import Iterable
+
+__all__ = ["SPEC_PATH", "REQ_ID", "load_spec", "ids_named_by_tests", "sort_key"]
+
+SPEC_PATH = Path(__file__).resolve().parent.parent / "SPEC.md"
+#: A requirement ID: two capital letters, a dash, a number.
+REQ_ID = re.compile(r"^[A-Z]{2}-\d+$")
+_BULLET = re.compile(r"^- \*\*([A-Z]{2}-\d+)\*\*\s+(.*)$")
+
+
+def load_spec(path: Path = SPEC_PATH) -> dict[str, str]:
+    """Requirement ID -> statement, in the order SPEC.md lists them. A repeated ID is an error."""
+    spec: dict[str, str] = {}
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        match = _BULLET.match(line.strip())
+        if not match:
+            continue
+        req_id, text = match.groups()
+        if req_id in spec:
+            raise ValueError(f"{path}:{lineno}: requirement {req_id} is listed twice")
+        spec[req_id] = text.strip()
+    return spec
+
+
+def sort_key(req_id: str) -> tuple[str, int]:
+    """Order IDs as SPEC.md sections do (FP-2 before FP-10)."""
+    prefix, _, number = req_id.partition("-")
+    return prefix, int(number) if number.isdigit() else 0
+
+
+def _req_calls(tree: ast.AST) -> Iterable[ast.Call]:
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "req"
+            and isinstance(node.func.value, ast.Attribute)
+            and node.func.value.attr == "mark"
+        ):
+            yield node
+
+
+def ids_named_by_tests(test_files: Iterable[Path]) -> dict[str, list[str]]:
+    """Requirement ID -> the test files whose ``pytest.mark.req(...)`` names it (read, not imported)."""
+    named: dict[str, list[str]] = {}
+    for path in test_files:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"), filename=str(path))
+        for call in _req_calls(tree):
+            for arg in call.args:
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    named.setdefault(arg.value, []).append(str(path))
+    return named

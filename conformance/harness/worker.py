@@ -1,0 +1,190 @@
+"""The loop each rank process runs: join the process group once, then run test bodies on request.
+
+Messages on the pipe from the controller are :class:`Task` (run a function) or ``None`` (exit).
+Each task is answered with exactly one :class:`RankOutcome`. Everything the rank writes to fd 1/2
+(Python and C++ alike) goes to its log file, which the controller slices per test; SIGUSR1 dumps every
+thread's Python stack there (how the controller shows where a hung rank is).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Task", "RankOutcome", "DistArg", "DIST_ARG", "rank_main"]
+
+class DistArg:
+    """Stands for the rank's RankContext among a task's arguments; replaced on each rank."""
+
+    def __repr__(self) -> str:
+        return "<dist>"
+
+
+DIST_ARG = DistArg()
+
+
+@dataclass(frozen=True)
+class Task:
+    """Run ``module:qualname(*args, **kwargs)`` with every ``DIST_ARG`` replaced by the rank's context."""
+
+    module: str
+    qualname: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    tmp_dir: str
+    sys_path: tuple[str, ...]
+    seed: int = 0
+
+
+@dataclass
+class RankOutcome:
+    """How a task ended on one rank. ``status`` is ok, fail, skip or xfail."""
+
+    rank: int
+    status: str
+    value: Any = None
+    error: str = ""  # the formatted traceback for fail; the reason for skip/xfail
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    # Belt and braces for HX-7: PR_SET_PDEATHSIG kills us when the controller dies, even by SIGKILL;
+    # the polling thread covers platforms without prctl.
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # 1 == PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(3)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+
+
+def _resolve(task: Task) -> Any:
+    for entry in reversed(task.sys_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    obj: Any = importlib.import_module(task.module)
+    for part in task.qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _run(task: Task, rank: int, world_size: int, backend: str) -> RankOutcome:
+    import pytest
+    import torch
+
+    from conformance.harness.context import RankContext, device_for_rank
+
+    ctx = RankContext(
+        rank=rank,
+        world_size=world_size,
+        backend=backend,
+        device=device_for_rank(backend, rank),
+        tmp_dir=Path(task.tmp_dir),
+    )
+    start = time.perf_counter()
+    try:
+        fn = _resolve(task)
+        args = tuple(ctx if isinstance(a, DistArg) else a for a in task.args)
+        kwargs = {k: (ctx if isinstance(v, DistArg) else v) for k, v in task.kwargs.items()}
+        torch.manual_seed(task.seed)
+        value = fn(*args, **kwargs)
+        status, error = "ok", ""
+    except pytest.skip.Exception as exc:
+        status, error, value = "skip", str(exc.msg), None
+    except pytest.xfail.Exception as exc:
+        status, error, value = "xfail", str(exc.msg), None
+    except BaseException:  # noqa: BLE001 - a test body's SystemExit or BaseException-derived error is a failure too
+        status, error, value = "fail", traceback.format_exc(), None
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    outcome = RankOutcome(rank=rank, status=status, value=value, error=error, seconds=time.perf_counter() - start)
+    return outcome
+
+
+def rank_main(
+    rank: int,
+    world_size: int,
+    backend: str,
+    store_path: str,
+    log_path: str,
+    conn: Any,
+    parent_pid: int,
+    pg_timeout_s: float,
+) -> None:
+    """Entry point of a rank process (multiprocessing spawn target)."""
+    # Ctrl-C in a terminal reaches the whole foreground process group: the controller handles it and
+    # tears the pools down; a rank interrupted mid-collective would only leave its peers hanging.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(parent_pid)
+
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    # The handler runs in the main thread, which is the one running the test body.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=False, chain=False)
+
+    import torch
+    import torch.distributed as dist
+
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+        )
+        conn.send(RankOutcome(rank=rank, status="ok", value="ready"))
+    except BaseException:  # noqa: BLE001 - reported to the controller, which fails the pool start
+        conn.send(RankOutcome(rank=rank, status="fail", error=traceback.format_exc()))
+        return
+
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            break
+        if task is None:
+            break
+        outcome = _run(task, rank, world_size, backend)
+        try:
+            conn.send(outcome)
+        except Exception:  # noqa: BLE001 - the value did not pickle: say so instead of dying
+            conn.send(
+                RankOutcome(
+                    rank=rank,
+                    status="fail",
+                    error=f"the test body's return value could not be sent to the controller:\n{traceback.format_exc()}",
+                    seconds=outcome.seconds,
+                )
+            )
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

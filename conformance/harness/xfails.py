@@ -1,0 +1,55 @@
+"""Expected-failures files: the known deviations of an implementation, as data.
+
+Format: one entry a line, ``<test id, id prefix or glob>  # reason``; blank lines and lines starting
+with ``#`` are ignored. An entry matches a test whose node id equals it, starts with it, or matches it
+as an fnmatch glob. An adapter's own file applies only to the tests run against that adapter.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["XfailEntry", "parse_xfails", "matches"]
+
+
+@dataclass(frozen=True)
+class XfailEntry:
+    pattern: str
+    reason: str
+    source: str  # "file:line", for the stale-entry warning
+    impl: str | None = None  # only tests run against this adapter; None for all
+
+    def matches(self, nodeid: str, impl: str | None) -> bool:
+        if self.impl is not None and impl != self.impl:
+            return False
+        return matches(self.pattern, nodeid)
+
+    @property
+    def file_part(self) -> str:
+        """The test file the entry is about (to tell a stale entry from an unselected one)."""
+        return self.pattern.split("::", 1)[0]
+
+
+def matches(pattern: str, nodeid: str) -> bool:
+    return nodeid == pattern or nodeid.startswith(pattern) or fnmatch.fnmatchcase(nodeid, pattern)
+
+
+def parse_xfails(path: Path, *, impl: str | None = None) -> list[XfailEntry]:
+    """The entries of ``path``. A missing file is an error naming it."""
+    if not path.is_file():
+        raise FileNotFoundError(f"expected-failures file {path} does not exist")
+    entries = []
+    for lineno, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        pattern, _, reason = line.partition("#")
+        pattern = pattern.strip()
+        if not pattern:
+            continue
+        entries.append(
+            XfailEntry(pattern=pattern, reason=reason.strip() or "listed in " + path.name, source=f"{path}:{lineno}", impl=impl)
+        )
+    return entries

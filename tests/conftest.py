@@ -1,0 +1,24 @@
+"""Shared fixtures of the harness and tool self-tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """A pytester whose subprocess runs load the conformance plugin from this checkout."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+    return pytester
+
+
+def run_suite(pytester: pytest.Pytester, *args: str, timeout: float = 240) -> pytest.RunResult:
+    """Run pytest in a subprocess with the conformance plugin, verbose, on the files made by ``pytester``."""
+    return pytester.runpytest_subprocess(
+        "-p", "conformance.harness.plugin", "-v", "-rA", "-p", "no:cacheprovider", *args, timeout=timeout
+    )

@@ -1,0 +1,311 @@
+"""Self-tests of the rank harness: each proves one HX promise by running a small suite in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT, run_suite
+
+FAULTS = '''
+import os, signal, time
+import pytest
+import torch
+import torch.distributed as c10d
+
+
+def test_sum(dist):
+    t = torch.tensor([float(dist.rank + 1)])
+    c10d.all_reduce(t)
+    assert t.item() == dist.world_size * (dist.world_size + 1) / 2
+
+
+def test_one_rank_fails(dist):
+    print(f"output of rank {dist.rank}")
+    assert dist.rank != 1, "rank one disagrees"
+
+
+def test_hang(dist):
+    if dist.rank == 1:
+        time.sleep(600)
+    dist.barrier()
+
+
+def test_after_hang(dist):
+    dist.barrier()
+
+
+def test_exit(dist):
+    if dist.rank == 1:
+        os._exit(7)
+    dist.barrier()
+
+
+def test_after_exit(dist):
+    dist.barrier()
+
+
+def test_signal(dist):
+    if dist.rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def test_after_signal(dist):
+    dist.barrier()
+'''
+
+
+@pytest.mark.req("HX-1", "HX-3", "HX-5", "HX-6")
+def test_failures_hangs_and_crashes_are_reported_and_contained(suite: pytest.Pytester) -> None:
+    suite.makepyfile(test_faults=FAULTS)
+    start = time.monotonic()
+    result = run_suite(suite, "--world-size", "2", "--rank-timeout", "8")
+    elapsed = time.monotonic() - start
+    out = result.stdout.str()
+    result.assert_outcomes(passed=4, failed=4)
+    for name in ("test_sum", "test_after_hang", "test_after_exit", "test_after_signal"):
+        assert f"test_{name.removeprefix('test_')}[ws2] PASSED" in out, out
+    # HX-3: the failing rank's traceback and every rank's output, labelled by rank.
+    assert "rank 0: passed" in out and "rank 1: FAILED" in out
+    assert "---------- rank 1 traceback ----------" in out and "rank one disagrees" in out
+    assert "output of rank 0" in out and "output of rank 1" in out
+    # HX-5: the hung rank is named, its stack shows where it is, and the run went on.
+    assert "rank 1: HUNG" in out and "in test_hang" in out
+    assert "the pool was killed and is restarted" in out
+    # HX-6: exit codes and signals are reported.
+    assert "rank 1: DIED (exit code 7)" in out
+    assert "rank 0: DIED (signal 9)" in out
+    assert elapsed < 150, f"a hang must be cut by --rank-timeout; the run took {elapsed:.0f}s"
+
+
+SKIPS = '''
+import pytest
+
+
+def test_same_reason(dist):
+    pytest.skip("not on this build")
+
+
+def test_different_reasons(dist):
+    pytest.skip(f"rank {dist.rank} has no GPU")
+
+
+def test_some_ranks_skip(dist):
+    if dist.rank == 1:
+        pytest.skip("only rank one skips")
+
+
+@pytest.mark.world_size(4)
+def test_needs_four(dist):
+    pass
+
+
+def test_pairs(world_size_pair):
+    assert world_size_pair[0] != world_size_pair[1]
+'''
+
+
+@pytest.mark.req("HX-4", "HX-8")
+def test_skips_propagate_and_disagreement_is_reported(suite: pytest.Pytester) -> None:
+    suite.makepyfile(test_skips=SKIPS)
+    result = run_suite(suite, "--world-size", "1,2")
+    out = result.stdout.str()
+    assert "SKIPPED" in out and "not on this build" in out
+    assert "ranks gave different reasons: rank 0: rank 0 has no GPU; rank 1: rank 1 has no GPU" in out
+    assert "ranks disagree" in out and "rank 1: skipped: only rank one skips" in out
+    assert "needs world size in [4]; selected --world-size 1,2" in out
+    assert "test_pairs[ws1-ws2] PASSED" in out and "test_pairs[ws2-ws1] PASSED" in out
+    # ws1 runs the "some ranks skip" test on rank 0 only, which passes.
+    result.assert_outcomes(passed=3, skipped=5, failed=1)
+
+
+@pytest.mark.req("HX-8")
+def test_nccl_without_gpus_is_a_skip_that_says_so(suite: pytest.Pytester) -> None:
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has GPUs: nccl runs for real")
+    suite.makepyfile(test_nccl="def test_body(dist):\n    pass\n")
+    result = run_suite(suite, "--world-size", "2", "--backend", "nccl")
+    result.assert_outcomes(skipped=1)
+    assert "nccl at world size 2 needs 2 CUDA devices; found 0" in result.stdout.str()
+
+
+ADAPTER = '''
+from conformance.adapters.base import Adapter, Unsupported
+
+
+class PartialAdapter(Adapter):
+    name = "partial"
+
+    def state_dict(self):
+        return object()
+
+    def checkpoint(self):
+        raise Unsupported("this fork has no DCP")
+'''
+
+CAPABILITY_TESTS = '''
+import pytest
+
+
+@pytest.mark.req("HX-9")
+def test_uses_state_dict(impl):
+    assert impl.name == "partial"
+    impl.require("state_dict")
+
+
+@pytest.mark.req("HX-9")
+def test_uses_checkpoint(impl):
+    impl.require("checkpoint")
+
+
+def test_fails_for_xfail(impl):
+    assert False, "known deviation"
+
+
+def test_passes(impl):
+    pass
+'''
+
+
+@pytest.mark.req("HX-9", "HX-10")
+def test_capability_skips_and_xfails_files(suite: pytest.Pytester) -> None:
+    suite.makepyfile(partial_adapter=ADAPTER, test_caps=CAPABILITY_TESTS)
+    xfails = suite.path / "xfails.txt"
+    xfails.write_text(
+        "# known deviations\n"
+        "test_caps.py::test_fails_for_xfail  # the fork returns the wrong keys\n"
+        "test_caps.py::test_renamed_long_ago  # stale entry\n"
+    )
+    result = run_suite(suite, "--impl", "partial_adapter:PartialAdapter", "--xfails", str(xfails), "-W", "default")
+    out = result.stdout.str()
+    result.assert_outcomes(passed=2, skipped=1, xfailed=1)
+    assert "partial does not provide checkpoint: this fork has no DCP" in out
+    assert "the fork returns the wrong keys" in out
+    assert "StaleXfailWarning" in out and "test_renamed_long_ago" in out
+
+
+@pytest.mark.req("HX-8")
+def test_unknown_impl_is_a_usage_error(suite: pytest.Pytester) -> None:
+    suite.makepyfile(test_x="def test_x(impl):\n    pass\n")
+    result = run_suite(suite, "--impl", "no-such-impl")
+    assert result.ret != 0
+    assert "unknown implementation 'no-such-impl'" in result.stderr.str() + result.stdout.str()
+
+
+PIDS = '''
+import os, time
+
+
+def test_record(dist, tmp_path_factory):
+    path = os.environ["SDC_PID_FILE"]
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    dist.barrier()
+    if os.environ.get("SDC_BLOCK"):
+        time.sleep(600)
+
+
+def test_fails_for_x(dist):
+    assert False
+
+
+def test_never_reached(dist):
+    pass
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "State:\tZ" in status.read_text())
+
+
+def _wait_gone(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.2)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.mark.req("HX-7")
+def test_no_rank_outlives_the_run_after_x(suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    pid_file = suite.path / "pids.txt"
+    monkeypatch.setenv("SDC_PID_FILE", str(pid_file))
+    suite.makepyfile(test_pids=PIDS)
+    result = run_suite(suite, "--world-size", "2", "-x")
+    result.assert_outcomes(passed=1, failed=1)
+    pids = [int(p) for p in pid_file.read_text().split()]
+    assert len(pids) == 2
+    assert _wait_gone(pids, 10) == []
+
+
+@pytest.mark.req("HX-7")
+def test_no_rank_outlives_a_killed_controller(suite: pytest.Pytester, tmp_path: Path) -> None:
+    pid_file = tmp_path / "pids.txt"
+    suite.makepyfile(test_pids=PIDS)
+    env = dict(os.environ, SDC_PID_FILE=str(pid_file), SDC_BLOCK="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    controller = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "conformance.harness.plugin", "-p", "no:cacheprovider",
+         "--world-size", "2", "test_pids.py"],
+        cwd=suite.path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (pid_file.exists() and len(pid_file.read_text().split()) == 2):
+            time.sleep(0.2)
+        pids = [int(p) for p in pid_file.read_text().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        controller.send_signal(signal.SIGKILL)
+        controller.wait(timeout=10)
+        assert _wait_gone(pids, 10) == [], "rank processes survived their controller"
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+
+
+REUSE = '''
+import os
+
+
+def test_a(dist):
+    with open(os.environ["SDC_PID_FILE"], "a") as f:
+        f.write(f"a {dist.rank} {os.getpid()}\\n")
+
+
+def test_b(dist):
+    with open(os.environ["SDC_PID_FILE"], "a") as f:
+        f.write(f"b {dist.rank} {os.getpid()}\\n")
+'''
+
+
+@pytest.mark.req("HX-2")
+def test_pools_are_reused_across_tests(suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    pid_file = suite.path / "pids.txt"
+    monkeypatch.setenv("SDC_PID_FILE", str(pid_file))
+    suite.makepyfile(test_reuse=REUSE)
+    result = run_suite(suite, "--world-size", "2", "--report-json", "out.json")
+    result.assert_outcomes(passed=2)
+    seen: dict[str, dict[str, str]] = {}
+    for line in pid_file.read_text().splitlines():
+        test, rank, pid = line.split()
+        seen.setdefault(test, {})[rank] = pid
+    assert seen["a"] == seen["b"], "the second test must run on the same rank processes"
+    payload = json.loads((suite.path / "out.json").read_text())
+    assert {v["outcome"] for v in payload["tests"].values()} == {"passed"}

@@ -1,0 +1,1 @@
+"""Command-line tools: the conformance report, the checkpoint inspector, the benchmark table."""
