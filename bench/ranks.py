@@ -101,9 +101,9 @@ class RankGroup:
         :class:`RankError` with every failing rank's traceback."""
         if not self._conns:
             raise RuntimeError("RankGroup is closed")
-        message = (fn.__module__, fn.__qualname__, args, kwargs)
+        message = pickle.dumps((fn.__module__, fn.__qualname__, args, kwargs))
         for conn in self._conns:
-            conn.send(message)
+            conn.send_bytes(message)
         return self._collect(f"{fn.__module__}.{fn.__qualname__}", timeout)
 
     def _collect(self, what: str, timeout: float) -> list[Any]:
@@ -114,7 +114,7 @@ class RankGroup:
                 self.close()
                 raise RankError(f"{what}: rank {rank} did not answer within {timeout} s (ranks killed)")
             try:
-                status, value = conn.recv()
+                status, value = pickle.loads(conn.recv_bytes())
             except EOFError:
                 self.close()
                 raise RankError(f"{what}: rank {rank} died (exit code {self._procs[rank].poll()})") from None
@@ -129,7 +129,7 @@ class RankGroup:
     def close(self) -> None:
         for conn in self._conns:
             try:
-                conn.send(None)
+                conn.send_bytes(pickle.dumps(None))
                 conn.close()
             except OSError:
                 pass
@@ -155,6 +155,12 @@ def _worker_main(argv: list[str]) -> None:
     rank, world_size = int(rank_s), int(world_size_s)
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(authkey_hex))
     conn.send(rank)
+
+    # Plain pickle both ways: Connection.send would use torch's ForkingPickler reductions, which pass
+    # tensors as shared-memory handles that the controller cannot always open.
+    def send(status: str, value: Any) -> None:
+        conn.send_bytes(pickle.dumps((status, value)))
+
     import warnings
 
     # torch's DCP warns on every call about its own internal helpers; the benchmark output is not
@@ -166,14 +172,14 @@ def _worker_main(argv: list[str]) -> None:
 
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        conn.send(("ok", None))
+        send("ok", None)
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        send("error", traceback.format_exc())
         return
     try:
         while True:
             try:
-                message = conn.recv()
+                message = pickle.loads(conn.recv_bytes())
             except EOFError:
                 break
             if message is None:
@@ -184,10 +190,10 @@ def _worker_main(argv: list[str]) -> None:
                 for part in qualname.split("."):
                     fn = getattr(fn, part)
                 result = fn(*args, **kwargs)
-                pickle.dumps(result)  # fail here, with a traceback, rather than in conn.send
-                conn.send(("ok", result))
+                payload = pickle.dumps(("ok", result))  # fails here, with a traceback, if it cannot pickle
+                conn.send_bytes(payload)
             except BaseException:
-                conn.send(("error", traceback.format_exc()))
+                send("error", traceback.format_exc())
     finally:
         dist.destroy_process_group()
 

@@ -24,7 +24,7 @@ import torch
 
 from bench.workloads.models import Block, wide_model
 
-__all__ = ["IMPLS", "N_BLOCKS", "available", "osd_times"]
+__all__ = ["IMPLS", "N_BLOCKS", "available", "prepare", "get_once", "get_step", "to_load_once", "release", "osd_times"]
 
 IMPLS: tuple[str, ...] = ("reference", "torch", "raw")
 N_BLOCKS = 10
@@ -63,9 +63,13 @@ def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return best, result
 
 
-def osd_times(impl: str, params: int, repeats: int) -> tuple[float, float | None]:
-    """(seconds of optim_state_dict, seconds of optim_state_dict_to_load or None for ``raw``) on this
-    rank, best of ``repeats``. Every rank calls."""
+# This rank's wrapped model, optimizer and last full optimizer state dict, between calls.
+_CACHE: dict[str, Any] = {}
+
+
+def prepare(impl: str, params: int) -> None:
+    """Build, wrap and train one step; get one optimizer state dict (nothing timed). Every rank calls."""
+    _CACHE.clear()
     torch.manual_seed(0)
     model = wide_model(params, min(N_BLOCKS, params))
     if impl != "raw":
@@ -73,12 +77,47 @@ def osd_times(impl: str, params: int, repeats: int) -> tuple[float, float | None
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
     model(torch.zeros(1)).sum().backward()
     optim.step()
-    if impl == "raw":
-        get_s, _ = _best(optim.state_dict, repeats)
-        return get_s, None
-    fsdp = _fsdp(impl)
-    get_s, osd = _best(lambda: fsdp.optim_state_dict(model, optim), repeats)
-    if len(osd["state"]) != params:
+    _CACHE.update(impl=impl, params=params, model=model, optim=optim)
+    osd = get_once()
+    if impl != "raw" and len(osd["state"]) != params:
         raise RuntimeError(f"{impl}: optim_state_dict has {len(osd['state'])} entries, expected {params}")
-    load_s, _ = _best(lambda: fsdp.optim_state_dict_to_load(model, optim, osd), repeats)
-    return get_s, load_s
+    _CACHE["osd"] = osd
+
+
+def get_once() -> dict[str, Any]:
+    """``optim_state_dict(model, optim)`` of the prepared model (raw: ``optim.state_dict()``).
+
+    Returns the dict: called through a RankGroup, use :func:`get_step`, which does not send it back."""
+    impl, model, optim = _CACHE["impl"], _CACHE["model"], _CACHE["optim"]
+    if impl == "raw":
+        return optim.state_dict()
+    return _fsdp(impl).optim_state_dict(model, optim)
+
+
+def get_step() -> None:
+    """:func:`get_once` for a RankGroup: the state dict stays on the rank."""
+    get_once()
+
+
+def to_load_once() -> None:
+    """``optim_state_dict_to_load(model, optim, osd)`` of the prepared model and its state dict."""
+    impl = _CACHE["impl"]
+    if impl == "raw":
+        raise ValueError("optim_state_dict_to_load has no raw counterpart")
+    _fsdp(impl).optim_state_dict_to_load(_CACHE["model"], _CACHE["optim"], _CACHE["osd"])
+
+
+def release() -> None:
+    _CACHE.clear()
+
+
+def osd_times(impl: str, params: int, repeats: int) -> tuple[float, float | None]:
+    """(seconds of optim_state_dict, seconds of optim_state_dict_to_load or None for ``raw``) on this
+    rank, best of ``repeats``. Every rank calls."""
+    prepare(impl, params)
+    try:
+        get_s, _ = _best(get_once, repeats)
+        load_s = None if impl == "raw" else _best(to_load_once, repeats)[0]
+        return get_s, load_s
+    finally:
+        release()
