@@ -1,6 +1,5 @@
 """pytest hooks of the conformance suite; everything lives in :mod:`conformance.harness.plugin`."""
 
-from conformance.harness.plugin import *  # noqa: F401,F403 - re-export the plugin's hooks and fixtures
 from conformance.harness.plugin import (  # noqa: F401 - hooks are found by name
     pools,
     pytest_addoption,

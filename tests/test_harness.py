@@ -32,6 +32,11 @@ def test_one_rank_fails(dist):
     assert dist.rank != 1, "rank one disagrees"
 
 
+def test_assertion_shows_values(dist):
+    expected = [dist.rank, 1]
+    assert [dist.rank, 2] == expected
+
+
 def test_hang(dist):
     if dist.rank == 1:
         time.sleep(600)
@@ -70,12 +75,14 @@ def test_failures_hangs_and_crashes_are_reported_and_contained(suite: pytest.Pyt
     result = run_suite(suite, "--world-size", "2", "--rank-timeout", "8")
     elapsed = time.monotonic() - start
     out = result.stdout.str()
-    result.assert_outcomes(passed=4, failed=4)
+    result.assert_outcomes(passed=4, failed=5)
     for name in ("test_sum", "test_after_hang", "test_after_exit", "test_after_signal"):
         assert f"test_{name.removeprefix('test_')}[ws2] PASSED" in out, out
     # HX-3: the failing rank's traceback and every rank's output, labelled by rank.
     assert "rank 0: passed" in out and "rank 1: FAILED" in out
     assert "---------- rank 1 traceback ----------" in out and "rank one disagrees" in out
+    # Assertions are rewritten on the ranks as on the controller: a failure shows the values.
+    assert "assert [0, 2] == [0, 1]" in out and "assert [1, 2] == [1, 1]" in out
     assert "output of rank 0" in out and "output of rank 1" in out
     # HX-5: the hung rank is named, its stack shows where it is, and the run went on.
     assert "rank 1: HUNG" in out and "in test_hang" in out

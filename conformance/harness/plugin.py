@@ -15,7 +15,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import pytest
 
@@ -257,16 +257,23 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return
     spec = callspec.params.get("dist")
     if isinstance(spec, DistSpec) and spec.backend == "nccl" and _cuda_count() < spec.world_size:
-        pytest.skip(f"nccl at world size {spec.world_size} needs {spec.world_size} CUDA devices; found {_cuda_count()}")
+        _skip(f"nccl at world size {spec.world_size} needs {spec.world_size} CUDA devices; found {_cuda_count()}")
     pair = callspec.params.get("world_size_pair")
     if pair and item.config.getoption("--backend") == "nccl" and _cuda_count() < max(pair):
-        pytest.skip(f"nccl at world size {max(pair)} needs {max(pair)} CUDA devices; found {_cuda_count()}")
+        _skip(f"nccl at world size {max(pair)} needs {max(pair)} CUDA devices; found {_cuda_count()}")
     impl = _item_impl(item)
     if impl is not None:
         for capability in sorted({c for c in map(capability_of, _item_reqs(item)) if c}):
             reason = impl.unsupported_reason(capability)
             if reason is not None:
-                pytest.skip(f"{impl.name} does not provide {capability}: {reason}")
+                _skip(f"{impl.name} does not provide {capability}: {reason}")
+
+
+def _skip(reason: str) -> NoReturn:
+    """Skip the current test, reported at the test's location rather than at this plugin's line."""
+    # `_use_item_location` is pytest's own (private) switch for exactly this; without it every skip
+    # of the suite would point at plugin.py.
+    raise pytest.skip.Exception(reason, _use_item_location=True)
 
 
 def _format_run(run: PoolRun, backend: str, timeout_s: float, headline: str) -> str:
@@ -314,7 +321,7 @@ def _judge(run: PoolRun, backend: str, timeout_s: float) -> list[Any]:
                 f"rank {r}: {run.outcomes[r].error}" for r in sorted(run.outcomes)
             )
         if kinds == {"skip"}:
-            pytest.skip(reason)
+            _skip(reason)
         pytest.xfail(reason)
     pytest.fail(_format_run(run, backend, timeout_s, "ranks disagree"), pytrace=False)
 
@@ -363,7 +370,7 @@ class Pools:
         """Run ``fn(ctx, *args, **kwargs)`` on every rank of the ``world_size`` pool; per-rank return values."""
         backend = _backend_for(self._config, world_size)
         if backend == "nccl" and _cuda_count() < world_size:
-            pytest.skip(f"nccl at world size {world_size} needs {world_size} CUDA devices; found {_cuda_count()}")
+            _skip(f"nccl at world size {world_size} needs {world_size} CUDA devices; found {_cuda_count()}")
         return _run_on_ranks(self._config, world_size, backend, fn, (DIST_ARG, *args), kwargs)
 
 
@@ -432,4 +439,4 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             "spec": load_spec(),
             "tests": _SESSION_RESULTS,
         }
-        Path(path).write_text(json.dumps(payload, indent=1, sort_keys=True), encoding="utf-8")
+        Path(path).write_text(json.dumps(payload, indent=1), encoding="utf-8")

@@ -8,8 +8,10 @@ thread's Python stack there (how the controller shows where a hung rank is).
 
 from __future__ import annotations
 
+import ast
 import faulthandler
 import importlib
+import importlib.util
 import os
 import signal
 import sys
@@ -78,11 +80,35 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
+def _import_test_module(name: str) -> Any:
+    """Import ``name``; a ``test_*.py`` module gets pytest's assertion rewriting, as on the controller,
+    so that a failing ``assert a == b`` on a rank shows both values."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.origin or not os.path.basename(spec.origin).startswith("test_"):
+        return importlib.import_module(name)
+    # Private: pytest offers no public way to rewrite a module outside a pytest session.
+    from _pytest.assertion.rewrite import rewrite_asserts
+
+    source = Path(spec.origin).read_bytes()
+    tree = ast.parse(source, filename=spec.origin)
+    rewrite_asserts(tree, source, spec.origin, None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        exec(compile(tree, spec.origin, "exec", dont_inherit=True), module.__dict__)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
 def _resolve(task: Task) -> Any:
     for entry in reversed(task.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
-    obj: Any = importlib.import_module(task.module)
+    obj: Any = _import_test_module(task.module)
     for part in task.qualname.split("."):
         obj = getattr(obj, part)
     return obj
