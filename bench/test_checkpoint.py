@@ -62,7 +62,10 @@ META_CASES = [case for case in CASES if case.values[3] in ck.META_IMPLS]
 
 @pytest.mark.parametrize(("nbytes", "world_size", "layout", "impl"), META_CASES)
 def test_meta_load(benchmark, rank_group, tmp_path, nbytes: int, world_size: int, layout: str, impl: str) -> None:
-    """One round on fresh ranks (their peak RSS must be the load's own); extra_info has the peak."""
+    """One round on fresh ranks (their peak RSS must be the load's own); extra_info has the peak.
+
+    In quick mode the session's ranks load instead: the code path is the same, the peak is not judged,
+    and a dozen rank start-ups are saved."""
     _skip_unavailable(impl)
     group = rank_group(world_size)
     total = group.run(ck.prepare, nbytes, layout)[0]
@@ -72,10 +75,11 @@ def test_meta_load(benchmark, rank_group, tmp_path, nbytes: int, world_size: int
     results: list = []
 
     def start_ranks() -> None:
-        fresh["group"] = RankGroup(world_size)
+        if not config.QUICK:
+            fresh["group"] = RankGroup(world_size)
 
     def load() -> None:
-        results[:] = fresh["group"].run(ck.meta_load_once, impl, directory, nbytes, layout)
+        results[:] = fresh.get("group", group).run(ck.meta_load_once, impl, directory, nbytes, layout)
 
     benchmark.group = _workload("meta-load", nbytes, world_size, layout)
     try:

@@ -225,7 +225,7 @@ def render(table: Table, fmt: str = "plain") -> str:
     if fmt == "json":
         return json.dumps(
             {"caption": table.caption, "rows": [
-                {"workload": r.workload, "unit": r.unit, "upstream": r.upstream_name, **r.values,
+                {"workload": r.workload, "unit": r.unit, "upstream_impl": r.upstream_name, **r.values,
                  "ref/upstream": r.ratio("upstream"), "ref/raw": r.ratio("raw")} for r in table.rows]},
             indent=2,
         )

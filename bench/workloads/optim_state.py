@@ -46,9 +46,14 @@ def _fsdp(impl: str) -> Any:
 
 
 def _wrap(impl: str, model: torch.nn.Module) -> torch.nn.Module:
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    """Each Block its own unit, FULL_SHARD, use_orig_params=False, on CPU."""
+    if impl == "reference":
+        policy: Any = {Block}  # the reference takes module classes (or a module -> bool predicate)
+    else:
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    return _fsdp(impl)(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+        policy = ModuleWrapPolicy({Block})
+    return _fsdp(impl)(model, auto_wrap_policy=policy, device_id=torch.device("cpu"))
 
 
 def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
