@@ -1,0 +1,772 @@
+"""FlatParameter and FlattenParamsWrapper: many parameters of a module as one 1-D parameter.
+
+Vocabulary used throughout:
+
+- *flat parameter*: the 1-D :class:`FlatParameter` holding the listed parameters of a module,
+  flattened and concatenated in module order (the order of the unwrapped ``state_dict``).
+- *flat index*: an element index into the (unsharded) flat parameter, ``0 <= i < full_numel``.
+- *param index*: an element index into one original parameter flattened, ``param.reshape(-1)``.
+- *shard*: the inclusive flat-index range ``[start, end]`` one rank holds of the flat parameter,
+  which is padded at its end so that every rank holds the same number of elements; the shard's last
+  ``num_padded`` elements are padding (flat indices ``>= full_numel``). See :func:`even_shard_range`.
+- *name*: a parameter's path relative to the wrapped module (``"layers.0.weight"``), the key the
+  unwrapped module's ``state_dict`` uses for it.
+
+What :class:`FlattenParamsWrapper` promises (each is a requirement FP-* of ``conformance/SPEC.md``):
+the wrapped module computes exactly what it did; gradients land on ``flat_param`` as the original
+gradients concatenated; ``state_dict``/``load_state_dict`` of the wrapper, or of any model containing
+wrappers at any depth, use the unwrapped keys; ``unflatten_params()`` restores real parameters and
+re-flattens on exit, also on error. What it asks of the caller: do not hold on to the parameter
+views (they are rebuilt at every forward, ``.to()`` and ``unflatten_params()``; read them from the
+module), and do not tie a listed parameter to a module outside the wrapped one (the wrapper cannot
+see it; see :class:`FlattenParamsWrapper`).
+
+Helpers for other wrappers: :mod:`reference._prefix_hooks` (hide a wrapper's path segment from
+state_dict keys; clean FQNs of a model with wrappers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from reference._prefix_hooks import clean_named_modules, register_prefix_hooks
+
+__all__ = [
+    "FlatParameter",
+    "FlattenParamsWrapper",
+    "ParamRange",
+    "FlatParamMetadata",
+    "ShardMetadata",
+    "ShardRange",
+    "even_shard_range",
+]
+
+#: Name of the wrapped module inside the wrapper; removed from state_dict keys by the prefix hooks.
+FPW_MODULE = "_fpw_module"
+#: Name under which the wrapper registers its FlatParameter.
+FLAT_PARAM = "flat_param"
+
+
+class ParamRange(NamedTuple):
+    """An inclusive range ``[start, end]`` of element indices; where it is used says what it indexes.
+
+    An empty range has ``end == start - 1`` (a parameter with no elements).
+    """
+
+    start: int
+    end: int
+
+
+class FlatParamMetadata(NamedTuple):
+    """What a flat parameter is made of: one entry per original parameter, in flat order."""
+
+    param_names: tuple[str, ...]  # names relative to the wrapped module
+    param_shapes: tuple[torch.Size, ...]  # original shapes
+    param_numels: tuple[int, ...]  # original numels
+    param_offsets: tuple[ParamRange, ...]  # flat indices each parameter occupies
+
+
+class ShardMetadata(NamedTuple):
+    """Which parameters, and which elements of each, one shard of a flat parameter holds.
+
+    One entry per parameter with at least one element in the shard, in flat order; a shard that is
+    all padding holds none. The whole flat parameter (no sharding) is the shard
+    ``[0, full_numel - 1]`` with no padding.
+    """
+
+    param_names: tuple[str, ...]  # names of the parameters the shard holds (part of)
+    param_shapes: tuple[torch.Size, ...]  # their full, unsharded shapes
+    param_numels: tuple[int, ...]  # their full numels
+    param_offsets: tuple[ParamRange, ...]  # param indices of each parameter that the shard holds
+    num_padded: int  # padding elements at the end of the shard
+
+
+class ShardRange(NamedTuple):
+    """Arguments of :meth:`FlatParameter.shard_by_offsets` for one rank: flat indices ``[start, end]``."""
+
+    start: int
+    end: int
+    num_padded: int
+
+
+def even_shard_range(full_numel: int, rank: int, world_size: int) -> ShardRange:
+    """The shard of ``rank`` when a flat parameter of ``full_numel`` elements is split evenly.
+
+    The flat parameter is padded at the end to ``world_size * ceil(full_numel / world_size)``
+    elements and cut into ``world_size`` equal shards, so that trailing ranks may hold padding only.
+    """
+    for name, value in (("full_numel", full_numel), ("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"even_shard_range: {name} must be an int, got {type(value).__name__}")
+    if full_numel < 0 or world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"even_shard_range: need full_numel >= 0, world_size >= 1 and 0 <= rank < world_size, "
+            f"got full_numel={full_numel}, rank={rank}, world_size={world_size}"
+        )
+    shard_numel = max(1, -(-full_numel // world_size))
+    start = rank * shard_numel
+    end = start + shard_numel - 1
+    return ShardRange(start, end, max(0, end + 1 - max(start, full_numel)))
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The immutable part of a FlatParameter's metadata (shared by copies of it)."""
+
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    numels: tuple[int, ...]
+    offsets: tuple[ParamRange, ...]
+
+    @property
+    def full_numel(self) -> int:
+        return sum(self.numels)
+
+    @classmethod
+    def build(cls, names: Sequence[str], shapes: Sequence[torch.Size]) -> _Layout:
+        sizes = tuple(s if isinstance(s, torch.Size) else torch.Size(s) for s in shapes)
+        numels = tuple(math.prod(s) for s in sizes)
+        ends = list(accumulate(numels))
+        offsets = tuple(ParamRange(end - n, end - 1) for end, n in zip(ends, numels))
+        return cls(tuple(names), sizes, numels, offsets)
+
+    def shard(self, start: int, end: int, num_padded: int) -> ShardMetadata:
+        """Metadata of the shard ``[start, end]`` (flat indices, padding included); inputs validated."""
+        held = []
+        for i, offset in enumerate(self.offsets):
+            # A parameter is held if its flat range meets [start, end]; padding (flat indices
+            # >= full_numel) meets no parameter, and an empty parameter meets no shard.
+            if self.numels[i] == 0 or offset.end < start or offset.start > end:
+                continue
+            first = max(start, offset.start) - offset.start
+            last = min(end, offset.end) - offset.start
+            held.append((i, ParamRange(first, last)))
+        return ShardMetadata(
+            tuple(self.names[i] for i, _ in held),
+            tuple(self.shapes[i] for i, _ in held),
+            tuple(self.numels[i] for i, _ in held),
+            tuple(r for _, r in held),
+            num_padded,
+        )
+
+
+def _check_int(method: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{method}: {name} must be an int, got {type(value).__name__} {value!r}")
+    return value
+
+
+class FlatParameter(nn.Parameter):
+    """A 1-D parameter made of a list of parameters, flattened and concatenated in order.
+
+    The data is a copy: the given tensors are not modified and do not alias the result. The metadata
+    (names, shapes, numels, flat offsets of each parameter) is immutable and is what
+    :meth:`get_param_views` and :meth:`shard_metadata` use. :meth:`shard_by_offsets` records which
+    part of the flat parameter this rank holds; it does not touch the data (the sharding wrapper
+    owns that).
+
+    Args:
+        params: the parameters (any tensors) to flatten, in order; non-empty, one dtype, one device,
+            none of them a FlatParameter.
+        requires_grad: whether the flat parameter requires grad.
+        names: one name per parameter (default ``"0"``, ``"1"``, ...); the wrapper passes the
+            parameters' names relative to the wrapped module.
+
+    Raises:
+        TypeError: ``params`` is not a list or tuple of tensors, or ``names`` not a sequence of str.
+        ValueError: ``params`` is empty, mixes dtypes or devices, contains a FlatParameter, or
+            ``names`` has the wrong length or repeats a name.
+    """
+
+    _layout: _Layout
+    _shard: ShardMetadata
+    _shard_range: ShardRange
+
+    def __new__(
+        cls, params: Sequence[Tensor], requires_grad: bool = True, *, names: Sequence[str] | None = None
+    ) -> FlatParameter:
+        if not isinstance(params, (list, tuple)):
+            raise TypeError(f"FlatParameter: params must be a list or tuple of tensors, got {type(params).__name__}")
+        if len(params) == 0:
+            raise ValueError("FlatParameter: params must hold at least one parameter, got an empty sequence")
+        for i, p in enumerate(params):
+            if not isinstance(p, Tensor):
+                raise TypeError(f"FlatParameter: params[{i}] must be a tensor, got {type(p).__name__}")
+            # Flattening makes both the tensor and the module hierarchy flat; a FlatParameter inside
+            # another would bring the hierarchy back, so it is refused rather than absorbed.
+            if isinstance(p, FlatParameter):
+                raise ValueError(f"FlatParameter: params[{i}] is already a FlatParameter; nesting is not supported")
+        # Invariant: one dtype and one device, so that torch.cat neither promotes nor moves data.
+        for attr in ("dtype", "device"):
+            first = getattr(params[0], attr)
+            for i, p in enumerate(params):
+                if getattr(p, attr) != first:
+                    raise ValueError(
+                        f"FlatParameter: all params must have one {attr}: params[0] has {first}, params[{i}] has "
+                        f"{getattr(p, attr)}"
+                    )
+        with torch.no_grad():
+            data = torch.cat([p.detach().reshape(-1) for p in params])
+        return super().__new__(cls, data, requires_grad=requires_grad)
+
+    def __init__(
+        self, params: Sequence[Tensor], requires_grad: bool = True, *, names: Sequence[str] | None = None
+    ) -> None:
+        if names is None:
+            names = [str(i) for i in range(len(params))]
+        elif isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError("FlatParameter: names must be a sequence of str, one per parameter")
+        if len(names) != len(params):
+            raise ValueError(f"FlatParameter: got {len(names)} names for {len(params)} params")
+        if len(set(names)) != len(names):
+            raise ValueError(f"FlatParameter: names must be unique, got {list(names)}")
+        self._set_layout(_Layout.build(names, [p.shape for p in params]))
+
+    def _set_layout(self, layout: _Layout) -> None:
+        self._layout = layout
+        self._shard_range = ShardRange(0, layout.full_numel - 1, 0)
+        self._shard = layout.shard(0, layout.full_numel - 1, 0)
+
+    # -- metadata -----------------------------------------------------------------------------
+
+    @property
+    def full_numel(self) -> int:
+        """Number of elements of all original parameters together (the unsharded, unpadded size)."""
+        return self._layout.full_numel
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return self._layout.names
+
+    @property
+    def param_shapes(self) -> tuple[torch.Size, ...]:
+        return self._layout.shapes
+
+    @property
+    def param_numels(self) -> tuple[int, ...]:
+        return self._layout.numels
+
+    @property
+    def param_offsets(self) -> tuple[ParamRange, ...]:
+        """The flat indices each original parameter occupies, inclusive."""
+        return self._layout.offsets
+
+    def metadata(self) -> FlatParamMetadata:
+        """Names, shapes, numels and flat offsets of the original parameters, in flat order."""
+        layout = self._layout
+        return FlatParamMetadata(layout.names, layout.shapes, layout.numels, layout.offsets)
+
+    # -- views --------------------------------------------------------------------------------
+
+    def get_param_views(self, external_data: Tensor | None = None) -> Iterator[Tensor]:
+        """Views of ``external_data`` (default: this parameter) in the original shapes, in flat order.
+
+        The views share memory with the data; when the data requires grad they carry autograd
+        history back to it. ``external_data`` must have ``full_numel`` elements (an unsharded copy).
+        """
+        data = self if external_data is None else external_data
+        if not isinstance(data, Tensor):
+            raise TypeError(f"get_param_views: external_data must be a tensor, got {type(data).__name__}")
+        if data.numel() != self.full_numel:
+            raise ValueError(
+                f"get_param_views: data has {data.numel()} elements, expected full_numel={self.full_numel}"
+                + (" (this FlatParameter is sharded; pass the unsharded data)" if external_data is None else "")
+            )
+        flat = data.reshape(-1)
+        return (t.view(s) for t, s in zip(flat.split(list(self._layout.numels)), self._layout.shapes))
+
+    # -- sharding -----------------------------------------------------------------------------
+
+    def shard_by_offsets(self, start: int, end: int, num_padded: int) -> None:
+        """Record that this rank's shard is the flat indices ``[start, end]`` (inclusive), with padding.
+
+        The shard has ``end - start + 1`` elements of which the last ``num_padded`` are padding.
+        Padding only ever follows the last real element, so ``num_padded`` must be exactly the part
+        of ``[start, end]`` at or past ``full_numel``: ``max(0, end + 1 - max(start, full_numel))``.
+        See :func:`even_shard_range` for the usual split. On error nothing is recorded.
+
+        Raises:
+            TypeError: an argument is not an int.
+            ValueError: ``start < 0``, ``end < start``, ``num_padded`` negative or larger than the
+                shard, or inconsistent with where the flat parameter ends.
+        """
+        start = _check_int("shard_by_offsets", "start", start)
+        end = _check_int("shard_by_offsets", "end", end)
+        num_padded = _check_int("shard_by_offsets", "num_padded", num_padded)
+        if start < 0 or end < start:
+            raise ValueError(
+                f"shard_by_offsets: invalid shard range [{start}, {end}]: need 0 <= start <= end (inclusive range)"
+            )
+        shard_numel = end - start + 1
+        if num_padded < 0 or num_padded > shard_numel:
+            raise ValueError(
+                f"shard_by_offsets: num_padded={num_padded} must be between 0 and the shard size "
+                f"{shard_numel} of [{start}, {end}]"
+            )
+        full = self.full_numel
+        expected = max(0, end + 1 - max(start, full))
+        if num_padded != expected:
+            raise ValueError(
+                f"shard_by_offsets: shard [{start}, {end}] of a flat parameter with {full} elements has "
+                f"{expected} padding elements (padding follows the last element), got num_padded={num_padded}"
+            )
+        self._shard_range = ShardRange(start, end, num_padded)
+        self._shard = self._layout.shard(start, end, num_padded)
+
+    @property
+    def shard_range(self) -> ShardRange:
+        """The last recorded shard (the whole flat parameter until :meth:`shard_by_offsets` is called)."""
+        return self._shard_range
+
+    def shard_metadata(self) -> ShardMetadata:
+        """Which parameters, and which param indices of each, the recorded shard holds."""
+        return self._shard
+
+    # -- copying ------------------------------------------------------------------------------
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FlatParameter:
+        if id(self) in memo:
+            return memo[id(self)]
+        result = _rebuild_flat_param(
+            self.data.clone(memory_format=torch.preserve_format), self.requires_grad, self._layout, self._shard_range
+        )
+        memo[id(self)] = result
+        return result
+
+    def __reduce_ex__(self, proto: int) -> tuple[Any, ...]:
+        # nn.Parameter's reduce would call FlatParameter(data, requires_grad), which means "flatten
+        # [data]"; rebuild from data plus metadata instead. Hooks are not pickled, as for Parameter.
+        return (_rebuild_flat_param, (self.data, self.requires_grad, self._layout, self._shard_range))
+
+    def __repr__(self) -> str:
+        return f"FlatParameter({len(self._layout.names)} params, {self.full_numel} elements) containing:\n" + (
+            Tensor.__repr__(self)
+        )
+
+
+def _rebuild_flat_param(data: Tensor, requires_grad: bool, layout: _Layout, shard_range: ShardRange) -> FlatParameter:
+    """A FlatParameter over ``data`` (used, not copied) with the given metadata: pickle, deepcopy, moves."""
+    flat = torch.Tensor._make_subclass(FlatParameter, data, requires_grad)
+    flat._set_layout(layout)
+    flat._shard_range = ShardRange(*shard_range)
+    flat._shard = layout.shard(*shard_range)
+    return flat
+
+
+class _Slot(NamedTuple):
+    """One registration of a flattened parameter: ``module.<attr>`` at ``name``."""
+
+    name: str  # name relative to the wrapped module ("layers.0.weight")
+    module: nn.Module
+    attr: str
+
+
+class FlattenParamsWrapper(nn.Module):
+    """Replace the listed parameters of ``module`` by one :class:`FlatParameter`, ``self.flat_param``.
+
+    Each listed parameter, wherever it is registered inside ``module`` (at any depth, under any
+    number of names), stops being a registered parameter; its attributes become views into
+    ``flat_param``, rebuilt at every forward, so the module computes exactly what it did and its
+    gradients accumulate in ``flat_param.grad``. Parameters not listed stay as they are.
+
+    Tied parameters: ties are by identity. A listed parameter registered under several names is
+    flattened once and every name gets the same view. A listed parameter that shares memory with a
+    parameter or buffer of ``module`` that is not listed (a tie by storage) is refused with a
+    ``ValueError``: flattening copies the listed one, which would silently cut the tie. So when every
+    listed parameter is tied that way, nothing is flattened and the constructor raises; list both
+    sides, or neither. A tie to a module outside ``module`` is invisible here and is the caller's to
+    avoid (wrap the common parent instead).
+
+    ``state_dict()``/``load_state_dict()`` use the unwrapped module's keys, also when the wrapper sits
+    inside a larger model (see :mod:`reference._prefix_hooks`); there is no ``flat_param`` key.
+    Attribute access and indexing that the wrapper does not answer fall through to ``module``.
+
+    Args:
+        module: the module to wrap.
+        param_list: parameters of ``module`` to flatten (duplicates ignored); empty leaves ``module``
+            untouched, ``flat_param`` is None and the wrapper is transparent.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``, ``param_list`` is not an iterable of
+            ``nn.Parameter``.
+        ValueError: a listed parameter is a FlatParameter, is not a parameter of ``module``, or is
+            tied by storage to an unlisted tensor; the listed parameters mix dtypes or
+            ``requires_grad`` (wrap each group separately).
+    """
+
+    def __init__(self, module: nn.Module, param_list: Iterable[nn.Parameter]) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"FlattenParamsWrapper: module must be an nn.Module, got {type(module).__name__}")
+        params = _checked_param_list(param_list)
+        slots = _find_slots(module, params) if params else {}
+        super().__init__()
+        self._fpw_module = module
+        # `self.flat_param` is the registered parameter while flattened, this stash otherwise.
+        self.__dict__["_flat"] = None  # FlatParameter | None; __dict__ so nn.Module does not register it
+        self._slots: tuple[tuple[_Slot, ...], ...] = ()  # per flattened parameter: its registrations
+        self._flattened = False
+        self._loading = False  # unflattened by the load pre-hook, awaiting the post-hook
+        self._param_order: dict[nn.Module, tuple[str, ...]] = {}
+
+        if slots:
+            primaries = [group[0] for group in slots.values()]
+            tensors = [getattr(s.module, s.attr) for s in primaries]
+            _check_uniform(primaries, tensors)
+            _check_no_storage_ties(module, slots)
+            flat = FlatParameter(tensors, tensors[0].requires_grad, names=[s.name for s in primaries])
+            self._slots = tuple(tuple(group) for group in slots.values())
+            # Remember each owning module's parameter order, so that unflattening re-registers the
+            # parameters where they were and state_dict keys come out in the unwrapped order.
+            for group in self._slots:
+                for slot in group:
+                    if slot.module not in self._param_order:
+                        self._param_order[slot.module] = tuple(
+                            n for n, _ in slot.module.named_parameters(recurse=False, remove_duplicate=False)
+                        )
+            self.__dict__["_flat"] = flat
+            self._flatten()
+
+        # The unflatten hook must run before the prefix hook reads the wrapper's own names (it
+        # deregisters flat_param), so it is registered first.
+        self.register_load_state_dict_pre_hook(FlattenParamsWrapper._pre_load_hook)
+        self.register_load_state_dict_post_hook(FlattenParamsWrapper._post_load_hook)
+        register_prefix_hooks(self, FPW_MODULE)
+
+    # -- public surface -----------------------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module (as ``DistributedDataParallel.module``)."""
+        return self._fpw_module
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # parameters, buffers, children of the wrapper
+        except AttributeError:
+            # While unflattened (or never flattened), flat_param is not registered but still readable.
+            # Not while flattened: then a miss means it is being registered (register_parameter
+            # checks hasattr first).
+            if name == FLAT_PARAM:  # never the flat_param of a wrapper inside this one
+                if not self.__dict__.get("_flattened", False):
+                    return self.__dict__["_flat"]
+                raise
+            return getattr(self._fpw_module, name)
+
+    def __getitem__(self, key: Any) -> Any:
+        """Indexing falls through to the wrapped module (an ``nn.Sequential``, ``nn.ModuleList``)."""
+        return self._fpw_module[key]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._finish_interrupted_load()
+        if self._flattened:
+            # Views made now carry this forward's autograd link to flat_param (views made earlier
+            # may be detached, e.g. by copying, or stale after an optimizer replaced .data).
+            self._set_views()
+        return self._fpw_module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def unflatten_params(self) -> Iterator[None]:
+        """Make the listed parameters real ``nn.Parameter``s again for the body; re-flatten on exit.
+
+        Inside, each one is registered where it was (in its original order), holds the current
+        values (it shares memory with ``flat_param``), and ``flat_param`` is not registered (still
+        readable as ``self.flat_param``). On exit, also when the body raises, the current value of
+        each parameter attribute is written into ``flat_param`` (so a parameter replaced inside
+        keeps its new value) and the views come back. Gradients accumulated inside are not moved to
+        ``flat_param.grad``. Re-entrant: inside, a nested call changes nothing. A no-op for an
+        empty ``param_list``.
+
+        Raises (on exit):
+            RuntimeError: a parameter was deleted or given another shape inside the body.
+        """
+        self._finish_interrupted_load()
+        if not self._flattened:
+            yield
+            return
+        self._unflatten()
+        try:
+            yield
+        finally:
+            self._reflatten()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's state_dict with its own keys (no ``flat_param``, no wrapper segment).
+
+        Values share memory with ``flat_param`` (as an unwrapped module's share memory with its
+        parameters). With ``keep_vars=True`` the parameter values are temporary ``nn.Parameter``s
+        over that memory, not registered anywhere after the call.
+        """
+        # nn.Module.state_dict recurses by calling each child's state_dict(), so this override
+        # runs at any depth of a model that contains the wrapper.
+        with self.unflatten_params():
+            return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a state_dict keyed like the unwrapped module (``nn.Module.load_state_dict`` semantics).
+
+        Values of flattened parameters are written into ``flat_param``. Errors are the ones the
+        unwrapped module raises (``RuntimeError`` naming the keys by their unwrapped FQNs), and a load
+        that fails leaves every parameter and buffer as it was (unless ``assign=True``, which
+        replaces tensors instead of writing into them).
+        """
+        # nn.Module.load_state_dict reports every problem at the end, after writing whatever fit;
+        # keep a copy to put back (the values of state_dict() alias the live tensors).
+        before = {} if assign else {k: v.clone() for k, v in self.state_dict().items() if isinstance(v, Tensor)}
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        except BaseException:
+            self._finish_interrupted_load()
+            with torch.no_grad():
+                for key, value in self.state_dict().items():
+                    if key in before:
+                        value.copy_(before[key])
+            raise
+        finally:
+            self._finish_interrupted_load()
+
+    def extra_repr(self) -> str:
+        if self._flat is None:
+            return "flat_param=None"
+        return f"flat_param: {len(self._slots)} params, {self._flat.full_numel} elements"
+
+    # -- flattening ---------------------------------------------------------------------------
+
+    def _set_views(self, views: Sequence[Tensor] | None = None) -> None:
+        """Point every registration of every flattened parameter at its view of flat_param."""
+        flat = self._flat
+        assert flat is not None and self._flattened
+        for group, view in zip(self._slots, flat.get_param_views() if views is None else views):
+            for slot in group:
+                # A plain attribute (not a parameter): the module reads it as before.
+                setattr(slot.module, slot.attr, view)
+
+    def _flatten(self) -> None:
+        """Deregister the listed parameters, register flat_param, install the views."""
+        flat = self._flat
+        assert flat is not None and not self._flattened
+        for group in self._slots:
+            for slot in group:
+                delattr(slot.module, slot.attr)
+        self._flattened = True  # first: see __getattr__
+        self.register_parameter(FLAT_PARAM, flat)
+        self._set_views()
+
+    def _unflatten(self) -> None:
+        """Register each listed parameter again, as a Parameter over its slice of flat_param."""
+        flat = self._flat
+        assert flat is not None and self._flattened
+        # Kept to put back on re-flattening when flat_param's memory did not move (saves making views).
+        self.__dict__["_views_before"] = (flat.data_ptr(), [getattr(g[0].module, g[0].attr) for g in self._slots])
+        with torch.no_grad():
+            views = list(flat.get_param_views(flat.detach()))
+        delattr(self, FLAT_PARAM)
+        self._flattened = False
+        owners: dict[nn.Module, None] = {}
+        for group, view in zip(self._slots, views):
+            param = nn.Parameter(view, requires_grad=flat.requires_grad)
+            for slot in group:
+                if slot.attr in slot.module.__dict__:
+                    delattr(slot.module, slot.attr)  # the plain view attribute
+                slot.module.register_parameter(slot.attr, param)
+                owners[slot.module] = None
+        for owner in owners:
+            self._restore_param_order(owner)
+
+    def _restore_param_order(self, owner: nn.Module) -> None:
+        """Re-register ``owner``'s parameters in the order they had before wrapping."""
+        order = self._param_order.get(owner, ())
+        current = dict(owner.named_parameters(recurse=False, remove_duplicate=False))
+        known = set(order)
+        wanted = [n for n in order if n in current] + [n for n in current if n not in known]
+        if list(current) == wanted:
+            return
+        for name in wanted:
+            delattr(owner, name)
+        for name in wanted:
+            owner.register_parameter(name, current[name])
+
+    def _reflatten(self) -> None:
+        """Write the current parameter values into flat_param and go back to views.
+
+        Always ends flattened; a parameter that was deleted or reshaped inside keeps the value
+        flat_param had, and is reported afterwards.
+        """
+        flat = self._flat
+        assert flat is not None and not self._flattened
+        problems = []
+        base, itemsize = flat.data_ptr(), flat.element_size()
+        with torch.no_grad():
+            for group, shape, offset in zip(self._slots, flat.param_shapes, flat.param_offsets):
+                slot = group[0]
+                value = getattr(slot.module, slot.attr, None)
+                if not isinstance(value, Tensor):
+                    problems.append(f"{slot.name!r} was removed (expected a tensor of shape {tuple(shape)})")
+                elif value.shape != shape:
+                    problems.append(f"{slot.name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}")
+                elif value.data_ptr() != base + offset.start * itemsize or value.dtype != flat.dtype:
+                    # Replaced inside the body (e.g. load with assign=True): copy into the slice.
+                    flat.detach()[offset.start : offset.end + 1].copy_(value.reshape(-1))
+        for group in self._slots:
+            for slot in group:
+                if isinstance(getattr(slot.module, slot.attr, None), Tensor):
+                    delattr(slot.module, slot.attr)
+        self._flattened = True  # first: see __getattr__
+        self.register_parameter(FLAT_PARAM, flat)
+        ptr, views = self.__dict__.pop("_views_before", (None, None))
+        self._set_views(views if ptr == flat.data_ptr() else None)
+        if problems:
+            raise RuntimeError(
+                "unflatten_params: cannot re-flatten: " + "; ".join(problems) + " (flat_param kept its old values)"
+            )
+
+    # -- state_dict / load_state_dict support ----------------------------------------------------
+
+    @staticmethod
+    def _pre_load_hook(module: FlattenParamsWrapper, *args: Any) -> None:
+        # Load into real parameters (so the wrapped modules' own _load_from_state_dict and hooks see
+        # what they expect); the post-hook writes them back into flat_param.
+        if module._flattened:
+            module._unflatten()
+            module._loading = True
+
+    @staticmethod
+    def _post_load_hook(module: FlattenParamsWrapper, incompatible_keys: Any) -> None:
+        module._finish_interrupted_load()
+
+    def _finish_interrupted_load(self) -> None:
+        """Re-flatten after a load that unflattened (normally the post-hook; after an error, the next use)."""
+        if self._loading:
+            self._loading = False
+            self._reflatten()
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> FlattenParamsWrapper:
+        # .to()/.cuda()/.double() may replace flat_param by a plain Parameter (on a device change, or
+        # with swap_module_params_on_conversion), and always leave the views on the old memory.
+        flat = self._flat
+        super()._apply(fn, *args, **kwargs)
+        if flat is None:
+            return self
+        if self._flattened:
+            current = dict(self.named_parameters(recurse=False))[FLAT_PARAM]
+        else:  # inside unflatten_params(): the stash is not registered, so convert it here
+            with torch.no_grad():
+                current = fn(flat)
+        if not isinstance(current, FlatParameter):
+            rebuilt = _rebuild_flat_param(current.data, flat.requires_grad, flat._layout, flat.shard_range)
+            rebuilt.grad = current.grad
+            if self._flattened:
+                delattr(self, FLAT_PARAM)
+                self.register_parameter(FLAT_PARAM, rebuilt)
+            current = rebuilt
+        self.__dict__["_flat"] = current
+        if self._flattened:
+            self._set_views()
+        return self
+
+    # -- copying ------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The views are plain attributes of the wrapped modules and may carry autograd history,
+        # which neither deepcopy nor pickle accepts. Swap in detached views (same memory, same
+        # values) before the module tree is copied; __setstate__ rebuilds them on the copy.
+        if self._flattened:
+            with torch.no_grad():
+                self._set_views()
+        state = dict(super().__getstate__())
+        state.pop("_views_before", None)  # a cache of views (inside unflatten_params), rebuilt when missing
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if self._flattened:
+            self._set_views()
+
+
+def _checked_param_list(param_list: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    """``param_list`` as a list of distinct parameters (first occurrence kept), type-checked."""
+    if isinstance(param_list, (Tensor, nn.Module, str)) or not isinstance(param_list, Iterable):
+        raise TypeError(
+            f"FlattenParamsWrapper: param_list must be an iterable of nn.Parameter, got {type(param_list).__name__}"
+        )
+    seen: dict[int, nn.Parameter] = {}
+    for i, p in enumerate(param_list):
+        if not isinstance(p, nn.Parameter):
+            raise TypeError(f"FlattenParamsWrapper: param_list[{i}] must be an nn.Parameter, got {type(p).__name__}")
+        if isinstance(p, FlatParameter):
+            raise ValueError(
+                f"FlattenParamsWrapper: param_list[{i}] is a FlatParameter (of a wrapper inside this module); "
+                f"nesting FlatParameters is not supported: list the inner module's other parameters only"
+            )
+        seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _find_slots(module: nn.Module, params: list[nn.Parameter]) -> dict[int, list[_Slot]]:
+    """Every registration of each listed parameter in ``module``, keyed by id, in module order."""
+    listed = {id(p) for p in params}
+    slots: dict[int, list[_Slot]] = {}
+    # Names as the state_dict uses them: without the segments of wrappers nested inside `module`.
+    for module_name, submodule in clean_named_modules(module):
+        for attr, p in submodule.named_parameters(recurse=False, remove_duplicate=False):
+            if id(p) in listed:
+                name = f"{module_name}.{attr}" if module_name else attr
+                slots.setdefault(id(p), []).append(_Slot(name, submodule, attr))
+    for i, p in enumerate(params):
+        if id(p) not in slots:
+            raise ValueError(
+                f"FlattenParamsWrapper: param_list holds a parameter that is not a parameter of the wrapped "
+                f"{type(module).__name__} (position {i} after removing duplicates, shape {tuple(p.shape)}, "
+                f"dtype {p.dtype})"
+            )
+    return slots
+
+
+def _check_uniform(primaries: list[_Slot], tensors: list[Tensor]) -> None:
+    """Invariant: one dtype and one requires_grad per flat parameter (one tensor, one grad flag)."""
+    for attr, hint in (("dtype", ""), ("requires_grad", "; wrap frozen and trainable parameters separately")):
+        first = getattr(tensors[0], attr)
+        for slot, t in zip(primaries, tensors):
+            if getattr(t, attr) != first:
+                raise ValueError(
+                    f"FlattenParamsWrapper: all listed parameters must have one {attr}: {primaries[0].name!r} has "
+                    f"{first}, {slot.name!r} has {getattr(t, attr)}{hint}"
+                )
+
+
+def _byte_span(t: Tensor) -> tuple[int, int, int]:
+    """(storage pointer, first byte, one past the last byte) of the memory ``t`` can touch."""
+    size = t.element_size()
+    first = t.storage_offset()
+    last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.untyped_storage().data_ptr(), first * size, (last + 1) * size
+
+
+def _check_no_storage_ties(module: nn.Module, slots: dict[int, list[_Slot]]) -> None:
+    """Refuse a listed parameter whose memory overlaps an unlisted parameter or buffer of ``module``."""
+    listed: dict[int, list[tuple[str, int, int]]] = {}  # storage pointer -> (name, first byte, end byte)
+    for group in slots.values():
+        t = getattr(group[0].module, group[0].attr)
+        if t.numel() > 0 and t.device.type != "meta":
+            ptr, lo, hi = _byte_span(t)
+            listed.setdefault(ptr, []).append((group[0].name, lo, hi))
+    if not listed:
+        return
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    for other_name, other in named:
+        if id(other) in slots or other.numel() == 0 or other.device.type == "meta":
+            continue
+        ptr, lo, hi = _byte_span(other)
+        for name, p_lo, p_hi in listed.get(ptr, ()):
+            if p_lo < hi and lo < p_hi:
+                raise ValueError(
+                    f"FlattenParamsWrapper: listed parameter {name!r} shares memory with {other_name!r}, which is "
+                    f"not listed; flattening copies {name!r} and would cut that tie. List both or neither"
+                )

@@ -1,0 +1,269 @@
+"""Unit tests of reference.flat_param and reference._prefix_hooks internals (single process).
+
+The behaviour every implementation owes is checked by conformance/test_flat_param.py; these tests pin
+what is particular to the reference: the reusable prefix hooks (with a second wrapper kind), clean
+names, the shard helper, metadata renaming, and recovery paths.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from conformance import models
+from reference._prefix_hooks import clean_named_modules, hidden_child, register_prefix_hooks
+from reference.flat_param import (
+    FlatParameter,
+    FlattenParamsWrapper,
+    ParamRange,
+    ShardRange,
+    even_shard_range,
+)
+
+
+class CheckpointLike(nn.Module):
+    """An activation-checkpoint wrapper: the second user of the prefix hooks."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._checkpoint_wrapped_module = module
+        register_prefix_hooks(self, "_checkpoint_wrapped_module")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self._checkpoint_wrapped_module, x, use_reentrant=False)
+
+
+def _fpw_all(module: nn.Module) -> FlattenParamsWrapper:
+    return FlattenParamsWrapper(module, list(module.parameters()))
+
+
+def _mixed_wrappers(seed: int) -> nn.Module:
+    """The nested zoo model with checkpoint and flatten wrappers interleaved."""
+    model = models.build("nested", seed=seed)
+    block = getattr(model, "1")
+    block.inner = CheckpointLike(_fpw_all(block.inner))
+    model.add_module("10", _fpw_all(CheckpointLike(getattr(model, "10"))))
+    return CheckpointLike(model)
+
+
+# -- the prefix hooks, on their own and mixed with FlattenParamsWrapper ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, build",
+    [("buffers", lambda s: CheckpointLike(models.build("buffers", seed=s))), ("nested", _mixed_wrappers)],
+    ids=["checkpoint-buffers", "mixed-nested"],
+)
+def test_prefix_hooks_show_unwrapped_keys_and_metadata(name, build) -> None:
+    plain, wrapped = models.build(name, seed=0), build(0)
+    sd_plain, sd_wrapped = plain.state_dict(), wrapped.state_dict()
+    assert list(sd_wrapped) == list(sd_plain)
+    assert all(torch.equal(sd_wrapped[k], v) for k, v in sd_plain.items())
+    assert list(sd_wrapped._metadata) == list(sd_plain._metadata)
+    x = models.batch(name)
+    assert torch.equal(wrapped(x), plain(x))
+
+
+def test_prefix_hooks_load_both_ways_and_name_keys() -> None:
+    wrapped = _mixed_wrappers(0)
+    source = models.build("nested", seed=1)
+    wrapped.load_state_dict(source.state_dict())
+    assert all(torch.equal(wrapped.state_dict()[k], v) for k, v in source.state_dict().items())
+    back = models.build("nested", seed=2)
+    back.load_state_dict(_mixed_wrappers(3).state_dict())
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in models.build("nested", seed=3).state_dict().items())
+    partial = dict(source.state_dict())
+    del partial["10.proj.bias"]
+    partial["1.inner.surplus"] = torch.zeros(1)
+    result = wrapped.load_state_dict(partial, strict=False)
+    assert result.missing_keys == ["10.proj.bias"] and result.unexpected_keys == ["1.inner.surplus"]
+
+
+def test_size_mismatch_message_names_the_unwrapped_key() -> None:
+    wrapped = nn.ModuleDict({"m": CheckpointLike(models.build("buffers"))})
+    sd = dict(wrapped.state_dict())
+    sd["m.norm.running_mean"] = torch.zeros(2)
+    with pytest.raises(RuntimeError, match=r"size mismatch for m\.norm\.running_mean:") as info:
+        wrapped.load_state_dict(sd)
+    assert "_checkpoint_wrapped_module" not in str(info.value)
+
+
+def test_wrapper_own_entries_keep_their_keys_and_collisions_are_named() -> None:
+    class WithOwnBuffer(CheckpointLike):
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__(module)
+            self.register_buffer("calls", torch.zeros(()))
+
+    wrapped = WithOwnBuffer(nn.Linear(2, 2))
+    assert list(wrapped.state_dict()) == ["calls", "weight", "bias"]
+    wrapped.load_state_dict({"calls": torch.ones(()), "weight": torch.ones(2, 2), "bias": torch.ones(2)})
+    assert wrapped.calls.item() == 1.0 and bool((wrapped._checkpoint_wrapped_module.weight == 1).all())
+    clash = WithOwnBuffer(nn.Module())
+    clash._checkpoint_wrapped_module.register_buffer("calls", torch.zeros(()))
+    with pytest.raises(RuntimeError, match="'calls' is written twice"):
+        clash.state_dict()
+
+
+def test_register_prefix_hooks_checks_input_and_removes() -> None:
+    with pytest.raises(TypeError, match="nn.Module"):
+        register_prefix_hooks(object(), "x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one path segment"):
+        register_prefix_hooks(nn.Module(), "a.b")
+    wrapped = CheckpointLike(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="already hides"):
+        register_prefix_hooks(wrapped, "other")
+    module = nn.Module()
+    module.inner = nn.Linear(2, 2)
+    handles = register_prefix_hooks(module, "inner")
+    assert list(module.state_dict()) == ["weight", "bias"]
+    handles.remove()
+    assert list(module.state_dict()) == ["inner.weight", "inner.bias"]
+
+
+def test_clean_named_modules_drops_hidden_segments() -> None:
+    wrapped = _mixed_wrappers(0)
+    paths = [p for p, _ in clean_named_modules(wrapped)]
+    assert paths[:3] == ["", "", "1"]  # the outer wrapper and the model share the root path
+    assert "1.inner.0" in paths and "10.proj" in paths
+    assert not any("_fpw_module" in p or "_checkpoint_wrapped_module" in p for p in paths)
+    assert hidden_child(wrapped) == "_checkpoint_wrapped_module" and hidden_child(nn.Linear(1, 1)) is None
+
+
+def test_wrappers_pickle_and_deepcopy_with_their_hooks() -> None:
+    wrapped = _mixed_wrappers(0)
+    for clone in (copy.deepcopy(wrapped), pickle.loads(pickle.dumps(wrapped))):
+        assert list(clone.state_dict()) == list(models.build("nested").state_dict())
+
+
+# -- FlatParameter details -----------------------------------------------------------------------------
+
+
+def test_flat_param_metadata_and_offsets() -> None:
+    flat = FlatParameter([torch.zeros(2, 3), torch.zeros(0), torch.zeros(4)], names=["a", "empty", "b"])
+    assert flat.param_names == ("a", "empty", "b") and flat.full_numel == 10
+    assert flat.param_offsets == (ParamRange(0, 5), ParamRange(6, 5), ParamRange(6, 9))
+    flat.shard_by_offsets(4, 7, 0)
+    meta = flat.shard_metadata()
+    assert meta.param_names == ("a", "b") and meta.param_offsets == (ParamRange(4, 5), ParamRange(0, 1))
+    assert flat.shard_range == ShardRange(4, 7, 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"names": ["a"]}, ValueError, "2 params"),
+        ({"names": ["a", "a"]}, ValueError, "unique"),
+        ({"names": "ab"}, TypeError, "sequence of str"),
+    ],
+)
+def test_flat_param_names_are_checked(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        FlatParameter([torch.zeros(1), torch.zeros(2)], **kwargs)
+
+
+def test_flat_param_copies_keep_metadata_and_shard() -> None:
+    flat = FlatParameter([torch.randn(3), torch.randn(2, 2)], names=["x", "y"])
+    flat.shard_by_offsets(4, 7, 1)
+    for clone in (copy.deepcopy(flat), pickle.loads(pickle.dumps(flat))):
+        assert isinstance(clone, FlatParameter) and torch.equal(clone, flat)
+        assert clone.metadata() == flat.metadata() and clone.shard_metadata() == flat.shard_metadata()
+        assert clone.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("numel", [1, 4, 6, 10, 241])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
+def test_even_shard_range_tiles_the_padded_flat_param(numel: int, world_size: int) -> None:
+    shards = [even_shard_range(numel, r, world_size) for r in range(world_size)]
+    sizes = {s.end - s.start + 1 for s in shards}
+    assert len(sizes) == 1, "shards differ in size"
+    assert shards[0].start == 0 and all(a.end + 1 == b.start for a, b in zip(shards, shards[1:]))
+    assert sum(s.end - s.start + 1 - s.num_padded for s in shards) == numel
+    flat = FlatParameter([torch.zeros(numel)])
+    for s in shards:
+        flat.shard_by_offsets(*s)  # consistent with shard_by_offsets' padding rule
+
+
+def test_even_shard_range_checks_input() -> None:
+    with pytest.raises(ValueError, match="rank"):
+        even_shard_range(10, 4, 4)
+    with pytest.raises(TypeError, match="world_size"):
+        even_shard_range(10, 0, 2.0)  # type: ignore[arg-type]
+
+
+# -- FlattenParamsWrapper recovery paths and details -----------------------------------------------------
+
+
+def test_state_dict_keep_vars_and_no_flat_key() -> None:
+    wrapped = _fpw_all(models.build("mlp"))
+    sd = wrapped.state_dict(keep_vars=True)
+    assert all(isinstance(v, nn.Parameter) for v in sd.values())
+    assert sd["net.0.weight"].untyped_storage().data_ptr() == wrapped.flat_param.untyped_storage().data_ptr()
+    assert [n for n, _ in wrapped.named_parameters()] == ["flat_param"]
+
+
+def test_load_with_assign_writes_into_flat_param() -> None:
+    wrapped = _fpw_all(models.build("mlp"))
+    source = models.build("mlp", seed=1).state_dict()
+    wrapped.load_state_dict(source, assign=True)
+    assert isinstance(wrapped.flat_param, FlatParameter)
+    assert all(torch.equal(wrapped.state_dict()[k], v) for k, v in source.items())
+
+
+def test_interrupted_nested_load_reflattens_on_next_use() -> None:
+    class Exploding(nn.Linear):
+        def _load_from_state_dict(self, *args, **kwargs):  # noqa: ANN002, ANN003
+            raise KeyError("boom")
+
+    inner = nn.Sequential(nn.Linear(2, 2), Exploding(2, 2))
+    wrapped = FlattenParamsWrapper(inner, list(inner[0].parameters()))
+    parent = nn.ModuleDict({"w": wrapped})
+    with pytest.raises(KeyError, match="boom"):
+        parent.load_state_dict(parent.state_dict())
+    assert [n for n, _ in wrapped.named_parameters(recurse=False)] == []  # still unflattened here
+    wrapped(torch.ones(1, 2))
+    assert [n for n, _ in wrapped.named_parameters(recurse=False)] == ["flat_param"]
+
+
+def test_reflatten_reports_a_deleted_param_and_stays_usable() -> None:
+    wrapped = _fpw_all(models.build("mlp"))
+    with pytest.raises(RuntimeError, match="'net.2.bias' was removed"):
+        with wrapped.unflatten_params():
+            del wrapped.module.net[2].bias
+    assert [n for n, _ in wrapped.named_parameters()] == ["flat_param"]
+    assert wrapped.module.net[2].bias.shape == (15,)
+
+
+def test_to_inside_unflatten_params_keeps_values() -> None:
+    plain, wrapped = models.build("mlp"), _fpw_all(models.build("mlp"))
+    with wrapped.unflatten_params():
+        wrapped.double()
+        assert wrapped.flat_param.dtype == torch.float64
+    plain.double()
+    x = models.batch("mlp").double()
+    assert torch.equal(wrapped(x), plain(x))
+
+
+def test_param_order_restored_when_only_some_params_of_a_module_are_listed() -> None:
+    layer = nn.Linear(3, 3)
+    wrapped = FlattenParamsWrapper(layer, [layer.weight])
+    assert list(wrapped.state_dict()) == ["weight", "bias"]
+    with wrapped.unflatten_params():
+        assert [n for n, _ in layer.named_parameters()] == ["weight", "bias"]
+
+
+def test_shared_submodule_at_two_paths() -> None:
+    shared = nn.Linear(2, 2)
+    plain = nn.ModuleDict({"a": shared, "b": shared})
+    wrapped = _fpw_all(copy.deepcopy(plain))
+    assert wrapped.flat_param.param_names == ("a.weight", "a.bias")
+    assert list(wrapped.state_dict()) == list(plain.state_dict()) == ["a.weight", "a.bias", "b.weight", "b.bias"]
+
+
+def test_repr_mentions_the_flat_param() -> None:
+    assert "flat_param: 6 params, 241 elements" in repr(_fpw_all(models.build("mlp")))
+    assert "flat_param=None" in repr(FlattenParamsWrapper(nn.Linear(1, 1), []))
