@@ -151,9 +151,9 @@ def from_asv(result: dict[str, Any], benchmarks: dict[str, Any]) -> Table:
         if not isinstance(values, list):
             values = [values]
         unit = "seconds" if info.get("type") == "time" else info.get("unit") or ""
-        short = name.split(".")[-1]
+        short = name.split(".")[-1].removeprefix("track_").removeprefix("time_")
         for combo, value in zip(combos, values):
-            if value is None:
+            if value is None or not math.isfinite(float(value)):  # asv records a skip or failure as NaN/None
                 continue
             named = dict(zip(param_names, (_param_value(p) for p in combo)))
             impl = named.pop("impl")
