@@ -1,0 +1,192 @@
+"""Ops for distributed checkpoints (SPEC.md ML-*): the protocol and the shipped implementations.
+
+An implementation provides checkpoint I/O (``save``/``load`` of a state dict, on every rank) and,
+for the sharded-model requirements, its way of sharding a model and getting/setting the sharded
+model and optimizer state dicts. The suite compares what comes back with the unsharded model (the
+oracle) and with the reference. Every method is called by every rank of the process group.
+
+Errors: an implementation may raise any exception type; the suite checks the type separately
+(ML-14) from the message (it must name the key or file).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn as nn
+
+from conformance.adapters.base import Unsupported
+
+__all__ = [
+    "CheckpointOps",
+    "ReferenceCheckpointOps",
+    "TorchCheckpointOps",
+    "TorchFSDP2CheckpointOps",
+]
+
+
+@runtime_checkable
+class CheckpointOps(Protocol):
+    """What the ML section needs from an implementation."""
+
+    #: Short name for messages.
+    name: str
+
+    def save(
+        self, state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, process_group: Any = None
+    ) -> None:
+        """Save ``state_dict`` (plain tensors, DTensors, non-tensor values) to the directory ``checkpoint_id``
+        in DCP's on-disk format. ``process_group=None`` with torch.distributed not initialized: one process."""
+
+    def load(
+        self,
+        state_dict: dict[str, Any],
+        checkpoint_id: str | os.PathLike[str],
+        *,
+        process_group: Any = None,
+        strict: bool = True,
+        allow_unexpected: bool = True,
+    ) -> None:
+        """Load into ``state_dict`` in place (meta values are replaced by built ones). ``strict=False``
+        skips keys missing from the checkpoint; ``allow_unexpected=False`` makes checkpoint keys the state
+        dict does not ask for an error. Raise :class:`Unsupported` for an option not provided."""
+
+    def shard(self, model: nn.Module, mesh: Any) -> nn.Module:
+        """``model`` sharded over the 1-D ``mesh`` (data-parallel sharding), ready to train."""
+
+    def get_state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """The sharded model and optimizer state dicts of a model returned by :meth:`shard`, keyed by
+        parameter FQNs, their sharded values as DTensors, ready to :meth:`save`."""
+
+    def set_state_dicts(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict
+    ) -> None:
+        """Load state dicts shaped like :meth:`get_state_dicts`' into ``model`` and ``optimizer``."""
+
+
+class _TorchStateDicts:
+    """Sharded state dicts through ``torch.distributed.checkpoint.state_dict`` (DTensor-valued)."""
+
+    def get_state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        return get_state_dict(model, optimizer)
+
+    def set_state_dicts(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def _fully_shard(model: nn.Module, mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(model, mesh=mesh)
+
+
+class ReferenceCheckpointOps:
+    """``reference.checkpoint.save/load``; sharded models are ``reference.fsdp.FullyShardedDataParallel``
+    (``use_orig_params=True``) with its DTensor-valued sharded model and optimizer state dicts."""
+
+    name = "reference"
+
+    def save(self, state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, process_group: Any = None) -> None:
+        from reference import checkpoint
+
+        checkpoint.save(state_dict, checkpoint_id=checkpoint_id, process_group=process_group)
+
+    def load(
+        self,
+        state_dict: dict[str, Any],
+        checkpoint_id: str | os.PathLike[str],
+        *,
+        process_group: Any = None,
+        strict: bool = True,
+        allow_unexpected: bool = True,
+    ) -> None:
+        from reference import checkpoint
+
+        checkpoint.load(
+            state_dict,
+            checkpoint_id=checkpoint_id,
+            process_group=process_group,
+            strict=strict,
+            allow_unexpected=allow_unexpected,
+        )
+
+    def shard(self, model: nn.Module, mesh: Any) -> nn.Module:
+        from reference.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(model, device_mesh=mesh, use_orig_params=True)
+
+    def get_state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        from reference.fsdp import FullyShardedDataParallel, sharded_state_dict
+
+        return sharded_state_dict(model), FullyShardedDataParallel.optim_state_dict(model, optimizer, sharded=True)
+
+    def set_state_dicts(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict
+    ) -> None:
+        from reference.fsdp import FullyShardedDataParallel, load_sharded_state_dict
+
+        load_sharded_state_dict(model, model_sd)
+        optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, optim_sd))
+
+
+class TorchCheckpointOps(_TorchStateDicts):
+    """``torch.distributed.checkpoint.save/load`` with the default planners; sharded models are FSDP1
+    (``FullyShardedDataParallel`` with a device mesh, so its sharded state dicts hold DTensors)."""
+
+    name = "torch"
+
+    def save(self, state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, process_group: Any = None) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP warns on overwrite and without a process group
+            dcp.save(state_dict, checkpoint_id=checkpoint_id, process_group=process_group)
+
+    def load(
+        self,
+        state_dict: dict[str, Any],
+        checkpoint_id: str | os.PathLike[str],
+        *,
+        process_group: Any = None,
+        strict: bool = True,
+        allow_unexpected: bool = True,
+    ) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        if not allow_unexpected:
+            raise Unsupported("torch.distributed.checkpoint.load has no option to reject or report unexpected keys")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(
+                state_dict,
+                checkpoint_id=checkpoint_id,
+                process_group=process_group,
+                planner=DefaultLoadPlanner(allow_partial_load=not strict),
+            )
+
+    def shard(self, model: nn.Module, mesh: Any) -> nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device(mesh.device_type, torch.cuda.current_device())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # FSDP1 is deprecated upstream; it is what this adapter checks
+            return FullyShardedDataParallel(model, device_mesh=mesh, use_orig_params=True, device_id=device)
+
+
+class TorchFSDP2CheckpointOps(TorchCheckpointOps):
+    """``torch.distributed.checkpoint.save/load``; sharded models are ``fully_shard`` (FSDP2)."""
+
+    name = "torch-fsdp2"
+
+    def shard(self, model: nn.Module, mesh: Any) -> nn.Module:
+        return _fully_shard(model, mesh)

@@ -1,0 +1,157 @@
+"""``save`` and ``load``: the steps of a distributed checkpoint, in order, across ranks.
+
+Both mirror ``torch.distributed.checkpoint.save``/``load``: every rank of the process group calls
+them with its own state dict; rank 0 coordinates. Without a process group and with
+``torch.distributed`` not initialized, they run in one process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+from reference.checkpoint.collective import Collective, process_group_device
+from reference.checkpoint.planner import LoadResult, ReferenceLoadPlanner, ReferenceSavePlanner
+from reference.checkpoint.storage import FileSystemReader, FileSystemWriter
+
+__all__ = ["save", "load"]
+
+
+def _expand_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """DCP's convention: a top-level value with ``state_dict()``/``load_state_dict()`` (``Stateful``) is
+    saved and loaded as its state dict."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+
+
+def save(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: str | os.PathLike[str] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    storage_writer: StorageWriter | None = None,
+    planner: ReferenceSavePlanner | None = None,
+) -> Metadata:
+    """Save ``state_dict`` (tensors, DTensors with Shard/Replicate placements, and picklable
+    non-tensor values, nested in dicts and lists) as a DCP checkpoint in the directory ``checkpoint_id``.
+
+    Called by every rank of ``process_group`` (default: the default group, if initialized). Each
+    rank writes its own shards; data held by several ranks (plain tensors, replicated DTensors,
+    non-tensor values) is written once. The metadata is written last and atomically: after a failed
+    or interrupted save the directory never looks like a complete checkpoint.
+
+    Returns the checkpoint's metadata on every rank. Raises, on every rank alike,
+    :class:`~reference.checkpoint.errors.StateDictError` for a state dict that cannot be saved (a
+    meta tensor, a Partial placement, ranks that disagree on a key's shape or on a non-tensor value)
+    and :class:`~reference.checkpoint.errors.CheckpointError` for an I/O failure, naming the key,
+    file and rank.
+    """
+    state_dict = _expand_stateful(state_dict)
+    writer = storage_writer if storage_writer is not None else FileSystemWriter()
+    writer.reset(checkpoint_id)
+    planner = planner if planner is not None else ReferenceSavePlanner()
+    collective = Collective(process_group, action=f"save to {str(checkpoint_id)!r}")
+    metadata_box: list[Metadata] = []
+
+    def local_plan() -> SavePlan:
+        planner.set_up_planner(state_dict, writer.storage_meta(), collective.is_coordinator)
+        writer.set_up_storage_writer(collective.is_coordinator)
+        return writer.prepare_local_plan(planner.create_local_plan())
+
+    def global_plan(plans: list[SavePlan]) -> list[SavePlan]:
+        plans, metadata = planner.create_global_plan(plans)
+        metadata_box.append(metadata)
+        return writer.prepare_global_plan(plans)
+
+    plan = collective.reduce_scatter("planning", local_plan, global_plan)
+
+    def write() -> list[WriteResult]:
+        future = writer.write_data(planner.finish_plan(plan), planner)
+        future.wait()
+        return future.value()
+
+    def finish(results: list[list[WriteResult]]) -> Metadata:
+        writer.finish(metadata_box[0], results)
+        return metadata_box[0]
+
+    return collective.all_reduce("writing", write, finish)
+
+
+def load(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: str | os.PathLike[str] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    strict: bool = True,
+    allow_unexpected: bool = True,
+    storage_reader: StorageReader | None = None,
+    planner: ReferenceLoadPlanner | None = None,
+) -> LoadResult:
+    """Load the checkpoint ``checkpoint_id`` into ``state_dict``, in place, resharding as needed.
+
+    Called by every rank of ``process_group``, each with the state dict it wants filled: the keys
+    and shapes say what to read, DTensor placements say which part. The checkpoint may have been
+    saved at any world size and sharding. Tensors are filled in place; a value on the meta device is
+    replaced by a new one on the process group's device (CPU for gloo or without a group, the current
+    CUDA device for nccl; a DTensor on its mesh's device), built once and read into directly, so the
+    load's peak memory is about the local shards (see
+    :class:`~reference.checkpoint.planner.ReferenceLoadPlanner`); non-tensor values are replaced.
+    With ``strict=False`` the meta values of keys missing from the checkpoint stay on meta.
+
+    Strictness: by default a key missing from the checkpoint, or a dtype mismatch, is an error;
+    ``strict=False`` skips missing keys and converts dtypes. Keys in the checkpoint that the state
+    dict does not ask for are returned in ``unexpected_keys``, or are an error with
+    ``allow_unexpected=False``. Every mismatch is found before anything is read, and the state dict
+    is then unchanged; files are checked (present, long enough, parseable) before anything is read.
+
+    Returns a :class:`~reference.checkpoint.planner.LoadResult`. Raises on every rank alike:
+    :class:`~reference.checkpoint.errors.StateDictError` for mismatches,
+    :class:`~reference.checkpoint.errors.CheckpointFormatError` for a missing, truncated or corrupt
+    checkpoint or an unknown format version.
+
+    Tied weights: values that shared a storage on meta share one after loading. ``nn.Module.
+    load_state_dict(sd, assign=True)`` still makes one Parameter per key, so re-tie afterwards
+    (``model.head.weight = model.embed.weight``, or the model's ``tie_weights()``).
+
+    A top-level ``Stateful`` value (with ``state_dict``/``load_state_dict``) is loaded through its state
+    dict, and its ``load_state_dict`` is called once every rank has read successfully.
+    """
+    user_state_dict, state_dict = state_dict, _expand_stateful(state_dict)
+    reader = storage_reader if storage_reader is not None else FileSystemReader()
+    reader.reset(checkpoint_id)
+    planner = (
+        planner
+        if planner is not None
+        else ReferenceLoadPlanner(
+            strict=strict, allow_unexpected=allow_unexpected, device=process_group_device(process_group)
+        )
+    )
+    collective = Collective(process_group, action=f"load from {str(checkpoint_id)!r}")
+
+    def local_plan() -> LoadPlan:
+        metadata = reader.read_metadata()
+        planner.set_up_planner(state_dict, metadata, collective.is_coordinator)
+        reader.set_up_storage_reader(metadata, collective.is_coordinator)
+        return reader.prepare_local_plan(planner.create_local_plan())
+
+    def global_plan(plans: list[LoadPlan]) -> list[LoadPlan]:
+        return reader.prepare_global_plan(planner.create_global_plan(plans))
+
+    plan = collective.reduce_scatter("planning", local_plan, global_plan)
+
+    def read() -> None:
+        reader.read_data(planner.finish_plan(plan), planner).wait()
+
+    collective.all_succeed("reading", read)
+    result = planner.commit()
+    for key, value in user_state_dict.items():
+        if isinstance(value, Stateful):
+            value.load_state_dict(state_dict[key])
+        else:  # commit replaced top-level values (built meta tensors, objects) in the expanded dict
+            user_state_dict[key] = state_dict[key]
+    return result

@@ -1,0 +1,502 @@
+"""The save and load planners: what each rank writes and reads, decided from plain values.
+
+Planners implement DCP's :class:`~torch.distributed.checkpoint.planner.SavePlanner` and
+:class:`~torch.distributed.checkpoint.planner.LoadPlanner` and never talk to a process group: they are
+given ``is_coordinator`` and the other ranks' plans as values (the collectives live in
+:mod:`reference.checkpoint.collective`), so every decision here can be tested in one process.
+
+Call order (DCP's), and which ranks make each call:
+
+save: ``set_up_planner`` (all) -> ``create_local_plan`` (all) -> ``create_global_plan`` (coordinator,
+      with every rank's local plan) -> ``finish_plan`` (all, with its part of the global plan) ->
+      ``resolve_data`` (all, once per write item, from the storage writer).
+load: ``set_up_planner`` (all) -> ``create_local_plan`` (all) -> ``create_global_plan`` (coordinator)
+      -> ``finish_plan`` (all) -> ``resolve_tensor`` / ``load_bytes`` (all, from the storage reader)
+      -> :meth:`ReferenceLoadPlanner.commit` (all, once every rank has read successfully).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    BytesIOWriteData,
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.tensor import DTensor
+
+from reference.checkpoint.errors import CheckpointFormatError, StateDictError
+from reference.checkpoint.flatten import FlatStateDict, ObjPath, flatten_state_dict, set_value
+from reference.checkpoint.layout import Chunk, check_tiling, local_chunk, overlaps
+from reference.checkpoint.metadata_io import CURRENT_VERSION
+
+__all__ = ["ReferenceSavePlanner", "ReferenceLoadPlanner", "LoadResult", "RankSaveData"]
+
+#: At most this many problems are listed in one error message (the count of the rest is given).
+_MAX_LISTED = 20
+
+
+def _problems_error(what: str, problems: list[str]) -> StateDictError:
+    listed = problems[:_MAX_LISTED]
+    more = f"\n  ... and {len(problems) - len(listed)} more" if len(problems) > len(listed) else ""
+    return StateDictError(f"{what}:\n  " + "\n  ".join(listed) + more)
+
+
+def _shape(size: Any) -> list[int]:
+    return list(size)
+
+
+# -- save -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSaveData:
+    """What a rank sends the coordinator besides its write items (``SavePlan.planner_data``)."""
+
+    paths: dict[str, ObjPath]  #: flat key -> path in the nested state dict (stored in the metadata)
+    object_digests: dict[str, str]  #: flat key -> sha256 of the serialized non-tensor value
+
+
+class ReferenceSavePlanner(SavePlanner):
+    """Plans a save: one write item per local chunk and per non-tensor value; the coordinator keeps
+    one copy of each replicated item (balancing bytes across ranks) and builds the metadata.
+
+    Invariants checked by the coordinator, each an error naming the key and the ranks:
+    every rank that holds a key holds the same kind of value with the same dtype and global shape;
+    a non-tensor value is equal on every rank that holds it (a per-rank value has no place in a
+    checkpoint that other world sizes load); the chunks of each tensor tile it exactly once.
+    """
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._objects: dict[str, bytes] = {}
+        self._paths: dict[str, ObjPath] = {}
+        self.plan: SavePlan | None = None
+
+    def set_up_planner(
+        self,
+        state_dict: Mapping[str, Any],
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        flat = flatten_state_dict(state_dict)
+        self._tensors, self._objects, self._paths = {}, {}, flat.paths
+        problems = []
+        for key, value in flat.values.items():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                if local.device.type == "meta":
+                    problems.append(f"key {key!r}: tensor is on the meta device and holds no data to save")
+                elif local.layout != torch.strided:
+                    problems.append(f"key {key!r}: layout {local.layout} is not supported; save a strided tensor")
+                else:
+                    self._tensors[key] = value
+            else:
+                buffer = io.BytesIO()
+                torch.save(value, buffer)  # DCP's encoding of non-tensor values, so torch reads them
+                self._objects[key] = buffer.getvalue()
+        if problems:
+            raise _problems_error("cannot save this state dict", problems)
+
+    def create_local_plan(self) -> SavePlan:
+        items: list[WriteItem] = []
+        for key, value in self._tensors.items():
+            chunk = local_chunk(key, value)
+            if chunk is None:  # a DTensor on a mesh without this rank: other ranks write it
+                continue
+            local = value.to_local() if isinstance(value, DTensor) else value
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(key, chunk.offsets),
+                    type=WriteItemType.SHARD if isinstance(value, DTensor) else WriteItemType.TENSOR,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes)),
+                        properties=TensorProperties(dtype=local.dtype),
+                        size=torch.Size(value.shape),
+                    ),
+                )
+            )
+        for key, data in self._objects.items():
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(key), type=WriteItemType.BYTE_IO, bytes_io_data=BytesIOWriteData(len(data))
+                )
+            )
+        digests = {key: hashlib.sha256(data).hexdigest() for key, data in self._objects.items()}
+        return SavePlan(items, planner_data=RankSaveData(dict(self._paths), digests))
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        problems = _check_rank_agreement(all_plans)
+        if problems:
+            raise _problems_error("the ranks' state dicts disagree", problems)
+        plans = _dedup(all_plans)
+        state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        new_plans = []
+        for plan in plans:
+            items = []
+            for item in plan.items:
+                key = item.index.fqn
+                if item.type == WriteItemType.BYTE_IO:
+                    state_dict_metadata[key] = BytesStorageMetadata()
+                    items.append(item)
+                    continue
+                assert item.tensor_data is not None  # internal invariant: tensor items carry tensor_data
+                md = state_dict_metadata.setdefault(
+                    key,
+                    TensorStorageMetadata(properties=item.tensor_data.properties, size=item.tensor_data.size, chunks=[]),
+                )
+                assert isinstance(md, TensorStorageMetadata)
+                # The index hint lets a reader find the chunk without a linear search.
+                items.append(dataclasses.replace(item, index=dataclasses.replace(item.index, index=len(md.chunks))))
+                md.chunks.append(item.tensor_data.chunk)
+            new_plans.append(dataclasses.replace(plan, items=items))
+        tiling = [
+            check_tiling(key, tuple(md.size), [Chunk(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
+            for key, md in state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)
+        ]
+        problems = [p for p in tiling if p is not None]
+        if problems:
+            raise _problems_error("the ranks' shards do not tile their tensors", problems)
+        paths: dict[str, ObjPath] = {}
+        for plan in all_plans:
+            paths.update(plan.planner_data.paths)
+        metadata = Metadata(state_dict_metadata, planner_data=paths, version=CURRENT_VERSION)
+        return new_plans, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        self.plan = new_plan
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        """The CPU tensor (or serialized object) to write for ``write_item``. Called once per item,
+        lazily, by the storage writer, so at most one chunk is staged on the host at a time."""
+        key = write_item.index.fqn
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self._objects[key])
+        value = self._tensors[key]
+        local = (value.to_local() if isinstance(value, DTensor) else value).detach()
+        if local.device.type != "cpu":
+            return local.cpu()
+        if local.untyped_storage().nbytes() != local.numel() * local.element_size():
+            # torch.save writes a view's whole storage: write only this tensor's bytes.
+            return local.clone()
+        return local
+
+
+def _signature(item: WriteItem) -> tuple[Any, ...]:
+    if item.type == WriteItemType.BYTE_IO:
+        return ("a non-tensor value",)
+    assert item.tensor_data is not None
+    return ("a tensor", item.tensor_data.properties.dtype, tuple(item.tensor_data.size))
+
+
+def _describe(signature: tuple[Any, ...]) -> str:
+    if len(signature) == 1:
+        return signature[0]
+    return f"a {signature[1]} tensor of shape {list(signature[2])}"
+
+
+def _check_rank_agreement(all_plans: list[SavePlan]) -> list[str]:
+    problems = []
+    signatures: dict[str, dict[tuple[Any, ...], list[int]]] = {}
+    digests: dict[str, dict[str, list[int]]] = {}
+    for rank, plan in enumerate(all_plans):
+        for item in plan.items:
+            holders = signatures.setdefault(item.index.fqn, {}).setdefault(_signature(item), [])
+            if rank not in holders:
+                holders.append(rank)
+        for key, digest in plan.planner_data.object_digests.items():
+            digests.setdefault(key, {}).setdefault(digest, []).append(rank)
+    for key, by_signature in signatures.items():
+        if len(by_signature) > 1:
+            seen = "; ".join(f"ranks {ranks} hold {_describe(sig)}" for sig, ranks in by_signature.items())
+            problems.append(f"key {key!r}: {seen}")
+    for key, by_digest in digests.items():
+        if len(by_digest) > 1:
+            groups = "; ".join(f"ranks {ranks}" for ranks in by_digest.values())
+            problems.append(
+                f"key {key!r}: the non-tensor value differs across ranks ({groups} agree); a per-rank value "
+                "cannot be resharded: give each rank its own key or make the value equal on all ranks"
+            )
+    return problems
+
+
+def _item_bytes(item: WriteItem) -> int:
+    """Bytes this item writes: its chunk's for a tensor (not the global tensor's), its size for an object."""
+    if item.tensor_data is not None:
+        dtype = item.tensor_data.properties.dtype
+        return math.prod(item.tensor_data.chunk.sizes) * torch.empty((), dtype=dtype).element_size()
+    return item.bytes_io_data.nbytes if item.bytes_io_data is not None else 0
+
+
+def _dedup(all_plans: list[SavePlan]) -> list[SavePlan]:
+    """Each write item (same key, same offsets) is kept on one rank only: replicated data is written
+    once. Among the ranks holding it, the one with the fewest bytes planned so far keeps it."""
+    holders: dict[MetadataIndex, list[int]] = {}
+    items: dict[MetadataIndex, WriteItem] = {}
+    for rank, plan in enumerate(all_plans):
+        for item in plan.items:
+            holders.setdefault(item.index, []).append(rank)
+            items.setdefault(item.index, item)
+    planned = [0] * len(all_plans)
+    keep: list[set[MetadataIndex]] = [set() for _ in all_plans]
+    # Items held by one rank first (no choice to make), then the biggest shared ones first, so that
+    # balancing by bytes works on the items that matter.
+    for index in sorted(holders, key=lambda i: (len(holders[i]) > 1, -_item_bytes(items[i]))):
+        rank = min(holders[index], key=lambda r: (planned[r], r))
+        planned[rank] += _item_bytes(items[index])
+        keep[rank].add(index)
+    return [
+        dataclasses.replace(plan, items=[item for item in plan.items if item.index in keep[rank]])
+        for rank, plan in enumerate(all_plans)
+    ]
+
+
+# -- load -------------------------------------------------------------------------------------
+
+
+class LoadResult(NamedTuple):
+    """What :func:`reference.checkpoint.load` did not load, like ``nn.Module.load_state_dict``'s result."""
+
+    missing_keys: list[str]  #: asked for by the state dict, absent from the checkpoint (only with strict=False)
+    unexpected_keys: list[str]  #: in the checkpoint, not asked for
+
+
+_BUILDABLE = (torch.Tensor, torch.nn.Parameter, DTensor)
+
+
+class ReferenceLoadPlanner(LoadPlanner):
+    """Plans a load into ``state_dict``, checking it against the checkpoint before anything changes.
+
+    * Strict (default): a key of the state dict missing from the checkpoint, or a dtype that differs,
+      is an error naming the key; with ``strict=False`` a missing key is skipped and reported in
+      :class:`LoadResult` and a dtype is converted. A shape or kind (tensor vs. object) mismatch is
+      always an error. ``allow_unexpected=False`` makes keys of the checkpoint that the state dict
+      does not ask for an error too.
+    * Meta: a tensor, Parameter or DTensor on the meta device is built on ``device`` (a DTensor on
+      its mesh's device, keeping mesh, placements, global shape and stride) and filled with the saved
+      values. Values that shared a storage on meta (tied weights) share one new storage. The new
+      values replace the meta ones in the state dict only in :meth:`commit`, after every rank has
+      read successfully, so a failed load leaves the state dict as it was.
+    """
+
+    def __init__(
+        self, *, strict: bool = True, allow_unexpected: bool = True, device: torch.device | str = "cpu"
+    ) -> None:
+        self.strict = strict
+        self.allow_unexpected = allow_unexpected
+        self.device = torch.device(device)
+        self.result = LoadResult([], [])
+
+    def set_up_planner(
+        self,
+        state_dict: Any,
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        if metadata is None:
+            raise ValueError("ReferenceLoadPlanner needs the checkpoint metadata")
+        self.metadata = metadata
+        self._state_dict = state_dict
+        self._flat: FlatStateDict = flatten_state_dict(state_dict)
+        self._targets: dict[str, torch.Tensor] = {}  # key -> local tensor that reads land in
+        self._chunks: dict[str, Chunk] = {}  # key -> the box of the global tensor it holds
+        self._objects: list[str] = []  # keys of non-tensor values to read
+        self._replacements: dict[str, Any] = {}  # key -> new value to put in the state dict at commit
+        saved = metadata.state_dict_metadata
+        problems: list[str] = []
+        missing: list[str] = []
+        meta_keys: list[str] = []
+        for key, value in self._flat.values.items():
+            md = saved.get(key)
+            if md is None:
+                missing.append(key)
+                continue
+            if not isinstance(value, torch.Tensor):
+                if isinstance(md, TensorStorageMetadata):
+                    problems.append(
+                        f"key {key!r}: the checkpoint holds a {md.properties.dtype} tensor of shape "
+                        f"{_shape(md.size)}, the state dict a {type(value).__name__}"
+                    )
+                else:
+                    self._objects.append(key)
+                continue
+            if not isinstance(md, TensorStorageMetadata):
+                problems.append(f"key {key!r}: the checkpoint holds a non-tensor value, the state dict a tensor")
+                continue
+            if tuple(md.size) != tuple(value.shape):
+                problems.append(
+                    f"key {key!r}: shape {_shape(md.size)} in the checkpoint, {_shape(value.shape)} in the state dict"
+                )
+                continue
+            if md.properties.dtype != value.dtype and self.strict:
+                problems.append(
+                    f"key {key!r}: dtype {md.properties.dtype} in the checkpoint, {value.dtype} in the state dict"
+                )
+                continue
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if local.device.type == "meta":
+                meta_keys.append(key)
+        if missing and self.strict:
+            problems += [f"key {key!r}: missing from the checkpoint" for key in missing]
+        unexpected = sorted(set(saved) - set(self._flat.values))
+        if unexpected and not self.allow_unexpected:
+            problems += [f"key {key!r}: in the checkpoint but not in the state dict" for key in unexpected]
+        if problems:
+            raise _problems_error(f"state dict does not match the checkpoint ({len(problems)} problems)", problems)
+        self._materialize(meta_keys)
+        skipped = set(missing) | set(self._objects)
+        for key, value in self._flat.values.items():
+            if key in skipped:
+                continue
+            chunk = local_chunk(key, value)
+            if chunk is None:
+                continue
+            self._chunks[key] = chunk
+            if key not in self._replacements:
+                self._targets[key] = value.to_local() if isinstance(value, DTensor) else value
+        self.result = LoadResult(missing, unexpected)
+
+    def _materialize(self, meta_keys: list[str]) -> None:
+        """Build every meta value of ``meta_keys`` on its device (nothing is put in the state dict yet)."""
+        unbuildable = [
+            f"key {key!r}: cannot build a {type(self._flat.values[key]).__module__}."
+            f"{type(self._flat.values[key]).__qualname__} from the meta device "
+            "(only torch.Tensor, nn.Parameter and DTensor are built)"
+            for key in meta_keys
+            if type(self._flat.values[key]) not in _BUILDABLE
+        ]
+        if unbuildable:
+            raise _problems_error("cannot load into meta values", unbuildable)
+        # meta storage -> new storage: values that aliased on meta (tied weights) alias afterwards.
+        # The meta storage is kept in the value so that its id() is not reused while we look it up.
+        storages: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+
+        def build(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+            storage = meta.untyped_storage()
+            entry = storages.get(id(storage))
+            if entry is None or entry[1].device != device:
+                entry = (storage, torch.UntypedStorage(storage.nbytes(), device=device))
+                storages[id(storage)] = entry
+            return torch.empty(0, dtype=meta.dtype, device=device).set_(
+                entry[1], meta.storage_offset(), meta.shape, meta.stride()
+            )
+
+        for key in meta_keys:
+            value = self._flat.values[key]
+            if isinstance(value, DTensor):
+                device = _mesh_device(value.device_mesh.device_type)
+                local = build(value.to_local(), device)
+                new: torch.Tensor = DTensor.from_local(
+                    local,
+                    value.device_mesh,
+                    value.placements,
+                    run_check=False,
+                    shape=value.shape,
+                    stride=value.stride(),
+                )
+                if isinstance(value, torch.nn.Parameter):
+                    new = torch.nn.Parameter(new, requires_grad=value.requires_grad)
+            else:
+                local = build(value, self.device)
+                new = local
+                if isinstance(value, torch.nn.Parameter):
+                    new = torch.nn.Parameter(local, requires_grad=value.requires_grad)
+            self._targets[key] = local
+            self._replacements[key] = new
+
+    def create_local_plan(self) -> LoadPlan:
+        saved = self.metadata.state_dict_metadata
+        items: list[ReadItem] = []
+        for key, chunk in self._chunks.items():
+            md = saved[key]
+            assert isinstance(md, TensorStorageMetadata)  # checked in set_up_planner
+            saved_chunks = [Chunk(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+            covered = 0
+            for i, overlap in overlaps(chunk, saved_chunks):
+                covered += torch.Size(overlap.lengths).numel()
+                items.append(
+                    ReadItem(
+                        type=LoadItemType.TENSOR,
+                        dest_index=MetadataIndex(key, chunk.offsets),
+                        dest_offsets=torch.Size(overlap.wanted_offsets),
+                        storage_index=MetadataIndex(key, saved_chunks[i].offsets, i),
+                        storage_offsets=torch.Size(overlap.saved_offsets),
+                        lengths=torch.Size(overlap.lengths),
+                    )
+                )
+            # Invariant: the saved chunks cover what this rank wants (a checkpoint's chunks tile each tensor).
+            if covered != chunk.numel:
+                raise CheckpointFormatError(
+                    f"key {key!r}: the checkpoint's chunks cover {covered} of the {chunk.numel} elements "
+                    f"at offsets {list(chunk.offsets)} of size {list(chunk.sizes)}"
+                )
+        for key in self._objects:
+            index = MetadataIndex(key)
+            zero = torch.Size([0])
+            items.append(ReadItem(LoadItemType.BYTE_IO, index, zero, index, zero, zero))
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan  # every rank reads what it needs; nothing to coordinate
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        key = read_item.dest_index.fqn
+        try:
+            # weights_only: a checkpoint's non-tensor values are data; never run code from them.
+            self._replacements[key] = torch.load(value, weights_only=True)
+        except Exception as exc:
+            raise CheckpointFormatError(
+                f"key {key!r}: cannot read the saved non-tensor value with torch.load(weights_only=True): {exc}"
+            ) from exc
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        tensor = self._targets[read_item.dest_index.fqn]
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            tensor = tensor.narrow(dim, start, length)
+        return tensor
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass  # reads land in the target's memory directly
+
+    def commit(self) -> LoadResult:
+        """Put the built values and the loaded non-tensor values into the state dict. Call on every
+        rank once all ranks have read successfully."""
+        for key, value in self._replacements.items():
+            set_value(self._state_dict, self._flat.native_paths[key], value)
+        self._replacements = {}
+        return self.result
+
+
+def _mesh_device(device_type: str) -> torch.device:
+    if device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, device_type)
+    return torch.device(device_type, module.current_device())

@@ -1,0 +1,282 @@
+"""Storage: DCP's filesystem layout, written and read through DCP's StorageWriter/StorageReader.
+
+A checkpoint is a directory: one data file per writing rank, ``__<rank>_0.distcp``, holding that
+rank's records back to back (see :mod:`reference.checkpoint.records`), and ``.metadata``, the pickled
+:class:`~torch.distributed.checkpoint.metadata.Metadata` whose ``storage_data`` maps every chunk and
+object to ``(file, offset, length)``. This is the layout of upstream's ``FileSystemWriter`` with
+``single_file_per_rank=True``, so each side reads what the other writes.
+
+Atomicity: the metadata is what makes a directory a checkpoint, and it is written last. The
+coordinator removes an old ``.metadata`` before any rank writes data (so a failed overwrite cannot
+leave old metadata pointing at half-new files); every data file is fsynced; the metadata goes to a
+temporary file, is fsynced, renamed into place, and the directory is fsynced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from reference.checkpoint.errors import CheckpointError, CheckpointFormatError
+from reference.checkpoint.metadata_io import (
+    CURRENT_VERSION,
+    METADATA_FILE,
+    StorageInfo,
+    dump_metadata,
+    read_metadata_file,
+)
+from reference.checkpoint.records import TensorLayout, parse_tensor_record, read_region, write_record
+
+__all__ = ["FileSystemWriter", "FileSystemReader", "DATA_SUFFIX"]
+
+DATA_SUFFIX = ".distcp"
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # not every platform opens directories
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FileSystemWriter(StorageWriter):
+    """Writes a checkpoint directory (see the module docstring).
+
+    Calls, as DCP makes them: ``reset`` (all ranks) -> ``set_up_storage_writer`` (all) ->
+    ``prepare_local_plan`` (all) -> ``prepare_global_plan`` (coordinator) -> ``write_data`` (all) ->
+    ``finish`` (coordinator, after every rank's ``write_data`` succeeded).
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, sync_files: bool = True) -> None:
+        super().__init__()
+        self.path = Path(path) if path is not None else None
+        self.sync_files = sync_files
+        self.save_id = str(uuid.uuid4())
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
+        self.save_id = str(uuid.uuid4())
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.path is None:
+            raise ValueError("no checkpoint directory: pass checkpoint_id or a path")
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        assert self.path is not None
+        if self.path.exists() and not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: exists and is not a directory")
+        self.path.mkdir(parents=True, exist_ok=True)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        assert self.path is not None
+        # Before any rank writes data: the directory must stop looking like a complete checkpoint.
+        for stale in (METADATA_FILE, METADATA_FILE + ".tmp"):
+            try:
+                (self.path / stale).unlink()
+            except FileNotFoundError:
+                pass
+        return [dataclasses.replace(plan, storage_data=f"__{rank}_") for rank, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items to one file, objects first, as large sequential writes; each
+        chunk is resolved (staged on the host) only when its turn comes."""
+        assert self.path is not None
+        if not plan.items:
+            return _done([])
+        name = f"{plan.storage_data}0{DATA_SUFFIX}"
+        results: list[WriteResult] = []
+        ordered = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
+        with open(self.path / name, "wb") as stream:
+            for item in ordered:
+                data = planner.resolve_data(item)
+                offset = stream.tell()
+                length = write_record(stream, data.getbuffer() if isinstance(data, io.BytesIO) else data)
+                results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=StorageInfo(name, offset, length)))
+            stream.flush()
+            if self.sync_files:
+                os.fsync(stream.fileno())
+        return _done(results)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        assert self.path is not None
+        metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
+        metadata.storage_meta = self.storage_meta()
+        metadata.version = CURRENT_VERSION
+        tmp = self.path / (METADATA_FILE + ".tmp")
+        with open(tmp, "wb") as stream:
+            dump_metadata(metadata, stream)
+            stream.flush()
+            if self.sync_files:
+                os.fsync(stream.fileno())
+        os.replace(tmp, self.path / METADATA_FILE)
+        if self.sync_files:
+            _fsync_dir(self.path)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return "://" not in str(checkpoint_id)
+
+
+class FileSystemReader(StorageReader):
+    """Reads a checkpoint directory written by this module or by upstream's ``FileSystemWriter``.
+
+    Calls, as DCP makes them: ``reset`` (all ranks) -> ``read_metadata`` (all) ->
+    ``set_up_storage_reader`` (all) -> ``prepare_local_plan`` (all) -> ``prepare_global_plan``
+    (coordinator) -> ``read_data`` (all).
+
+    ``prepare_local_plan`` checks everything this rank will read before anything is read: every item
+    has a storage entry, every file exists and is long enough, every tensor record parses. So a
+    missing or truncated file fails the load before the state dict is touched.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        super().__init__()
+        self.path = Path(path) if path is not None else None
+        self.storage_data: dict[MetadataIndex, Any] = {}
+        self._layouts: dict[MetadataIndex, TensorLayout | None] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
+        self.storage_data, self._layouts = {}, {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.path is None:
+            raise ValueError("no checkpoint directory: pass checkpoint_id or a path")
+        return read_metadata_file(self.path)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def _info(self, item: ReadItem) -> StorageInfo:
+        info = self.storage_data.get(item.storage_index)
+        if info is None or not all(hasattr(info, f) for f in ("relative_path", "offset", "length")):
+            where = "" if item.storage_index.offset is None else f" (chunk at {list(item.storage_index.offset)})"
+            raise CheckpointFormatError(
+                f"{self.path}: key {item.storage_index.fqn!r}{where}: the metadata has no storage record for it"
+            )
+        return info
+
+    def _by_file(self, items: Iterable[ReadItem]) -> dict[str, list[tuple[ReadItem, StorageInfo]]]:
+        per_file: dict[str, list[tuple[ReadItem, StorageInfo]]] = {}
+        for item in items:
+            info = self._info(item)
+            if getattr(info, "transform_descriptors", None):
+                raise CheckpointFormatError(
+                    f"{self.path / info.relative_path}: key {item.storage_index.fqn!r} was written with stream "
+                    f"transforms {info.transform_descriptors}, which this reader does not support"
+                )
+            per_file.setdefault(info.relative_path, []).append((item, info))
+        for entries in per_file.values():
+            entries.sort(key=lambda entry: entry[1].offset)  # sequential reads
+        return per_file
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        assert self.path is not None
+        for relative_path, entries in self._by_file(plan.items).items():
+            path = self.path / relative_path
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                raise CheckpointFormatError(
+                    f"{path}: data file is missing (it holds key {entries[0][0].storage_index.fqn!r}"
+                    f"{' and others' if len(entries) > 1 else ''})"
+                ) from None
+            last_item, last = max(entries, key=lambda entry: entry[1].offset + entry[1].length)
+            if size < last.offset + last.length:
+                raise CheckpointFormatError(
+                    f"{path}: data file is truncated: it has {size} bytes, but key "
+                    f"{last_item.storage_index.fqn!r} is stored at bytes {last.offset}..{last.offset + last.length}"
+                )
+            with open(path, "rb", buffering=0) as file:
+                for item, info in entries:
+                    if item.type != LoadItemType.TENSOR or item.storage_index in self._layouts:
+                        continue
+                    try:
+                        self._layouts[item.storage_index] = parse_tensor_record(file, info.offset, info.length)
+                    except ValueError as exc:
+                        raise CheckpointFormatError(
+                            f"{path}: key {item.storage_index.fqn!r} at bytes {info.offset}..{info.offset + info.length}: {exc}"
+                        ) from None
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        assert self.path is not None
+        for relative_path, entries in self._by_file(plan.items).items():
+            path = self.path / relative_path
+            with open(path, "rb", buffering=0) as file:
+                for item, info in entries:
+                    try:
+                        self._read_item(file, item, info, planner)
+                    except CheckpointError:
+                        raise
+                    except Exception as exc:
+                        raise CheckpointFormatError(
+                            f"{path}: key {item.storage_index.fqn!r} at bytes {info.offset}..{info.offset + info.length}: "
+                            f"{type(exc).__name__}: {exc}"
+                        ) from exc
+        return _done(None)
+
+    def _read_item(self, file: BinaryIO, item: ReadItem, info: StorageInfo, planner: LoadPlanner) -> None:
+        if item.type == LoadItemType.BYTE_IO:
+            file.seek(info.offset)
+            data = file.read(info.length)
+            if len(data) != info.length:
+                raise EOFError(f"expected {info.length} bytes, got {len(data)}")
+            planner.load_bytes(item, io.BytesIO(data))
+            return
+        dest = planner.resolve_tensor(item).detach()
+        if tuple(dest.shape) != tuple(item.lengths):  # internal invariant of the planner
+            raise AssertionError(f"destination shape {list(dest.shape)} != read lengths {list(item.lengths)}")
+        read_region(
+            file,
+            info.offset,
+            info.length,
+            self._layouts.get(item.storage_index),
+            tuple(item.storage_offsets),
+            tuple(item.lengths),
+            dest,
+        )
+        planner.commit_tensor(item, dest)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return "://" not in str(checkpoint_id)
+

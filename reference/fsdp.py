@@ -1,0 +1,553 @@
+"""The smallest correct flat-parameter sharded data parallel: the reference for FSDP state-dict semantics.
+
+``FullyShardedDataParallel`` mirrors the names of ``torch.distributed.fsdp.FullyShardedDataParallel``
+(constructor arguments, ``ShardingStrategy``, ``fsdp_modules``, ``optim_state_dict``,
+``optim_state_dict_to_load``) so that a torch user reads it without a glossary. It exists to produce
+real sharded parameters and optimizer state for the conformance suite; it is not a training framework
+(no prefetching, no mixed precision, no CPU offload of parameters).
+
+Each *unit* (an instance of the class) flattens the parameters of its module that no nested unit owns
+into one flat parameter, pads it to a multiple of the shard count and keeps one shard per rank (see
+:mod:`reference.sharding` for the states and the rewiring). Strategies:
+
+================  ===========================================================================
+FULL_SHARD        all-gather before forward, free after it; all-gather again before backward
+SHARD_GRAD_OP     all-gather before forward, keep unsharded until the gradient is reduced
+NO_SHARD          every rank holds everything; gradients are all-reduced
+HYBRID_SHARD      FULL_SHARD inside each group of the mesh's ``shard`` axis, replicated across
+                  its ``replicate`` axis (``device_mesh`` of shape ``(replicate, shard)``)
+================  ===========================================================================
+
+Gradients are averaged over every data-parallel rank (reduce-scatter over the shard axis, all-reduce
+over the replicate axis), so N ranks on N equal slices of a batch match one process on the batch.
+
+Model state dicts of a sharded model (module-level functions; every rank of the model's groups calls
+them, in the same order):
+
+* :func:`full_state_dict` / :func:`load_full_state_dict`: unsharded tensors under clean FQNs
+  (the FQNs of the unwrapped model), exactly the keys ``model.state_dict()`` had before wrapping.
+* :func:`sharded_state_dict` / :func:`load_sharded_state_dict`: parameters as ``DTensor`` of their
+  original shape, ``Shard(0)`` over the shard axis and ``Replicate()`` over the replicate axis (NO_SHARD:
+  ``Replicate()`` only; 0-dim parameters: ``Replicate()``); buffers as plain tensors, as in torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from reference.sharding import FlatParamHandle
+
+__all__ = [
+    "FullyShardedDataParallel",
+    "ShardingStrategy",
+    "FSDP_WRAPPED_MODULE",
+    "FLAT_PARAM",
+    "clean_fqn",
+    "full_state_dict",
+    "sharded_state_dict",
+    "load_full_state_dict",
+    "load_sharded_state_dict",
+]
+
+#: The attribute under which a unit holds the module it wraps: a segment of raw FQNs, never of clean ones.
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
+#: The name under which a unit registers its flat parameter (``use_orig_params=False`` only).
+FLAT_PARAM = "_flat_param"
+#: FQN segments added by wrappers, removed by :func:`clean_fqn`: ours, and activation checkpointing's
+#: (``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``), as torch's FSDP does.
+WRAPPER_SEGMENTS = (FSDP_WRAPPED_MODULE, "_checkpoint_wrapped_module")
+
+
+class ShardingStrategy(enum.Enum):
+    """How a unit's flat parameter is laid out over ranks (names as in ``torch.distributed.fsdp``)."""
+
+    FULL_SHARD = enum.auto()
+    SHARD_GRAD_OP = enum.auto()
+    NO_SHARD = enum.auto()
+    HYBRID_SHARD = enum.auto()
+
+
+def clean_fqn(fqn: str) -> str:
+    """``fqn`` without wrapper segments: ``_fsdp_wrapped_module.1._checkpoint_wrapped_module.w`` -> ``1.w``."""
+    return ".".join(part for part in fqn.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+AutoWrapPolicy = Callable[[nn.Module], bool]
+
+
+def _as_policy(policy: AutoWrapPolicy | Iterable[type[nn.Module]] | None) -> AutoWrapPolicy | None:
+    """A predicate from ``auto_wrap_policy``: a callable ``module -> bool``, or module classes to wrap."""
+    if policy is None or callable(policy) and not isinstance(policy, (set, frozenset, list, tuple)):
+        return policy
+    classes = tuple(policy)
+    if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise TypeError(f"auto_wrap_policy: expected a callable or nn.Module classes, got {policy!r}")
+    return lambda module: isinstance(module, classes)
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shards the parameters of ``module`` (and, through ``auto_wrap_policy``, of chosen submodules as
+    nested units) over the ranks of ``process_group`` or ``device_mesh``.
+
+    Args:
+        module: the module to wrap; moved to the compute device.
+        process_group: the group to shard over (default: the default group). Not with HYBRID_SHARD.
+        device_mesh: instead of ``process_group``: a 1-D mesh, or for HYBRID_SHARD a 2-D mesh whose
+            dimensions are ``(replicate, shard)`` and which covers the whole world.
+        sharding_strategy: a :class:`ShardingStrategy` (or its name).
+        use_orig_params: expose the original parameters (each a view of its part of the local shard,
+            1-D and possibly empty) instead of the flat shard, so that an optimizer on
+            ``model.parameters()`` keeps per-parameter state and frozen parameters may share a unit.
+        auto_wrap_policy: a predicate ``module -> bool``, or a set of module classes: every matching
+            submodule (below ``module``) becomes a nested unit with the same arguments, innermost first.
+        device_id: the compute device (``torch.device`` or a CUDA index); default: where ``module`` is.
+
+    Every rank of the groups constructs the unit with an identical ``module`` and calls forward and
+    backward the same number of times in the same order. Raises ``ValueError`` for a mesh that does not
+    fit the strategy or the world, a parameter shared by two units, or mixed ``requires_grad`` inside
+    a unit with ``use_orig_params=False``, each naming what is wrong; nothing is modified then.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        device_mesh: Any | None = None,
+        sharding_strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
+        use_orig_params: bool = False,
+        auto_wrap_policy: AutoWrapPolicy | Iterable[type[nn.Module]] | None = None,
+        device_id: torch.device | int | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(sharding_strategy, str):
+            try:
+                sharding_strategy = ShardingStrategy[sharding_strategy]
+            except KeyError:
+                raise ValueError(
+                    f"unknown sharding_strategy {sharding_strategy!r}; expected one of {[s.name for s in ShardingStrategy]}"
+                ) from None
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError("module is already a FullyShardedDataParallel unit")
+        self.sharding_strategy: ShardingStrategy = sharding_strategy
+        self.use_orig_params = use_orig_params
+        self.device = _compute_device(module, device_id)
+        self._device_mesh, self._shard_group, self._replicate_group, self.process_group = _resolve_groups(
+            sharding_strategy, process_group, device_mesh
+        )
+        policy = _as_policy(auto_wrap_policy)
+        if policy is not None:
+            # Checked before anything is wrapped, so that a bad layout leaves the model untouched.
+            _check_no_param_shared_across_units(module, policy)
+            _auto_wrap(
+                module,
+                policy,
+                lambda m: FullyShardedDataParallel(
+                    m,
+                    process_group=process_group,
+                    device_mesh=device_mesh,
+                    sharding_strategy=sharding_strategy,
+                    use_orig_params=use_orig_params,
+                    device_id=self.device,
+                ),
+            )
+        nested = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        owned_elsewhere = {}
+        for unit in nested:
+            unit._is_root = False
+            if unit._handle is not None:
+                for slot, param in zip(unit._handle.slots, unit._handle.orig_params):
+                    owned_elsewhere[param] = slot.fqn
+        module.to(self.device)
+        self._handle: FlatParamHandle | None = FlatParamHandle.build(
+            module,
+            exclude=set(nested),
+            use_orig_params=use_orig_params,
+            shard_group=self._shard_group,
+            replicate_group=self._replicate_group,
+            reshard_after_forward=sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
+            device=self.device,
+            owned_elsewhere=owned_elsewhere,
+        )
+        self._is_root = True
+        self.add_module(FSDP_WRAPPED_MODULE, module)
+        if self._handle is not None and not use_orig_params:
+            self.register_parameter(FLAT_PARAM, self._handle.flat_param)
+
+    # -- module protocol ----------------------------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._modules[FSDP_WRAPPED_MODULE]
+
+    @property
+    def flat_param(self) -> nn.Parameter | None:
+        """This unit's flat parameter (its local shard between iterations), or None if it owns none."""
+        return self._handle.flat_param if self._handle is not None else None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._is_root:
+            # A unit left unsharded by the last iteration (frozen, or SHARD_GRAD_OP without a backward)
+            # is resharded here, so every iteration starts from the sharded state.
+            _reshard_all(self)
+        handle = self._handle
+        if handle is None:
+            return self.module(*args, **kwargs)
+        handle.pre_forward()
+        output = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            for tensor in _tensors_in(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(lambda grad: handle.pre_backward())
+        handle.post_forward()
+        return output
+
+    # -- torch-mirroring static API -----------------------------------------------------------------
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module) -> list[FullyShardedDataParallel]:
+        """Every unit in ``module``'s tree (``module`` itself included), in ``modules()`` order."""
+        return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+
+    @staticmethod
+    def optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        *,
+        rank0_only: bool = False,
+        cpu_offload: bool = False,
+        sharded: bool = False,
+    ) -> dict[str, Any]:
+        """The optimizer state dict keyed by clean FQNs; see :func:`reference.optim_state.optim_state_dict`."""
+        from reference.optim_state import optim_state_dict
+
+        return optim_state_dict(model, optim, rank0_only=rank0_only, cpu_offload=cpu_offload, sharded=sharded)
+
+    @staticmethod
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: Mapping[str, Any]) -> dict[str, Any]:
+        """What ``optim.load_state_dict`` takes; see :func:`reference.optim_state.optim_state_dict_to_load`."""
+        from reference.optim_state import optim_state_dict_to_load
+
+        return optim_state_dict_to_load(model, optim, osd)
+
+    def extra_repr(self) -> str:
+        h = self._handle
+        shard = f"shard {h.shard_rank}/{h.shard_world} of {h.padded_numel}" if h else "no parameters"
+        return f"{self.sharding_strategy.name}, use_orig_params={self.use_orig_params}, {shard}"
+
+
+# -- construction helpers ---------------------------------------------------------------------------
+
+
+def _compute_device(module: nn.Module, device_id: torch.device | int | None) -> torch.device:
+    if device_id is None:
+        first = next(iter(module.parameters()), None)
+        return first.device if first is not None else torch.device("cpu")
+    if isinstance(device_id, int):
+        return torch.device("cuda", device_id)
+    return torch.device(device_id)
+
+
+def _resolve_groups(
+    strategy: ShardingStrategy, process_group: dist.ProcessGroup | None, device_mesh: Any | None
+) -> tuple[Any | None, dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup]:
+    """``(mesh, shard_group, replicate_group, world_group)``: the two axes (None when trivial) and the
+    group spanning both, over which ranks agree on optimizer-state keys."""
+    if process_group is not None and device_mesh is not None:
+        raise ValueError("pass process_group or device_mesh, not both")
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        if device_mesh is None:
+            raise ValueError(
+                "HYBRID_SHARD needs device_mesh=init_device_mesh(device_type, (replicate, shard)); got "
+                + ("a process_group" if process_group is not None else "neither process_group nor device_mesh")
+            )
+        if device_mesh.ndim != 2:
+            raise ValueError(f"HYBRID_SHARD needs a 2-D device_mesh (replicate, shard), got shape {tuple(device_mesh.shape)}")
+        world = dist.get_world_size()
+        if device_mesh.size() != world:
+            raise ValueError(
+                f"device_mesh of shape {tuple(device_mesh.shape)} covers {device_mesh.size()} ranks, "
+                f"but the world has {world}: the mesh must divide the world into replicate x shard groups"
+            )
+        return device_mesh, device_mesh.get_group(1), device_mesh.get_group(0), dist.group.WORLD
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"{strategy.name} shards over a 1-D device_mesh, got shape {tuple(device_mesh.shape)} "
+                "(a 2-D mesh is for HYBRID_SHARD)"
+            )
+        group = device_mesh.get_group()
+    else:
+        group = process_group if process_group is not None else dist.group.WORLD
+    if strategy is ShardingStrategy.NO_SHARD:
+        return device_mesh, None, group, group
+    return device_mesh, group, None, group
+
+
+def _auto_wrap(module: nn.Module, policy: AutoWrapPolicy, wrap: Callable[[nn.Module], nn.Module]) -> None:
+    """Replace every strict descendant of ``module`` matching ``policy`` by ``wrap(descendant)``,
+    innermost first, so a unit never flattens a nested unit's parameters."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, FullyShardedDataParallel):
+            continue
+        _auto_wrap(child, policy, wrap)
+        if policy(child):
+            setattr(module, name, wrap(child))
+
+
+def _check_no_param_shared_across_units(root: nn.Module, policy: AutoWrapPolicy) -> None:
+    """Raise if one parameter would be flattened into two units by ``policy`` (root included)."""
+    owner: dict[nn.Parameter, tuple[str, str]] = {}
+
+    def visit(module: nn.Module, prefix: str, unit: str) -> None:
+        if prefix and (policy(module) or isinstance(module, FullyShardedDataParallel)):
+            unit = prefix.rstrip(".")
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            fqn = prefix + name
+            if param in owner and owner[param][1] != unit:
+                first_fqn, first_unit = owner[param]
+                raise ValueError(
+                    f"parameter {clean_fqn(fqn)!r} (unit {clean_fqn(unit) or '<root>'!r}) is the same parameter "
+                    f"as {clean_fqn(first_fqn)!r} (unit {clean_fqn(first_unit) or '<root>'!r}): a shared parameter "
+                    "must be owned by one unit (wrap the common ancestor of both uses instead)"
+                )
+            owner.setdefault(param, (fqn, unit))
+        for child_name, child in module._modules.items():
+            if child is not None:
+                visit(child, prefix + child_name + ".", unit)
+
+    visit(root, "", "")
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a forward output (tensors, and lists, tuples and dicts of them)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors_in(item)
+    elif isinstance(obj, Mapping):
+        for item in obj.values():
+            yield from _tensors_in(item)
+
+
+def _reshard_all(model: nn.Module) -> None:
+    """Return every unit under ``model`` to the sharded state (local; no collective)."""
+    for unit in FullyShardedDataParallel.fsdp_modules(model):
+        if unit._handle is not None and (unit._handle._unsharded or unit._handle.in_backward):
+            unit._handle.reshard()
+
+
+# -- model state dicts --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _unsharded_params(model: nn.Module) -> Iterator[None]:
+    """Inside: every original parameter name of every unit under ``model`` holds its full value (a
+    detached view of the gathered flat parameter) and flat parameters are hidden, so
+    ``model.state_dict()`` shows the unwrapped model's entries. All-gathers on entry (collective, units
+    in ``modules()`` order); resharded on exit, also on error."""
+    units = [u for u in FullyShardedDataParallel.fsdp_modules(model) if u._handle is not None]
+    _reshard_all(model)
+    hidden = []
+    try:
+        for unit in units:
+            handle = unit._handle
+            handle.unshard()
+            views = handle.full_param_views()
+            for slot, view in zip(handle.slots, views):
+                slot.module._parameters[slot.name] = view
+            for alias in handle.aliases:
+                alias.module._parameters[alias.name] = views[alias.slot_index]
+            if FLAT_PARAM in unit._parameters:
+                hidden.append((unit, unit._parameters[FLAT_PARAM]))
+                unit._parameters[FLAT_PARAM] = None
+        yield
+    finally:
+        for unit, flat in hidden:
+            unit._parameters[FLAT_PARAM] = flat
+        _reshard_all(model)
+        for unit in units:  # reshard() skips units that were never unsharded; restore their names too
+            unit._handle.use_sharded_params()
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
+    """The unsharded model state dict under clean FQNs: the keys and values ``state_dict()`` of the
+    unwrapped model would have (tied parameters under every name, non-persistent buffers absent).
+
+    Collective: every rank of the model's groups calls it. With ``rank0_only`` other ranks get ``{}``;
+    with ``cpu_offload`` values are on the CPU. Values are copies, never views of the model."""
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    with _unsharded_params(model):
+        raw = model.state_dict()
+        out = {}
+        for key, value in raw.items():
+            if keep:
+                value = value.detach()
+                out[clean_fqn(key)] = value.cpu().clone() if cpu_offload else value.clone()
+    return out
+
+
+def _param_placements(unit: FullyShardedDataParallel, ndim: int) -> tuple[Any, tuple[Any, ...]]:
+    """``(mesh, placements)`` of a sharded-state-dict DTensor of a ``ndim``-dim parameter of ``unit``."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = unit._device_mesh
+    if mesh is None:
+        mesh = DeviceMesh.from_group(unit.process_group, unit.device.type)
+        unit._device_mesh = mesh
+    shard = Shard(0) if ndim > 0 else Replicate()
+    if unit.sharding_strategy is ShardingStrategy.HYBRID_SHARD:
+        return mesh, (Replicate(), shard)
+    if unit.sharding_strategy is ShardingStrategy.NO_SHARD:
+        return mesh, (Replicate(),)
+    return mesh, (shard,)
+
+
+def to_dtensor(unit: FullyShardedDataParallel, full: torch.Tensor) -> Any:
+    """``full`` (identical on every rank) as a DTensor laid out like ``unit``'s parameters: this rank
+    keeps its ``torch.chunk`` piece along dim 0 of the shard axis. Local; no collective."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh, placements = _param_placements(unit, full.dim())
+    local = full
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            pieces = torch.chunk(full, mesh.size(mesh_dim), dim=0)
+            coordinate = mesh.get_local_rank(mesh_dim)
+            # torch.chunk may return fewer pieces than ranks: the missing ones are empty.
+            local = pieces[coordinate] if coordinate < len(pieces) else full.new_empty((0, *full.shape[1:]))
+    return DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+
+
+def _param_owner_units(model: nn.Module) -> dict[str, FullyShardedDataParallel]:
+    """Clean FQN of every flattened parameter (aliases included) -> its unit."""
+    out: dict[str, FullyShardedDataParallel] = {}
+    for prefix, unit in model.named_modules():
+        if isinstance(unit, FullyShardedDataParallel) and unit._handle is not None:
+            base = prefix + "." if prefix else ""
+            names = [s.fqn for s in unit._handle.slots] + [a.fqn for a in unit._handle.aliases]
+            for name in names:
+                out[clean_fqn(f"{base}{FSDP_WRAPPED_MODULE}.{name}")] = unit
+    return out
+
+
+def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
+    """The model state dict under clean FQNs with parameters as DTensors (layout in the module
+    docstring) and buffers as plain tensors. Collective: every rank of the model's groups calls it."""
+    owners = _param_owner_units(model)
+    full = full_state_dict(model)
+    return {key: to_dtensor(owners[key], value) if key in owners else value for key, value in full.items()}
+
+
+def load_sharded_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
+    """Load what :func:`sharded_state_dict` returns (DTensors of any layout over this world, or plain
+    tensors). Collective. Checked like :func:`load_full_state_dict` before anything is gathered."""
+    from torch.distributed.tensor import DTensor
+
+    _check_state_dict(model, state_dict, strict=strict, expected=_expected_entries(model))
+    full = {}
+    for key in sorted(state_dict):  # one order on every rank: full_tensor() is a collective
+        value = state_dict[key]
+        full[key] = value.full_tensor() if isinstance(value, DTensor) else value
+    load_full_state_dict(model, full, strict=strict)
+
+
+def _expected_entries(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Clean FQN -> (shape, dtype) of every entry of the full state dict, without any collective."""
+    owners = _param_owner_units(model)
+    shapes = {}
+    for unit in set(owners.values()):
+        handle = unit._handle
+        for prefix, m in model.named_modules():
+            if m is unit:
+                base = prefix + "." if prefix else ""
+        for slot in handle.slots:
+            shapes[clean_fqn(f"{base}{FSDP_WRAPPED_MODULE}.{slot.fqn}")] = (slot.shape, handle.flat_param.dtype)
+        for alias in handle.aliases:
+            slot = handle.slots[alias.slot_index]
+            shapes[clean_fqn(f"{base}{FSDP_WRAPPED_MODULE}.{alias.fqn}")] = (slot.shape, handle.flat_param.dtype)
+    out = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        name = clean_fqn(key)
+        if key.split(".")[-1] == FLAT_PARAM or name in shapes:
+            continue
+        out[name] = (value.shape, value.dtype)
+    # Flattened parameters have None placeholders (or 1-D shards) in state_dict(); take their real shape.
+    out.update(shapes)
+    return out
+
+
+def _check_state_dict(
+    model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool, expected: dict[str, tuple[torch.Size, torch.dtype]]
+) -> None:
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"state dict does not match the model: missing keys {missing}, unexpected keys {unexpected} "
+            f"(the model expects {len(expected)} clean FQNs)"
+        )
+    for key, value in state_dict.items():
+        if key not in expected:
+            continue
+        shape, _ = expected[key]
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"state dict entry {key!r}: expected a tensor, got {type(value).__name__}")
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"state dict entry {key!r}: shape {tuple(value.shape)} in the state dict, {tuple(shape)} in the model")
+
+
+def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+    """Load unsharded tensors under clean FQNs (what :func:`full_state_dict` returns, on every rank).
+
+    Every entry is checked first (missing/unexpected keys under ``strict``, shapes): on error the model
+    is unchanged and the message names the key. Local: each rank copies its own shard, no collective.
+    A tied parameter is written from the first of its names present."""
+    expected = _expected_entries(model)
+    _check_state_dict(model, state_dict, strict=strict, expected=expected)
+    _reshard_all(model)
+    with torch.no_grad():
+        done: set[str] = set()
+        for prefix, unit in model.named_modules():
+            if not isinstance(unit, FullyShardedDataParallel) or unit._handle is None:
+                continue
+            handle = unit._handle
+            base = (prefix + "." if prefix else "") + FSDP_WRAPPED_MODULE + "."
+            names: list[list[str]] = [[clean_fqn(base + s.fqn)] for s in handle.slots]
+            for alias in handle.aliases:
+                names[alias.slot_index].append(clean_fqn(base + alias.fqn))
+            for slot, slot_names in zip(handle.slots, names):
+                done.update(slot_names)
+                key = next((n for n in slot_names if n in state_dict), None)
+                if key is None:
+                    continue
+                r = handle.shard_range(slot)
+                source = state_dict[key].detach().reshape(-1)[r.start : r.end]
+                handle.local_shard[r.shard_offset : r.shard_offset + r.numel].copy_(source)
+        # Everything else (buffers, parameters outside any unit) is plain: load it as torch would.
+        rest = {k: v for k, v in state_dict.items() if k not in done}
+        for key, tensor in _plain_entries(model).items():
+            if key in rest:
+                tensor.copy_(rest[key])
+
+
+def _plain_entries(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Clean FQN -> the live tensor of every state-dict entry not flattened into a unit."""
+    out = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if value is None or key.split(".")[-1] == FLAT_PARAM:
+            continue
+        out.setdefault(clean_fqn(key), value)
+    owners = _param_owner_units(model)
+    return {k: v for k, v in out.items() if k not in owners}

@@ -1,0 +1,386 @@
+"""FSDP optimizer-state keying: optimizer state dicts of a sharded model, keyed by clean FQNs.
+
+A local ``torch.optim`` state dict is keyed by parameter *ids* (positions in the optimizer's param
+groups) and holds *sharded* tensors: with ``use_orig_params=False`` one entry per flat parameter, its
+tensors the size of the local shard; with ``use_orig_params=True`` one entry per original parameter,
+its tensors the parameter's (possibly empty) part of the shard. This module turns that into what
+``torch.optim`` returns for the unwrapped model, keyed by clean FQNs, and back:
+
+* every optimizer parameter is described by an :class:`_OptimStateKey`: the clean FQNs of the original
+  parameters it stands for (several for a flat parameter, one for an original parameter) and whether
+  it is *FSDP-managed* (flattened into a unit) or a plain parameter outside every unit;
+* an FSDP-managed key is resolved through one map from every clean FQN to its :class:`FSDPParamInfo`
+  (the unit, its flat parameter and each FQN's index in it), built by walking the module tree from the
+  module passed in, so the FQNs are global from there and free of wrapper segments;
+* ranks agree on one order of keys (rank 0's, then keys only other ranks have), because the
+  all-gathers that unshard state must be issued in the same order everywhere.
+
+State conventions (as torch's FSDP): a tensor state of positive dimension is *positional*: it has the
+parameter's shape and is sharded, gathered and re-sharded like it; a 0-dim tensor (``step``) or a
+non-tensor is carried as is (copied to every FQN of a flat parameter).
+
+Which ranks call what: :func:`optim_state_dict` and :func:`optim_state_dict_to_load` are collective
+over the model's groups (every rank, same order); :func:`get_fqn_to_fsdp_param_info` and
+:func:`get_param_to_fqns` are local.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Mapping, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from reference import _collectives as C
+from reference.fsdp import FSDP_WRAPPED_MODULE, FullyShardedDataParallel, _reshard_all, clean_fqn, to_dtensor
+from reference.sharding import FlatParamHandle, ParamSlot
+
+__all__ = [
+    "_OptimStateKey",
+    "FSDPParamInfo",
+    "get_fqn_to_fsdp_param_info",
+    "get_param_to_fqns",
+    "optim_state_dict",
+    "optim_state_dict_to_load",
+]
+
+
+class _OptimStateKey(NamedTuple):
+    """Rank-independent identity of one optimizer parameter (the name mirrors torch's private one).
+
+    ``unflat_param_names`` are the clean FQNs it stands for, in flat-parameter order (one for an
+    original parameter; tied aliases are not repeated); ``is_fsdp_managed`` says whether it lives in a
+    unit's flat parameter (its state must be gathered) or is a plain parameter (state as is)."""
+
+    unflat_param_names: tuple[str, ...]
+    is_fsdp_managed: bool
+
+
+@dataclass
+class FSDPParamInfo:
+    """A unit, as seen from the FQNs of the parameters it flattens."""
+
+    state: FullyShardedDataParallel  #: the unit
+    flat_param: nn.Parameter  #: its flat parameter
+    #: clean FQN -> index of its slot in the flat parameter; a tied alias maps to its slot's index
+    param_indices: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def handle(self) -> FlatParamHandle:
+        return self.state._handle
+
+
+def _unit_base(prefix: str) -> str:
+    return (prefix + "." if prefix else "") + FSDP_WRAPPED_MODULE + "."
+
+
+def get_fqn_to_fsdp_param_info(model: nn.Module) -> dict[str, FSDPParamInfo]:
+    """Every clean FQN (aliases included) of a flattened parameter under ``model`` -> its unit's info.
+
+    ``model`` may be any module of the tree (a submodule too): FQNs are relative to it. Local."""
+    out: dict[str, FSDPParamInfo] = {}
+    for prefix, unit in model.named_modules():
+        if not isinstance(unit, FullyShardedDataParallel) or unit._handle is None:
+            continue
+        handle = unit._handle
+        info = FSDPParamInfo(unit, handle.flat_param)
+        names = [(s.fqn, i) for i, s in enumerate(handle.slots)] + [(a.fqn, a.slot_index) for a in handle.aliases]
+        for local_fqn, index in names:
+            fqn = clean_fqn(_unit_base(prefix) + local_fqn)
+            # Invariant: one parameter, one unit (enforced at construction).
+            assert fqn not in out, f"{fqn} is flattened by two units"
+            out[fqn] = info
+            info.param_indices[fqn] = index
+    return out
+
+
+def get_param_to_fqns(model: nn.Module) -> dict[nn.Parameter, list[str]]:
+    """Every parameter an optimizer of ``model`` can hold -> the clean FQNs it stands for.
+
+    A flat parameter stands for the first FQN of each of its slots (in flat order); an original or
+    plain parameter for all its names, the first being the one state is keyed by. Local."""
+    out: dict[nn.Parameter, list[str]] = {}
+    units = {id(u): u for u in FullyShardedDataParallel.fsdp_modules(model)}
+    for prefix, module in model.named_modules():
+        if id(module) in units and module._handle is not None and not module.use_orig_params:
+            base = _unit_base(prefix)
+            out[module._handle.flat_param] = [clean_fqn(base + s.fqn) for s in module._handle.slots]
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param in out and name.rsplit(".", 1)[-1] == "_flat_param":
+            continue
+        out.setdefault(param, []).append(clean_fqn(name))
+    return out
+
+
+def _optimizer_params(optim: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The optimizer's parameters in state-dict id order (as ``Optimizer.state_dict`` numbers them)."""
+    return [p for group in optim.param_groups for p in group["params"]]
+
+
+def _world_group(model: nn.Module) -> dist.ProcessGroup | None:
+    units = FullyShardedDataParallel.fsdp_modules(model)
+    return units[0].process_group if units else None
+
+
+def _is_positional(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+# -- saving ---------------------------------------------------------------------------------------------
+
+
+def _key_of(param: nn.Parameter, fqns: list[str], infos: Mapping[str, FSDPParamInfo]) -> _OptimStateKey:
+    info = infos.get(fqns[0])
+    if info is not None and info.flat_param is param:
+        return _OptimStateKey(tuple(fqns), True)
+    # An original parameter: one slot of a flat parameter, keyed by its first name only.
+    return _OptimStateKey((fqns[0],), info is not None)
+
+
+def _slot_of(info: FSDPParamInfo, fqn: str) -> ParamSlot:
+    return info.handle.slots[info.param_indices[fqn]]
+
+
+def _gather_positional(info: FSDPParamInfo, key: _OptimStateKey, local: torch.Tensor | None, state_name: str) -> list[torch.Tensor]:
+    """The full value of one positional state for every FQN of ``key`` (collective over the shard axis).
+
+    ``local`` is this rank's tensor: the flat shard's state (``use_orig_params=False``) or the original
+    parameter's part (``True``); None if this rank holds no state for the key (zeros stand in)."""
+    handle = info.handle
+    slots = [_slot_of(info, fqn) for fqn in key.unflat_param_names]
+    flat_mode = not info.state.use_orig_params
+    expected = handle.local_shard.shape if flat_mode else handle.local_view(slots[0]).shape
+    if local is not None and local.shape != expected:
+        raise RuntimeError(
+            f"optimizer state {state_name!r} of {key.unflat_param_names[0]!r}: local tensor of shape "
+            f"{tuple(local.shape)}, expected the parameter's local shape {tuple(expected)}"
+        )
+    dtype = local.dtype if local is not None else handle.flat_param.dtype
+    if flat_mode and local is not None:
+        shard = local.detach()
+    else:
+        # An original parameter's part (or a missing state) sits at its offset in an otherwise zero shard.
+        shard = torch.zeros(handle.shard_numel, dtype=dtype, device=handle.local_shard.device)
+        if local is not None:
+            r = handle.shard_range(slots[0])
+            shard[r.shard_offset : r.shard_offset + r.numel].copy_(local.detach().reshape(-1))
+    full = torch.empty(handle.padded_numel, dtype=dtype, device=shard.device)
+    C.all_gather_flat(full, shard, handle.shard_group)
+    return [full[s.offset : s.offset + s.numel].view(s.shape).clone() for s in slots]
+
+
+def optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    *,
+    rank0_only: bool = False,
+    cpu_offload: bool = False,
+    sharded: bool = False,
+) -> dict[str, Any]:
+    """``optim``'s state as ``torch.optim`` would return it for the unwrapped model, keyed by clean FQNs.
+
+    ``state`` maps each FQN that has state to its states (positional ones unsharded; ``step`` and other
+    scalars as is); FQNs without state (frozen, never stepped) are absent. ``param_groups`` keep every
+    hyperparameter and extra key, with ``params`` listing FQNs. With ``sharded``, positional states of
+    FSDP-managed parameters are DTensors laid out like :func:`reference.fsdp.sharded_state_dict`'s
+    parameters (their ``full_tensor()`` is the full value). With ``rank0_only`` every rank but 0 gets
+    ``{}``; with ``cpu_offload`` tensors are on the CPU.
+
+    Collective over the model's groups: every rank calls it, with optimizers over the same parameters
+    (their order within groups, and the order of states, may differ by rank)."""
+    _reshard_all(model)
+    infos = get_fqn_to_fsdp_param_info(model)
+    param_to_fqns = get_param_to_fqns(model)
+    local_osd = optim.state_dict()
+    params = _optimizer_params(optim)
+    keys: list[_OptimStateKey] = []
+    local_state: dict[_OptimStateKey, dict[str, Any]] = {}
+    for param_id, param in enumerate(params):
+        if param not in param_to_fqns:
+            raise ValueError(f"optimizer parameter #{param_id} (shape {tuple(param.shape)}) is not a parameter of the model")
+        key = _key_of(param, param_to_fqns[param], infos)
+        keys.append(key)
+        if param_id in local_osd["state"]:
+            local_state[key] = local_osd["state"][param_id]
+    groups = [
+        ({k: v for k, v in g.items() if k != "params"}, [keys[i] for i in g["params"]]) for g in local_osd["param_groups"]
+    ]
+
+    # One order for every rank: rank 0's, then what only other ranks hold. The replicated (non-
+    # positional) values travel along, for a rank that lacks a key's state.
+    summary = [(key, {n: (None if _is_positional(v) else v) for n, v in local_state[key].items()}) for key in keys if key in local_state]
+    gathered = C.all_gather_objects((summary, groups), _world_group(model))
+    order: dict[_OptimStateKey, dict[str, Any]] = {}
+    for rank_summary, _ in gathered:
+        for key, names in rank_summary:
+            merged = order.setdefault(key, {})
+            for name, value in names.items():
+                merged.setdefault(name, value)
+    keep = not rank0_only or C.group_rank(_world_group(model)) == 0
+
+    state: dict[str, dict[str, Any]] = {}
+    for key, names in order.items():
+        local = local_state.get(key, {})
+        info = infos.get(key.unflat_param_names[0]) if key.is_fsdp_managed else None
+        per_fqn: list[dict[str, Any]] = [{} for _ in key.unflat_param_names]
+        for name, replicated in names.items():
+            value = local.get(name, replicated)
+            if replicated is None and info is not None:  # positional state of a sharded parameter
+                fulls = _gather_positional(info, key, local.get(name), name)
+                for entry, full in zip(per_fqn, fulls):
+                    entry[name] = to_dtensor(info.state, full) if sharded else full
+            else:
+                for entry in per_fqn:
+                    entry[name] = value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+        for fqn, entry in zip(key.unflat_param_names, per_fqn):
+            state[fqn] = entry
+    if not keep:
+        return {}
+    if cpu_offload:
+        state = {fqn: {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in entry.items()} for fqn, entry in state.items()}
+    param_groups = []
+    for hyper, group_keys in gathered[0][1]:  # rank 0's groups
+        group = copy.deepcopy(hyper)
+        group["params"] = [fqn for key in group_keys for fqn in key.unflat_param_names]
+        param_groups.append(group)
+    return {"state": state, "param_groups": param_groups}
+
+
+# -- loading ---------------------------------------------------------------------------------------------
+
+
+def _check_osd_shape(osd: Mapping[str, Any]) -> None:
+    if not isinstance(osd, Mapping) or "state" not in osd or "param_groups" not in osd:
+        got = sorted(osd) if isinstance(osd, Mapping) else type(osd).__name__
+        raise ValueError(f"an optimizer state dict needs the keys 'state' and 'param_groups', got {got}")
+
+
+def _to_full(osd: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``osd['state']`` with every DTensor replaced by its full tensor (collective, sorted key order)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for fqn in sorted(osd["state"]):
+        entry = osd["state"][fqn]
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"optimizer state of {fqn!r}: expected a dict of states, got {type(entry).__name__}")
+        out[fqn] = {n: (v.full_tensor() if isinstance(v, DTensor) else v) for n, v in sorted(entry.items())}
+    return out
+
+
+def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: Mapping[str, Any]) -> dict[str, Any]:
+    """Turn an FQN-keyed optimizer state dict, full or sharded (from any strategy, world size or
+    ``use_orig_params``; on every rank), into what ``optim.load_state_dict`` takes on this rank.
+
+    A tied parameter's state is found under any of its names. Inside a flat parameter, a parameter
+    without saved state gets zeros for the positional states of the others. Every FQN is checked
+    before anything is returned: an FQN not in the model, a positional state whose shape is not the
+    parameter's, a saved param group that a local group would straddle, or a different number of
+    groups raises ``ValueError`` naming the FQN. Collective only when ``osd`` holds DTensors."""
+    _check_osd_shape(osd)
+    saved = _to_full(osd)
+    infos = get_fqn_to_fsdp_param_info(model)
+    param_to_fqns = get_param_to_fqns(model)
+    known: dict[str, nn.Parameter] = {}
+    for param, fqns in param_to_fqns.items():
+        for fqn in fqns:
+            known[fqn] = param
+    for fqn in infos:  # tied aliases inside flat parameters are known too
+        known.setdefault(fqn, infos[fqn].flat_param)
+    unknown = [fqn for fqn in saved if fqn not in known]
+    if unknown:
+        raise ValueError(f"optimizer state dict has state for {unknown}, which are not parameters of the model")
+
+    def names_of(fqn: str) -> list[str]:
+        """Every name of the parameter ``fqn`` (tied aliases included), ``fqn`` first."""
+        info = infos.get(fqn)
+        if info is None:
+            return [fqn]
+        index = info.param_indices[fqn]
+        return [fqn] + [f for f, i in info.param_indices.items() if i == index and f != fqn]
+
+    def saved_entry(fqn: str) -> Mapping[str, Any] | None:
+        return next((saved[n] for n in names_of(fqn) if n in saved), None)
+
+    def full_shape(fqn: str) -> torch.Size:
+        info = infos.get(fqn)
+        return _slot_of(info, fqn).shape if info is not None else known[fqn].shape
+
+    def checked(fqn: str, name: str, value: Any) -> Any:
+        if _is_positional(value) and tuple(value.shape) != tuple(full_shape(fqn)):
+            raise ValueError(
+                f"optimizer state {name!r} of {fqn!r}: shape {tuple(value.shape)} in the state dict, "
+                f"{tuple(full_shape(fqn))} in the model"
+            )
+        return value
+
+    params = _optimizer_params(optim)
+    state: dict[int, dict[str, Any]] = {}
+    for param_id, param in enumerate(params):
+        if param not in param_to_fqns:
+            raise ValueError(f"optimizer parameter #{param_id} (shape {tuple(param.shape)}) is not a parameter of the model")
+        key = _key_of(param, param_to_fqns[param], infos)
+        entries = [(fqn, saved_entry(fqn)) for fqn in key.unflat_param_names]
+        present = [(fqn, e) for fqn, e in entries if e is not None]
+        if not present:
+            continue
+        local: dict[str, Any] = {}
+        info = infos.get(key.unflat_param_names[0]) if key.is_fsdp_managed else None
+        for name in dict.fromkeys(n for _, e in present for n in e):
+            first = next(e[name] for _, e in present if name in e)
+            if not _is_positional(first) or info is None:
+                local[name] = checked(present[0][0], name, first)
+                continue
+            handle = info.handle
+            if len(key.unflat_param_names) > 1 or not info.state.use_orig_params:
+                flat = torch.zeros(handle.padded_numel, dtype=first.dtype, device=handle.local_shard.device)
+                for fqn, entry in present:
+                    if name in entry:
+                        slot = _slot_of(info, fqn)
+                        value = checked(fqn, name, entry[name])
+                        flat[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
+                start = handle.shard_rank * handle.shard_numel
+                local[name] = flat[start : start + handle.shard_numel].clone()
+            else:
+                fqn = key.unflat_param_names[0]
+                slot = _slot_of(info, fqn)
+                r = handle.shard_range(slot)
+                value = checked(fqn, name, first).reshape(-1)[r.start : r.end]
+                local[name] = value.clone().view(handle.local_view(slot).shape)
+        state[param_id] = local
+
+    # Param groups: each local group takes the hyperparameters of the saved group holding its FQNs.
+    saved_groups = osd["param_groups"]
+    if len(saved_groups) != len(optim.param_groups):
+        raise ValueError(
+            f"optimizer state dict has {len(saved_groups)} param groups, the optimizer has {len(optim.param_groups)}"
+        )
+    group_of: dict[str, int] = {}
+    for index, group in enumerate(saved_groups):
+        for fqn in group.get("params", []):
+            if fqn not in known:
+                raise ValueError(f"param group {index} of the optimizer state dict lists {fqn!r}, which is not a parameter of the model")
+            for name in names_of(fqn):
+                group_of.setdefault(name, index)
+    param_groups = []
+    param_id = 0
+    for local_index, group in enumerate(optim.param_groups):
+        ids = list(range(param_id, param_id + len(group["params"])))
+        param_id += len(group["params"])
+        fqns = [f for p in group["params"] for f in _key_of(p, param_to_fqns[p], infos).unflat_param_names]
+        homes = {fqn: group_of.get(fqn) for fqn in fqns}
+        missing = [fqn for fqn, home in homes.items() if home is None]
+        if missing:
+            raise ValueError(f"param group {local_index} of the optimizer holds {missing}, which no saved param group lists")
+        if len(set(homes.values())) > 1:
+            raise ValueError(
+                f"param group {local_index} of the optimizer holds parameters of several saved param groups: "
+                + ", ".join(f"{fqn!r} in saved group {home}" for fqn, home in homes.items())
+            )
+        loaded = copy.deepcopy({k: v for k, v in saved_groups[next(iter(homes.values()))].items() if k != "params"} if fqns else {})
+        loaded["params"] = ids
+        param_groups.append(loaded)
+    return {"state": state, "param_groups": param_groups}

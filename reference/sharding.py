@@ -1,0 +1,345 @@
+"""One sharded flat parameter and the module rewiring around it (the engine of :mod:`reference.fsdp`).
+
+Vocabulary. A *unit* is one ``FullyShardedDataParallel`` instance; it owns the parameters of its module
+that no nested unit owns, flattened into one 1-D *flat parameter* of ``numel`` elements, padded with
+zeros to ``padded_numel`` (a multiple of the shard count) and cut into equal *shards*, one per rank of the
+*shard axis*. The *replicate axis* holds identical copies (NO_SHARD: every rank; HYBRID_SHARD: the other
+groups). A *slot* is one original parameter inside the flat parameter; an *alias* is a second name of a
+slot's parameter (tied weights), flattened once.
+
+States of a handle, and who moves between them (all ranks of the shard axis together):
+
+* *sharded* (between iterations): ``flat_param.data`` is this rank's shard (``local_shard``); with
+  ``use_orig_params`` every original ``nn.Parameter`` is registered on its module and its ``.data`` is
+  the part of ``local_shard`` it owns (1-D, possibly empty; the original shape when the shard axis is
+  trivial); without it the original names hold ``None`` in ``module._parameters`` (placeholders that
+  keep the registration order) and only the flat parameter is registered.
+* *unsharded* (inside forward, and backward): ``flat_param.data`` is the gathered padded flat tensor and
+  every original name holds a plain-tensor view of it, so autograd accumulates one flat gradient.
+
+The gathered buffer is allocated once and its storage freed between uses (``resize_(0)``), so the views
+autograd saved in forward see the data again after the all-gather before backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from reference import _collectives as C
+
+__all__ = ["ParamSlot", "AliasSlot", "ShardRange", "FlatParamHandle"]
+
+
+class ParamSlot(NamedTuple):
+    """One original parameter inside a flat parameter."""
+
+    fqn: str  #: name relative to the unit's module (``"0.weight"``)
+    module: nn.Module  #: the module that registers it
+    name: str  #: its attribute name on ``module``
+    shape: torch.Size  #: original shape
+    offset: int  #: first element in the (unsharded, unpadded) flat parameter
+    numel: int
+
+
+class AliasSlot(NamedTuple):
+    """A further name of a slot's parameter (a tied weight): flattened once, shown under both names."""
+
+    fqn: str
+    module: nn.Module
+    name: str
+    slot_index: int  #: index of the :class:`ParamSlot` it aliases
+
+
+class ShardRange(NamedTuple):
+    """The part of one slot held by one shard; empty when ``start == end``.
+
+    ``start``/``end`` index the slot's flattened elements; ``shard_offset`` is where ``start`` lies in
+    the shard."""
+
+    start: int
+    end: int
+    shard_offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def shard_range(slot_offset: int, slot_numel: int, shard_start: int, shard_numel: int) -> ShardRange:
+    """The elements of a slot at ``[slot_offset, slot_offset + slot_numel)`` inside the shard
+    ``[shard_start, shard_start + shard_numel)`` of the flat parameter."""
+    lo = max(slot_offset, shard_start)
+    hi = min(slot_offset + slot_numel, shard_start + shard_numel)
+    if hi <= lo:  # no overlap: an empty range at the nearest position, so views stay in bounds
+        lo = hi = min(max(slot_offset, shard_start), shard_start + shard_numel)
+        return ShardRange(0, 0, lo - shard_start)
+    return ShardRange(lo - slot_offset, hi - slot_offset, lo - shard_start)
+
+
+def _module_param_names(module: nn.Module, exclude: set[nn.Module]) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+    """``(fqn, owner, name, param)`` for every registration of a parameter under ``module``, skipping the
+    subtrees in ``exclude`` (nested units); aliases included, in ``named_parameters`` order."""
+    out = []
+
+    def visit(mod: nn.Module, prefix: str) -> None:
+        if mod in exclude:
+            return
+        for name, param in mod._parameters.items():
+            if param is not None:
+                out.append((prefix + name, mod, name, param))
+        for child_name, child in mod._modules.items():
+            if child is not None:
+                visit(child, prefix + child_name + ".")
+
+    visit(module, "")
+    return out
+
+
+@dataclass
+class FlatParamHandle:
+    """Flattens, shards, unshards and reshards the parameters of one unit.
+
+    Built on every rank of the unit's process groups, with identical modules. ``shard_group`` and
+    ``replicate_group`` are the two axes (``None`` for a trivial axis)."""
+
+    module: nn.Module
+    slots: list[ParamSlot]
+    aliases: list[AliasSlot]
+    flat_param: nn.Parameter
+    use_orig_params: bool
+    shard_group: dist.ProcessGroup | None
+    replicate_group: dist.ProcessGroup | None
+    reshard_after_forward: bool
+    numel: int
+    padded_numel: int
+    shard_numel: int
+    shard_rank: int
+    local_shard: torch.Tensor
+    orig_params: list[nn.Parameter] = field(default_factory=list)
+    #: the gathered padded flat tensor; its storage is freed while sharded
+    _full: torch.Tensor | None = None
+    _unsharded: bool = False
+    _saved_grad: torch.Tensor | None = None
+    _used: set[int] = field(default_factory=set)
+    #: True between the pre-backward all-gather and the post-backward reshard
+    in_backward: bool = False
+
+    # -- construction ------------------------------------------------------------------------------
+
+    @classmethod
+    def build(
+        cls,
+        module: nn.Module,
+        exclude: set[nn.Module],
+        *,
+        use_orig_params: bool,
+        shard_group: dist.ProcessGroup | None,
+        replicate_group: dist.ProcessGroup | None,
+        reshard_after_forward: bool,
+        device: torch.device,
+        owned_elsewhere: dict[nn.Parameter, str],
+    ) -> FlatParamHandle | None:
+        """Flatten the parameters of ``module`` outside ``exclude`` and keep this rank's shard; None when
+        there are none. ``owned_elsewhere`` maps parameters of other units to their name, to reject a
+        parameter shared across units."""
+        registrations = _module_param_names(module, exclude)
+        if not registrations:
+            return None
+        slots: list[ParamSlot] = []
+        aliases: list[AliasSlot] = []
+        index_of: dict[nn.Parameter, int] = {}
+        params: list[nn.Parameter] = []
+        offset = 0
+        for fqn, owner, name, param in registrations:
+            # Invariant: a parameter lives in exactly one flat parameter, or its gradient would be
+            # reduced twice and its optimizer state split between two units.
+            if param in owned_elsewhere:
+                raise ValueError(
+                    f"parameter {fqn!r} is also registered as {owned_elsewhere[param]!r} in another "
+                    "FullyShardedDataParallel unit: a shared parameter must be owned by one unit (wrap the "
+                    "common ancestor of both uses instead)"
+                )
+            if param in index_of:
+                aliases.append(AliasSlot(fqn, owner, name, index_of[param]))
+                continue
+            index_of[param] = len(slots)
+            slots.append(ParamSlot(fqn, owner, name, param.shape, offset, param.numel()))
+            params.append(param)
+            offset += param.numel()
+        requires_grad = [p.requires_grad for p in params]
+        if not use_orig_params and any(requires_grad) and not all(requires_grad):
+            frozen = [s.fqn for s, r in zip(slots, requires_grad) if not r]
+            trainable = [s.fqn for s, r in zip(slots, requires_grad) if r]
+            raise ValueError(
+                "use_orig_params=False needs one requires_grad for all parameters of a unit: "
+                f"frozen {frozen} and trainable {trainable} would share a flat parameter "
+                "(use use_orig_params=True, or wrap them in separate units)"
+            )
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"parameters of one unit must share a dtype, got {sorted(map(str, dtypes))} in {[s.fqn for s in slots]}")
+
+        shard_world, shard_rank = C.group_size(shard_group), C.group_rank(shard_group)
+        numel = offset
+        padded = -(-numel // shard_world) * shard_world
+        chunk = padded // shard_world
+        with torch.no_grad():
+            flat = torch.zeros(padded, dtype=params[0].dtype, device=device)
+            for slot, param in zip(slots, params):
+                flat[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
+            local_shard = flat[shard_rank * chunk : (shard_rank + 1) * chunk].clone()
+        flat_param = nn.Parameter(local_shard, requires_grad=any(requires_grad))
+        handle = cls(
+            module=module,
+            slots=slots,
+            aliases=aliases,
+            flat_param=flat_param,
+            use_orig_params=use_orig_params,
+            shard_group=shard_group,
+            replicate_group=replicate_group,
+            reshard_after_forward=reshard_after_forward,
+            numel=numel,
+            padded_numel=padded,
+            shard_numel=chunk,
+            shard_rank=shard_rank,
+            local_shard=local_shard,
+        )
+        if shard_world > 1:
+            handle._full = torch.empty(padded, dtype=local_shard.dtype, device=device)
+            handle._full.untyped_storage().resize_(0)
+        else:
+            handle._full = local_shard
+        for param, slot in zip(params, slots):
+            # Keep the user's Parameter objects, as views of their part of the shard: with
+            # use_orig_params they are what the module registers (optimizers built on them stay valid);
+            # without it they are unregistered, but their data is freed all the same.
+            param.data = handle.local_view(slot)
+            handle.orig_params.append(param)
+        if flat_param.requires_grad:
+            flat_param.register_post_accumulate_grad_hook(lambda _p: handle.post_backward())
+        handle.use_sharded_params()
+        return handle
+
+    # -- views ---------------------------------------------------------------------------------------
+
+    @property
+    def shard_world(self) -> int:
+        return C.group_size(self.shard_group)
+
+    def shard_range(self, slot: ParamSlot) -> ShardRange:
+        """The part of ``slot`` in this rank's shard."""
+        return shard_range(slot.offset, slot.numel, self.shard_rank * self.shard_numel, self.shard_numel)
+
+    def local_view(self, slot: ParamSlot) -> torch.Tensor:
+        """The view of ``local_shard`` holding this rank's part of ``slot``: the original shape when the
+        shard axis is trivial (the whole parameter is local), else 1-D."""
+        r = self.shard_range(slot)
+        view = self.local_shard[r.shard_offset : r.shard_offset + r.numel]
+        return view.view(slot.shape) if self.shard_world == 1 else view
+
+    def use_sharded_params(self) -> None:
+        """Point every original name at its sharded form (see the module docstring)."""
+        for i, slot in enumerate(self.slots):
+            slot.module._parameters[slot.name] = self.orig_params[i] if self.use_orig_params else None
+        for alias in self.aliases:
+            alias.module._parameters[alias.name] = self.orig_params[alias.slot_index] if self.use_orig_params else None
+
+    def use_unsharded_views(self) -> None:
+        """Point every original name at a view of the unsharded flat parameter (inside forward)."""
+        flat = self.flat_param
+        views = []
+        for i, slot in enumerate(self.slots):
+            frozen = self.use_orig_params and not self.orig_params[i].requires_grad
+            # A frozen parameter's view is detached so no gradient reaches its part of the flat one.
+            source = flat.detach() if frozen or not flat.requires_grad else flat
+            view = source[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            if view.requires_grad and torch.is_grad_enabled():
+                # Record which parameters took part, so unused ones keep grad None as in eager.
+                view.register_hook(lambda g, i=i: self._used.add(i))
+            views.append(view)
+            slot.module._parameters[slot.name] = view
+        for alias in self.aliases:
+            alias.module._parameters[alias.name] = views[alias.slot_index]
+
+    def full_param_views(self) -> list[torch.Tensor]:
+        """Detached views of every slot in the unsharded flat parameter (only while unsharded)."""
+        assert self._unsharded or self.shard_world == 1, "full_param_views needs the handle unsharded"
+        full = self._full if self.shard_world > 1 else self.local_shard
+        return [full[s.offset : s.offset + s.numel].view(s.shape).detach() for s in self.slots]
+
+    # -- unshard / reshard ---------------------------------------------------------------------------
+
+    def unshard(self) -> None:
+        """All-gather the shards into the padded flat tensor (collective over the shard axis; no-op when
+        already unsharded) and make it the flat parameter's data."""
+        if self.shard_world == 1:
+            self._unsharded = True
+            return
+        if not self._unsharded:
+            self._full.untyped_storage().resize_(self._full.numel() * self._full.element_size())
+            with torch.no_grad():
+                C.all_gather_flat(self._full, self.local_shard, self.shard_group)
+            self._unsharded = True
+        self.flat_param.data = self._full
+
+    def reshard(self) -> None:
+        """Free the gathered tensor and return to the sharded state (local; no collective)."""
+        self.flat_param.data = self.local_shard
+        if self.shard_world > 1 and self._unsharded:
+            self._full.untyped_storage().resize_(0)
+        self._unsharded = False
+        self.in_backward = False
+        self.use_sharded_params()
+
+    # -- gradients -----------------------------------------------------------------------------------
+
+    def pre_forward(self) -> None:
+        """Unshard and expose unsharded views; set aside the sharded gradient so autograd can accumulate
+        an unsharded one."""
+        if self.flat_param.grad is not None and self.flat_param.grad.shape == self.local_shard.shape:
+            self._saved_grad = self.flat_param.grad
+            self.flat_param.grad = None
+        self.unshard()
+        self.use_unsharded_views()
+
+    def post_forward(self) -> None:
+        if self.reshard_after_forward and not self.in_backward:
+            self.reshard()
+
+    def pre_backward(self) -> None:
+        """All-gather again what forward freed (FULL_SHARD), so the saved views are valid."""
+        if not self.in_backward:
+            self.in_backward = True
+            self.unshard()
+
+    def post_backward(self) -> None:
+        """Average the unsharded gradient into this rank's shard (reduce-scatter over the shard axis, then
+        all-reduce over the replicate axis) and reshard. Runs from the flat parameter's
+        post-accumulate-grad hook, on every rank in the same order."""
+        full_grad = self.flat_param.grad
+        self.flat_param.grad = None
+        if full_grad.numel() != self.padded_numel:
+            raise RuntimeError(f"post_backward: gradient of {full_grad.numel()} elements, expected {self.padded_numel}")
+        with torch.no_grad():
+            grad = C.reduce_scatter_mean(full_grad.detach().reshape(-1), self.shard_group)
+            C.all_reduce_mean(grad, self.replicate_group)
+        used, self._used = self._used, set()
+        self.reshard()
+        if self.use_orig_params:
+            for i, (slot, param) in enumerate(zip(self.slots, self.orig_params)):
+                if not param.requires_grad or i not in used:
+                    continue
+                r = self.shard_range(slot)
+                part = grad[r.shard_offset : r.shard_offset + r.numel].view_as(param)
+                param.grad = part.clone() if param.grad is None else param.grad.add_(part)
+            self._saved_grad = None
+        else:
+            if self._saved_grad is not None:
+                grad = self._saved_grad.add_(grad)
+                self._saved_grad = None
+            self.flat_param.grad = grad

@@ -1,0 +1,220 @@
+"""Unit tests of reference.checkpoint's pieces, in one process: planners are tested with plans as plain
+values (they never see a process group), records against torch.save's own output, flattening against DCP.
+
+The multi-rank behaviour is the conformance suite's job (``conformance/test_checkpoint.py``)."""
+
+from __future__ import annotations
+
+import io
+import itertools
+
+import pytest
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict as dcp_flatten  # the oracle
+
+from reference.checkpoint import StateDictError
+from reference.checkpoint.flatten import flatten_state_dict, set_value
+from reference.checkpoint.layout import Chunk, check_tiling, overlaps
+from reference.checkpoint.planner import ReferenceLoadPlanner, ReferenceSavePlanner
+from reference.checkpoint.records import parse_tensor_record, read_region
+
+
+# -- flatten ----------------------------------------------------------------------------------
+
+
+def _nested() -> dict:
+    return {
+        "model": {"w": torch.ones(2), "0": torch.zeros(1)},
+        "optim": {
+            "state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.ones(2)}, 1: {}},
+            "param_groups": [{"lr": 0.1, "params": [0, 1], "betas": (0.9, 0.99)}],
+        },
+        "tensors": [torch.ones(1), torch.zeros(1)],
+        "plain_list": [1, 2, 3],
+        "step": 4,
+    }
+
+
+def test_flat_keys_match_dcp() -> None:
+    sd = _nested()
+    ours = flatten_state_dict(sd)
+    theirs, mapping = dcp_flatten(sd)
+    assert list(ours.values) == list(theirs)
+    assert ours.paths == mapping
+    assert all(ours.values[k] is theirs[k] for k in theirs), "flattening copied a value"
+
+
+def test_set_value_keeps_original_key_types() -> None:
+    sd = _nested()
+    flat = flatten_state_dict(sd)
+    set_value(sd, flat.native_paths["optim.state.0.step"], torch.tensor(9.0))
+    assert list(sd["optim"]["state"]) == [0, 1] and sd["optim"]["state"][0]["step"].item() == 9.0
+
+
+def test_colliding_flat_keys_are_an_error() -> None:
+    with pytest.raises(ValueError, match="'a.b'"):
+        flatten_state_dict({"a.b": 1, "a": {"b": 2}})
+
+
+# -- layout -----------------------------------------------------------------------------------
+
+
+def test_overlaps_of_uneven_row_shards() -> None:
+    saved = [Chunk((0, 0), (3, 4)), Chunk((3, 0), (2, 4))]  # 5 rows saved by 2 ranks
+    wanted = Chunk((2, 0), (2, 4))  # rows 2..3 at a new world size
+    found = overlaps(wanted, saved)
+    assert [(i, o.saved_offsets, o.wanted_offsets, o.lengths) for i, o in found] == [
+        (0, (2, 0), (0, 0), (1, 4)),
+        (1, (0, 0), (1, 0), (1, 4)),
+    ]
+    assert overlaps(Chunk((5, 0), (0, 4)), saved) == []  # an empty shard reads nothing
+    assert len(overlaps(Chunk((), ()), [Chunk((), ())])) == 1  # 0-d tensors
+
+
+@pytest.mark.parametrize(
+    "chunks, problem",
+    [
+        ([Chunk((0,), (3,)), Chunk((3,), (2,))], None),
+        ([Chunk((0,), (3,)), Chunk((2,), (3,))], "overlap"),
+        ([Chunk((0,), (3,))], "cover 3 of 5"),
+        ([Chunk((0,), (3,)), Chunk((3,), (3,))], "outside"),
+    ],
+)
+def test_check_tiling(chunks: list[Chunk], problem: str | None) -> None:
+    result = check_tiling("k", (5,), chunks)
+    assert result is None if problem is None else (problem in result and "'k'" in result)
+
+
+# -- planners, with plans as values --------------------------------------------------------------
+
+
+def _local_plan(sd: dict) -> object:
+    planner = ReferenceSavePlanner()
+    planner.set_up_planner(sd)
+    return planner.create_local_plan()
+
+
+def test_replicated_items_are_written_by_one_rank() -> None:
+    plans = [_local_plan({"w": torch.ones(100), "b": torch.ones(10), "step": 3}) for _ in range(3)]
+    new_plans, metadata = ReferenceSavePlanner().create_global_plan(plans)
+    written = [item.index.fqn for plan in new_plans for item in plan.items]
+    assert sorted(written) == ["b", "step", "w"]
+    assert len({rank for rank, plan in enumerate(new_plans) if plan.items}) > 1, "all writes landed on one rank"
+    assert sorted(metadata.state_dict_metadata) == ["b", "step", "w"]
+    assert metadata.planner_data == {"w": ("w",), "b": ("b",), "step": ("step",)}
+
+
+def test_ranks_disagreeing_on_a_value_are_named() -> None:
+    plans = [_local_plan({"seed": 10 + rank, "w": torch.ones(2, rank + 1)}) for rank in range(2)]
+    with pytest.raises(StateDictError) as info:
+        ReferenceSavePlanner().create_global_plan(plans)
+    text = str(info.value)
+    assert "'seed'" in text and "differs across ranks" in text
+    assert "'w'" in text and "shape [2, 1]" in text and "shape [2, 2]" in text
+
+
+def test_meta_tensors_cannot_be_saved() -> None:
+    with pytest.raises(StateDictError, match="'w'.*meta"):
+        ReferenceSavePlanner().set_up_planner({"w": torch.empty(2, device="meta")})
+
+
+def _metadata(sd: dict) -> object:
+    _, metadata = ReferenceSavePlanner().create_global_plan([_local_plan(sd)])
+    return metadata
+
+
+def test_load_planner_lists_every_problem_before_changing_anything() -> None:
+    metadata = _metadata({"a": torch.ones(2, 3), "b": torch.ones(4), "c": 1})
+    sd = {"a": torch.zeros(3, 2), "b": torch.zeros(4, dtype=torch.float64), "c": torch.zeros(1), "d": torch.zeros(1)}
+    before = dict(sd)
+    with pytest.raises(StateDictError) as info:
+        ReferenceLoadPlanner().set_up_planner(sd, metadata)
+    text = str(info.value)
+    for needle in ("'a': shape [2, 3] in the checkpoint, [3, 2]", "'b': dtype torch.float32", "'c': the checkpoint holds a non-tensor", "'d': missing"):
+        assert needle in text, f"{needle!r} not in {text}"
+    assert all(sd[k] is v for k, v in before.items())
+
+
+def test_meta_values_are_built_and_replaced_only_at_commit() -> None:
+    metadata = _metadata({"w": torch.ones(2, 3)})
+    weight = torch.empty(3, 2, device="meta")
+    sd = {"w": weight.t(), "tied": weight.t()}  # two views of one meta storage
+    metadata.state_dict_metadata["tied"] = metadata.state_dict_metadata["w"]
+    planner = ReferenceLoadPlanner(strict=True)
+    planner.set_up_planner(sd, metadata)
+    assert sd["w"].device.type == "meta", "the state dict changed before the reads"
+    planner.commit()
+    assert sd["w"].device.type == "cpu" and sd["w"].stride() == (1, 2), "layout not kept"
+    assert sd["w"].untyped_storage().data_ptr() == sd["tied"].untyped_storage().data_ptr()
+
+
+# -- records ----------------------------------------------------------------------------------
+
+
+_TENSORS = {
+    "contiguous": torch.arange(20.0).reshape(4, 5),
+    "transposed": torch.arange(20.0).reshape(5, 4).t(),
+    "bfloat16": torch.arange(6, dtype=torch.bfloat16),
+    "int64": torch.arange(7),
+    "scalar": torch.tensor(3.5),
+    "empty": torch.empty(0, 3),
+}
+
+
+@pytest.mark.parametrize("name", list(_TENSORS))
+def test_records_are_parsed_and_read_in_place(name: str) -> None:
+    tensor = _TENSORS[name]
+    stream = io.BytesIO(b"x" * 13)  # records start anywhere in a data file
+    stream.seek(13)
+    torch.save(tensor, stream)
+    length = stream.tell() - 13
+    layout = parse_tensor_record(stream, 13, length)
+    assert layout is not None and layout.dtype == tensor.dtype and layout.size == tuple(tensor.shape)
+    for offsets in itertools.product(*[range(min(n, 2)) for n in tensor.shape]):
+        lengths = tuple(n - o for n, o in zip(tensor.shape, offsets))
+        dest = torch.zeros(lengths, dtype=tensor.dtype)
+        read_region(stream, 13, length, layout, tuple(offsets), lengths, dest)
+        box = tensor[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+        assert torch.equal(dest, box), f"{name} at {offsets}"
+    dest = torch.zeros(tensor.shape, dtype=tensor.dtype)
+    read_region(stream, 13, length, None, (0,) * tensor.dim(), tuple(tensor.shape), dest)  # torch.load fallback
+    assert torch.equal(dest, tensor)
+
+
+def test_a_record_that_is_not_a_zip_is_an_error() -> None:
+    with pytest.raises(ValueError, match="not a torch.save record"):
+        parse_tensor_record(io.BytesIO(b"\x00" * 100), 0, 100)
+
+
+# -- Stateful values (DCP's convention), one process ------------------------------------------------
+
+
+class _Counter:
+    """A Stateful: saved and loaded through state_dict()/load_state_dict()."""
+
+    def __init__(self, count: int) -> None:
+        self.count = torch.tensor(count)
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.count = state_dict["count"].clone()
+
+
+def test_stateful_values_are_saved_and_loaded_through_their_state_dicts(tmp_path) -> None:
+    from reference import checkpoint
+
+    checkpoint.save({"counter": _Counter(5), "w": torch.ones(2)}, checkpoint_id=tmp_path)
+    counter = _Counter(0)
+    checkpoint.load({"counter": counter, "w": torch.zeros(2)}, checkpoint_id=tmp_path)
+    assert counter.count.item() == 5
+
+
+def test_top_level_values_are_replaced_in_the_callers_dict(tmp_path) -> None:
+    from reference import checkpoint
+
+    checkpoint.save({"counter": _Counter(2), "w": torch.ones(2), "name": "x"}, checkpoint_id=tmp_path)
+    sd = {"counter": _Counter(0), "w": torch.empty(2, device="meta"), "name": ""}
+    checkpoint.load(sd, checkpoint_id=tmp_path)
+    assert sd["w"].device.type == "cpu" and torch.equal(sd["w"], torch.ones(2)) and sd["name"] == "x"
