@@ -27,7 +27,7 @@ PYTEST_JSON = {
         _pytest_entry("save 64MB ws1 full", "memcpy", 0.0625, bytes=64 * 2**20),
         _pytest_entry("flatten 100 params, depth 1", "reference", 0.002),
         _pytest_entry("flatten 100 params, depth 1", "fairscale", 0.004),
-        _pytest_entry("meta-load 64MB ws1 full", "reference", 0.5, bytes=64 * 2**20, peak_rss_ratio=1.1),
+        _pytest_entry("meta-load 64MB ws1 full", "reference", 0.9, bytes=64 * 2**20, peak_rss_ratio=1.1, rank_seconds=0.5),
         _pytest_entry("meta-load 64MB ws1 full", "torch", 0.5, bytes=64 * 2**20, peak_rss_ratio=2.2),
         {"group": "no impl", "name": "test_other", "params": None, "extra_info": {}, "stats": {"min": 1.0}},
     ],
@@ -62,6 +62,8 @@ def test_ratio_is_the_reference_speed_whatever_the_unit() -> None:
     assert rows["flatten 100 params, depth 1"].ratio("raw") is None
     # Memory: the reference peaks at half of torch's.
     assert rows["meta-load 64MB ws1 full peak memory"].ratio("upstream") == pytest.approx(2.0)
+    # The ranks' own time (0.5 s) wins over the controller's (0.9 s).
+    assert rows["meta-load 64MB ws1 full"].values["reference"] == pytest.approx(128.0)
 
 
 def test_ratio_of_missing_or_zero_figures_is_empty() -> None:

@@ -311,6 +311,8 @@ def meta_load_once(impl: str, directory: str, nbytes: int, layout: str) -> tuple
     around resident in the allocator to be reused unseen."""
     meta_sd = train_state(nbytes, layout, device="meta")
     local_bytes = _local_bytes(meta_sd)
+    if impl != "raw":
+        _dcp_ops(impl)  # import the library first: a fresh process's imports are not the load's memory
     gc.collect()
     if not peak_rss_reset():
         raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs): no peak-memory figure here")
