@@ -101,6 +101,11 @@ class RankGroup:
         :class:`RankError` with every failing rank's traceback."""
         if not self._conns:
             raise RuntimeError("RankGroup is closed")
+        if fn.__module__ == "__main__" or "<locals>" in fn.__qualname__ or "<lambda>" in fn.__qualname__:
+            raise ValueError(
+                f"{fn.__module__}.{fn.__qualname__} cannot run on the ranks: it must be defined at module level "
+                "in an importable module (not __main__)"
+            )
         message = pickle.dumps((fn.__module__, fn.__qualname__, args, kwargs))
         for conn in self._conns:
             conn.send_bytes(message)
