@@ -315,7 +315,8 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
                 f"optimizer state {name!r} of {fqn!r}: shape {tuple(value.shape)} in the state dict, "
                 f"{tuple(full_shape(fqn))} in the model"
             )
-        return value
+        # A copy: the optimizer steps scalar state in place, and must not step the caller's dict.
+        return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
     params = _optimizer_params(optim)
     state: dict[int, dict[str, Any]] = {}

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from reference import _collectives as C
+from reference.flat_param import FlatParameter, even_shard_range
 
 __all__ = ["ParamSlot", "AliasSlot", "ShardRange", "FlatParamHandle"]
 
@@ -110,7 +111,7 @@ class FlatParamHandle:
     module: nn.Module
     slots: list[ParamSlot]
     aliases: list[AliasSlot]
-    flat_param: nn.Parameter
+    flat_param: FlatParameter
     use_orig_params: bool
     shard_group: dist.ProcessGroup | None
     replicate_group: dist.ProcessGroup | None
@@ -185,15 +186,22 @@ class FlatParamHandle:
             raise ValueError(f"parameters of one unit must share a dtype, got {sorted(map(str, dtypes))} in {[s.fqn for s in slots]}")
 
         shard_world, shard_rank = C.group_size(shard_group), C.group_rank(shard_group)
-        numel = offset
-        padded = -(-numel // shard_world) * shard_world
-        chunk = padded // shard_world
         with torch.no_grad():
-            flat = torch.zeros(padded, dtype=params[0].dtype, device=device)
-            for slot, param in zip(slots, params):
-                flat[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
-            local_shard = flat[shard_rank * chunk : (shard_rank + 1) * chunk].clone()
-        flat_param = nn.Parameter(local_shard, requires_grad=any(requires_grad))
+            flat_param = FlatParameter(
+                [p.detach().to(device) for p in params], requires_grad=any(requires_grad), names=[s.fqn for s in slots]
+            )
+        numel = flat_param.full_numel
+        # Invariant: our slots and the FlatParameter's metadata describe the same layout.
+        assert [r.start for r in flat_param.param_offsets] == [s.offset for s in slots], "flat layout mismatch"
+        shard = even_shard_range(numel, shard_rank, shard_world)
+        chunk = shard.end - shard.start + 1
+        padded = chunk * shard_world
+        flat_param.shard_by_offsets(shard.start, shard.end, shard.num_padded)
+        with torch.no_grad():
+            local_shard = torch.zeros(chunk, dtype=flat_param.dtype, device=device)
+            real = max(0, min(numel, shard.end + 1) - shard.start)
+            local_shard[:real].copy_(flat_param.detach()[shard.start : shard.start + real])
+        flat_param.data = local_shard
         handle = cls(
             module=module,
             slots=slots,

@@ -8,10 +8,14 @@ as an fnmatch glob. An adapter's own file applies only to the tests run against 
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["XfailEntry", "parse_xfails", "matches"]
+__all__ = ["XfailEntry", "parse_xfails", "matches", "matches_at_any_world_size"]
+
+#: A world-size id segment of a test id (``ws2``) or of a glob (``ws[2-9]``).
+_WORLD_SIZE = re.compile(r"ws(\d+|\[[^\]]*\])")
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,14 @@ class XfailEntry:
 
 def matches(pattern: str, nodeid: str) -> bool:
     return nodeid == pattern or nodeid.startswith(pattern) or fnmatch.fnmatchcase(nodeid, pattern)
+
+
+def matches_at_any_world_size(pattern: str, nodeid: str) -> bool:
+    """Whether ``pattern`` would match ``nodeid`` run at some world size.
+
+    An entry for ``ws4`` tests is not stale in a run at ``--world-size 1,2``: it is only unselected.
+    """
+    return matches(_WORLD_SIZE.sub("ws*", pattern), _WORLD_SIZE.sub("ws*", nodeid))
 
 
 def parse_xfails(path: Path, *, impl: str | None = None) -> list[XfailEntry]:
