@@ -1,0 +1,36 @@
+"""pytest-benchmark runs of the shared workloads (``make bench``), and their quick mode (``make test``).
+
+Under ``--benchmark-disable`` (what ``make test`` passes) or ``BENCH_QUICK=1`` every grid keeps only its
+smallest size and each benchmark body runs once: a broken benchmark fails CI, speed is not judged.
+Rank groups (one per world size) are shared by the whole session, as the harness shares its pools.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Before any bench module is imported: bench.config reads BENCH_QUICK once, at import.
+    if config.getoption("benchmark_disable", default=False):
+        os.environ["BENCH_QUICK"] = "1"
+
+
+@pytest.fixture(scope="session")
+def rank_group() -> Iterator[Callable[[int], object]]:
+    """``rank_group(world_size)``: that world size's :class:`bench.ranks.RankGroup`, started on first use."""
+    from bench.ranks import RankGroup
+
+    groups: dict[int, RankGroup] = {}
+
+    def get(world_size: int) -> RankGroup:
+        if world_size not in groups:
+            groups[world_size] = RankGroup(world_size)
+        return groups[world_size]
+
+    yield get
+    for group in groups.values():
+        group.close()

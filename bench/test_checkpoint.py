@@ -1,0 +1,94 @@
+"""pytest-benchmark: checkpoint save, load and load into meta (see bench.workloads.checkpoint).
+
+Groups are workloads (``save 64MB ws2 sharded``); within a group, one benchmark per implementation.
+``extra_info["bytes"]`` lets ``tools.bench_table`` turn seconds into MB/s.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import config
+from bench.ranks import RankGroup
+from bench.workloads import checkpoint as ck
+
+# make bench stays in minutes: the 2 GB case is asv's (bench_checkpoint.py).
+SIZES = config.grid(config.CHECKPOINT_SIZES[:2])
+CASES = [
+    pytest.param(nbytes, world_size, layout, impl, id=f"{config.size_label(nbytes)}-ws{world_size}-{layout}-{impl}")
+    for world_size in config.CHECKPOINT_WORLD_SIZES
+    for nbytes in SIZES
+    for layout in ck.LAYOUTS
+    for impl in ck.IMPLS
+]
+ROUNDS = 1 if config.QUICK else 3
+
+
+def _workload(op: str, nbytes: int, world_size: int, layout: str) -> str:
+    return f"{op} {config.size_label(nbytes)} ws{world_size} {layout}"
+
+
+def _skip_unavailable(impl: str) -> None:
+    reason = ck.available(impl)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize(("nbytes", "world_size", "layout", "impl"), CASES)
+def test_save(benchmark, rank_group, tmp_path, nbytes: int, world_size: int, layout: str, impl: str) -> None:
+    _skip_unavailable(impl)
+    group = rank_group(world_size)
+    total = group.run(ck.prepare, nbytes, layout)[0]
+    benchmark.group = _workload("save", nbytes, world_size, layout)
+    benchmark.extra_info.update(impl=impl, bytes=total)
+    benchmark.pedantic(group.run, args=(ck.save_once, impl, str(tmp_path / "ckpt")), rounds=ROUNDS, iterations=1)
+
+
+@pytest.mark.parametrize(("nbytes", "world_size", "layout", "impl"), CASES)
+def test_load(benchmark, rank_group, tmp_path, nbytes: int, world_size: int, layout: str, impl: str) -> None:
+    _skip_unavailable(impl)
+    group = rank_group(world_size)
+    total = group.run(ck.prepare, nbytes, layout)[0]
+    directory = str(tmp_path / "ckpt")
+    group.run(ck.save_once, impl, directory)
+    benchmark.group = _workload("load", nbytes, world_size, layout)
+    benchmark.extra_info.update(impl=impl, bytes=total)
+    # load_once zeroes the destination and checks every value after the load (both untimed on the ranks).
+    benchmark.pedantic(group.run, args=(ck.load_once, impl, directory), rounds=ROUNDS, iterations=1)
+
+
+META_CASES = [case for case in CASES if case.values[3] in ck.META_IMPLS]
+
+
+@pytest.mark.parametrize(("nbytes", "world_size", "layout", "impl"), META_CASES)
+def test_meta_load(benchmark, rank_group, tmp_path, nbytes: int, world_size: int, layout: str, impl: str) -> None:
+    """One round on fresh ranks (their peak RSS must be the load's own); extra_info has the peak.
+
+    In quick mode the session's ranks load instead: the code path is the same, the peak is not judged,
+    and a dozen rank start-ups are saved."""
+    _skip_unavailable(impl)
+    group = rank_group(world_size)
+    total = group.run(ck.prepare, nbytes, layout)[0]
+    directory = str(tmp_path / "ckpt")
+    group.run(ck.save_once, impl, directory)
+    fresh: dict[str, RankGroup] = {}
+    results: list = []
+
+    def start_ranks() -> None:
+        if not config.QUICK:
+            fresh["group"] = RankGroup(world_size)
+
+    def load() -> None:
+        results[:] = fresh.get("group", group).run(ck.meta_load_once, impl, directory, nbytes, layout)
+
+    benchmark.group = _workload("meta-load", nbytes, world_size, layout)
+    try:
+        benchmark.pedantic(load, setup=start_ranks, rounds=1, iterations=1)
+    finally:
+        if "group" in fresh:
+            fresh["group"].close()
+    peak = max(p / local for _, p, local in results)
+    # The ranks time the load itself; the controller's clock also sees the rank's first imports and
+    # the building of the meta state dict, which a fresh process pays once. The table uses the former.
+    benchmark.extra_info.update(impl=impl, bytes=total, peak_rss_ratio=round(peak, 3),
+                                rank_seconds=max(s for s, _, _ in results))

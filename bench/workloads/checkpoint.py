@@ -1,0 +1,377 @@
+"""Checkpoint workloads: save, load and load-into-meta of model + Adam state, for every implementation.
+
+The state dict is what a trainer checkpoints: ``{"model": {fqn: param}, "optim": {"state": {fqn:
+{"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}}``, built from layers of a 1024 x 1024
+fp32 weight (4 MiB, the size of a transformer block's matrix shard) and a bias, so the number of
+tensors grows with the size as in a real model. Two layouts:
+
+``full``
+    Plain tensors, the whole state on every rank (a replicated model). A save writes each byte once
+    (DCP deduplicates replicated items); a load reads every byte on every rank.
+``sharded``
+    DTensors, ``Shard(0)`` over a 1-D mesh of all ranks (what FSDP2 holds). Each rank saves and loads
+    its own shard.
+
+Implementations (``IMPLS``): ``reference`` (``reference.checkpoint``), ``torch``
+(``torch.distributed.checkpoint``), and the limits of the machine for the same bytes on the same
+ranks: ``raw`` (one plain file per rank, ``write`` + ``fsync`` as DCP's file writer does, and
+``readinto`` the destination tensors) and ``memcpy`` (``Tensor.copy_`` of the same bytes).
+
+Figures are throughputs in MB/s of the state dict's global bytes (``size / seconds``, 1 MB = 2**20 B),
+so every implementation and layout is on one scale. The files live in the page cache when read back
+(24 GB of RAM here), for every implementation alike: the figures are software overhead against the
+memory/page-cache limit, not disk speed.
+
+The rank-side functions (``prepare``, ``save_once``, ...) run on every rank of a
+:class:`bench.ranks.RankGroup`; :func:`measure` drives them from the controller.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import math
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bench.ranks import RankGroup, peak_rss_bytes, peak_rss_reset, rss_bytes, timed
+
+__all__ = [
+    "IMPLS", "META_IMPLS", "LAYOUTS", "available", "train_state", "state_bytes", "prepare", "save_once",
+    "load_once", "meta_load_once", "release", "Figures", "measure",
+]
+
+IMPLS: tuple[str, ...] = ("reference", "torch", "raw", "memcpy")
+#: memcpy has no meaning for a load into meta (there is no destination to copy into).
+META_IMPLS: tuple[str, ...] = ("reference", "torch", "raw")
+LAYOUTS: tuple[str, ...] = ("full", "sharded")
+
+_WIDTH = 1024  # weight is _WIDTH x _WIDTH fp32 = 4 MiB
+
+
+def available(impl: str) -> str | None:
+    """None if ``impl`` can run here, else why not (the reference module has not landed yet)."""
+    if impl == "reference" and importlib.util.find_spec("reference.checkpoint") is None:
+        return "reference.checkpoint is not available in this build"
+    return None
+
+
+# -- the state dict -------------------------------------------------------------------------------
+
+
+def _layer_count(nbytes: int) -> int:
+    per_layer = 3 * 4 * (_WIDTH * _WIDTH + _WIDTH)  # param + exp_avg + exp_avg_sq, fp32
+    return max(1, round(nbytes / per_layer))
+
+
+def train_state(nbytes: int, layout: str, *, device: str = "cpu", fill: bool = True) -> dict[str, Any]:
+    """Model + Adam state of about ``nbytes`` (global), in ``layout``; meta tensors when ``device="meta"``.
+
+    Call on every rank of the default process group (``sharded`` builds a mesh over all of them).
+    Values are cheap to make and differ per tensor, so a load that skips or swaps tensors is caught."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    mesh = None
+    if layout == "sharded":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+
+    def make(value: float, shape: tuple[int, ...]) -> torch.Tensor:
+        if mesh is None:
+            local = torch.empty(shape, device=device)
+        else:
+            # torch.chunk's split, as DTensor's Shard(0) places rows.
+            rank, world = mesh.get_local_rank(), mesh.size()
+            rows = math.ceil(shape[0] / world)
+            start = min(rank * rows, shape[0])
+            local = torch.empty((min(rows, shape[0] - start),) + shape[1:], device=device)
+        if device != "meta":
+            local.fill_(value if fill else 0.0)  # also touches every page before anything is timed
+        if mesh is None:
+            return local
+        from torch.distributed.tensor import DTensor, Shard
+
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
+
+    model: dict[str, Any] = {}
+    state: dict[str, Any] = {}
+    values = iter(_expected_values(nbytes))
+    for i in range(_layer_count(nbytes)):
+        for name, shape in ((f"layers.{i}.weight", (_WIDTH, _WIDTH)), (f"layers.{i}.bias", (_WIDTH,))):
+            model[name] = make(next(values), shape)
+    for name in model:
+        shape = tuple(model[name].shape)
+        state[name] = {"step": torch.tensor(10.0), "exp_avg": make(next(values), shape),
+                       "exp_avg_sq": make(next(values), shape)}
+    param_groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
+                     "params": list(model)}]
+    return {"model": model, "optim": {"state": state, "param_groups": param_groups}}
+
+
+def _expected_values(nbytes: int) -> list[float]:
+    """The fill value of each tensor of ``train_state(nbytes, ...)``, in :func:`_tensors` order."""
+    return [float(i + 1) for i in range(3 * 2 * _layer_count(nbytes))]
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _tensors(sd: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, tensor) of every large tensor in a fixed order; DTensors as they are (not localized)."""
+    for name, value in sd["model"].items():
+        yield f"model.{name}", value
+    for name, entry in sd["optim"]["state"].items():
+        yield f"optim.{name}.exp_avg", entry["exp_avg"]
+        yield f"optim.{name}.exp_avg_sq", entry["exp_avg_sq"]
+
+
+def state_bytes(sd: dict[str, Any]) -> int:
+    """Global bytes of the large tensors of ``sd`` (what the MB/s figures divide by)."""
+    return sum(t.numel() * t.element_size() for _, t in _tensors(sd))
+
+
+def _local_bytes(sd: dict[str, Any]) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for _, t in _tensors(sd))
+
+
+# -- the raw limit ----------------------------------------------------------------------------------
+
+
+def _raw_assignment(sd: dict[str, Any], layout: str) -> list[tuple[int, torch.Tensor]]:
+    """(writing rank, local tensor) for every tensor: the bytes the raw limit writes and reads.
+
+    ``sharded``: each rank its own shards. ``full``: tensors dealt round-robin, so each byte is written
+    once, as DCP does with replicated data."""
+    rank = torch.distributed.get_rank()
+    world = torch.distributed.get_world_size()
+    items = [_local(t) for _, t in _tensors(sd)]
+    if layout == "sharded":
+        return [(rank, t) for t in items]
+    return [(i % world, t) for i, t in enumerate(items)]
+
+
+def _raw_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"raw_rank{rank}.bin")
+
+
+def _raw_save(sd: dict[str, Any], layout: str, directory: str) -> None:
+    rank = torch.distributed.get_rank()
+    with open(_raw_path(directory, rank), "wb") as f:
+        for writer, tensor in _raw_assignment(sd, layout):
+            if writer == rank:
+                f.write(memoryview(tensor.numpy()).cast("B"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _raw_load(sd: dict[str, Any], layout: str, directory: str) -> None:
+    files: dict[int, Any] = {}
+    try:
+        for writer, tensor in _raw_assignment(sd, layout):
+            if writer not in files:
+                files[writer] = open(_raw_path(directory, writer), "rb")
+            view = memoryview(tensor.numpy()).cast("B")
+            if files[writer].readinto(view) != len(view):
+                raise RuntimeError(f"raw checkpoint in {directory}: file of rank {writer} is short")
+    finally:
+        for f in files.values():
+            f.close()
+
+
+def _raw_meta_load(meta_sd: dict[str, Any], layout: str, directory: str) -> None:
+    """Allocate every local tensor and read its bytes: what a load into meta cannot do better than."""
+    from torch.distributed.tensor import DTensor
+
+    def materialize(value: torch.Tensor) -> torch.Tensor:
+        if isinstance(value, DTensor):
+            local = torch.empty_like(value.to_local(), device="cpu")
+            return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                                      shape=value.shape, stride=value.stride())
+        return torch.empty_like(value, device="cpu")
+
+    for name in list(meta_sd["model"]):
+        meta_sd["model"][name] = materialize(meta_sd["model"][name])
+    for entry in meta_sd["optim"]["state"].values():
+        entry["exp_avg"] = materialize(entry["exp_avg"])
+        entry["exp_avg_sq"] = materialize(entry["exp_avg_sq"])
+    _raw_load(meta_sd, layout, directory)
+
+
+def _memcpy(source: dict[str, Any], dest: dict[str, Any], layout: str, *, only_written: bool) -> None:
+    rank = torch.distributed.get_rank()
+    for (writer, src), (_, dst) in zip(_raw_assignment(source, layout), _raw_assignment(dest, layout)):
+        if not only_written or writer == rank:
+            dst.copy_(src)
+
+
+# -- the implementations -----------------------------------------------------------------------------
+
+
+def _dcp_ops(impl: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    if impl == "reference":
+        import reference.checkpoint as ckpt
+
+        return ckpt.save, ckpt.load
+    if impl == "torch":
+        import torch.distributed.checkpoint as dcp
+
+        return dcp.save, dcp.load
+    raise ValueError(f"not a checkpoint library: {impl!r}")
+
+
+# -- rank-side steps (run on every rank of a RankGroup) -----------------------------------------------
+
+# This rank's source and destination state dicts, kept between calls so that the (slow) building of
+# a 2 GB state dict is not repeated for each implementation.
+_CACHE: dict[str, Any] = {}
+
+
+def prepare(nbytes: int, layout: str) -> int:
+    """Build this rank's source and destination state dicts; return the global bytes. Every rank calls."""
+    if _CACHE.get("key") != (nbytes, layout):
+        release()
+        source = train_state(nbytes, layout)
+        dest = train_state(nbytes, layout, fill=False)
+        _CACHE.update(key=(nbytes, layout), source=source, dest=dest, layout=layout)
+    return state_bytes(_CACHE["source"])
+
+
+def release() -> None:
+    """Drop this rank's state dicts."""
+    _CACHE.clear()
+    gc.collect()
+
+
+def _fresh_dir(directory: str) -> None:
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+        os.makedirs(directory)
+    torch.distributed.barrier()
+
+
+def save_once(impl: str, directory: str) -> float:
+    """Seconds to save the prepared source state dict with ``impl`` into an emptied ``directory``."""
+    source, layout = _CACHE["source"], _CACHE["layout"]
+    _fresh_dir(directory)
+    if impl == "raw":
+        return timed(lambda: _raw_save(source, layout, directory))
+    if impl == "memcpy":
+        return timed(lambda: _memcpy(source, _CACHE["dest"], layout, only_written=True))
+    save, _ = _dcp_ops(impl)
+    return timed(lambda: save(source, checkpoint_id=directory))
+
+
+def _zero(sd: dict[str, Any]) -> None:
+    for _, tensor in _tensors(sd):
+        _local(tensor).zero_()
+
+
+def _check_loaded(sd: dict[str, Any], nbytes: int, impl: str) -> None:
+    """Every tensor of ``sd`` holds what ``train_state(nbytes)`` saved (each tensor is one value)."""
+    for (key, tensor), value in zip(_tensors(sd), _expected_values(nbytes), strict=True):
+        local = _local(tensor)
+        if local.device.type == "meta" or not bool((local == value).all()):
+            raise RuntimeError(f"{impl}: {key} after load differs from what was saved (expected all {value})")
+
+
+def load_once(impl: str, directory: str) -> float:
+    """Seconds to load ``directory`` (saved by ``save_once(impl)``) into the destination state dict.
+
+    The destination is zeroed first and compared with the source after (neither is timed), so a load
+    that does nothing cannot look fast."""
+    source, dest, layout = _CACHE["source"], _CACHE["dest"], _CACHE["layout"]
+    _zero(dest)
+    if impl == "raw":
+        seconds = timed(lambda: _raw_load(dest, layout, directory))
+    elif impl == "memcpy":
+        seconds = timed(lambda: _memcpy(source, dest, layout, only_written=False))
+    else:
+        _, load = _dcp_ops(impl)
+        seconds = timed(lambda: load(dest, checkpoint_id=directory))
+    _check_loaded(dest, state_bytes(source), impl)
+    return seconds
+
+
+def meta_load_once(impl: str, directory: str, nbytes: int, layout: str) -> tuple[float, int, int]:
+    """Load ``directory`` (saved from ``train_state(nbytes, layout)``) into a state dict of meta tensors.
+
+    Returns (seconds, peak RSS growth, local bytes). Run it on fresh ranks: the peak is this process's
+    high-water mark (reset just before the load) minus its resident size before the load, which is
+    the memory the load allocates at once, temporaries included, only when no freed memory is lying
+    around resident in the allocator to be reused unseen."""
+    meta_sd = train_state(nbytes, layout, device="meta")
+    local_bytes = _local_bytes(meta_sd)
+    if impl != "raw":
+        _dcp_ops(impl)  # import the library first: a fresh process's imports are not the load's memory
+    gc.collect()
+    if not peak_rss_reset():
+        raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs): no peak-memory figure here")
+    before = rss_bytes()
+    if impl == "raw":
+        seconds = timed(lambda: _raw_meta_load(meta_sd, layout, directory))
+    else:
+        _, load = _dcp_ops(impl)
+        seconds = timed(lambda: load(meta_sd, checkpoint_id=directory))
+    peak = peak_rss_bytes() - before
+    _check_loaded(meta_sd, nbytes, impl)
+    return seconds, peak, local_bytes
+
+
+# -- the controller ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What one (impl, size, world size, layout) measured. Seconds are the best of the repeats."""
+
+    nbytes: int  # global bytes of the state dict
+    save_s: float
+    load_s: float
+    meta_load_s: float | None  # None for memcpy, or when the load into meta failed
+    meta_peak_ratio: float | None  # max over ranks of peak RSS growth / local bytes
+    meta_error: str | None = None  # why meta_load_s is None, when it failed
+
+    @property
+    def save_mbps(self) -> float:
+        return self.nbytes / 2**20 / self.save_s
+
+    @property
+    def load_mbps(self) -> float:
+        return self.nbytes / 2**20 / self.load_s
+
+
+def measure(group: RankGroup, impl: str, nbytes: int, layout: str, directory: str, *, repeats: int = 1) -> Figures:
+    """Save and load with ``impl`` on ``group`` ``repeats`` times (best of), then load into meta once
+    on fresh ranks (so that their peak memory is the load's own).
+
+    ``directory`` is emptied before each save and removed at the end."""
+    from bench.ranks import RankError
+
+    total = group.run(prepare, nbytes, layout)[0]
+    try:
+        save_s = load_s = math.inf
+        for _ in range(repeats):
+            save_s = min(save_s, group.run(save_once, impl, directory)[0])
+            load_s = min(load_s, group.run(load_once, impl, directory)[0])
+        meta_s = meta_ratio = meta_error = None
+        if impl in META_IMPLS:
+            try:
+                with RankGroup(group.world_size) as fresh:
+                    results = fresh.run(meta_load_once, impl, directory, nbytes, layout)
+                meta_s = results[0][0]
+                meta_ratio = max(peak / local for _, peak, local in results)
+            except RankError as exc:  # an implementation that cannot load into meta is a figure too
+                meta_error = str(exc).strip().splitlines()[-1]
+        return Figures(total, save_s, load_s, meta_s, meta_ratio, meta_error)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
