@@ -438,6 +438,7 @@ class FlattenParamsWrapper(nn.Module):
         self._loading = False  # unflattened by the load pre-hook, awaiting the post-hook
         self._owners: tuple[_Owner, ...] = ()  # modules that register flattened parameters
         self.__dict__["_views"] = ()  # the installed views, in flat order (see _set_views)
+        self.__dict__["_params"] = ()  # Parameters registered while unflattened (see _unflatten)
 
         if slots:
             primaries = [group[0] for group in slots.values()]
@@ -511,19 +512,34 @@ class FlattenParamsWrapper(nn.Module):
         try:
             yield
         finally:
-            self._reflatten()
+            self._reflatten(keep_params=False)  # the body had them: the next unflatten makes new ones
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's state_dict with its own keys (no ``flat_param``, no wrapper segment).
 
         Values share memory with ``flat_param`` (as an unwrapped module's share memory with its
-        parameters). With ``keep_vars=True`` the parameter values are temporary ``nn.Parameter``s
-        over that memory, not registered anywhere after the call.
+        parameters). With ``keep_vars=True`` the parameter values are new ``nn.Parameter``s over
+        that memory, not registered anywhere after the call.
+
+        During the call (and during ``load_state_dict``) the wrapped modules are unflattened: each
+        sees its parameters registered as ``nn.Parameter``s in their original order, so its own
+        ``_save_to_state_dict``/``_load_from_state_dict`` and hooks work as unwrapped. Those
+        Parameters are reused by the next call unless they reached user code (``keep_vars=True``,
+        :meth:`unflatten_params`) or flat_param's memory moved.
         """
         # nn.Module.state_dict recurses by calling each child's state_dict(), so this override
         # runs at any depth of a model that contains the wrapper.
-        with self.unflatten_params():
+        self._finish_interrupted_load()
+        if not self._flattened:
             return super().state_dict(*args, **kwargs)
+        keep_vars = kwargs.get("keep_vars", len(args) > 2 and args[2])  # positional args: deprecated
+        self._unflatten()
+        try:
+            return super().state_dict(*args, **kwargs)
+        finally:
+            # Without keep_vars the Parameters were seen only by the modules' own state_dict code,
+            # so the next call may register them again.
+            self._reflatten(keep_params=not keep_vars)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a state_dict keyed like the unwrapped module (``nn.Module.load_state_dict`` semantics).
@@ -605,9 +621,16 @@ class FlattenParamsWrapper(nn.Module):
         """Register each listed parameter again, as a Parameter over its slice of flat_param."""
         flat = self._flat
         assert flat is not None and self._flattened
-        views = self._current_views() or tuple(flat.get_param_views(flat.detach()))
-        # nn.Parameter(view) detaches: a leaf sharing the view's memory, as the unwrapped one is.
-        params = [nn.Parameter(view, requires_grad=flat.requires_grad) for view in views]
+        params = self._params
+        # Reuse the Parameters of the last state_dict/load if they are still over flat_param's
+        # memory: a Parameter per parameter costs as much as the rest of a state_dict() call.
+        # They never reached user code (see _reflatten's keep_params), so nothing else can have
+        # changed them.
+        if not (params and params[0].data_ptr() == flat.data_ptr() and params[0].requires_grad == flat.requires_grad):
+            views = self._current_views() or tuple(flat.get_param_views(flat.detach()))
+            # nn.Parameter(view) detaches: a leaf sharing the view's memory, as the unwrapped one is.
+            params = tuple(nn.Parameter(view, requires_grad=flat.requires_grad) for view in views)
+        self.__dict__["_params"] = params
         delattr(self, FLAT_PARAM)
         self._flattened = False
         for owner in self._owners:
@@ -625,31 +648,41 @@ class FlattenParamsWrapper(nn.Module):
                     registered[name] = others.pop(name)
             registered.update(others)
 
-    def _reflatten(self) -> None:
+    def _reflatten(self, keep_params: bool) -> None:
         """Write the current parameter values into flat_param and go back to views.
 
         Always ends flattened; a parameter that was deleted or reshaped inside keeps the value
-        flat_param had, and is reported afterwards.
+        flat_param had, and is reported afterwards. ``keep_params``: the registered Parameters
+        were seen only by nn.Module's state_dict/load code (and the modules' own overrides and
+        hooks), so the next :meth:`_unflatten` may reuse them; otherwise it makes new ones.
         """
         flat = self._flat
         assert flat is not None and not self._flattened
         problems = []
         base, itemsize = flat.data_ptr(), flat.element_size()
+        params = self._params
         with torch.no_grad():
-            for group, shape, offset in zip(self._slots, flat.param_shapes, flat.param_offsets):
+            for param, group, shape, offset in zip(params, self._slots, flat.param_shapes, flat.param_offsets):
                 slot = group[0]
-                value = getattr(slot.module, slot.attr, None)
+                value = slot.module._parameters.get(slot.attr)
+                if value is not param:
+                    keep_params = False  # replaced (load with assign=True) or removed
+                    value = getattr(slot.module, slot.attr, None)  # e.g. a plain tensor assigned inside
                 if not isinstance(value, Tensor):
                     problems.append(f"{slot.name!r} was removed (expected a tensor of shape {tuple(shape)})")
                 elif value.shape != shape:
                     problems.append(f"{slot.name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}")
                 elif value.data_ptr() != base + offset.start * itemsize or value.dtype != flat.dtype:
-                    # Replaced inside the body (e.g. load with assign=True): copy into the slice.
+                    # Replaced inside the body (e.g. load with assign=True, or .data set by
+                    # .to()): copy into the slice, and make new Parameters next time.
                     flat.detach()[offset.start : offset.end + 1].copy_(value.reshape(-1))
+                    keep_params = False
         for owner in self._owners:
             for name in owner.flattened:
                 owner.module._parameters.pop(name, None)
                 owner.module.__dict__.pop(name, None)  # a plain tensor assigned inside the body
+        if not keep_params:
+            self.__dict__["_params"] = ()
         self._flattened = True  # first: see __getattr__
         self.register_parameter(FLAT_PARAM, flat)
         self._set_views(self._current_views())
@@ -666,7 +699,7 @@ class FlattenParamsWrapper(nn.Module):
         # what they expect); the post-hook writes them back into flat_param.
         if module._flattened:
             module._unflatten()
-            module._loading = True
+            module._loading = True  # torch writes in place (or assigns: _reflatten notices)
 
     @staticmethod
     def _post_load_hook(module: FlattenParamsWrapper, incompatible_keys: Any) -> None:
@@ -676,7 +709,7 @@ class FlattenParamsWrapper(nn.Module):
         """Re-flatten after a load that unflattened (normally the post-hook; after an error, the next use)."""
         if self._loading:
             self._loading = False
-            self._reflatten()
+            self._reflatten(keep_params=True)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> FlattenParamsWrapper:
         # .to()/.cuda()/.double() may replace flat_param by a plain Parameter (on a device change, or
@@ -713,6 +746,7 @@ class FlattenParamsWrapper(nn.Module):
                 self._set_views()
         state = dict(super().__getstate__())
         state["_views"] = ()  # the views are the modules' attributes; __setstate__ rebuilds them
+        state["_params"] = ()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

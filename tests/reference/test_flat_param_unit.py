@@ -267,3 +267,73 @@ def test_shared_submodule_at_two_paths() -> None:
 def test_repr_mentions_the_flat_param() -> None:
     assert "flat_param: 6 params, 241 elements" in repr(_fpw_all(models.build("mlp")))
     assert "flat_param=None" in repr(FlattenParamsWrapper(nn.Linear(1, 1), []))
+
+
+# -- what the wrapped modules see during state_dict / load_state_dict ----------------------------------
+
+
+class Legacy(nn.Linear):
+    """A module whose own state_dict code relies on its registered parameters (as version migrations do)."""
+
+    _version = 2
+
+    def __init__(self) -> None:
+        super().__init__(3, 2)
+        self.seen: list[tuple[str, ...]] = []
+        self.register_state_dict_post_hook(Legacy._record)
+
+    @staticmethod
+    def _record(module: Legacy, destination: dict, prefix: str, local_metadata: dict) -> None:
+        # The unwrapped module's own post-hook sees its parameters registered and its keys written.
+        assert all(isinstance(p, nn.Parameter) for p in module._parameters.values())
+        module.seen.append(tuple(k[len(prefix):] for k in destination if k.startswith(prefix)))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        if local_metadata.get("version", 1) < 2 and prefix + "w" in state_dict:  # version 1 called it "w"
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "w")
+        assert [n for n, _ in self.named_parameters(recurse=False)] == ["weight", "bias"]
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+
+
+def test_wrapped_modules_see_registered_parameters_in_state_dict_and_load() -> None:
+    plain = nn.Sequential(Legacy(), nn.ReLU())
+    wrapped = _fpw_all(copy.deepcopy(plain))
+    assert list(wrapped.state_dict()) == list(plain.state_dict()) == ["0.weight", "0.bias"]
+    assert wrapped.module[0].seen == plain[0].seen == [("weight", "bias")]
+    # A version-1 checkpoint: the module's own _load_from_state_dict renames the key.
+    old = plain.state_dict()
+    old["0.w"] = torch.full((2, 3), 7.0)
+    del old["0.weight"]
+    old._metadata["0"]["version"] = 1
+    wrapped.load_state_dict(old)
+    assert torch.equal(wrapped.flat_param[:6], torch.full((6,), 7.0))
+
+
+def test_state_dict_parameters_do_not_leak_between_calls() -> None:
+    wrapped = _fpw_all(models.build("mlp"))
+    first = wrapped.state_dict(keep_vars=True)
+    first["net.0.weight"].requires_grad_(False)
+    second = wrapped.state_dict(keep_vars=True)
+    assert second["net.0.weight"] is not first["net.0.weight"] and second["net.0.weight"].requires_grad
+    with wrapped.unflatten_params():
+        inside = wrapped.module.net[0].weight
+    wrapped.state_dict()
+    with wrapped.unflatten_params():
+        assert wrapped.module.net[0].weight is not inside
+
+
+@pytest.mark.parametrize("change", ["data", "requires_grad", "to"])
+def test_state_dict_follows_flat_param_changes(change: str) -> None:
+    wrapped = _fpw_all(models.build("mlp"))
+    wrapped.state_dict()  # leaves Parameters to reuse
+    if change == "data":
+        wrapped.flat_param.data = torch.arange(wrapped.flat_param.numel(), dtype=torch.float32)
+    elif change == "requires_grad":
+        wrapped.flat_param.requires_grad_(False)
+    else:
+        wrapped.double()
+    sd = wrapped.state_dict(keep_vars=True)
+    flat = wrapped.flat_param
+    assert torch.equal(torch.cat([v.reshape(-1) for v in sd.values()]), flat.detach())
+    assert all(v.requires_grad == flat.requires_grad and v.dtype == flat.dtype for v in sd.values())
+    assert all(v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for v in sd.values())
