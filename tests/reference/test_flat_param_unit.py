@@ -69,6 +69,46 @@ def test_prefix_hooks_show_unwrapped_keys_and_metadata(name, build) -> None:
     assert torch.equal(wrapped(x), plain(x))
 
 
+def _own_params(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if not isinstance(p, FlatParameter)]
+
+
+def _deep_wrappers(depth: int) -> tuple[nn.Module, nn.Module]:
+    """(plain, wrapped): Sequential(Linear, Sequential(Linear, ...)) with every level wrapped."""
+    plain: nn.Module = nn.Linear(2, 2)
+    for _ in range(depth - 1):
+        plain = nn.Sequential(nn.Linear(2, 2), plain)
+    wrapped = copy.deepcopy(plain)
+    level, parents = wrapped, []
+    while isinstance(level, nn.Sequential):
+        parents.append(level)
+        level = level[1]
+    for i, parent in enumerate(reversed(parents)):  # innermost first; alternate the two wrapper kinds
+        inner = parent[1]
+        parent[1] = CheckpointLike(inner) if i % 2 else FlattenParamsWrapper(inner, _own_params(inner))
+    return plain, FlattenParamsWrapper(wrapped, _own_params(wrapped))
+
+
+def test_nested_state_dict_renames_each_key_once_and_survives_errors() -> None:
+    plain, wrapped = _deep_wrappers(6)
+    sd = wrapped.state_dict()
+    assert list(sd) == list(plain.state_dict()) and list(sd._metadata) == list(plain.state_dict()._metadata)
+    # A state_dict that raises inside the nesting leaves no state behind for the next call.
+    deepest = [m for m in wrapped.modules() if isinstance(m, (FlattenParamsWrapper, CheckpointLike))][-1]
+    handle = deepest.register_state_dict_pre_hook(lambda *_: (_ for _ in ()).throw(OSError("disk")))
+    with pytest.raises(OSError, match="disk"):
+        wrapped.state_dict()
+    handle.remove()
+    assert list(wrapped.state_dict()) == list(sd)
+    # A separate state_dict call from a hook inside the traversal gets its own clean keys.
+    seen = []
+    inner = wrapped.module[1]
+    handle = wrapped.module[0].register_state_dict_post_hook(lambda *_: seen.append(list(inner.state_dict())))
+    assert list(wrapped.state_dict()) == list(sd)
+    assert seen == [list(plain[1].state_dict())]
+    handle.remove()
+
+
 def test_prefix_hooks_load_both_ways_and_name_keys() -> None:
     wrapped = _mixed_wrappers(0)
     source = models.build("nested", seed=1)
@@ -220,7 +260,7 @@ def test_interrupted_nested_load_reflattens_on_next_use() -> None:
             raise KeyError("boom")
 
     inner = nn.Sequential(nn.Linear(2, 2), Exploding(2, 2))
-    wrapped = FlattenParamsWrapper(inner, list(inner[0].parameters()))
+    wrapped = FlattenParamsWrapper(inner, _own_params(inner))
     parent = nn.ModuleDict({"w": wrapped})
     with pytest.raises(KeyError, match="boom"):
         parent.load_state_dict(parent.state_dict())
