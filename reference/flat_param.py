@@ -816,21 +816,25 @@ def _byte_span(t: Tensor) -> tuple[int, int, int]:
 
 def _check_no_storage_ties(module: nn.Module, slots: dict[int, list[_Slot]]) -> None:
     """Refuse a listed parameter whose memory overlaps an unlisted parameter or buffer of ``module``."""
-    listed: dict[int, list[tuple[str, int, int]]] = {}  # storage pointer -> (name, first byte, end byte)
+    unlisted: dict[int, list[tuple[str, int, int]]] = {}  # storage pointer -> (name, first byte, end byte)
+    named = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
+    for name, t in named:
+        if id(t) not in slots and t.numel() > 0 and t.device.type != "meta":
+            ptr, lo, hi = _byte_span(t)
+            unlisted.setdefault(ptr, []).append((name, lo, hi))
+    if not unlisted:
+        return
     for group in slots.values():
         t = getattr(group[0].module, group[0].attr)
-        if t.numel() > 0 and t.device.type != "meta":
-            ptr, lo, hi = _byte_span(t)
-            listed.setdefault(ptr, []).append((group[0].name, lo, hi))
-    if not listed:
-        return
-    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
-    for other_name, other in named:
-        if id(other) in slots or other.numel() == 0 or other.device.type == "meta":
+        if t.numel() == 0 or t.device.type == "meta":
             continue
-        ptr, lo, hi = _byte_span(other)
-        for name, p_lo, p_hi in listed.get(ptr, ()):
-            if p_lo < hi and lo < p_hi:
+        # The storage's address without making a storage object (the full span only on a match).
+        if t.data_ptr() - t.storage_offset() * t.element_size() not in unlisted:
+            continue
+        ptr, lo, hi = _byte_span(t)
+        for other_name, o_lo, o_hi in unlisted[ptr]:
+            if lo < o_hi and o_lo < hi:
+                name = group[0].name
                 raise ValueError(
                     f"FlattenParamsWrapper: listed parameter {name!r} shares memory with {other_name!r}, which is "
                     f"not listed; flattening copies {name!r} and would cut that tie. List both or neither"
