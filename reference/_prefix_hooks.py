@@ -284,8 +284,12 @@ def _rename_tail(
     renamed = [rename(key) for key in tail]
     if renamed == tail:
         return
-    items = [(new_key, key, mapping.pop(key)) for key, new_key in zip(tail, renamed)]
-    for new_key, key, value in items:
+    if len(tail) == len(mapping):  # the wrapper is the root of this call: one clear, not a pop per key
+        values = list(mapping.values())
+        mapping.clear()
+    else:
+        values = [mapping.pop(key) for key in tail]
+    for key, new_key, value in zip(tail, renamed, values):
         if new_key in mapping and not collisions_ok:
             raise RuntimeError(
                 f"state_dict: key {new_key!r} is written twice: once by the wrapper itself and once as "
