@@ -409,6 +409,9 @@ class FlattenParamsWrapper(nn.Module):
 
     ``state_dict()``/``load_state_dict()`` use the unwrapped module's keys, also when the wrapper sits
     inside a larger model (see :mod:`reference._prefix_hooks`); there is no ``flat_param`` key.
+    For the call, the wrapped modules are unflattened (their parameters registered again, as
+    ``nn.Parameter``s over ``flat_param``), so their own state_dict code runs as unwrapped; this
+    costs a few dict operations per parameter, no copy.
     Attribute access and indexing that the wrapper does not answer fall through to ``module``.
 
     Args:
