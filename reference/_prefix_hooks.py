@@ -13,15 +13,18 @@ This holds at any nesting: the hooks run wherever the wrapper sits in a larger m
 inside wrappers each remove their own segment. Keys of the wrapper's own parameters and buffers, and of
 its other children, keep their names.
 
-Cost: each hook touches only the keys under its wrapper (the state_dict post-hook walks the tail of
-the destination that its own ``state_dict`` call wrote), so a model with wrappers nested ``d`` deep
-costs ``O(keys * d)``, the same order as ``nn.Module.load_state_dict``'s own recursion.
+Cost: ``state_dict()`` renames each key once, whatever the nesting: a wrapper inside another one's
+hidden child leaves its keys to the enclosing wrapper, which renames its whole subtree at its end
+(the tail of the destination its ``state_dict`` call wrote). Loading touches the keys under each
+wrapper, ``O(keys * d)`` for wrappers nested ``d`` deep, the same order as
+``nn.Module.load_state_dict``'s own recursion (it filters the keys again for every child).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Iterator, NamedTuple
 
@@ -51,6 +54,26 @@ class _LoadFrame(NamedTuple):
     prefix: str  # the wrapper's prefix in this load, e.g. "encoder." ("" at the root)
     error_msgs: list[str]  # torch's list of error messages of this load
     first_error: int  # index of the first message written below this wrapper
+
+
+@dataclass
+class _SaveFrame:
+    """A wrapper whose ``state_dict`` is running, as its post-hook needs to know (see _post_state_dict)."""
+
+    module_id: int  # id() of the wrapper (an id, so that a frame left by an error holds no module)
+    inner: str  # the prefix of its hidden child in this call, e.g. "encoder._fpw_module."
+    hidden: list[str] = field(default_factory=list)  # hidden-child prefixes of wrappers inside, left to it
+
+
+# state_dict pre-hook -> post-hook hand-over, innermost last; per thread, as state_dict calls are.
+_SAVING = threading.local()
+
+
+def _save_frames() -> list[_SaveFrame]:
+    frames = getattr(_SAVING, "frames", None)
+    if frames is None:
+        frames = _SAVING.frames = []
+    return frames
 
 
 # Load pre-hook -> post-hook hand-over; transient, so kept out of the modules (and their pickles).
@@ -121,6 +144,7 @@ def register_prefix_hooks(wrapper: nn.Module, child_name: str) -> PrefixHookHand
     wrapper.__dict__[_HIDDEN_CHILD_ATTR] = child_name
     return PrefixHookHandles(
         (
+            wrapper.register_state_dict_pre_hook(partial(_pre_state_dict, child_name)),
             wrapper.register_state_dict_post_hook(partial(_post_state_dict, child_name)),
             wrapper.register_load_state_dict_pre_hook(partial(_pre_load, child_name)),
             wrapper.register_load_state_dict_post_hook(partial(_post_load, child_name)),
@@ -128,24 +152,76 @@ def register_prefix_hooks(wrapper: nn.Module, child_name: str) -> PrefixHookHand
     )
 
 
+def _pre_state_dict(child_name: str, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    _save_frames().append(_SaveFrame(id(module), prefix + child_name + "."))
+
+
 def _post_state_dict(
     child_name: str, module: nn.Module, destination: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
     inner = prefix + child_name + "."
+    frames = _save_frames()
+    # Invariant (nn.Module.state_dict): pre-hook, subtree, post-hook, so this wrapper's frame is the
+    # top one, unless a state_dict call inside the subtree raised and was caught (its frames are
+    # above ours: drop them). No frame of ours: the hook was called by hand; rename alone.
+    mine = next((i for i in range(len(frames) - 1, -1, -1) if frames[i].module_id == id(module)), None)
+    hidden = [inner]
+    if mine is not None and frames[mine].inner == inner:
+        hidden += frames[mine].hidden
+        del frames[mine:]
+    # Inside an enclosing wrapper's hidden child (our prefix starts with its hidden prefix) in the
+    # same call: leave the renaming to it, so that every key is renamed once, not once per level.
+    if frames and prefix.startswith(frames[-1].inner):
+        frames[-1].hidden.extend(hidden)
+        return
+    if len(hidden) == 1:
+
+        def rename(key: str) -> str:
+            return prefix + key[len(inner):] if key.startswith(inner) else key
+    else:
+        rename = partial(_strip_hidden, inner, _clean_prefixes(hidden))
     # Invariant (nn.Module.state_dict): this hook runs right after the wrapper's subtree was written,
     # so the subtree's keys are the tail of `destination`, and no earlier key starts with `prefix`
     # (a prefix is one path, written once).
-    _rename_tail(destination, prefix, lambda key: prefix + key[len(inner):] if key.startswith(inner) else key)
+    _rename_tail(destination, prefix, rename)
     metadata = getattr(destination, "_metadata", None)
     if metadata is not None:
-        own_path, inner_path = prefix[:-1], inner[:-1]
+        own_path = prefix[:-1]
 
         def rename_path(path: str) -> str:
-            if path == inner_path:
-                return own_path  # the wrapped module's version entry takes the wrapper's place
-            return prefix + path[len(inner):] if path.startswith(inner) else path
+            # The wrapped module's version entry takes the wrapper's place.
+            return own_path if path + "." == inner else rename(path + ".")[:-1]
 
         _rename_tail(metadata, prefix, rename_path, first=own_path, collisions_ok=True)
+
+
+def _clean_prefixes(hidden: list[str]) -> dict[str, str]:
+    """Each hidden-child prefix (``"a._fpw_module.b._ckpt."``) mapped to its clean form (``"a.b."``)."""
+    hidden_set = set(hidden)
+    clean = {}
+    for h in hidden:
+        kept, path = [], ""
+        for part in h[:-1].split("."):
+            path += part + "."
+            if path not in hidden_set:
+                kept.append(part + ".")
+        clean[h] = "".join(kept)
+    return clean
+
+
+def _strip_hidden(inner: str, clean: dict[str, str], key: str) -> str:
+    """``key`` without hidden segments; ``clean`` maps every hidden prefix below ``inner`` (included)."""
+    if not key.startswith(inner):
+        return key
+    # The longest hidden prefix of `key` is the last one on its path: search from the right, so
+    # that the cost is the key's depth below its innermost wrapper, not the nesting depth.
+    end = len(key)
+    while end > 0:
+        end = key.rfind(".", 0, end)
+        head = key[: end + 1]
+        if head in clean:
+            return clean[head] + key[end + 1 :]
+    return key  # unreachable: `inner` is a hidden prefix of `key`
 
 
 def _pre_load(
@@ -204,11 +280,16 @@ def _rename_tail(
         if not (key.startswith(prefix) or key == first):
             break
         tail.append(key)
-    if not any(rename(key) != key for key in tail):
+    tail.reverse()
+    renamed = [rename(key) for key in tail]
+    if renamed == tail:
         return
-    items = [(key, mapping.pop(key)) for key in reversed(tail)]
-    for key, value in items:
-        new_key = rename(key)
+    if len(tail) == len(mapping):  # the wrapper is the root of this call: one clear, not a pop per key
+        values = list(mapping.values())
+        mapping.clear()
+    else:
+        values = [mapping.pop(key) for key in tail]
+    for key, new_key, value in zip(tail, renamed, values):
         if new_key in mapping and not collisions_ok:
             raise RuntimeError(
                 f"state_dict: key {new_key!r} is written twice: once by the wrapper itself and once as "

@@ -369,6 +369,28 @@ class _Slot(NamedTuple):
     attr: str
 
 
+class _Owner(NamedTuple):
+    """A module that registers flattened parameters, with its parameter order from before wrapping."""
+
+    module: nn.Module
+    order: tuple[tuple[str, int], ...]  # every name in `_parameters`, with its flat index (-1: not flattened)
+    flattened: tuple[str, ...]  # the names with a flat index
+
+
+def _owners(groups: Sequence[Sequence[_Slot]]) -> tuple[_Owner, ...]:
+    """The owner of every registration in ``groups`` (one group per flat index), each listed once."""
+    index: dict[nn.Module, dict[str, int]] = {}
+    for i, group in enumerate(groups):
+        for slot in group:
+            index.setdefault(slot.module, {})[slot.attr] = i
+    owners = []
+    for module, flat_index in index.items():
+        # `_parameters` rather than named_parameters(): names registered as None keep their place.
+        order = tuple((name, flat_index.get(name, -1)) for name in module._parameters)
+        owners.append(_Owner(module, order, tuple(flat_index)))
+    return tuple(owners)
+
+
 class FlattenParamsWrapper(nn.Module):
     """Replace the listed parameters of ``module`` by one :class:`FlatParameter`, ``self.flat_param``.
 
@@ -387,6 +409,9 @@ class FlattenParamsWrapper(nn.Module):
 
     ``state_dict()``/``load_state_dict()`` use the unwrapped module's keys, also when the wrapper sits
     inside a larger model (see :mod:`reference._prefix_hooks`); there is no ``flat_param`` key.
+    For the call, the wrapped modules are unflattened (their parameters registered again, as
+    ``nn.Parameter``s over ``flat_param``), so their own state_dict code runs as unwrapped; this
+    costs a few dict operations per parameter, no copy.
     Attribute access and indexing that the wrapper does not answer fall through to ``module``.
 
     Args:
@@ -414,7 +439,9 @@ class FlattenParamsWrapper(nn.Module):
         self._slots: tuple[tuple[_Slot, ...], ...] = ()  # per flattened parameter: its registrations
         self._flattened = False
         self._loading = False  # unflattened by the load pre-hook, awaiting the post-hook
-        self._param_order: dict[nn.Module, tuple[str, ...]] = {}
+        self._owners: tuple[_Owner, ...] = ()  # modules that register flattened parameters
+        self.__dict__["_views"] = ()  # the installed views, in flat order (see _set_views)
+        self.__dict__["_params"] = ()  # Parameters registered while unflattened (see _unflatten)
 
         if slots:
             primaries = [group[0] for group in slots.values()]
@@ -423,14 +450,7 @@ class FlattenParamsWrapper(nn.Module):
             _check_no_storage_ties(module, slots)
             flat = FlatParameter(tensors, tensors[0].requires_grad, names=[s.name for s in primaries])
             self._slots = tuple(tuple(group) for group in slots.values())
-            # Remember each owning module's parameter order, so that unflattening re-registers the
-            # parameters where they were and state_dict keys come out in the unwrapped order.
-            for group in self._slots:
-                for slot in group:
-                    if slot.module not in self._param_order:
-                        self._param_order[slot.module] = tuple(
-                            n for n, _ in slot.module.named_parameters(recurse=False, remove_duplicate=False)
-                        )
+            self._owners = _owners(self._slots)
             self.__dict__["_flat"] = flat
             self._flatten()
 
@@ -495,19 +515,34 @@ class FlattenParamsWrapper(nn.Module):
         try:
             yield
         finally:
-            self._reflatten()
+            self._reflatten(keep_params=False)  # the body had them: the next unflatten makes new ones
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's state_dict with its own keys (no ``flat_param``, no wrapper segment).
 
         Values share memory with ``flat_param`` (as an unwrapped module's share memory with its
-        parameters). With ``keep_vars=True`` the parameter values are temporary ``nn.Parameter``s
-        over that memory, not registered anywhere after the call.
+        parameters). With ``keep_vars=True`` the parameter values are new ``nn.Parameter``s over
+        that memory, not registered anywhere after the call.
+
+        During the call (and during ``load_state_dict``) the wrapped modules are unflattened: each
+        sees its parameters registered as ``nn.Parameter``s in their original order, so its own
+        ``_save_to_state_dict``/``_load_from_state_dict`` and hooks work as unwrapped. Those
+        Parameters are reused by the next call unless they reached user code (``keep_vars=True``,
+        :meth:`unflatten_params`) or flat_param's memory moved.
         """
         # nn.Module.state_dict recurses by calling each child's state_dict(), so this override
         # runs at any depth of a model that contains the wrapper.
-        with self.unflatten_params():
+        self._finish_interrupted_load()
+        if not self._flattened:
             return super().state_dict(*args, **kwargs)
+        keep_vars = kwargs.get("keep_vars", len(args) > 2 and args[2])  # positional args: deprecated
+        self._unflatten()
+        try:
+            return super().state_dict(*args, **kwargs)
+        finally:
+            # Without keep_vars the Parameters were seen only by the modules' own state_dict code,
+            # so the next call may register them again.
+            self._reflatten(keep_params=not keep_vars)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a state_dict keyed like the unwrapped module (``nn.Module.load_state_dict`` semantics).
@@ -517,17 +552,19 @@ class FlattenParamsWrapper(nn.Module):
         that fails leaves every parameter and buffer as it was (unless ``assign=True``, which
         replaces tensors instead of writing into them).
         """
-        # nn.Module.load_state_dict reports every problem at the end, after writing whatever fit;
-        # keep a copy to put back (the values of state_dict() alias the live tensors).
-        before = {} if assign else {k: v.clone() for k, v in self.state_dict().items() if isinstance(v, Tensor)}
+        # nn.Module.load_state_dict reports every problem at the end, after writing whatever fit
+        # (in place, unless assign=True); keep a copy of every tensor it can write into to put back.
+        # Flattened parameters are written through to their flat_param, so a copy of each
+        # flat_param (this wrapper's and nested ones') covers them: one copy, not one per key.
+        tensors = {} if assign else {id(t): t for t in (*self.parameters(), *self.buffers())}
+        before = [(t, t.detach().clone()) for t in tensors.values()]
         try:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         except BaseException:
             self._finish_interrupted_load()
             with torch.no_grad():
-                for key, value in self.state_dict().items():
-                    if key in before:
-                        value.copy_(before[key])
+                for live, saved in before:
+                    live.copy_(saved)
             raise
         finally:
             self._finish_interrupted_load()
@@ -540,88 +577,118 @@ class FlattenParamsWrapper(nn.Module):
     # -- flattening ---------------------------------------------------------------------------
 
     def _set_views(self, views: Sequence[Tensor] | None = None) -> None:
-        """Point every registration of every flattened parameter at its view of flat_param."""
+        """Point every registration of every flattened parameter at its view of flat_param.
+
+        ``views`` (default: new views of flat_param) must be views of flat_param's current memory.
+        """
         flat = self._flat
         assert flat is not None and self._flattened
-        for group, view in zip(self._slots, flat.get_param_views() if views is None else views):
+        views = tuple(flat.get_param_views()) if views is None else tuple(views)
+        for group, view in zip(self._slots, views):
             for slot in group:
-                # A plain attribute (not a parameter): the module reads it as before.
-                setattr(slot.module, slot.attr, view)
+                # A plain attribute (not a parameter): the module reads it as before. Invariant:
+                # `attr` names no parameter, buffer or submodule of the module (flattening
+                # deregistered it, and nn.Module refuses to register a name that is an attribute),
+                # so this is what nn.Module.__setattr__ would store; writing __dict__ skips its
+                # checks, which would otherwise be paid at every forward.
+                slot.module.__dict__[slot.attr] = view
+        self.__dict__["_views"] = views
+
+    def _current_views(self) -> tuple[Tensor, ...] | None:
+        """The installed views if they still view flat_param's memory, else None (rebuild them)."""
+        views, flat = self._views, self._flat
+        assert flat is not None
+        # views[0] starts at flat index 0, so equal pointers mean the same memory (the views keep
+        # their storage alive, so a replaced flat_param.data cannot reuse the address).
+        if len(views) == len(self._slots) and views and views[0].data_ptr() == flat.data_ptr():
+            return views
+        return None
 
     def _flatten(self) -> None:
         """Deregister the listed parameters, register flat_param, install the views."""
         flat = self._flat
         assert flat is not None and not self._flattened
-        for group in self._slots:
-            for slot in group:
-                delattr(slot.module, slot.attr)
+        for owner in self._owners:
+            for name in owner.flattened:
+                del owner.module._parameters[name]
         self._flattened = True  # first: see __getattr__
         self.register_parameter(FLAT_PARAM, flat)
         self._set_views()
+
+    # Unflattening and re-flattening run around every state_dict() and load_state_dict(), so they
+    # edit the owners' `_parameters` dicts directly: nn.Module has no API to register a parameter
+    # at a position (the unwrapped key order needs it), and register_parameter/delattr per
+    # parameter cost more than the state_dict itself.
 
     def _unflatten(self) -> None:
         """Register each listed parameter again, as a Parameter over its slice of flat_param."""
         flat = self._flat
         assert flat is not None and self._flattened
-        # Kept to put back on re-flattening when flat_param's memory did not move (saves making views).
-        self.__dict__["_views_before"] = (flat.data_ptr(), [getattr(g[0].module, g[0].attr) for g in self._slots])
-        with torch.no_grad():
-            views = list(flat.get_param_views(flat.detach()))
+        params = self._params
+        # Reuse the Parameters of the last state_dict/load if they are still over flat_param's
+        # memory: a Parameter per parameter costs as much as the rest of a state_dict() call.
+        # They never reached user code (see _reflatten's keep_params), so nothing else can have
+        # changed them.
+        if not (params and params[0].data_ptr() == flat.data_ptr() and params[0].requires_grad == flat.requires_grad):
+            views = self._current_views() or tuple(flat.get_param_views(flat.detach()))
+            # nn.Parameter(view) detaches: a leaf sharing the view's memory, as the unwrapped one is.
+            params = tuple(nn.Parameter(view, requires_grad=flat.requires_grad) for view in views)
+        self.__dict__["_params"] = params
         delattr(self, FLAT_PARAM)
         self._flattened = False
-        owners: dict[nn.Module, None] = {}
-        for group, view in zip(self._slots, views):
-            param = nn.Parameter(view, requires_grad=flat.requires_grad)
-            for slot in group:
-                if slot.attr in slot.module.__dict__:
-                    delattr(slot.module, slot.attr)  # the plain view attribute
-                slot.module.register_parameter(slot.attr, param)
-                owners[slot.module] = None
-        for owner in owners:
-            self._restore_param_order(owner)
+        for owner in self._owners:
+            module, registered = owner.module, owner.module._parameters
+            others = dict(registered)
+            registered.clear()
+            # Invariant: each owner's parameters come back in their order from before wrapping
+            # (ties included: every name of a parameter gets the same object); parameters
+            # registered after wrapping follow.
+            for name, index in owner.order:
+                if index >= 0:
+                    module.__dict__.pop(name, None)  # the plain view attribute
+                    registered[name] = params[index]
+                elif name in others:
+                    registered[name] = others.pop(name)
+            registered.update(others)
 
-    def _restore_param_order(self, owner: nn.Module) -> None:
-        """Re-register ``owner``'s parameters in the order they had before wrapping."""
-        order = self._param_order.get(owner, ())
-        current = dict(owner.named_parameters(recurse=False, remove_duplicate=False))
-        known = set(order)
-        wanted = [n for n in order if n in current] + [n for n in current if n not in known]
-        if list(current) == wanted:
-            return
-        for name in wanted:
-            delattr(owner, name)
-        for name in wanted:
-            owner.register_parameter(name, current[name])
-
-    def _reflatten(self) -> None:
+    def _reflatten(self, keep_params: bool) -> None:
         """Write the current parameter values into flat_param and go back to views.
 
         Always ends flattened; a parameter that was deleted or reshaped inside keeps the value
-        flat_param had, and is reported afterwards.
+        flat_param had, and is reported afterwards. ``keep_params``: the registered Parameters
+        were seen only by nn.Module's state_dict/load code (and the modules' own overrides and
+        hooks), so the next :meth:`_unflatten` may reuse them; otherwise it makes new ones.
         """
         flat = self._flat
         assert flat is not None and not self._flattened
         problems = []
         base, itemsize = flat.data_ptr(), flat.element_size()
+        params = self._params
         with torch.no_grad():
-            for group, shape, offset in zip(self._slots, flat.param_shapes, flat.param_offsets):
+            for param, group, shape, offset in zip(params, self._slots, flat.param_shapes, flat.param_offsets):
                 slot = group[0]
-                value = getattr(slot.module, slot.attr, None)
+                value = slot.module._parameters.get(slot.attr)
+                if value is not param:
+                    keep_params = False  # replaced (load with assign=True) or removed
+                    value = getattr(slot.module, slot.attr, None)  # e.g. a plain tensor assigned inside
                 if not isinstance(value, Tensor):
                     problems.append(f"{slot.name!r} was removed (expected a tensor of shape {tuple(shape)})")
                 elif value.shape != shape:
                     problems.append(f"{slot.name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}")
                 elif value.data_ptr() != base + offset.start * itemsize or value.dtype != flat.dtype:
-                    # Replaced inside the body (e.g. load with assign=True): copy into the slice.
+                    # Replaced inside the body (e.g. load with assign=True, or .data set by
+                    # .to()): copy into the slice, and make new Parameters next time.
                     flat.detach()[offset.start : offset.end + 1].copy_(value.reshape(-1))
-        for group in self._slots:
-            for slot in group:
-                if isinstance(getattr(slot.module, slot.attr, None), Tensor):
-                    delattr(slot.module, slot.attr)
+                    keep_params = False
+        for owner in self._owners:
+            for name in owner.flattened:
+                owner.module._parameters.pop(name, None)
+                owner.module.__dict__.pop(name, None)  # a plain tensor assigned inside the body
+        if not keep_params:
+            self.__dict__["_params"] = ()
         self._flattened = True  # first: see __getattr__
         self.register_parameter(FLAT_PARAM, flat)
-        ptr, views = self.__dict__.pop("_views_before", (None, None))
-        self._set_views(views if ptr == flat.data_ptr() else None)
+        self._set_views(self._current_views())
         if problems:
             raise RuntimeError(
                 "unflatten_params: cannot re-flatten: " + "; ".join(problems) + " (flat_param kept its old values)"
@@ -635,7 +702,7 @@ class FlattenParamsWrapper(nn.Module):
         # what they expect); the post-hook writes them back into flat_param.
         if module._flattened:
             module._unflatten()
-            module._loading = True
+            module._loading = True  # torch writes in place (or assigns: _reflatten notices)
 
     @staticmethod
     def _post_load_hook(module: FlattenParamsWrapper, incompatible_keys: Any) -> None:
@@ -645,7 +712,7 @@ class FlattenParamsWrapper(nn.Module):
         """Re-flatten after a load that unflattened (normally the post-hook; after an error, the next use)."""
         if self._loading:
             self._loading = False
-            self._reflatten()
+            self._reflatten(keep_params=True)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> FlattenParamsWrapper:
         # .to()/.cuda()/.double() may replace flat_param by a plain Parameter (on a device change, or
@@ -681,7 +748,8 @@ class FlattenParamsWrapper(nn.Module):
             with torch.no_grad():
                 self._set_views()
         state = dict(super().__getstate__())
-        state.pop("_views_before", None)  # a cache of views (inside unflatten_params), rebuilt when missing
+        state["_views"] = ()  # the views are the modules' attributes; __setstate__ rebuilds them
+        state["_params"] = ()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -751,21 +819,25 @@ def _byte_span(t: Tensor) -> tuple[int, int, int]:
 
 def _check_no_storage_ties(module: nn.Module, slots: dict[int, list[_Slot]]) -> None:
     """Refuse a listed parameter whose memory overlaps an unlisted parameter or buffer of ``module``."""
-    listed: dict[int, list[tuple[str, int, int]]] = {}  # storage pointer -> (name, first byte, end byte)
+    unlisted: dict[int, list[tuple[str, int, int]]] = {}  # storage pointer -> (name, first byte, end byte)
+    named = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
+    for name, t in named:
+        if id(t) not in slots and t.numel() > 0 and t.device.type != "meta":
+            ptr, lo, hi = _byte_span(t)
+            unlisted.setdefault(ptr, []).append((name, lo, hi))
+    if not unlisted:
+        return
     for group in slots.values():
         t = getattr(group[0].module, group[0].attr)
-        if t.numel() > 0 and t.device.type != "meta":
-            ptr, lo, hi = _byte_span(t)
-            listed.setdefault(ptr, []).append((group[0].name, lo, hi))
-    if not listed:
-        return
-    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
-    for other_name, other in named:
-        if id(other) in slots or other.numel() == 0 or other.device.type == "meta":
+        if t.numel() == 0 or t.device.type == "meta":
             continue
-        ptr, lo, hi = _byte_span(other)
-        for name, p_lo, p_hi in listed.get(ptr, ()):
-            if p_lo < hi and lo < p_hi:
+        # The storage's address without making a storage object (the full span only on a match).
+        if t.data_ptr() - t.storage_offset() * t.element_size() not in unlisted:
+            continue
+        ptr, lo, hi = _byte_span(t)
+        for other_name, o_lo, o_hi in unlisted[ptr]:
+            if lo < o_hi and o_lo < hi:
+                name = group[0].name
                 raise ValueError(
                     f"FlattenParamsWrapper: listed parameter {name!r} shares memory with {other_name!r}, which is "
                     f"not listed; flattening copies {name!r} and would cut that tie. List both or neither"

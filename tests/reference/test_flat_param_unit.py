@@ -69,6 +69,46 @@ def test_prefix_hooks_show_unwrapped_keys_and_metadata(name, build) -> None:
     assert torch.equal(wrapped(x), plain(x))
 
 
+def _own_params(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if not isinstance(p, FlatParameter)]
+
+
+def _deep_wrappers(depth: int) -> tuple[nn.Module, nn.Module]:
+    """(plain, wrapped): Sequential(Linear, Sequential(Linear, ...)) with every level wrapped."""
+    plain: nn.Module = nn.Linear(2, 2)
+    for _ in range(depth - 1):
+        plain = nn.Sequential(nn.Linear(2, 2), plain)
+    wrapped = copy.deepcopy(plain)
+    level, parents = wrapped, []
+    while isinstance(level, nn.Sequential):
+        parents.append(level)
+        level = level[1]
+    for i, parent in enumerate(reversed(parents)):  # innermost first; alternate the two wrapper kinds
+        inner = parent[1]
+        parent[1] = CheckpointLike(inner) if i % 2 else FlattenParamsWrapper(inner, _own_params(inner))
+    return plain, FlattenParamsWrapper(wrapped, _own_params(wrapped))
+
+
+def test_nested_state_dict_renames_each_key_once_and_survives_errors() -> None:
+    plain, wrapped = _deep_wrappers(6)
+    sd = wrapped.state_dict()
+    assert list(sd) == list(plain.state_dict()) and list(sd._metadata) == list(plain.state_dict()._metadata)
+    # A state_dict that raises inside the nesting leaves no state behind for the next call.
+    deepest = [m for m in wrapped.modules() if isinstance(m, (FlattenParamsWrapper, CheckpointLike))][-1]
+    handle = deepest.register_state_dict_pre_hook(lambda *_: (_ for _ in ()).throw(OSError("disk")))
+    with pytest.raises(OSError, match="disk"):
+        wrapped.state_dict()
+    handle.remove()
+    assert list(wrapped.state_dict()) == list(sd)
+    # A separate state_dict call from a hook inside the traversal gets its own clean keys.
+    seen = []
+    inner = wrapped.module[1]
+    handle = wrapped.module[0].register_state_dict_post_hook(lambda *_: seen.append(list(inner.state_dict())))
+    assert list(wrapped.state_dict()) == list(sd)
+    assert seen == [list(plain[1].state_dict())]
+    handle.remove()
+
+
 def test_prefix_hooks_load_both_ways_and_name_keys() -> None:
     wrapped = _mixed_wrappers(0)
     source = models.build("nested", seed=1)
@@ -220,7 +260,7 @@ def test_interrupted_nested_load_reflattens_on_next_use() -> None:
             raise KeyError("boom")
 
     inner = nn.Sequential(nn.Linear(2, 2), Exploding(2, 2))
-    wrapped = FlattenParamsWrapper(inner, list(inner[0].parameters()))
+    wrapped = FlattenParamsWrapper(inner, _own_params(inner))
     parent = nn.ModuleDict({"w": wrapped})
     with pytest.raises(KeyError, match="boom"):
         parent.load_state_dict(parent.state_dict())
@@ -267,3 +307,73 @@ def test_shared_submodule_at_two_paths() -> None:
 def test_repr_mentions_the_flat_param() -> None:
     assert "flat_param: 6 params, 241 elements" in repr(_fpw_all(models.build("mlp")))
     assert "flat_param=None" in repr(FlattenParamsWrapper(nn.Linear(1, 1), []))
+
+
+# -- what the wrapped modules see during state_dict / load_state_dict ----------------------------------
+
+
+class Legacy(nn.Linear):
+    """A module whose own state_dict code relies on its registered parameters (as version migrations do)."""
+
+    _version = 2
+
+    def __init__(self) -> None:
+        super().__init__(3, 2)
+        self.seen: list[tuple[str, ...]] = []
+        self.register_state_dict_post_hook(Legacy._record)
+
+    @staticmethod
+    def _record(module: Legacy, destination: dict, prefix: str, local_metadata: dict) -> None:
+        # The unwrapped module's own post-hook sees its parameters registered and its keys written.
+        assert all(isinstance(p, nn.Parameter) for p in module._parameters.values())
+        module.seen.append(tuple(k[len(prefix):] for k in destination if k.startswith(prefix)))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        if local_metadata.get("version", 1) < 2 and prefix + "w" in state_dict:  # version 1 called it "w"
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "w")
+        assert [n for n, _ in self.named_parameters(recurse=False)] == ["weight", "bias"]
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+
+
+def test_wrapped_modules_see_registered_parameters_in_state_dict_and_load() -> None:
+    plain = nn.Sequential(Legacy(), nn.ReLU())
+    wrapped = _fpw_all(copy.deepcopy(plain))
+    assert list(wrapped.state_dict()) == list(plain.state_dict()) == ["0.weight", "0.bias"]
+    assert wrapped.module[0].seen == plain[0].seen == [("weight", "bias")]
+    # A version-1 checkpoint: the module's own _load_from_state_dict renames the key.
+    old = plain.state_dict()
+    old["0.w"] = torch.full((2, 3), 7.0)
+    del old["0.weight"]
+    old._metadata["0"]["version"] = 1
+    wrapped.load_state_dict(old)
+    assert torch.equal(wrapped.flat_param[:6], torch.full((6,), 7.0))
+
+
+def test_state_dict_parameters_do_not_leak_between_calls() -> None:
+    wrapped = _fpw_all(models.build("mlp"))
+    first = wrapped.state_dict(keep_vars=True)
+    first["net.0.weight"].requires_grad_(False)
+    second = wrapped.state_dict(keep_vars=True)
+    assert second["net.0.weight"] is not first["net.0.weight"] and second["net.0.weight"].requires_grad
+    with wrapped.unflatten_params():
+        inside = wrapped.module.net[0].weight
+    wrapped.state_dict()
+    with wrapped.unflatten_params():
+        assert wrapped.module.net[0].weight is not inside
+
+
+@pytest.mark.parametrize("change", ["data", "requires_grad", "to"])
+def test_state_dict_follows_flat_param_changes(change: str) -> None:
+    wrapped = _fpw_all(models.build("mlp"))
+    wrapped.state_dict()  # leaves Parameters to reuse
+    if change == "data":
+        wrapped.flat_param.data = torch.arange(wrapped.flat_param.numel(), dtype=torch.float32)
+    elif change == "requires_grad":
+        wrapped.flat_param.requires_grad_(False)
+    else:
+        wrapped.double()
+    sd = wrapped.state_dict(keep_vars=True)
+    flat = wrapped.flat_param
+    assert torch.equal(torch.cat([v.reshape(-1) for v in sd.values()]), flat.detach())
+    assert all(v.requires_grad == flat.requires_grad and v.dtype == flat.dtype for v in sd.values())
+    assert all(v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for v in sd.values())
