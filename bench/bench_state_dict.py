@@ -90,9 +90,13 @@ class GetStateDictSpeedup(_Heavy):
 
 
 class SetStateDictSpeedup(_Heavy):
-    """The reference's set_state_dict speed relative to ``baseline`` (>= 1: at least as fast), back to back."""
+    """The reference's set_state_dict speed relative to ``baseline`` (>= 1: at least as fast), back to back.
 
-    params = (["torch", "raw"], KEYS)
+    Up to 10,000 keys: at 100,000 every implementation, raw included, spends minutes per call in
+    upstream ``Optimizer.load_state_dict`` (``param_id in pg["params"]`` on a list, quadratic in
+    parameters); ``SetStateDict`` still records that size."""
+
+    params = (["torch", "raw"], [k for k in KEYS if k <= 10_000])
     param_names = ["baseline", "keys"]
 
     def setup(self, baseline: str, keys: int) -> None:
