@@ -37,11 +37,15 @@ test: setup
 
 # Side-by-side pytest-benchmark tables (reference vs torch vs raw), a few minutes.
 bench: setup
-	$(PY) -m pytest bench --benchmark-only --benchmark-group-by=group --benchmark-columns=min,median,max $(PYTEST_ARGS)
+	@mkdir -p .benchmarks
+	$(PY) -m pytest bench --benchmark-only --benchmark-group-by=group --benchmark-columns=min,median,max \
+		--benchmark-json=.benchmarks/bench.json $(PYTEST_ARGS)
+	$(PY) -m tools.bench_table .benchmarks/bench.json
 
+# A smoke run of every asv benchmark at its smallest size on this commit (the full grid: `asv run HEAD^!`).
 asv: setup
 	$(VENV)/bin/asv machine --yes
-	$(VENV)/bin/asv run --quick --show-stderr HEAD^!
+	BENCH_QUICK=1 $(VENV)/bin/asv run --quick --show-stderr HEAD^!
 
 clean:
 	rm -rf $(VENV) .asv .pytest_cache .benchmarks *.egg-info
