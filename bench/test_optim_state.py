@@ -22,29 +22,26 @@ def _rounds(params: int) -> int:
     return 1 if config.QUICK else 5 if params <= 1_000 else 3
 
 
-@pytest.mark.parametrize("impl", osw.IMPLS)
-@pytest.mark.parametrize("params", PARAMS)
-def test_optim_state_dict(benchmark, rank_group, params: int, impl: str) -> None:
+def _bench_on_ranks(benchmark, rank_group, impl: str, params: int, step, label: str) -> None:
+    """Time ``step`` on the ranks of one group after ``osw.prepare``; release the model either way."""
     _skip_unavailable(impl)
     group = rank_group(WORLD_SIZE)
     group.run(osw.prepare, impl, params)
-    benchmark.group = f"optim_state_dict {params} params ws{WORLD_SIZE}"
+    benchmark.group = f"{label} {params} params ws{WORLD_SIZE}"
     benchmark.extra_info.update(impl=impl, keys=params)
     try:
-        benchmark.pedantic(group.run, args=(osw.get_step,), rounds=_rounds(params), iterations=1)
+        benchmark.pedantic(group.run, args=(step,), rounds=_rounds(params), iterations=1)
     finally:
         group.run(osw.release)
+
+
+@pytest.mark.parametrize("impl", osw.IMPLS)
+@pytest.mark.parametrize("params", PARAMS)
+def test_optim_state_dict(benchmark, rank_group, params: int, impl: str) -> None:
+    _bench_on_ranks(benchmark, rank_group, impl, params, osw.get_step, "optim_state_dict")
 
 
 @pytest.mark.parametrize("impl", [impl for impl in osw.IMPLS if impl != "raw"])
 @pytest.mark.parametrize("params", PARAMS)
 def test_optim_state_dict_to_load(benchmark, rank_group, params: int, impl: str) -> None:
-    _skip_unavailable(impl)
-    group = rank_group(WORLD_SIZE)
-    group.run(osw.prepare, impl, params)
-    benchmark.group = f"optim_state_dict_to_load {params} params ws{WORLD_SIZE}"
-    benchmark.extra_info.update(impl=impl, keys=params)
-    try:
-        benchmark.pedantic(group.run, args=(osw.to_load_once,), rounds=_rounds(params), iterations=1)
-    finally:
-        group.run(osw.release)
+    _bench_on_ranks(benchmark, rank_group, impl, params, osw.to_load_once, "optim_state_dict_to_load")
