@@ -1,16 +1,13 @@
-"""pytest hooks of the conformance suite; everything lives in :mod:`conformance.harness.plugin`."""
+"""pytest hooks of the conformance suite; everything lives in :mod:`conformance.harness.plugin`.
 
-from conformance.harness.plugin import (  # noqa: F401 - hooks are found by name
-    pools,
-    pytest_addoption,
-    pytest_collection_modifyitems,
-    pytest_configure,
-    pytest_generate_tests,
-    pytest_pyfunc_call,
-    pytest_report_header,
-    pytest_runtest_logreport,
-    pytest_runtest_setup,
-    pytest_sessionfinish,
-    pytest_unconfigure,
-    reference_impl,
-)
+Registered as a plugin (not re-exported here) so that ``tests/conftest.py`` can register the same
+module for the tests of the reference alone, and ``pytest tests conformance`` loads it once.
+"""
+
+pytest_plugins = ("conformance.harness.plugin",)
+
+# Hypothesis profiles of the generated cases, registered before hypothesis's own pytest_configure reads
+# --hypothesis-profile: "ci" (the default here, derandomized and bounded) and "thorough".
+from conformance.generated import register_profiles  # noqa: E402
+
+register_profiles()

@@ -13,6 +13,9 @@ buffers    persistent float buffer, non-persistent buffer, BatchNorm's int64 num
 nested     submodules named ``1`` and ``10`` (one name a prefix of the other), nesting 3 deep
 groups     LayerNorm + linears, for several optimizer param groups with different hyperparameters
 tiny       a 6-element weight and a 1-element bias: at 4 ranks some shards are empty
+dtypes     float64 parameters (values float32 cannot hold) and one persistent buffer per dtype of
+           :data:`conformance.values.EDGE_DTYPES` holding its edge values (NaN payloads, -0.0, inf,
+           int64 beyond 2**53, ...), permuted by the seed
 =========  =====================================================================================
 """
 
@@ -22,6 +25,8 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+
+from conformance.values import EDGE_DTYPES, edge_values
 
 __all__ = ["ZOO", "build", "batch", "loss", "param_groups", "train_step"]
 
@@ -116,6 +121,20 @@ class Tiny(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
+class Dtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(5, 4, dtype=torch.float64)
+        self.head = nn.Linear(4, 3, dtype=torch.float64)
+        for dtype in EDGE_DTYPES:
+            edges = edge_values(dtype)
+            # permuted by the global RNG that build() seeds: another seed puts other values in place
+            self.register_buffer(f"edge_{str(dtype).removeprefix('torch.')}", edges[torch.randperm(edges.numel())])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.proj(x.to(torch.float64))))
+
+
 ZOO: dict[str, Callable[[], nn.Module]] = {
     "mlp": MLP,
     "tied": Tied,
@@ -124,9 +143,10 @@ ZOO: dict[str, Callable[[], nn.Module]] = {
     "nested": Nested,
     "groups": Groups,
     "tiny": Tiny,
+    "dtypes": Dtypes,
 }
 
-_INPUT_FEATURES = {"mlp": 5, "frozen": 5, "buffers": 5, "nested": 5, "groups": 5, "tiny": 2}
+_INPUT_FEATURES = {"dtypes": 5, "mlp": 5, "frozen": 5, "buffers": 5, "nested": 5, "groups": 5, "tiny": 2}
 
 
 def build(name: str, seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:

@@ -4,6 +4,17 @@ Every test goes through :class:`~conformance.adapters.flat_param.FlatParamOps` (
 against the oracle the SPEC names: the unwrapped zoo model built from the same seed, an independent
 element-by-element computation of shard contents, or expecttest goldens for structure. All tests are
 single-process: a FlatParameter is a local mechanism.
+
+Habits that make these tests catch a wrong implementation (see ``conformance/asserts.py``):
+
+- values are compared bit for bit (:func:`~conformance.asserts.assert_same_state`), so a NaN payload,
+  a ``-0.0`` or a float64 squeezed through float32 is a failure;
+- a load goes into a target whose every entry differs bitwise from the source
+  (:func:`~conformance.values.different_like`), so "loaded" cannot pass for "left as it was";
+- "changes nothing" is a deep :func:`~conformance.asserts.snapshot` (parameters, every buffer, grads)
+  plus each flat parameter's identity, metadata and recorded shard;
+- an error that must name a key is checked for the whole unwrapped key and for the absence of every
+  wrapper segment (:func:`~conformance.asserts.assert_names_key`).
 """
 
 from __future__ import annotations
@@ -12,7 +23,7 @@ import copy
 import math
 import pickle
 import re
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import pytest
 import torch
@@ -21,9 +32,30 @@ from expecttest import assert_expected_inline
 
 from conformance import models
 from conformance.adapters.base import Unsupported
-from conformance.adapters.flat_param import FlatParamOps, ShardInfo
+from conformance.adapters.flat_param import FlatParamInfo, FlatParamOps, ShardInfo
+from conformance.asserts import (
+    WRAPPER_SEGMENTS,
+    assert_bitwise_equal,
+    assert_names_key,
+    assert_same_state,
+    assert_unchanged,
+    bits,
+    expect_error,
+    fail,
+    raised,
+    snapshot,
+)
+from conformance.values import EDGE_DTYPES, different_like, edge_tensors
 
 SHARD_COUNTS = (1, 2, 3, 4, 5)
+
+#: What must never appear in a key or a message: the shared wrapper segments, and this section's
+#: flat parameters under any name (``flat_param``, fairscale's ``flat_param_0``).
+FP_SEGMENTS: tuple[str, ...] = (*WRAPPER_SEGMENTS, "flat_param")
+
+
+def _dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -77,10 +109,25 @@ def _flat_params(ops: FlatParamOps, model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if ops.is_flat_param(p)]
 
 
-def _assert_same_state(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
-    assert list(got) == list(want), f"{what}: keys {list(got)}, expected (unwrapped) {list(want)}"
-    for key, value in want.items():
-        assert torch.equal(got[key], value), f"{what}: value of {key!r} differs from the unwrapped model"
+def _plain_name(name: str) -> str:
+    """A name as the unwrapped model has it: without the wrapped-module segment both shipped
+    implementations use (``_fpw_module``)."""
+    return name.replace("_fpw_module.", "")
+
+
+def _flats_with_prefix(ops: FlatParamOps, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Each flat parameter of ``model`` with the path of the module its names are relative to."""
+    found = []
+    for name, param in model.named_parameters():
+        if ops.is_flat_param(param):
+            # The wrapper's path; its wrapped module has the same path once the segment is removed.
+            found.append((name.rsplit(".", 1)[0] + "." if "." in name else "", param))
+    return found
+
+
+def _flat_keys(ops: FlatParamOps, model: nn.Module) -> list[list[str]]:
+    """Per flat parameter of ``model``, the unwrapped keys of the parameters it holds, in flat order."""
+    return [[_plain_name(prefix + n) for n in ops.info(flat).names] for prefix, flat in _flats_with_prefix(ops, model)]
 
 
 def _quoted(message: str) -> set[str]:
@@ -89,6 +136,104 @@ def _quoted(message: str) -> set[str]:
 
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, weight_decay=0.01)
+
+
+def _unlike(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """``state`` with every entry replaced by one that differs from it in every element's bits."""
+    return {key: different_like(value) for key, value in state.items()}
+
+
+def _target_unlike(name: str, source: dict[str, Any], seed: int) -> nn.Module:
+    """An unwrapped zoo model built from ``seed`` whose every state entry differs bitwise from ``source``
+    (another seed alone is not enough: BatchNorm statistics, counters and edge buffers agree)."""
+    model = models.build(name, seed=seed)
+    model.load_state_dict(_unlike(source))
+    return model
+
+
+def _assert_differs_everywhere(got: dict[str, Any], source: dict[str, Any], what: str) -> None:
+    """Precondition of a load test: every element of every entry of ``got`` differs from ``source``."""
+    __tracebackhide__ = True
+    for key, value in source.items():
+        same = (bits(got[key]) == bits(value)).reshape(-1)
+        if bool(same.any()):
+            fail(f"{what}: the load target already holds source values", f"{int(same.sum())} equal elements",
+                 "every element different before the load", f"[{key!r}]")
+
+
+class _FlatState(NamedTuple):
+    """What a "changes nothing" check needs of a flat parameter beyond its values and grad."""
+
+    identity: int
+    info: FlatParamInfo
+    shard: ShardInfo | None  # None: the implementation has no shard metadata
+
+
+def _record_shards(ops: FlatParamOps, model: nn.Module) -> None:
+    """Record a non-default shard (the second of two) on every flat parameter, where supported."""
+    for flat in _flat_params(ops, model):
+        numel = sum(ops.info(flat).numels)
+        start, end, pad = _even_shards(numel, 2)[1]
+        try:
+            ops.shard(flat, start, end, pad)
+        except Unsupported:
+            return
+
+
+def _flat_state(ops: FlatParamOps, model: nn.Module) -> list[_FlatState]:
+    states = []
+    for flat in _flat_params(ops, model):
+        try:
+            shard: ShardInfo | None = ops.shard_info(flat)
+        except Unsupported:
+            shard = None
+        states.append(_FlatState(id(flat), ops.info(flat), shard))
+    return states
+
+
+def _flat_metadata(ops: FlatParamOps, model: nn.Module) -> list[tuple[FlatParamInfo, ShardInfo | None]]:
+    """Each flat parameter's metadata and recorded shard (what a copy or a move must keep)."""
+    return [(state.info, state.shard) for state in _flat_state(ops, model)]
+
+
+def _assert_same_flat_state(got: list[_FlatState], expected: list[_FlatState], what: str) -> None:
+    __tracebackhide__ = True
+    if [s.identity for s in got] != [s.identity for s in expected]:
+        fail(f"{what}: the registered flat parameters are other objects (an optimizer over them is cut off)",
+             [hex(s.identity) for s in got], [hex(s.identity) for s in expected])
+    for i, (g, e) in enumerate(zip(got, expected)):
+        if g.info != e.info:
+            fail(f"{what}: flat parameter metadata changed", g.info, e.info, f"flat parameter {i}")
+        if g.shard != e.shard:
+            fail(f"{what}: the recorded shard changed", g.shard, e.shard, f"flat parameter {i}")
+
+
+# -- parameters of one dtype holding its edge values, in the layouts that break flattening -------------
+
+
+class _EdgeParams(nn.Module):
+    """Parameters of one dtype holding its edge values (NaN payloads, -0.0, inf, subnormals, float64
+    beyond float32, int64 beyond 2**53) in every layout: a vector, a transposed (non-contiguous)
+    matrix, a view at a storage offset, a 0-dim scalar and a 0-element matrix. ``forward`` returns the
+    parameters' elements concatenated (pure copies), so outputs compare bit for bit."""
+
+    def __init__(self, dtype: torch.dtype, seed: int = 0) -> None:
+        super().__init__()
+        values = edge_tensors(seed)[_dtype_id(dtype)]  # edge values, then seeded noise
+        grad = dtype.is_floating_point
+
+        def param(data: torch.Tensor) -> nn.Parameter:
+            return nn.Parameter(data, requires_grad=grad)
+
+        self.vector = param(values.clone())
+        self.matrix = param(values.roll(3)[:12].reshape(3, 4).t())  # shape (4, 3), strides (1, 4)
+        self.offset = param(torch.cat([values.flip(0), values])[5:16])  # storage offset 5
+        edge = 10 if dtype.is_floating_point else 3  # an edge value: a NaN payload for floating dtypes
+        self.scalar = param(values[edge].clone().reshape(()))
+        self.empty = param(torch.empty(0, 2, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.vector, self.matrix.reshape(-1), self.offset, self.scalar.reshape(1), self.empty.reshape(-1)])
 
 
 # -- FP-1, FP-2, FP-5: the flat parameter on its own -----------------------------------------------
@@ -102,10 +247,38 @@ def test_flat_param_concatenates_params_in_order(ops: FlatParamOps, requires_gra
     assert isinstance(flat, nn.Parameter) and ops.is_flat_param(flat)
     assert flat.dim() == 1 and flat.numel() == 12 + 5 + 6
     assert flat.requires_grad is requires_grad
-    assert torch.equal(flat.detach(), torch.cat([p.detach().reshape(-1) for p in params]))
+    assert_bitwise_equal(flat.detach(), torch.cat([p.detach().reshape(-1) for p in params]), what="flat parameter")
     info = ops.info(flat)
     assert info.shapes == (torch.Size([3, 4]), torch.Size([5]), torch.Size([2, 1, 3]))
     assert info.numels == (12, 5, 6)
+
+
+@pytest.mark.req("FP-1", "FP-2", "FP-24")
+@pytest.mark.parametrize("dtype", EDGE_DTYPES, ids=_dtype_id)
+def test_flat_param_keeps_every_bit_and_element_order(ops: FlatParamOps, dtype: torch.dtype) -> None:
+    """Flattening parameters of ``dtype`` that hold its edge values, one of them transposed and one a
+    view at a storage offset: the flat parameter keeps the dtype and every bit, in each parameter's
+    row-major order (``contiguous()`` order, not storage order), and its views give the parameters
+    back bit for bit, over its own data and over external data."""
+    module = _EdgeParams(dtype)
+    # The layouts a fork's flattening gets wrong are really there.
+    assert not module.matrix.is_contiguous() and module.offset.storage_offset() == 5 and module.scalar.dim() == 0
+    params = list(module.parameters())
+    flat = ops.make_flat_param(params, requires_grad=dtype.is_floating_point)
+    # Row-major element order of each parameter, independently of how it is laid out in memory.
+    expected = torch.cat([p.detach().contiguous().view(-1) for p in params])
+    assert_bitwise_equal(flat.detach(), expected, what=f"flat parameter of {_dtype_id(dtype)} parameters")
+    assert ops.info(flat).shapes == tuple(p.shape for p in params)
+    views = ops.param_views(flat)
+    for i, (view, param) in enumerate(zip(views, params)):
+        assert_bitwise_equal(view.detach(), param.detach(), what="get_param_views()", where=f"view {i}")
+    assert len(views) == len(params)
+    external = different_like(flat)
+    offset = 0
+    for i, (view, param) in enumerate(zip(ops.param_views(flat, external), params)):
+        piece = external[offset : offset + param.numel()].view(param.shape)
+        assert_bitwise_equal(view, piece, what="get_param_views(external_data)", where=f"view {i}")
+        offset += param.numel()
 
 
 @pytest.mark.req("FP-2")
@@ -194,18 +367,33 @@ def _zoo_flat(ops: FlatParamOps, name: str, submodule: str = "") -> nn.Parameter
     return flat
 
 
+def _flat_with_empties(ops: FlatParamOps) -> nn.Parameter:
+    """A bare flat parameter with 0-element parameters between real ones: flat 0..5, (none), 6..9,
+    (none), 10. An empty parameter occupies no flat index and is held by no shard."""
+    shapes = [(2, 3), (0,), (4,), (3, 0), (1,)]
+    return ops.make_flat_param([nn.Parameter(torch.randn(*s)) for s in shapes])
+
+
+#: Flat parameters for the element-walk tests, by id.
+SHARD_FLATS: dict[str, Callable[[FlatParamOps], nn.Parameter]] = {
+    **{name: (lambda ops, name=name: _zoo_flat(ops, name)) for name in models.ZOO},
+    "with-empty-params": _flat_with_empties,
+}
+
+
 @pytest.mark.req("FP-3")
-@pytest.mark.parametrize("name", list(models.ZOO))
+@pytest.mark.parametrize("name", list(SHARD_FLATS))
 @pytest.mark.parametrize("count", SHARD_COUNTS, ids=[f"{c}shards" for c in SHARD_COUNTS])
 def test_even_shards_match_element_walk(ops: FlatParamOps, name: str, count: int) -> None:
-    flat = _zoo_flat(ops, name)
+    flat = SHARD_FLATS[name](ops)
     info = ops.info(flat)
     numel = sum(info.numels)
     covered = {n: 0 for n in info.names}
     for start, end, pad in _even_shards(numel, count):
         got = _shard(ops, flat, start, end, pad)
         want = _expected_shard(list(info.names), list(info.shapes), start, end, pad)
-        assert got == want, f"shard [{start}, {end}] pad {pad} of {name}: got {got}, expected {want}"
+        if got != want:
+            fail("shard metadata differs from the element walk", got, want, f"shard [{start}, {end}] pad {pad} of {name}")
         for n, (first, last) in zip(got.names, got.offsets):
             covered[n] += last - first + 1
     assert covered == dict(zip(info.names, info.numels)), f"the {count} shards do not cover each parameter once"
@@ -222,18 +410,45 @@ def test_shard_defaults_to_whole_flat_param(ops: FlatParamOps) -> None:
     assert got == _expected_shard(list(info.names), list(info.shapes), 0, sum(info.numels) - 1, 0)
 
 
+# tiny: a.weight (6 elements, flat 0..5), b.weight (3, flat 6..8), b.bias (1, flat 9); 10 elements.
+TINY_SHARDS = [
+    pytest.param("tiny", 0, 0, 0, id="tiny-single-first-element"),
+    pytest.param("tiny", 5, 5, 0, id="tiny-single-last-element-of-a-param"),
+    pytest.param("tiny", 6, 6, 0, id="tiny-single-first-element-of-a-param"),
+    pytest.param("tiny", 9, 9, 0, id="tiny-single-last-element"),
+    pytest.param("tiny", 0, 5, 0, id="tiny-ends-at-param-boundary"),
+    pytest.param("tiny", 6, 8, 0, id="tiny-exactly-one-param"),
+    pytest.param("tiny", 5, 6, 0, id="tiny-straddles-boundary"),
+    pytest.param("tiny", 3, 8, 0, id="tiny-mid-param-to-boundary"),
+    pytest.param("tiny", 4, 9, 0, id="tiny-mid-param-to-end"),
+    pytest.param("tiny", 2, 3, 0, id="tiny-inside-one-param"),
+    pytest.param("tiny", 9, 12, 3, id="tiny-last-element-then-padding"),
+    pytest.param("tiny", 0, 11, 2, id="tiny-whole-then-padding"),
+    pytest.param("tiny", 10, 13, 4, id="tiny-all-padding"),
+    pytest.param("tiny", 10, 10, 1, id="tiny-single-padding-element"),
+]
+# with-empty-params: "0" flat 0..5, "1" empty, "2" flat 6..9, "3" empty, "4" flat 10; 11 elements.
+EMPTY_PARAM_SHARDS = [
+    pytest.param("with-empty-params", 0, 5, 0, id="empties-ends-before-empty-param"),
+    pytest.param("with-empty-params", 5, 6, 0, id="empties-straddles-empty-param"),
+    pytest.param("with-empty-params", 6, 9, 0, id="empties-starts-after-empty-param"),
+    pytest.param("with-empty-params", 9, 10, 0, id="empties-straddles-second-empty-param"),
+    pytest.param("with-empty-params", 10, 12, 2, id="empties-last-element-then-padding"),
+]
+
+
 @pytest.mark.req("FP-3")
-@pytest.mark.parametrize(
-    "start, end, pad",
-    [(0, 0, 0), (5, 5, 0), (3, 8, 0), (9, 9, 0), (9, 12, 3), (10, 13, 4), (0, 11, 2), (2, 3, 0)],
-    ids=lambda v: str(v),
-)
-def test_irregular_shards_of_tiny_match_element_walk(ops: FlatParamOps, start: int, end: int, pad: int) -> None:
-    # tiny: a.weight (6 elements, flat 0..5), b.weight (3, flat 6..8), b.bias (1, flat 9)
-    flat = _zoo_flat(ops, "tiny")
+@pytest.mark.parametrize("flat_name, start, end, pad", TINY_SHARDS + EMPTY_PARAM_SHARDS)
+def test_irregular_shards_match_element_walk(ops: FlatParamOps, flat_name: str, start: int, end: int, pad: int) -> None:
+    """Shards a fork's offset arithmetic gets wrong (off by one at a parameter boundary, a shard that
+    starts mid-parameter, is one element, is all padding, or meets an empty parameter) hold exactly
+    what walking their elements one by one says."""
+    flat = SHARD_FLATS[flat_name](ops)
     info = ops.info(flat)
     got = _shard(ops, flat, start, end, pad)
-    assert got == _expected_shard(list(info.names), list(info.shapes), start, end, pad)
+    want = _expected_shard(list(info.names), list(info.shapes), start, end, pad)
+    if got != want:
+        fail("shard metadata differs from the element walk", got, want, f"shard [{start}, {end}] pad {pad} of {flat_name}")
 
 
 def _golden_table(ops: FlatParamOps, name: str, submodule: str = "") -> str:
@@ -333,15 +548,25 @@ tied: 108 elements; param[first:last] inclusive
         pytest.param((0, 3, 5), ValueError, id="padding-larger-than-shard"),
         pytest.param((0, 3, -1), ValueError, id="negative-padding"),
         pytest.param((0, 3, 2), ValueError, id="padding-before-the-end"),
+        pytest.param((8, 11, 1), ValueError, id="too-little-padding"),
+        pytest.param((8, 11, 3), ValueError, id="too-much-padding"),
+        pytest.param((10, 10, 0), ValueError, id="past-the-end-unpadded"),
         pytest.param((0.0, 3, 0), TypeError, id="float-start"),
+        pytest.param((0, 3.0, 0), TypeError, id="float-end"),
+        pytest.param((0, 3, "0"), TypeError, id="str-padding"),
     ],
 )
 def test_bad_shard_is_rejected_and_changes_nothing(ops: FlatParamOps, args: tuple, error: type) -> None:
-    flat = _zoo_flat(ops, "tiny")
-    before = _shard(ops, flat, 4, 7, 0)
-    with pytest.raises(error):
-        ops.shard(flat, *args)
-    assert ops.shard_info(flat) == before, "a rejected shard_by_offsets changed the recorded shard"
+    """A rejected ``shard_by_offsets`` raises the SPEC's type and leaves the flat parameter (values,
+    grad, metadata) and its recorded shard exactly as they were."""
+    wrapped = _flatten_all(ops, models.build("tiny"))
+    flat = ops.flat_param(wrapped)
+    models.loss(wrapped(models.batch("tiny"))).backward()
+    _shard(ops, flat, 4, 7, 0)
+    before, flats_before = snapshot(model=wrapped), _flat_state(ops, wrapped)
+    expect_error(lambda: ops.shard(flat, *args), error, what=f"shard_by_offsets{args}")
+    assert_unchanged(before, model=wrapped, where=f"after shard_by_offsets{args}")
+    _assert_same_flat_state(_flat_state(ops, wrapped), flats_before, f"after shard_by_offsets{args}")
 
 
 # -- FP-6 .. FP-11: the wrapper ---------------------------------------------------------------------
@@ -357,7 +582,7 @@ def test_wrapped_model_computes_the_same(ops: FlatParamOps, name: str) -> None:
     unique = {id(p): p for p in plain.parameters()}
     assert sum(f.numel() for f in flats) == sum(p.numel() for p in unique.values())
     x = models.batch(name)
-    assert torch.equal(wrapped(x), plain(x))
+    assert_bitwise_equal(wrapped(x), plain(x), what=f"output of wrapped {name}")
 
 
 @pytest.mark.req("FP-6")
@@ -389,7 +614,7 @@ def test_attributes_are_views_of_the_flat_param(ops: FlatParamOps) -> None:
 
 
 @pytest.mark.req("FP-8")
-@pytest.mark.parametrize("name", ["mlp", "tied", "buffers", "nested", "tiny"])
+@pytest.mark.parametrize("name", ["mlp", "tied", "buffers", "nested", "tiny", "dtypes"])
 def test_grad_reaches_flat_param(ops: FlatParamOps, name: str) -> None:
     plain, wrapped = _pair(ops, name)
     x = models.batch(name)
@@ -400,23 +625,7 @@ def test_grad_reaches_flat_param(ops: FlatParamOps, name: str) -> None:
         assert flat.grad is not None, "no gradient reached the flat parameter"
         names = [_plain_name(prefix + n) for n in ops.info(flat).names]
         want = torch.cat([grads[n].grad.reshape(-1) for n in names])
-        assert torch.equal(flat.grad, want), f"flat grad != unwrapped grads of {names}"
-
-
-def _plain_name(name: str) -> str:
-    """A name as the unwrapped model has it: without the wrapped-module segment both shipped
-    implementations use (``_fpw_module``)."""
-    return name.replace("_fpw_module.", "")
-
-
-def _flats_with_prefix(ops: FlatParamOps, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Each flat parameter of ``model`` with the path of the module its names are relative to."""
-    found = []
-    for name, param in model.named_parameters():
-        if ops.is_flat_param(param):
-            # The wrapper's path; its wrapped module has the same path once the segment is removed.
-            found.append((name.rsplit(".", 1)[0] + "." if "." in name else "", param))
-    return found
+        assert_bitwise_equal(flat.grad, want, what=f"flat grad vs unwrapped grads of {names}")
 
 
 @pytest.mark.req("FP-8")
@@ -428,7 +637,7 @@ def test_training_matches_unwrapped(ops: FlatParamOps, name: str) -> None:
         x = models.batch(name, seed=step)
         models.train_step(plain, opt_plain, x)
         models.train_step(wrapped, opt_wrapped, x)
-    _assert_same_state(wrapped.state_dict(), plain.state_dict(), f"{name} after 3 SGD steps")
+    assert_same_state(wrapped.state_dict(), plain.state_dict(), what=f"{name} after 3 SGD steps")
 
 
 @pytest.mark.req("FP-9")
@@ -457,7 +666,7 @@ def test_empty_param_list_is_transparent(ops: FlatParamOps, name: str) -> None:
     after = list(model.named_parameters())
     assert [n for n, _ in after] == [n for n, _ in before] and all(a is b for (_, a), (_, b) in zip(after, before))
     assert [p for p in wrapped.parameters()] == [p for _, p in before]
-    _assert_same_state(wrapped.state_dict(), plain.state_dict(), f"{name} wrapped with no parameters")
+    assert_same_state(wrapped.state_dict(), plain.state_dict(), what=f"{name} wrapped with no parameters")
     x = models.batch(name)
     assert torch.equal(wrapped(x), plain(x))
 
@@ -482,7 +691,7 @@ def test_attributes_and_indexing_fall_through(ops: FlatParamOps) -> None:
 @pytest.mark.parametrize("name", list(models.ZOO))
 def test_state_dict_has_unwrapped_keys_and_values(ops: FlatParamOps, name: str) -> None:
     plain, wrapped = _pair(ops, name)
-    _assert_same_state(wrapped.state_dict(), plain.state_dict(), f"{name} state_dict")
+    assert_same_state(wrapped.state_dict(), plain.state_dict(), what=f"{name} state_dict")
 
 
 @pytest.mark.req("FP-12")
@@ -492,76 +701,233 @@ def test_state_dict_of_model_containing_wrappers(ops: FlatParamOps, name: str) -
     stem = nn.Linear(2, 2)
     outer_plain = nn.ModuleDict({"stem": stem, "body": plain})
     outer_wrapped = nn.ModuleDict({"stem": copy.deepcopy(stem), "body": wrapped})
-    _assert_same_state(outer_wrapped.state_dict(), outer_plain.state_dict(), f"{name} inside a ModuleDict")
+    assert_same_state(outer_wrapped.state_dict(), outer_plain.state_dict(), what=f"{name} inside a ModuleDict")
 
 
-@pytest.mark.req("FP-13")
+def _inside(model: nn.Module) -> nn.Module:
+    """``model`` as the child ``m`` of a plain container: wrappers below the root of a load."""
+    return nn.ModuleDict({"m": model})
+
+
+@pytest.mark.req("FP-13", "FP-25")
 @pytest.mark.parametrize("name", list(models.ZOO))
-def test_load_round_trips_with_unwrapped(ops: FlatParamOps, name: str) -> None:
-    source = models.build(name, seed=1)
-    _, wrapped = _pair(ops, name, seed=0)
-    wrapped.load_state_dict(source.state_dict())
-    _assert_same_state(wrapped.state_dict(), source.state_dict(), f"{name} after loading an unwrapped state_dict")
-    x = models.batch(name)
-    assert torch.equal(wrapped(x), source(x))
-    back = models.build(name, seed=2)
-    back.load_state_dict(WRAPPINGS[name](ops, models.build(name, seed=3)).state_dict())
-    _assert_same_state(back.state_dict(), models.build(name, seed=3).state_dict(), f"{name} loaded from wrapped")
+@pytest.mark.parametrize("where", ["root", "inside"])
+def test_load_round_trips_with_unwrapped(ops: FlatParamOps, name: str, where: str) -> None:
+    """Both directions, strict and not, the wrapped model at the root of the load or inside a plain
+    container, into a target whose every entry (parameters and buffers of every dtype) differs
+    bitwise from the source: afterwards the target's state_dict is the source's bit for bit, each flat
+    parameter holds the source values in flat order (the load wrote through), the outputs agree, and
+    an optimizer built over the target before the load trains it as the source trains."""
+    place = _inside if where == "inside" else (lambda model: model)
+    for strict in (True, False):
+        what = f"{name} ({where}, strict={strict})"
+        source = models.build(name, seed=1)
+        source_sd = place(source).state_dict()
+        wrapped = WRAPPINGS[name](ops, _target_unlike(name, source.state_dict(), seed=0))
+        target = place(wrapped)
+        _assert_differs_everywhere(target.state_dict(), source_sd, f"wrapped {what}")
+        optimizer = _sgd(wrapped)
+        flats_before = _flat_state(ops, wrapped)
+
+        result = target.load_state_dict(source_sd, strict=strict)
+        assert (list(result.missing_keys), list(result.unexpected_keys)) == ([], []), f"load reported {result}"
+        _assert_same_flat_state(_flat_state(ops, wrapped), flats_before, f"after a load ({what})")
+        assert_same_state(target.state_dict(), source_sd, what=f"wrapped {what} after loading an unwrapped state_dict")
+        values = dict(source.named_parameters(remove_duplicate=False))
+        for keys, flat in zip(_flat_keys(ops, wrapped), _flat_params(ops, wrapped)):
+            held = torch.cat([values[k].detach().reshape(-1) for k in keys])
+            assert_bitwise_equal(flat.detach(), held, what=f"flat parameter after the load ({what})",
+                                 where=f"holding {keys}")
+        x = models.batch(name)
+        assert_bitwise_equal(wrapped(x), source(x), what=f"output of wrapped {what} after the load")
+        if strict:  # the optimizer's view of the load does not depend on strictness: one step is enough
+            models.train_step(source, _sgd(source), x)
+            models.train_step(wrapped, optimizer, x)
+            assert_same_state(wrapped.state_dict(), source.state_dict(),
+                              what=f"{what}: a step after the load (optimizer built before it)")
+
+        unwrapped_source = models.build(name, seed=3)
+        wrapped_sd = place(WRAPPINGS[name](ops, models.build(name, seed=3))).state_dict()
+        back = _target_unlike(name, unwrapped_source.state_dict(), seed=2)
+        result = place(back).load_state_dict(wrapped_sd, strict=strict)
+        assert (list(result.missing_keys), list(result.unexpected_keys)) == ([], []), f"load reported {result}"
+        assert_same_state(back.state_dict(), unwrapped_source.state_dict(), what=f"unwrapped {what} loaded from wrapped")
+
+
+@pytest.mark.req("FP-7", "FP-12", "FP-13", "FP-16", "FP-24")
+@pytest.mark.parametrize("dtype", EDGE_DTYPES, ids=_dtype_id)
+def test_wrapper_round_trips_every_bit(ops: FlatParamOps, dtype: torch.dtype) -> None:
+    """A module whose parameters of ``dtype`` hold its edge values in every layout (transposed, at a
+    storage offset, 0-dim, 0-element), wrapped whole: the outputs, state_dict, the parameters inside
+    ``unflatten_params()``, a load of bitwise-different values (both directions) and the state after
+    leaving ``unflatten_params()`` all agree with the unwrapped module bit for bit."""
+    plain, wrapped = _EdgeParams(dtype), _flatten_all(ops, _EdgeParams(dtype))
+    what = f"{_dtype_id(dtype)} edge values"
+    x = torch.zeros(1)
+    assert_bitwise_equal(wrapped(x), plain(x), what=f"output ({what})")
+    assert_same_state(wrapped.state_dict(), plain.state_dict(), what=f"state_dict ({what})")
+
+    before = snapshot(model=wrapped)
+    with ops.unflatten_params(wrapped):
+        inside = dict(wrapped.module.named_parameters())
+        assert list(inside) == [n for n, _ in plain.named_parameters()], "parameter names inside unflatten_params()"
+        for key, param in plain.named_parameters():
+            assert type(inside[key]) is nn.Parameter, f"{key} inside unflatten_params() is a {type(inside[key]).__name__}"
+            assert inside[key].requires_grad == param.requires_grad, f"{key} inside unflatten_params(): requires_grad"
+            assert_bitwise_equal(inside[key].detach(), param.detach(), what=f"inside unflatten_params() ({what})", where=key)
+    assert_unchanged(before, model=wrapped, where="after leaving unflatten_params()")
+
+    source = _unlike(plain.state_dict())
+    wrapped.load_state_dict(source)
+    assert_same_state(wrapped.state_dict(), source, what=f"wrapped state_dict after a load ({what})")
+    loaded = torch.cat([v.reshape(-1) for v in source.values()])
+    assert_bitwise_equal(wrapped(x), loaded, what=f"output after a load ({what})")
+    back = _EdgeParams(dtype)
+    back.load_state_dict(wrapped.state_dict())
+    assert_same_state(back.state_dict(), source, what=f"unwrapped state_dict loaded from the wrapped one ({what})")
 
 
 @pytest.mark.req("FP-13")
-@pytest.mark.parametrize("name", ["mlp", "nested", "buffers"])
+@pytest.mark.parametrize("name", ["mlp", "nested", "buffers", "dtypes"])
 def test_non_strict_load_reports_like_unwrapped(ops: FlatParamOps, name: str) -> None:
+    """A partial, over-full non-strict load into targets unlike the source: the entries given are
+    loaded, the others keep the target's values, exactly as in the unwrapped model."""
     source = models.build(name, seed=1).state_dict()
     partial = {k: v for i, (k, v) in enumerate(source.items()) if i % 2 == 0}
     partial["extra.weight"] = torch.zeros(1)
-    plain, wrapped = _pair(ops, name)
+    plain = _target_unlike(name, source, seed=0)
+    wrapped = WRAPPINGS[name](ops, _target_unlike(name, source, seed=0))
     want = plain.load_state_dict(dict(partial), strict=False)
     got = wrapped.load_state_dict(dict(partial), strict=False)
     assert sorted(got.missing_keys) == sorted(want.missing_keys)
     assert sorted(got.unexpected_keys) == sorted(want.unexpected_keys)
-    _assert_same_state(wrapped.state_dict(), plain.state_dict(), f"{name} after a non-strict partial load")
+    assert_same_state(wrapped.state_dict(), plain.state_dict(), what=f"{name} after a non-strict partial load")
+
+
+@pytest.mark.req("FP-9", "FP-13")
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
+def test_load_of_differing_tied_entries_matches_unwrapped(ops: FlatParamOps, strict: bool) -> None:
+    """A state_dict whose two entries of a tied parameter differ (written by hand, or by a model that
+    was untied) loads into the wrapped model as into the unwrapped one: both names are loaded in
+    order, so the later entry wins, for both names; a loader that reads one name per flat slot does not."""
+    source = _unlike(models.build("tied", seed=1).state_dict())
+    source["head.weight"] = different_like(source["embed.weight"])
+    plain = models.build("tied")
+    wrapped = WRAPPINGS["tied"](ops, models.build("tied"))
+    plain.load_state_dict(dict(source), strict=strict)
+    wrapped.load_state_dict(dict(source), strict=strict)
+    assert_same_state(wrapped.state_dict(), plain.state_dict(), what="tied model after loading differing tied entries")
+
+
+def _bad_keys(ops: FlatParamOps, model: nn.Module, prefix: str) -> tuple[list[str], list[str]]:
+    """Keys to drop (the last parameter of each flat parameter, so every wrapper level has one) and
+    surplus keys to add (one beside each dropped key, and one at ``prefix``, the wrappers' top)."""
+    dropped = [keys[-1] for keys in _flat_keys(ops, model)]
+    beside = [key.rsplit(".", 1)[0] + ".surplus" if "." in key else "surplus" for key in dropped]
+    return dropped, list(dict.fromkeys([prefix + "surplus", *beside]))
 
 
 @pytest.mark.req("FP-14")
-@pytest.mark.parametrize("name", ["mlp", "nested", "frozen"])
-@pytest.mark.parametrize("where", ["top", "inside"])
+@pytest.mark.parametrize("name", ["mlp", "nested", "frozen", "buffers"])
+@pytest.mark.parametrize("where", ["root", "inside"])
 def test_strict_load_names_original_keys(ops: FlatParamOps, name: str, where: str) -> None:
+    """One key dropped inside every wrapper (nested ones too) and surplus keys beside them, with the
+    wrapper at the root and inside a ModuleDict: the strict error names every one by its whole
+    unwrapped key, names the same keys as the unwrapped model, and shows no wrapper segment; a
+    non-strict load reports the same missing and unexpected keys as the unwrapped model."""
+    plain, wrapped = _pair(ops, name)
+    prefix = "m." if where == "inside" else ""
+    if where == "inside":
+        plain, wrapped = _inside(plain), _inside(wrapped)
+    dropped, unexpected = _bad_keys(ops, wrapped, prefix)
+    bad = {k: v for k, v in plain.state_dict().items() if k not in dropped}
+    bad.update({k: torch.zeros(1) for k in unexpected})
+    want = raised(lambda: plain.load_state_dict(dict(bad)))
+    assert isinstance(want, RuntimeError), f"the unwrapped model did not reject the bad dict: {want!r}"
+    got = expect_error(lambda: wrapped.load_state_dict(dict(bad)), RuntimeError, what="strict load")
+    for key in dropped + unexpected:
+        assert_names_key(str(got), key, what="strict load error", forbidden=FP_SEGMENTS)
+    if _quoted(str(got)) != _quoted(str(want)):
+        fail("the wrapped model names other keys than the unwrapped one",
+             sorted(_quoted(str(got))), sorted(_quoted(str(want))))
+
+    plain_result = plain.load_state_dict(dict(bad), strict=False)
+    result = wrapped.load_state_dict(dict(bad), strict=False)
+    assert_same_state(sorted(result.missing_keys), sorted(plain_result.missing_keys), what="non-strict missing_keys")
+    assert_same_state(sorted(result.unexpected_keys), sorted(plain_result.unexpected_keys),
+                      what="non-strict unexpected_keys")
+
+
+def _reshaped(value: torch.Tensor) -> torch.Tensor:
+    """``value`` with its elements in another shape: a loader that writes by element count (straight
+    into the flat parameter) accepts it, one that checks shapes does not."""
+    shapes = [tuple(reversed(value.shape)), (1, value.numel()), (value.numel(),)]
+    return value.reshape(next(shape for shape in shapes if shape != tuple(value.shape)))
+
+
+@pytest.mark.req("FP-26")
+@pytest.mark.parametrize("name", ["mlp", "nested", "frozen", "buffers"])
+@pytest.mark.parametrize("where", ["root", "inside"])
+def test_wrong_shape_names_original_key(ops: FlatParamOps, name: str, where: str) -> None:
+    """One entry of every flat parameter (nested wrappers too) given with the right number of
+    elements in another shape, the wrapper at the root and inside a ModuleDict, strict and not: a
+    RuntimeError names each of them by its whole unwrapped key, with no wrapper segment, as the
+    unwrapped model does."""
     plain, wrapped = _pair(ops, name)
     if where == "inside":
-        plain, wrapped = nn.ModuleDict({"m": plain}), nn.ModuleDict({"m": wrapped})
-    state = plain.state_dict()
-    dropped = list(state)[-1]
-    bad = {k: v for k, v in state.items() if k != dropped}
-    bad[("m." if where == "inside" else "") + "surplus"] = torch.zeros(1)
-    with pytest.raises(RuntimeError) as want:
-        plain.load_state_dict(dict(bad))
-    with pytest.raises(RuntimeError) as got:
-        wrapped.load_state_dict(dict(bad))
-    assert _quoted(str(got.value)) == _quoted(str(want.value)), (
-        f"the wrapped model names other keys:\n{got.value}\nunwrapped:\n{want.value}"
-    )
-    assert "_fpw_module" not in str(got.value) and "flat_param" not in str(got.value)
+        plain, wrapped = _inside(plain), _inside(wrapped)
+    keys = [flat_keys[0] for flat_keys in _flat_keys(ops, wrapped)]
+    bad = dict(plain.state_dict())
+    bad.update({key: _reshaped(bad[key]) for key in keys})
+    for strict in (True, False):
+        want = raised(lambda: plain.load_state_dict(dict(bad), strict=strict))
+        assert isinstance(want, RuntimeError), f"the unwrapped model did not reject the bad dict: {want!r}"
+        got = expect_error(lambda: wrapped.load_state_dict(dict(bad), strict=strict), RuntimeError,
+                           what=f"load with wrong shapes (strict={strict})")
+        for key in keys:
+            assert_names_key(str(got), key, what=f"wrong-shape load error (strict={strict})", forbidden=FP_SEGMENTS)
 
 
-@pytest.mark.req("FP-15")
+#: Per model, the entry a failed load is about: a parameter of a wrapper at the root ("mlp"), a
+#: buffer ("buffers"), a parameter of the innermost of three nested wrappers ("nested"), a float64
+#: parameter beside edge-value buffers ("dtypes").
+FAILED_LOAD_KEYS = {
+    "mlp": "net.2.weight",
+    "buffers": "norm.running_var",
+    "nested": "1.inner.0.bias",
+    "dtypes": "proj.weight",
+}
+
+
+@pytest.mark.req("FP-15", "FP-25")
 @pytest.mark.parametrize("problem", ["wrong-shape", "missing", "unexpected"])
-@pytest.mark.parametrize("name", ["mlp", "buffers"])
+@pytest.mark.parametrize("name", list(FAILED_LOAD_KEYS))
 def test_failed_direct_load_changes_nothing(ops: FlatParamOps, name: str, problem: str) -> None:
-    _, wrapped = _pair(ops, name)
-    before = {k: v.clone() for k, v in wrapped.state_dict().items()}
-    bad = dict(models.build(name, seed=1).state_dict())
-    key = list(bad)[2]
+    """A load whose every other entry differs bitwise from the model's fails on one key (a value of
+    the right number of elements in another shape, a missing or a surplus key): a RuntimeError names
+    that key whole, and the model is deeply unchanged (parameters, every buffer, grads, the same flat
+    parameter objects with their metadata and recorded shard, the same outputs)."""
+    wrapped = WRAPPINGS[name](ops, models.build(name))
+    key = FAILED_LOAD_KEYS[name]
+    x = models.batch(name)
+    models.loss(wrapped(x)).backward()
+    _record_shards(ops, wrapped)
+    bad = _unlike(wrapped.state_dict())
     if problem == "wrong-shape":
-        bad[key] = torch.zeros(2, 2)
+        bad[key] = _reshaped(bad[key])
     elif problem == "missing":
         del bad[key]
     else:
-        key = "surplus"
+        key = key.rsplit(".", 1)[0] + ".surplus"
         bad[key] = torch.zeros(1)
-    with pytest.raises(RuntimeError, match=re.escape(key)):
-        wrapped.load_state_dict(bad)
-    _assert_same_state(wrapped.state_dict(), before, "state after a failed load")
+    with torch.no_grad():
+        out_before = wrapped(x)
+    before, flats_before = snapshot(model=wrapped), _flat_state(ops, wrapped)
+    expect_error(lambda: wrapped.load_state_dict(bad), RuntimeError, keys=[key], what=f"load with a {problem} entry")
+    assert_unchanged(before, model=wrapped, where=f"after a failed load ({problem} {key!r})")
+    _assert_same_flat_state(_flat_state(ops, wrapped), flats_before, "after a failed load")
+    with torch.no_grad():
+        assert_bitwise_equal(wrapped(x), out_before, what="output after a failed load")
 
 
 # -- FP-16, FP-17: unflatten_params -------------------------------------------------------------------
@@ -571,6 +937,7 @@ def test_failed_direct_load_changes_nothing(ops: FlatParamOps, name: str, proble
 @pytest.mark.parametrize("name", ["mlp", "tied", "nested"])
 def test_unflatten_params_restores_real_params(ops: FlatParamOps, name: str) -> None:
     plain, wrapped = _pair(ops, name)
+    before = snapshot(model=wrapped)
     with ops.unflatten_params(wrapped):
         inner_flats = _flat_params(ops, wrapped.module)
         assert bool(inner_flats) == (name == "nested"), "only the wrappers nested inside stay flattened"
@@ -579,10 +946,12 @@ def test_unflatten_params_restores_real_params(ops: FlatParamOps, name: str) -> 
         own = dict(wrapped.module.named_parameters())
         for key, param in plain.named_parameters():
             if key in own:
-                assert type(own[key]) is nn.Parameter and torch.equal(own[key], param)
+                assert type(own[key]) is nn.Parameter
+                assert_bitwise_equal(own[key].detach(), param.detach(), what="inside unflatten_params()", where=key)
         if name == "mlp":
             assert [k for k, _ in wrapped.module.named_parameters()] == [k for k, _ in plain.named_parameters()]
     assert _flat_params(ops, wrapped)
+    assert_unchanged(before, model=wrapped, where="after leaving unflatten_params() untouched")
     x = models.batch(name)
     assert torch.equal(wrapped(x), plain(x))
 
@@ -600,9 +969,26 @@ def test_changes_inside_unflatten_params_are_kept(ops: FlatParamOps, how: str) -
             layer.weight = nn.Parameter(layer.weight.detach() * 3.0)
     with torch.no_grad():
         plain.net[2].weight.mul_(3.0)
-    _assert_same_state(wrapped.state_dict(), plain.state_dict(), f"after a change ({how}) inside unflatten_params")
+    assert_same_state(wrapped.state_dict(), plain.state_dict(), what=f"after a change ({how}) inside unflatten_params")
     x = models.batch("mlp")
     assert torch.equal(wrapped(x), plain(x))
+
+
+@pytest.mark.req("FP-16")
+def test_unflatten_params_keeps_requires_grad(ops: FlatParamOps) -> None:
+    """A frozen submodule wrapped alone: inside ``unflatten_params()``, and in ``state_dict(keep_vars=True)``,
+    its parameters are real parameters that are still frozen (as every parameter keeps its own
+    ``requires_grad``), and the flat parameter is still frozen afterwards."""
+    plain, model = models.build("frozen"), models.build("frozen")
+    model.stem = ops.wrap(model.stem, list(model.stem.parameters()))
+    with ops.unflatten_params(model.stem):
+        inside = {name: (type(p).__name__, p.requires_grad) for name, p in model.stem.module.named_parameters()}
+    want = {name: ("Parameter", p.requires_grad) for name, p in plain.stem.named_parameters()}
+    assert_same_state(inside, want, what="(type, requires_grad) of the parameters inside unflatten_params()")
+    kept = {key: value.requires_grad for key, value in model.state_dict(keep_vars=True).items()}
+    assert_same_state(kept, {key: value.requires_grad for key, value in plain.state_dict(keep_vars=True).items()},
+                      what="requires_grad of state_dict(keep_vars=True) values")
+    assert ops.flat_param(model.stem).requires_grad is False, "the frozen flat parameter requires grad afterwards"
 
 
 class _Boom(Exception):
@@ -624,6 +1010,25 @@ def test_unflatten_params_reflattens_on_error(ops: FlatParamOps) -> None:
         plain.net[0].bias.add_(1.0)
     x = models.batch("mlp")
     assert torch.equal(wrapped(x), plain(x))
+
+
+@pytest.mark.req("FP-17", "FP-25")
+@pytest.mark.parametrize("name", ["mlp", "nested", "dtypes"])
+def test_error_inside_unflatten_params_changes_nothing(ops: FlatParamOps, name: str) -> None:
+    """A body that changes nothing and raises: the exception propagates and the wrapper is deeply as
+    before (parameters, every buffer, grads, the same flat parameter objects with their metadata and
+    recorded shard), and computes what the unwrapped model computes."""
+    plain, wrapped = _pair(ops, name)
+    x = models.batch(name)
+    models.loss(wrapped(x)).backward()
+    _record_shards(ops, wrapped)
+    before, flats_before = snapshot(model=wrapped), _flat_state(ops, wrapped)
+    with pytest.raises(_Boom):
+        with ops.unflatten_params(wrapped):
+            raise _Boom()
+    assert_unchanged(before, model=wrapped, where="after an error inside unflatten_params()")
+    _assert_same_flat_state(_flat_state(ops, wrapped), flats_before, "after an error inside unflatten_params()")
+    assert_bitwise_equal(wrapped(x), plain(x), what="output after an error inside unflatten_params()")
 
 
 # -- FP-18, FP-19: bad wrapper input ------------------------------------------------------------------
@@ -693,54 +1098,66 @@ def test_params_tied_by_storage_may_be_listed_together(ops: FlatParamOps) -> Non
 
 
 @pytest.mark.req("FP-20")
-@pytest.mark.parametrize("name", ["mlp", "tied", "nested"])
+@pytest.mark.parametrize("name", ["mlp", "tied", "nested", "dtypes"])
 @pytest.mark.parametrize("after_forward", [False, True], ids=["fresh", "after-forward"])
 def test_deepcopy_is_independent_and_equal(ops: FlatParamOps, name: str, after_forward: bool) -> None:
     plain, wrapped = _pair(ops, name)
     x = models.batch(name)
     if after_forward:
         models.loss(wrapped(x)).backward()
+    _record_shards(ops, wrapped)
     clone = copy.deepcopy(wrapped)
-    _assert_same_state(clone.state_dict(), plain.state_dict(), f"deepcopy of {name}")
+    assert_same_state(clone.state_dict(), plain.state_dict(), what=f"deepcopy of {name}")
     for a, b in zip(_flat_params(ops, clone), _flat_params(ops, wrapped)):
-        assert ops.is_flat_param(a) and a is not b and ops.info(a) == ops.info(b)
+        assert ops.is_flat_param(a) and a is not b
+    if _flat_metadata(ops, clone) != _flat_metadata(ops, wrapped):
+        fail("deepcopy: flat parameter metadata or recorded shard differs",
+             _flat_metadata(ops, clone), _flat_metadata(ops, wrapped))
+    before = snapshot(model=wrapped)
     with torch.no_grad():
         for flat in _flat_params(ops, clone):
-            flat.zero_()
-    _assert_same_state(wrapped.state_dict(), plain.state_dict(), f"original {name} after zeroing its copy")
-    assert torch.equal(wrapped(x), plain(x))
-    assert bool((clone.state_dict()[list(plain.state_dict())[0]] == 0).all()), "the copy does not use its own flat param"
+            flat.copy_(different_like(flat))
+    assert_unchanged(before, model=wrapped, where=f"original {name} after changing its copy")
+    assert_bitwise_equal(wrapped(x), plain(x), what=f"output of the original {name} after changing its copy")
+    first = _flat_keys(ops, clone)[0][0]
+    assert_bitwise_equal(clone.state_dict()[first], different_like(plain.state_dict()[first]),
+                         what="the copy's state_dict after changing its flat parameter", where=first)
 
 
 @pytest.mark.req("FP-21")
-@pytest.mark.parametrize("name", ["mlp", "tied", "nested"])
+@pytest.mark.parametrize("name", ["mlp", "tied", "nested", "dtypes"])
 def test_pickle_round_trip(ops: FlatParamOps, name: str) -> None:
     plain, wrapped = _pair(ops, name)
     x = models.batch(name)
     models.loss(wrapped(x)).backward()
+    _record_shards(ops, wrapped)
     restored = pickle.loads(pickle.dumps(wrapped))
-    _assert_same_state(restored.state_dict(), plain.state_dict(), f"unpickled {name}")
-    assert [ops.info(f) for f in _flat_params(ops, restored)] == [ops.info(f) for f in _flat_params(ops, wrapped)]
-    assert torch.equal(restored(x), plain(x))
+    assert_same_state(restored.state_dict(), plain.state_dict(), what=f"unpickled {name}")
+    if _flat_metadata(ops, restored) != _flat_metadata(ops, wrapped):
+        fail("pickle: flat parameter metadata or recorded shard differs",
+             _flat_metadata(ops, restored), _flat_metadata(ops, wrapped))
+    assert_bitwise_equal(restored(x), plain(x), what=f"output of unpickled {name}")
 
 
 @pytest.mark.req("FP-22")
 @pytest.mark.parametrize("name", ["mlp", "tied", "buffers"])
 def test_to_dtype_moves_flat_param_and_views(ops: FlatParamOps, name: str) -> None:
     plain, wrapped = _pair(ops, name)
-    infos = [ops.info(f) for f in _flat_params(ops, wrapped)]
+    _record_shards(ops, wrapped)
+    metadata = _flat_metadata(ops, wrapped)
     plain.to(torch.float64)
     wrapped.to(torch.float64)
     flats = _flat_params(ops, wrapped)
     assert all(ops.is_flat_param(f) and f.dtype == torch.float64 for f in flats)
-    assert [ops.info(f) for f in flats] == infos
+    if _flat_metadata(ops, wrapped) != metadata:
+        fail(".to(float64): flat parameter metadata or recorded shard differs", _flat_metadata(ops, wrapped), metadata)
     x = models.batch(name)
     x = x if name == "tied" else x.double()
     assert torch.equal(wrapped(x), plain(x))
     opt_plain, opt_wrapped = _sgd(plain), _sgd(wrapped)
     models.train_step(plain, opt_plain, x)
     models.train_step(wrapped, opt_wrapped, x)
-    _assert_same_state(wrapped.state_dict(), plain.state_dict(), f"{name} trained after .to(float64)")
+    assert_same_state(wrapped.state_dict(), plain.state_dict(), what=f"{name} trained after .to(float64)")
 
 
 @pytest.mark.req("FP-22")

@@ -14,7 +14,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_size", "group_rank", "all_gather_flat", "reduce_scatter_mean", "all_reduce_mean", "all_gather_objects"]
+__all__ = [
+    "group_size",
+    "group_rank",
+    "all_gather_flat",
+    "reduce_scatter_mean",
+    "all_reduce_mean",
+    "all_gather_objects",
+    "agree",
+    "raise_if_any_rank_failed",
+]
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -78,3 +87,29 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     out: list[Any] = [None] * world
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def agree(error: BaseException | None, value: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Agree on the outcome of a local check: every rank passes what its check raised (or None) and a
+    picklable ``value``; returns every rank's ``value`` in rank order.
+
+    If any rank failed, every rank raises the error of the lowest failing rank instead (same type,
+    same message), so that no rank goes on alone into a collective the others never reach, and no rank
+    changes anything the failing ones leave as it was."""
+    reports = all_gather_objects((None if error is None else (type(error), str(error)), value), group)
+    first = next((report for report, _ in reports if report is not None), None)
+    if first is None:
+        return [v for _, v in reports]
+    if error is not None and (type(error), str(error)) == first:
+        raise error
+    kind, message = first
+    try:
+        agreed = kind(message)
+    except Exception:  # noqa: BLE001 - an exception type that does not take one message
+        agreed = RuntimeError(message)
+    raise agreed from error
+
+
+def raise_if_any_rank_failed(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
+    """:func:`agree` on the outcome of a local check alone."""
+    agree(error, None, group)

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from reference import _collectives as C
 from reference.sharding import FlatParamHandle
 
 __all__ = [
@@ -112,7 +113,8 @@ class FullyShardedDataParallel(nn.Module):
     Every rank of the groups constructs the unit with an identical ``module`` and calls forward and
     backward the same number of times in the same order. Raises ``ValueError`` for a mesh that does not
     fit the strategy or the world, a parameter shared by two units, or mixed ``requires_grad`` inside
-    a unit with ``use_orig_params=False``, each naming what is wrong; nothing is modified then.
+    a unit with ``use_orig_params=False``, each naming what is wrong; nothing is modified then. The
+    checks are agreed on (one all-gather): when one rank's module is bad, every rank raises its error.
     """
 
     def __init__(
@@ -139,13 +141,21 @@ class FullyShardedDataParallel(nn.Module):
         self.sharding_strategy: ShardingStrategy = sharding_strategy
         self.use_orig_params = use_orig_params
         self.device = _compute_device(module, device_id)
-        self._device_mesh, self._shard_group, self._replicate_group, self.process_group = _resolve_groups(
-            sharding_strategy, process_group, device_mesh
-        )
-        policy = _as_policy(auto_wrap_policy)
+        # Checked before anything is wrapped, so that a bad layout leaves the model untouched, and agreed
+        # on by every rank, so that one rank's bad model (a layer frozen there only) fails every rank.
+        error = None
+        try:
+            self._device_mesh, self._shard_group, self._replicate_group, self.process_group = _resolve_groups(
+                sharding_strategy, process_group, device_mesh
+            )
+            policy = _as_policy(auto_wrap_policy)
+            if policy is not None:
+                _check_no_param_shared_across_units(module, policy)
+            _check_uniform_units(module, policy, use_orig_params)
+        except (ValueError, TypeError) as exc:
+            error = exc
+        C.raise_if_any_rank_failed(error, _construction_group(process_group, device_mesh))
         if policy is not None:
-            # Checked before anything is wrapped, so that a bad layout leaves the model untouched.
-            _check_no_param_shared_across_units(module, policy)
             _auto_wrap(
                 module,
                 policy,
@@ -290,6 +300,51 @@ def _resolve_groups(
     if strategy is ShardingStrategy.NO_SHARD:
         return device_mesh, None, group, group
     return device_mesh, group, None, group
+
+
+def _construction_group(process_group: dist.ProcessGroup | None, device_mesh: Any | None) -> dist.ProcessGroup | None:
+    """The ranks that construct a unit together (None without a process group)."""
+    if not dist.is_initialized():
+        return None
+    if process_group is not None:
+        return process_group
+    if device_mesh is not None and device_mesh.ndim == 1:
+        return device_mesh.get_group()
+    return dist.group.WORLD  # a 2-D mesh covers the world (checked by _resolve_groups)
+
+
+def _check_uniform_units(root: nn.Module, policy: AutoWrapPolicy | None, use_orig_params: bool) -> None:
+    """Raise ValueError, naming clean FQNs under ``root``, if a unit that ``policy`` would build (root
+    included) cannot be one flat parameter: several dtypes, or with ``use_orig_params=False`` frozen
+    and trainable parameters together. Local; nothing is modified."""
+    units: dict[str, dict[nn.Parameter, str]] = {}
+
+    def visit(module: nn.Module, prefix: str, unit: str) -> None:
+        if prefix and isinstance(module, FullyShardedDataParallel):
+            return  # already a unit: checked when it was built
+        if prefix and policy is not None and policy(module):
+            unit = prefix
+        for name, param in module._parameters.items():
+            if param is not None:
+                units.setdefault(unit, {}).setdefault(param, clean_fqn(prefix + name))
+        for child_name, child in module._modules.items():
+            if child is not None:
+                visit(child, prefix + child_name + ".", unit)
+
+    visit(root, "", "")
+    for unit, params in units.items():
+        where = repr(clean_fqn(unit.rstrip("."))) if unit else "<root>"
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"parameters of one unit must share a dtype, got {sorted(map(str, dtypes))} in unit {where}: {list(params.values())}")
+        if not use_orig_params and len({p.requires_grad for p in params}) > 1:
+            frozen = [fqn for p, fqn in params.items() if not p.requires_grad]
+            trainable = [fqn for p, fqn in params.items() if p.requires_grad]
+            raise ValueError(
+                "use_orig_params=False needs one requires_grad for all parameters of a unit: "
+                f"frozen {frozen} and trainable {trainable} would share the flat parameter of unit {where} "
+                "(use use_orig_params=True, or wrap them in separate units)"
+            )
 
 
 def _auto_wrap(module: nn.Module, policy: AutoWrapPolicy, wrap: Callable[[nn.Module], nn.Module]) -> None:
@@ -466,7 +521,7 @@ def load_sharded_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, 
     tensors). Collective. Checked like :func:`load_full_state_dict` before anything is gathered."""
     from torch.distributed.tensor import DTensor
 
-    _check_state_dict(model, state_dict, strict=strict, expected=state_dict_layout(model))
+    _checked_on_every_rank(model, state_dict, strict=strict, expected=state_dict_layout(model))
     full = {}
     for key in sorted(state_dict):  # one order on every rank: full_tensor() is a collective
         value = state_dict[key]
@@ -514,14 +569,29 @@ def _check_state_dict(
             raise ValueError(f"state dict entry {key!r}: shape {tuple(value.shape)} in the state dict, {tuple(shape)} in the model")
 
 
+def _checked_on_every_rank(
+    model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool, expected: dict[str, tuple[torch.Size, torch.dtype]]
+) -> None:
+    """:func:`_check_state_dict` on every rank of the model's groups, agreed: if any rank's dict is bad,
+    every rank raises that rank's error. Collective."""
+    units = FullyShardedDataParallel.fsdp_modules(model)
+    error = None
+    try:
+        _check_state_dict(model, state_dict, strict=strict, expected=expected)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        error = exc
+    C.raise_if_any_rank_failed(error, units[0].process_group if units else None)
+
+
 def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
     """Load unsharded tensors under clean FQNs (what :func:`full_state_dict` returns, on every rank).
 
-    Every entry is checked first (missing/unexpected keys under ``strict``, shapes): on error the model
-    is unchanged and the message names the key. Local: each rank copies its own shard, no collective.
+    Every entry is checked first (missing/unexpected keys under ``strict``, shapes), on every rank: if
+    any rank's dict is bad, every rank raises that error naming the key, and no model changes.
+    Collective (the check's outcome is agreed on); each rank then copies its own shard.
     A tied parameter is written from the first of its names present."""
     expected = state_dict_layout(model)
-    _check_state_dict(model, state_dict, strict=strict, expected=expected)
+    _checked_on_every_rank(model, state_dict, strict=strict, expected=expected)
     _reshard_all(model)
     with torch.no_grad():
         done: set[str] = set()

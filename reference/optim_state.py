@@ -297,16 +297,49 @@ def _check_osd_shape(osd: Mapping[str, Any]) -> None:
         raise ValueError(f"an optimizer state dict needs the keys 'state' and 'param_groups', got {got}")
 
 
+def _check_entries(osd: Mapping[str, Any]) -> None:
+    for fqn, entry in osd["state"].items():
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"optimizer state of {fqn!r}: expected a dict of states, got {type(entry).__name__}")
+
+
+def _param_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """Every clean FQN an optimizer state may be saved under (tied aliases included) -> its full shape."""
+    shapes = {fqn: _slot_of(info, fqn).shape for fqn, info in get_fqn_to_fsdp_param_info(model).items()}
+    for param, fqns in get_param_to_fqns(model).items():
+        for fqn in fqns:
+            shapes.setdefault(fqn, param.shape)
+    return shapes
+
+
+def _check_sharded_states(model: nn.Module, osd: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The (FQN, state name) of every DTensor state of ``osd``, sorted, after checking, locally, that
+    each belongs to a parameter of the model and has its full shape (raises ValueError naming it)."""
+    from torch.distributed.tensor import DTensor
+
+    keys = sorted((fqn, name) for fqn, entry in osd["state"].items() for name, v in entry.items() if isinstance(v, DTensor))
+    if not keys:
+        return keys
+    shapes = _param_shapes(model)
+    unknown = sorted({fqn for fqn, _ in keys if fqn not in shapes})
+    if unknown:
+        raise ValueError(f"optimizer state dict has state for {unknown}, which are not parameters of the model")
+    for fqn, name in keys:
+        value = osd["state"][fqn][name]
+        if value.dim() > 0 and tuple(value.shape) != tuple(shapes[fqn]):
+            raise ValueError(
+                f"optimizer state {name!r} of {fqn!r}: shape {tuple(value.shape)} in the state dict, {tuple(shapes[fqn])} in the model"
+            )
+    return keys
+
+
 def _to_full(osd: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """``osd['state']`` with every DTensor replaced by its full tensor (collective, sorted key order)."""
     from torch.distributed.tensor import DTensor
 
     out = {}
     for fqn in sorted(osd["state"]):
-        entry = osd["state"][fqn]
-        if not isinstance(entry, Mapping):
-            raise ValueError(f"optimizer state of {fqn!r}: expected a dict of states, got {type(entry).__name__}")
-        out[fqn] = {n: (v.full_tensor() if isinstance(v, DTensor) else v) for n, v in sorted(entry.items())}
+        out[fqn] = {n: (v.full_tensor() if isinstance(v, DTensor) else v) for n, v in sorted(osd["state"][fqn].items())}
     return out
 
 
@@ -318,9 +351,40 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
     without saved state gets zeros for the positional states of the others. Every FQN is checked
     before anything is returned: an FQN not in the model, a positional state whose shape is not the
     parameter's, a saved param group that a local group would straddle, or a different number of
-    groups raises ``ValueError`` naming the FQN. Collective only when ``osd`` holds DTensors."""
-    _check_osd_shape(osd)
+    groups raises ``ValueError`` naming the FQN, on every rank alike when only some ranks' dicts are
+    bad. Collective over the model's groups: every rank calls it."""
+    group = _world_group(model)
+    # Before _to_full, whose gathers (one per DTensor state) every rank must issue alike: agree that
+    # every rank's dict is well formed and holds the same DTensor states, of the parameters' shapes.
+    error, sharded_keys = None, []
+    try:
+        _check_osd_shape(osd)
+        _check_entries(osd)
+        sharded_keys = _check_sharded_states(model, osd)
+    except ValueError as exc:
+        error = exc
+    every = C.agree(error, sharded_keys, group)
+    for rank, keys in enumerate(every):
+        if keys != every[0]:
+            odd = sorted(set(keys) ^ set(every[0]))[0]
+            raise ValueError(
+                f"optimizer state {odd[1]!r} of {odd[0]!r} is a DTensor on rank {rank if odd in keys else 0} only: "
+                "every rank must load the same sharded optimizer state dict"
+            )
     saved = _to_full(osd)
+    loaded = None
+    try:
+        loaded = _optim_state_dict_to_load(model, optim, osd, saved)
+    except ValueError as exc:
+        error = exc
+    C.raise_if_any_rank_failed(error, group)
+    return loaded
+
+
+def _optim_state_dict_to_load(
+    model: nn.Module, optim: torch.optim.Optimizer, osd: Mapping[str, Any], saved: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """The local part of :func:`optim_state_dict_to_load`, given the full values ``saved``."""
     infos = get_fqn_to_fsdp_param_info(model)
     param_to_fqns = get_param_to_fqns(model)
     known: dict[str, nn.Parameter] = {}

@@ -83,7 +83,12 @@ class StateDictOptions:
     flatten_optimizer_state_dict: bool = False
 
     def __post_init__(self) -> None:
-        # Rule spanning two fields: broadcasting sends full tensors, so the dict must be a full one.
+        self.check()
+
+    def check(self) -> None:
+        """The rules spanning two fields; checked at construction and again by every set (the fields
+        stay assignable)."""
+        # Broadcasting sends full tensors, so the dict must be a full one.
         if self.broadcast_from_rank0 and not self.full_state_dict:
             raise ValueError("StateDictOptions: broadcast_from_rank0=True requires full_state_dict=True")
 
@@ -376,13 +381,22 @@ def set_model_state_dict(
     tensor; ``ValueError`` for a submodule key that is not part of ``model``."""
     options = options or StateDictOptions()
     with _gc_paused():
-        flat, scope = _unflatten_module_keyed(model, model_state_dict)
         backend = _backend.for_model(model)
+        # Collective: every check is agreed on by all ranks before anything is gathered or changed.
+        collective = _backend.is_collective(model, backend, options.broadcast_from_rank0)
+        flat, scope = _backend.agreed(collective, lambda: _checked_unflatten(model, model_state_dict, options))
         if options.broadcast_from_rank0:
             flat = _backend.broadcast_from_rank0(flat, backend.device(model))
-        plan = _plan_model_load(model, flat, scope, options, backend)
+        plan = _backend.agreed(collective, lambda: _plan_model_load(model, flat, scope, options, backend))
         backend.load_model_state_dict(model, plan.raw, options)
         return IncompatibleKeys(plan.missing, plan.unexpected)
+
+
+def _checked_unflatten(
+    model: nn.Module, model_state_dict: ModelStateDict | ModuleKeyedStateDict, options: StateDictOptions
+) -> tuple[ModelStateDict, frozenset[int] | None]:
+    options.check()
+    return _unflatten_module_keyed(model, model_state_dict)
 
 
 def set_optimizer_state_dict(
@@ -403,9 +417,11 @@ def set_optimizer_state_dict(
         raise ValueError("set_optimizer_state_dict: no optimizer given")
     with _gc_paused():
         backend = _backend.for_model(model)
+        collective = _backend.is_collective(model, backend, options.broadcast_from_rank0)
+        _backend.agreed(collective, options.check)
         if options.broadcast_from_rank0:
             optim_state_dict = _backend.broadcast_from_rank0(optim_state_dict, backend.device(model))
-        _plan_optim_load(model, optims, optim_state_dict, options, backend)()
+        _plan_optim_load(model, optims, optim_state_dict, options, backend, collective)()
 
 
 def _plan_optim_load(
@@ -414,12 +430,18 @@ def _plan_optim_load(
     osd: OptimizerStateDict,
     options: StateDictOptions,
     backend: _backend.ModelBackend,
+    collective: bool,
 ) -> Any:
-    if not osd:
-        raise RuntimeError("optimizer state dict is empty; nothing was loaded")
-    if _optim.STATE not in osd:
-        osd = _optim.unflatten(osd, backend.param_fqns(model))
-    return backend.plan_optim_load(model, optims, osd, options)
+    def check() -> OptimizerStateDict:
+        if not osd:
+            raise RuntimeError("optimizer state dict is empty; nothing was loaded")
+        nested = osd if _optim.STATE in osd else _optim.unflatten(osd, backend.param_fqns(model))
+        backend.check_optim_load(model, optims, nested, options)
+        return nested
+
+    nested = _backend.agreed(collective, check)
+    # Agreed again: the plan may gather (DTensor state) before its last checks.
+    return _backend.agreed(collective, lambda: backend.plan_optim_load(model, optims, nested, options))
 
 
 def set_state_dict(
@@ -438,18 +460,18 @@ def set_state_dict(
     optims = _as_optimizers(optimizers)
     with _gc_paused():
         backend = _backend.for_model(model)
+        collective = _backend.is_collective(model, backend, options.broadcast_from_rank0)
         plan: _ModelLoad | None = None
-        if model_state_dict or options.broadcast_from_rank0:
-            flat, scope = _unflatten_module_keyed(model, model_state_dict or {})
-            if options.broadcast_from_rank0:
-                flat = _backend.broadcast_from_rank0(flat, backend.device(model))
-            if flat:
-                plan = _plan_model_load(model, flat, scope, options, backend)
+        flat, scope = _backend.agreed(collective, lambda: _checked_unflatten(model, model_state_dict or {}, options))
+        if options.broadcast_from_rank0:
+            flat = _backend.broadcast_from_rank0(flat, backend.device(model))
+        if flat:
+            plan = _backend.agreed(collective, lambda: _plan_model_load(model, flat, scope, options, backend))
         apply_optim = None
         if optims and options.broadcast_from_rank0:
             optim_state_dict = _backend.broadcast_from_rank0(optim_state_dict or {}, backend.device(model))
         if optims and optim_state_dict:
-            apply_optim = _plan_optim_load(model, optims, optim_state_dict, options, backend)
+            apply_optim = _plan_optim_load(model, optims, optim_state_dict, options, backend, collective)
         if apply_optim is not None:
             apply_optim()
         if plan is None:

@@ -30,7 +30,7 @@ from reference.fqn import FQNResolver, named_parameter_fqns
 if TYPE_CHECKING:
     from reference.state_dict import StateDictOptions
 
-__all__ = ["ModelBackend", "PlainBackend", "ShardedBackend", "for_model", "broadcast_from_rank0"]
+__all__ = ["ModelBackend", "PlainBackend", "ShardedBackend", "for_model", "broadcast_from_rank0", "is_collective", "agreed"]
 
 
 class ModelBackend(Protocol):
@@ -61,6 +61,17 @@ class ModelBackend(Protocol):
         self, model: nn.Module, optims: tuple[torch.optim.Optimizer, ...], options: StateDictOptions
     ) -> dict[str, Any]:
         """The combined FQN-keyed optimizer state dict (nested form)."""
+        ...
+
+    def check_optim_load(
+        self,
+        model: nn.Module,
+        optims: tuple[torch.optim.Optimizer, ...],
+        osd: dict[str, Any],
+        options: StateDictOptions,
+    ) -> None:
+        """The checks of an FQN-keyed optimizer state dict that need no collective (run, and agreed on,
+        before :meth:`plan_optim_load`, which may gather)."""
         ...
 
     def plan_optim_load(
@@ -165,6 +176,15 @@ class PlainBackend:
             _optim.init_state(optim)
         return _optim.to_fqn_keyed(optims, self.param_fqns(model))
 
+    def check_optim_load(
+        self,
+        model: nn.Module,
+        optims: tuple[torch.optim.Optimizer, ...],
+        osd: dict[str, Any],
+        options: StateDictOptions,
+    ) -> None:
+        """Nothing beyond :meth:`plan_optim_load`, which is local here."""
+
     def plan_optim_load(
         self,
         model: nn.Module,
@@ -241,6 +261,24 @@ class ShardedBackend(PlainBackend):
             merged[_optim.PG].extend(osd[_optim.PG])
         return merged
 
+    def check_optim_load(
+        self,
+        model: nn.Module,
+        optims: tuple[torch.optim.Optimizer, ...],
+        osd: dict[str, Any],
+        options: StateDictOptions,
+    ) -> None:
+        from reference.optim_state import get_fqn_to_fsdp_param_info
+
+        param_fqns = self.param_fqns(model)
+        # A flat parameter stands for several parameters: each needs state, under any of its names.
+        slots: dict[torch.Tensor, dict[int, list[str]]] = {}
+        for fqn, info in get_fqn_to_fsdp_param_info(model).items():  # slot names before tied aliases
+            if not info.state.use_orig_params:
+                slots.setdefault(info.flat_param, {}).setdefault(info.param_indices[fqn], []).append(fqn)
+        flat_slots = {p: list(by_index.values()) for p, by_index in slots.items()}
+        _optim.check_keys(optims, osd, param_fqns, strict=options.strict, flat_slots=flat_slots)
+
     def plan_optim_load(
         self,
         model: nn.Module,
@@ -251,7 +289,6 @@ class ShardedBackend(PlainBackend):
         from reference.fsdp import FullyShardedDataParallel as FSDP
 
         param_fqns = self.param_fqns(model)
-        _optim.check_keys(optims, osd, param_fqns, strict=options.strict)
         to_load = []
         for optim in optims:
             part = _optim.part_of(optim, osd, param_fqns)
@@ -286,6 +323,42 @@ def for_model(model: nn.Module) -> ModelBackend:
     if FullyShardedDataParallel.fsdp_modules(model):
         return ShardedBackend()
     return PlainBackend()
+
+
+# ---------------------------------------------------------------------------------------------------
+# errors every rank agrees on
+
+#: The errors a check raises for a wrong input; others (a bug, an interrupt) are not shared.
+_INPUT_ERRORS = (RuntimeError, ValueError, TypeError)
+
+
+def is_collective(model: nn.Module, backend: ModelBackend, broadcast: bool) -> bool:
+    """Whether a set on ``model`` is collective (every rank calls it, and a rank that raised alone
+    would leave the others waiting): a sharded model, DTensor parameters, or ``broadcast_from_rank0``."""
+    if not _in_group() or dist.get_world_size() == 1:
+        return False
+    return broadcast or isinstance(backend, ShardedBackend) or any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def agreed(collective: bool, check: Callable[[], Any]) -> Any:
+    """``check()`` (local: it raises before anything is changed or gathered); in a ``collective`` call
+    every rank then learns whether any rank's check failed, and every rank raises the error of the
+    first rank that failed, same type and message, so that no rank goes on into a collective that the
+    others never enter. Collective when ``collective``."""
+    if not collective:
+        return check()
+    result, failure = None, None
+    try:
+        result = check()
+    except _INPUT_ERRORS as exc:
+        failure = exc
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, None if failure is None else (type(failure), str(failure)))
+    for rank, outcome in enumerate(outcomes):
+        if outcome is not None:
+            kind, message = outcome
+            raise kind(f"{message} (rank {rank}'s input; every rank raises this)") from failure
+    return result
 
 
 # ---------------------------------------------------------------------------------------------------

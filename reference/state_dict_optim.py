@@ -162,7 +162,9 @@ def plan_load(
                 ids.append(pid)
                 pid += 1
             if chosen is not None:
-                hyper.update({k: v for k, v in loaded_groups[chosen].items() if k != PARAMS})
+                # The saved group replaces the current one whole, as Optimizer.load_state_dict does: a
+                # key only the current group has (a scheduler's initial_lr, say) does not survive.
+                hyper = {k: v for k, v in loaded_groups[chosen].items() if k != PARAMS}
             groups.append({**hyper, PARAMS: ids})
         new_dicts.append({STATE: state, PG: groups})
 
@@ -181,11 +183,17 @@ def plan_load(
 
 
 def check_keys(
-    optims: tuple[torch.optim.Optimizer, ...], osd: Mapping[str, Any], param_fqns: ParamFQNs, *, strict: bool
+    optims: tuple[torch.optim.Optimizer, ...],
+    osd: Mapping[str, Any],
+    param_fqns: ParamFQNs,
+    *,
+    strict: bool,
+    flat_slots: Mapping[torch.Tensor, list[list[str]]] | None = None,
 ) -> None:
     """The key checks of :func:`plan_load`, for backends that convert state themselves: under
     ``strict``, a trainable parameter none of whose FQNs has state, or state for an FQN that no
-    optimizer holds, is a ``RuntimeError`` naming the FQN."""
+    optimizer holds, is a ``RuntimeError`` naming the FQN. ``flat_slots`` gives, for a flat parameter,
+    the names of each parameter it flattens (first name, then tied aliases): each needs state."""
     if not isinstance(osd.get(STATE), Mapping) or not isinstance(osd.get(PG), list):
         raise ValueError(f"optimizer state dict: expected {STATE!r} (dict) and {PG!r} (list), got keys {sorted(osd)}")
     if not strict:
@@ -194,13 +202,14 @@ def check_keys(
     for oi, optim in enumerate(optims):
         for group in optim.param_groups:
             for p in group[PARAMS]:
-                names = param_fqns.get(p) or [_key_of(p, param_fqns, f"optimizers[{oi}]")]
-                held.update(names)
-                if p.requires_grad and not any(n in osd[STATE] for n in names):
-                    raise RuntimeError(
-                        f"optimizer state dict: no state for trainable parameter {names[0]!r}; nothing was loaded "
-                        "(strict=False keeps its current state)"
-                    )
+                slots = (flat_slots or {}).get(p) or [param_fqns.get(p) or [_key_of(p, param_fqns, f"optimizers[{oi}]")]]
+                for names in slots:
+                    held.update(names)
+                    if p.requires_grad and not any(n in osd[STATE] for n in names):
+                        raise RuntimeError(
+                            f"optimizer state dict: no state for trainable parameter {names[0]!r}; nothing was loaded "
+                            "(strict=False keeps its current state)"
+                        )
     unexpected = [name for name in osd[STATE] if name not in held]
     if unexpected:
         raise RuntimeError(

@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+#: The conformance plugin, so that tests of the reference alone (tests/reference/) can take ``dist``
+#: and run on rank pools. Also named by conformance/conftest.py: pytest registers it once.
+pytest_plugins = ("conformance.harness.plugin",)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 

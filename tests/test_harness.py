@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -91,6 +92,69 @@ def test_failures_hangs_and_crashes_are_reported_and_contained(suite: pytest.Pyt
     assert "rank 1: DIED (exit code 7)" in out
     assert "rank 0: DIED (signal 9)" in out
     assert elapsed < 150, f"a hang must be cut by --rank-timeout; the run took {elapsed:.0f}s"
+
+
+RANK_TIMEOUT = '''
+import time
+import pytest
+
+
+def _wait_on_rank_1(ctx):
+    if ctx.rank == 1:
+        time.sleep(600)
+    ctx.barrier()
+
+
+def test_warm_up(dist):  # starts the pool, so the next test's duration is the hang alone
+    dist.barrier()
+
+
+@pytest.mark.rank_timeout(3)
+def test_short_limit(dist):
+    _wait_on_rank_1(dist)
+
+
+@pytest.mark.rank_timeout(3)
+def test_short_limit_in_pools(pools):
+    pools.run(2, _wait_on_rank_1)
+
+
+@pytest.mark.rank_timeout(300)
+def test_marker_cannot_raise_the_limit(dist):
+    _wait_on_rank_1(dist)
+
+
+def test_after(dist):
+    dist.barrier()
+'''
+
+
+@pytest.mark.req("HX-14")
+def test_rank_timeout_marker_cuts_a_test_early(suite: pytest.Pytester) -> None:
+    suite.makepyfile(test_limits=RANK_TIMEOUT)
+    result = run_suite(suite, "--world-size", "2", "--rank-timeout", "20", "--durations=0", "--durations-min=0")
+    out = result.stdout.str()
+    result.assert_outcomes(passed=2, failed=3)
+    # Counted in the failure sections only: the short summary repeats the message, whole where pytest
+    # sees a CI environment and cut to the terminal width elsewhere.
+    failures = out.split("short test summary info")[0]
+    assert failures.count("rank 1: HUNG (no answer within 3s") == 2, out
+    assert "rank 1: HUNG (no answer within 20s" in out, out  # the marker lowers the limit, never raises it
+    assert "test_after[ws2] PASSED" in out
+    # A marked hang is cut well before the session's 20 s limit. The pool restart after a hang falls in
+    # the next test, so the second marked test is compared with the unmarked one, which pays it too.
+    durations = {m.group(2): float(m.group(1)) for m in re.finditer(r"^([\d.]+)s call\s+\S+::(\S+)$", out, re.M)}
+    assert durations["test_short_limit[ws2]"] < 15, durations
+    unmarked = durations["test_marker_cannot_raise_the_limit[ws2]"]
+    assert unmarked >= 19 and durations["test_short_limit_in_pools"] < unmarked - 10, durations
+
+
+@pytest.mark.req("HX-14")
+def test_rank_timeout_marker_needs_one_positive_number(suite: pytest.Pytester) -> None:
+    suite.makepyfile(test_bad='import pytest\n\n@pytest.mark.rank_timeout("soon")\ndef test_x(dist):\n    pass\n')
+    result = run_suite(suite, "--world-size", "1")
+    assert "rank_timeout takes one positive number of seconds" in result.stdout.str() + result.stderr.str()
+    assert result.ret != 0
 
 
 SKIPS = '''

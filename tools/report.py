@@ -86,19 +86,17 @@ def summarize(payload: dict[str, Any]) -> tuple[list[str], list[str], dict[tuple
         if test["outcome"] is None:
             continue
         for req in test["reqs"]:
-            for impl in _targets(req, test["impl"], impls):
+            for impl in _targets(test["impl"], impls):
                 cells.setdefault((req, impl), Cell()).add(test["outcome"], test["reason"])
     return list(spec), impls, cells
 
 
-def _targets(req: str, impl: str | None, impls: list[str]) -> list[str]:
-    """The columns a test's outcome counts in: its implementation; a test of no implementation counts
-    for every column if it checks the harness (HX-*), else for the reference it exercises directly."""
-    if impl:
-        return [impl]
-    if req.startswith("HX-"):
-        return impls
-    return [i for i in impls if i == "reference"]
+def _targets(impl: str | None, impls: list[str]) -> list[str]:
+    """The columns a test's outcome counts in: its implementation; a test of no implementation checks
+    the harness (HX-*: the plugin refuses a capability test without ``impl`` in the suite) and counts
+    for every column."""
+    return [impl] if impl else impls
+
 
 def render(payload: dict[str, Any], fmt: str = "table") -> str:
     """The report of one run in ``fmt`` (table, markdown or json)."""

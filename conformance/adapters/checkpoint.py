@@ -6,7 +6,7 @@ model and optimizer state dicts. The suite compares what comes back with the uns
 oracle) and with the reference. Every method is called by every rank of the process group.
 
 Errors: an implementation may raise any exception type; the suite checks the type separately
-(ML-14) from the message (it must name the key or file).
+(ML-15) from the message (it must name the key or file, and be the same on every rank).
 """
 
 from __future__ import annotations

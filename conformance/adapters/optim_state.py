@@ -92,6 +92,16 @@ class OptimStateOps(Protocol):
     def load_full_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         """Load an unsharded model state dict (on every rank)."""
 
+    def sharded_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The model state dict under clean FQNs with parameters as DTensors (buffers plain)."""
+
+    def load_sharded_state_dict(self, model: nn.Module, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`sharded_state_dict` returns (on every rank)."""
+
+    def state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """``model.state_dict()`` as a user calls it, with no state-dict settings of the caller's own:
+        whatever the implementation returns by default (OS-20 compares it before and after a failure)."""
+
     def fqn_to_param_info(self, model: nn.Module) -> dict[str, tuple[int, int]]:
         """Clean FQN (relative to ``model``, any module of the tree) -> (which flat parameter, as the index
         of its first appearance, and the FQN's index inside it). Raises Unsupported without flat parameters."""
@@ -135,6 +145,19 @@ class ReferenceOptimStateOps:
         from reference.fsdp import load_full_state_dict
 
         load_full_state_dict(model, state_dict)
+
+    def sharded_state_dict(self, model):
+        from reference.fsdp import sharded_state_dict
+
+        return sharded_state_dict(model)
+
+    def load_sharded_state_dict(self, model, state_dict):
+        from reference.fsdp import load_sharded_state_dict
+
+        load_sharded_state_dict(model, state_dict)
+
+    def state_dict(self, model):
+        return model.state_dict()
 
     def fqn_to_param_info(self, model):
         from reference.optim_state import get_fqn_to_fsdp_param_info
@@ -228,6 +251,17 @@ class TorchFSDP1OptimStateOps:
         with self._state_dict_type(model):
             model.load_state_dict(state_dict)
 
+    def sharded_state_dict(self, model):
+        with self._state_dict_type(model, sharded=True):
+            return model.state_dict()
+
+    def load_sharded_state_dict(self, model, state_dict):
+        with self._state_dict_type(model, sharded=True):
+            model.load_state_dict(state_dict)
+
+    def state_dict(self, model):
+        return model.state_dict()
+
     def fqn_to_param_info(self, model):
         # Private in torch: the map this requirement is about has no public accessor.
         from torch.distributed.fsdp._optim_utils import _get_fqn_to_fsdp_param_info
@@ -276,6 +310,16 @@ class TorchFSDP2OptimStateOps(TorchFSDP1OptimStateOps):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
+
+    def sharded_state_dict(self, model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+
+    def load_sharded_state_dict(self, model, state_dict):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=False))
 
     def optim_state_dict(self, model, optim, *, rank0_only=False, cpu_offload=False, sharded=False):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict

@@ -1,6 +1,7 @@
 """The pytest plugin of the conformance suite: options, axes, rank dispatch, xfails, the JSON result.
 
-Loaded by ``conformance/conftest.py`` (and by the self-tests with ``-p conformance.harness.plugin``).
+Loaded by ``conformance/conftest.py`` and ``tests/conftest.py`` (``pytest_plugins``; registered once),
+and by the self-tests' subprocess runs with ``-p conformance.harness.plugin``.
 How tests use it is in :mod:`conformance.harness`.
 """
 
@@ -103,6 +104,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "req(*ids): the SPEC.md requirement IDs this test checks")
     config.addinivalue_line(
         "markers", "world_size(*sizes, min=None): restrict a rank test to these world sizes (or at least min)"
+    )
+    config.addinivalue_line(
+        "markers",
+        "rank_timeout(seconds): cut this rank test after `seconds` (at most --rank-timeout): for tests where a wrong "
+        "implementation leaves ranks waiting",
     )
     manager = PoolManager(pg_timeout_s=max(60.0, config.getoption("--rank-timeout") * 2))
     config.stash[_MANAGER] = manager
@@ -209,6 +215,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     spec_ids = set(load_spec())
     unknown: dict[str, list[str]] = {}
     untagged: list[str] = []
+    without_impl: list[str] = []
     for item in items:
         reqs = _item_reqs(item)
         for req in reqs:
@@ -217,6 +224,11 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         in_suite = _CONFORMANCE_DIR in Path(str(item.path)).resolve().parents
         if in_suite and not reqs:
             untagged.append(item.nodeid)
+        # A capability requirement is checked against an adapter; a test of the reference alone (no
+        # `impl`) belongs in tests/reference/, where the report does not count it for any column.
+        if in_suite and _item_impl(item) is None and any(capability_of(r) for r in reqs):
+            without_impl.append(item.nodeid)
+        _rank_timeout(config, item)  # a malformed rank_timeout marker is a usage error before anything runs
         impl = _item_impl(item)
         item.user_properties.append(("reqs", reqs))
         item.user_properties.append(("impl", impl.name if impl else None))
@@ -227,6 +239,12 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         raise pytest.UsageError(
             "conformance tests must name the requirement IDs they check with @pytest.mark.req(...): "
             + ", ".join(untagged[:10])
+        )
+
+    if without_impl:
+        raise pytest.UsageError(
+            "conformance tests of a capability (FP/SD/OS/ML) must take the `impl` fixture; tests of the "
+            "reference alone belong in tests/reference/: " + ", ".join(without_impl[:10])
         )
 
     entries = _load_xfail_entries(config)
@@ -333,11 +351,29 @@ def health_check_body(ctx: Any) -> None:
     ctx.barrier()
 
 
+def _rank_timeout(config: pytest.Config, node: pytest.Item | None) -> float:
+    """Seconds a rank test may run: ``--rank-timeout``, or less where the test's ``rank_timeout``
+    marker says so (a test that may leave ranks waiting fails in seconds, not minutes)."""
+    limit = float(config.getoption("--rank-timeout"))
+    marker = node.get_closest_marker("rank_timeout") if node is not None else None
+    if marker is None:
+        return limit
+    if len(marker.args) != 1 or not isinstance(marker.args[0], (int, float)) or marker.args[0] <= 0:
+        raise pytest.UsageError(f"{node.nodeid}: rank_timeout takes one positive number of seconds; got {marker.args}")
+    return min(limit, float(marker.args[0]))
+
+
 def _run_on_ranks(
-    config: pytest.Config, world_size: int, backend: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    config: pytest.Config,
+    world_size: int,
+    backend: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    node: pytest.Item | None = None,
 ) -> list[Any]:
     manager = config.stash[_MANAGER]
-    timeout_s = config.getoption("--rank-timeout")
+    timeout_s = _rank_timeout(config, node)
     tmp_dir = tempfile.mkdtemp(prefix="sdc-test-")
     try:
         try:
@@ -358,28 +394,29 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     names = list(inspect.signature(pyfuncitem.obj).parameters)
     kwargs = {name: (DIST_ARG if name == "dist" else pyfuncitem.funcargs[name]) for name in names}
-    _run_on_ranks(pyfuncitem.config, spec.world_size, spec.backend, pyfuncitem.obj, (), kwargs)
+    _run_on_ranks(pyfuncitem.config, spec.world_size, spec.backend, pyfuncitem.obj, (), kwargs, pyfuncitem)
     return True
 
 
 class Pools:
     """Controller-side access to the pools, for tests with several phases (``pools`` fixture)."""
 
-    def __init__(self, config: pytest.Config) -> None:
+    def __init__(self, config: pytest.Config, node: pytest.Item | None = None) -> None:
         self._config = config
+        self._node = node
 
     def run(self, world_size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(ctx, *args, **kwargs)`` on every rank of the ``world_size`` pool; per-rank return values."""
         backend = _backend_for(self._config, world_size)
         if backend == "nccl" and _cuda_count() < world_size:
             _skip(f"nccl at world size {world_size} needs {world_size} CUDA devices; found {_cuda_count()}")
-        return _run_on_ranks(self._config, world_size, backend, fn, (DIST_ARG, *args), kwargs)
+        return _run_on_ranks(self._config, world_size, backend, fn, (DIST_ARG, *args), kwargs, self._node)
 
 
 @pytest.fixture
 def pools(request: pytest.FixtureRequest) -> Pools:
     """Run module-level functions on the rank pools of any world size (see :class:`Pools`)."""
-    return Pools(request.config)
+    return Pools(request.config, request.node)
 
 
 # -- the JSON result -------------------------------------------------------------------------------

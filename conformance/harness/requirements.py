@@ -48,12 +48,17 @@ def _req_calls(tree: ast.AST) -> Iterable[ast.Call]:
 
 
 def ids_named_by_tests(test_files: Iterable[Path]) -> dict[str, list[str]]:
-    """Requirement ID -> the test files whose ``pytest.mark.req(...)`` names it (read, not imported)."""
+    """Requirement ID -> the test files that name it (read, not imported): every argument of a
+    ``pytest.mark.req(...)`` call, and every string constant that is exactly an ID (tables of cases whose
+    marks are built from a field, ``marks=pytest.mark.req(case.req)``, name their IDs that way; the
+    plugin checks at collection that every ID a mark names is in SPEC.md)."""
     named: dict[str, list[str]] = {}
     for path in test_files:
         tree = ast.parse(Path(path).read_text(encoding="utf-8"), filename=str(path))
-        for call in _req_calls(tree):
-            for arg in call.args:
-                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-                    named.setdefault(arg.value, []).append(str(path))
+        found = {arg.value for call in _req_calls(tree) for arg in call.args
+                 if isinstance(arg, ast.Constant) and isinstance(arg.value, str)}
+        found |= {node.value for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and REQ_ID.fullmatch(node.value)}
+        for req in sorted(found):
+            named.setdefault(req, []).append(str(path))
     return named

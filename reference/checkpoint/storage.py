@@ -245,8 +245,10 @@ class FileSystemReader(StorageReader):
                 for item, info in entries:
                     try:
                         self._read_item(file, item, info, planner)
-                    except CheckpointError:
-                        raise
+                    except CheckpointError as exc:
+                        if str(path) in str(exc):
+                            raise
+                        raise type(exc)(f"{path}: {exc}", failures=exc.failures) from exc
                     except Exception as exc:
                         raise CheckpointFormatError(
                             f"{path}: key {item.storage_index.fqn!r} at bytes {info.offset}..{info.offset + info.length}: "

@@ -1,0 +1,391 @@
+"""The suite's assertion helpers: one place, one message shape, each with self-tests in tests/.
+
+Every failure reads the same way (array-api-tests' habit)::
+
+    <what>
+      got:      <observed>
+      expected: <what the requirement says>
+      where:    <the path into the value, the call, the rank>
+
+and hides the helpers' own frames (``__tracebackhide__``), so a failing test points at the test line.
+
+==================================  ================================================================
+helper                              checks
+==================================  ================================================================
+:func:`assert_bitwise_equal`        one tensor: kind, dtype, shape and every bit (NaN payloads, -0.0)
+:func:`assert_same_state`           nested state (dicts in order, lists, tensors, DTensors, scalars):
+                                    bit-exact by default, or within a float tolerance
+:func:`assert_local_shard`          a DTensor's local shard against the documented layout of its
+                                    full value (``torch.chunk`` along each sharded mesh dim)
+:func:`snapshot`/:func:`assert_unchanged`
+                                    "changes nothing", deeply: a module's parameters and buffers
+                                    (non-persistent too), an optimizer's ``state`` and
+                                    ``param_groups``, a state dict's entries (identity, meta entries)
+:func:`assert_names_key`            an error message names the full canonical key, not a wrapper's
+                                    internal path
+:func:`raised`/:func:`assert_same_error_on_every_rank`
+                                    what a call raises (``BaseException`` too); every rank raised the
+                                    same type with the same message
+==================================  ================================================================
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+__all__ = [
+    "WRAPPER_SEGMENTS",
+    "fail",
+    "bits",
+    "assert_bitwise_equal",
+    "assert_same_state",
+    "expected_local_chunk",
+    "assert_local_shard",
+    "Snapshot",
+    "snapshot",
+    "assert_unchanged",
+    "assert_names_key",
+    "raised",
+    "expect_error",
+    "assert_same_error_on_every_rank",
+]
+
+#: Path segments that wrappers insert into parameter names and that must never reach a key or a
+#: message a user reads (fairscale/reference FlattenParamsWrapper, FSDP1, torch.compile, activation
+#: checkpointing, and the flat parameters' own names).
+WRAPPER_SEGMENTS: tuple[str, ...] = (
+    "_fpw_module.",
+    "_fsdp_wrapped_module.",
+    "_orig_mod.",
+    "_checkpoint_wrapped_module.",
+    "flat_param_0",
+    "_flat_param",
+)
+
+
+def fail(what: str, got: Any, expected: Any, where: str = "") -> None:
+    """Fail the test with the suite's one message shape."""
+    __tracebackhide__ = True
+    lines = [what, f"  got:      {got}", f"  expected: {expected}"]
+    if where:
+        lines.append(f"  where:    {where}")
+    pytest.fail("\n".join(lines), pytrace=False)
+
+
+def _short(value: Any, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+# -- tensors, bit for bit ------------------------------------------------------------------------
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the CPU, contiguous, reinterpreted as integers of the same width: two tensors
+    have equal bits exactly when these are ``torch.equal`` (a NaN equals the same NaN payload, and
+    ``-0.0`` differs from ``0.0``, unlike ``==``)."""
+    plain = tensor.detach().to("cpu").contiguous()
+    if plain.dtype == torch.bool:
+        return plain.view(torch.uint8)
+    if plain.is_complex():
+        plain = torch.view_as_real(plain)
+    width = plain.element_size()
+    return plain if not (plain.is_floating_point() or plain.is_complex()) else plain.view(_INT_OF_WIDTH[width])
+
+
+def _first_difference(got: torch.Tensor, expected: torch.Tensor) -> str:
+    diff = (bits(got) != bits(expected)).reshape(-1).nonzero()
+    if diff.numel() == 0:
+        return ""
+    flat = int(diff[0])
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), expected.shape)) if expected.dim() else ()
+    g = got.detach().cpu().reshape(-1)[flat].item()
+    e = expected.detach().cpu().reshape(-1)[flat].item()
+    return f"{diff.numel()} of {expected.numel()} elements differ; first at index {index}: {g!r} vs {e!r}"
+
+
+def assert_bitwise_equal(got: Any, expected: torch.Tensor, *, what: str = "tensor", where: str = "") -> None:
+    """``got`` is a plain tensor (not a DTensor, unless ``expected`` is one) with ``expected``'s dtype,
+    shape and bits. Devices may differ (a CUDA result is compared on the CPU)."""
+    __tracebackhide__ = True
+    if not isinstance(got, torch.Tensor):
+        fail(f"{what}: not a tensor", type(got).__name__, f"a tensor of {expected.dtype}", where)
+    if isinstance(got, DTensor) != isinstance(expected, DTensor):
+        fail(f"{what}: wrong tensor kind", type(got).__name__, type(expected).__name__, where)
+    if got.dtype != expected.dtype:
+        fail(f"{what}: dtype differs", got.dtype, expected.dtype, where)
+    if got.shape != expected.shape:
+        fail(f"{what}: shape differs", tuple(got.shape), tuple(expected.shape), where)
+    if got.device.type == "meta" or expected.device.type == "meta":
+        if got.device.type != expected.device.type:
+            fail(f"{what}: device differs", got.device, expected.device, where)
+        return
+    if isinstance(got, DTensor):
+        assert_local_shard(got, expected.full_tensor(), what=what, where=where)
+        return
+    if not torch.equal(bits(got), bits(expected)):
+        fail(f"{what}: values differ", _first_difference(got, expected), "the same bits", where)
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> str:
+    g, e = got.detach().cpu(), expected.detach().cpu()
+    if not (g.is_floating_point() or g.is_complex()):
+        return "" if torch.equal(g, e) else _first_difference(g, e)
+    ok = torch.isclose(g.double(), e.double(), atol=atol, rtol=rtol, equal_nan=True)
+    if bool(ok.all()):
+        return ""
+    bad = (~ok).reshape(-1).nonzero()
+    flat = int(bad[0])
+    return (
+        f"{bad.numel()} of {e.numel()} elements differ beyond atol={atol}, rtol={rtol}; "
+        f"first at flat index {flat}: {g.reshape(-1)[flat].item()!r} vs {e.reshape(-1)[flat].item()!r}"
+    )
+
+
+# -- nested state ---------------------------------------------------------------------------------
+
+
+def assert_same_state(
+    got: Any,
+    expected: Any,
+    *,
+    what: str = "state",
+    where: str = "",
+    atol: float | None = None,
+    rtol: float = 0.0,
+    check_order: bool = True,
+) -> None:
+    """``got`` equals ``expected`` as nested state.
+
+    Dicts have the same keys (in the same order unless ``check_order=False``); lists and tuples the
+    same length and kind; tensors the same kind (plain or DTensor), dtype and shape, and equal bits,
+    or, with ``atol``, values within ``atol + rtol * |expected|`` (floats only; integers stay exact).
+    A DTensor is compared as placements, global shape and local shard, so no rank gathers anything.
+    Non-tensor leaves are of the same type and ``==`` (NaN equals NaN)."""
+    __tracebackhide__ = True
+    path = where or "the top"
+    if isinstance(expected, Mapping):
+        if not isinstance(got, Mapping):
+            fail(f"{what}: not a dict", type(got).__name__, "a dict", path)
+        got_keys, want_keys = list(got), list(expected)
+        if set(map(repr, got_keys)) != set(map(repr, want_keys)):
+            missing = [k for k in want_keys if k not in got]
+            unexpected = [k for k in got_keys if k not in expected]
+            fail(f"{what}: keys differ", f"missing {missing}, unexpected {unexpected}", _short(want_keys), path)
+        if check_order and got_keys != want_keys:
+            fail(f"{what}: key order differs", _short(got_keys), _short(want_keys), path)
+        for key in want_keys:
+            assert_same_state(
+                got[key], expected[key], what=what, where=f"{where}[{key!r}]", atol=atol, rtol=rtol, check_order=check_order
+            )
+    elif isinstance(expected, (list, tuple)):
+        if type(got) is not type(expected) or len(got) != len(expected):
+            fail(f"{what}: sequence differs", _short(got), _short(expected), path)
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_same_state(g, e, what=what, where=f"{where}[{i}]", atol=atol, rtol=rtol, check_order=check_order)
+    elif isinstance(expected, DTensor):
+        if not isinstance(got, DTensor):
+            fail(f"{what}: wrong tensor kind", type(got).__name__, "DTensor", path)
+        if tuple(got.placements) != tuple(expected.placements):
+            fail(f"{what}: placements differ", got.placements, expected.placements, path)
+        if got.shape != expected.shape:
+            fail(f"{what}: global shape differs", tuple(got.shape), tuple(expected.shape), path)
+        assert_same_state(got.to_local(), expected.to_local(), what=what, where=f"{where} (local shard)", atol=atol, rtol=rtol)
+    elif isinstance(expected, torch.Tensor):
+        if atol is None:
+            assert_bitwise_equal(got, expected, what=what, where=path)
+            return
+        if not isinstance(got, torch.Tensor) or isinstance(got, DTensor):
+            fail(f"{what}: wrong tensor kind", type(got).__name__, "a plain tensor", path)
+        if got.dtype != expected.dtype or got.shape != expected.shape:
+            fail(f"{what}: dtype/shape differ", (got.dtype, tuple(got.shape)), (expected.dtype, tuple(expected.shape)), path)
+        problem = _close(got, expected, atol, rtol)
+        if problem:
+            fail(f"{what}: values differ", problem, "equal within tolerance", path)
+    else:
+        if type(got) is not type(expected):
+            fail(f"{what}: type differs", f"{type(got).__name__} {_short(got)}", f"{type(expected).__name__} {_short(expected)}", path)
+        same = got == expected or (isinstance(expected, float) and math.isnan(expected) and math.isnan(got))
+        if not same:
+            fail(f"{what}: value differs", _short(got), _short(expected), path)
+
+
+# -- per-rank truth: the local shard of a DTensor -------------------------------------------------
+
+
+def expected_local_chunk(
+    full: torch.Tensor, placements: Iterable[Any], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...]
+) -> tuple[torch.Tensor, list[int]]:
+    """The local shard that the rank at ``coordinate`` of a mesh of ``mesh_shape`` holds of ``full``
+    under ``placements``, and its offset in ``full`` per tensor dim.
+
+    The documented layout: mesh dims are applied in order; ``Shard(d)`` splits the current piece
+    along tensor dim ``d`` as ``torch.chunk`` does (pieces of ``ceil(n / k)``, the last ones short or
+    empty); ``Replicate()`` keeps it whole."""
+    piece = full
+    offsets = [0] * full.dim()
+    for size, coord, placement in zip(mesh_shape, coordinate, placements):
+        if isinstance(placement, Shard):
+            dim = placement.dim % full.dim()
+            length = piece.shape[dim]
+            chunk = -(-length // size) if length else 0
+            start = min(coord * chunk, length)
+            stop = min(start + chunk, length)
+            piece = piece.narrow(dim, start, stop - start)
+            offsets[dim] += start
+        elif not isinstance(placement, Replicate):
+            raise TypeError(f"expected_local_chunk: unsupported placement {placement!r}")
+    return piece, offsets
+
+
+def assert_local_shard(value: Any, full: torch.Tensor, *, what: str = "shard", where: str = "") -> None:
+    """``value`` is a DTensor whose global shape is ``full``'s and whose local shard on this rank is
+    exactly (shape and bits) the piece :func:`expected_local_chunk` assigns to this rank."""
+    __tracebackhide__ = True
+    if not isinstance(value, DTensor):
+        fail(f"{what}: not a DTensor", type(value).__name__, "DTensor", where)
+    if value.shape != full.shape:
+        fail(f"{what}: global shape differs", tuple(value.shape), tuple(full.shape), where)
+    mesh = value.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the mesh: it holds nothing
+        return
+    piece, offsets = expected_local_chunk(full, value.placements, tuple(mesh.shape), tuple(coordinate))
+    local = value.to_local()
+    rank_where = f"{where} (mesh coordinate {tuple(coordinate)}, {value.placements}, offsets {offsets})"
+    if tuple(local.shape) != tuple(piece.shape):
+        fail(f"{what}: local shard shape differs", tuple(local.shape), tuple(piece.shape), rank_where)
+    assert_bitwise_equal(local, piece.to(local.dtype) if local.dtype != piece.dtype else piece, what=f"{what}: local shard", where=rank_where)
+
+
+# -- "changes nothing" -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A deep copy of what a failed call must leave as it was, taken by :func:`snapshot`."""
+
+    labels: tuple[str, ...]
+    states: tuple[Any, ...]
+
+
+def _tensor_record(value: torch.Tensor) -> Any:
+    """A meta tensor has no values: its type, dtype, shape and stride are what must not change."""
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        return ("dtensor", tuple(value.placements), tuple(value.shape), _tensor_record(local))
+    if value.device.type == "meta":
+        return ("meta", type(value).__name__, value.dtype, tuple(value.shape), value.stride())
+    return value.detach().clone()
+
+
+def _state_of(obj: Any) -> Any:
+    if isinstance(obj, nn.Module):
+        params = {name: _tensor_record(p) for name, p in obj.named_parameters(remove_duplicate=False)}
+        buffers = {name: _tensor_record(b) for name, b in obj.named_buffers(remove_duplicate=False)}
+        grads = {name: _tensor_record(p.grad) for name, p in obj.named_parameters(remove_duplicate=False) if p.grad is not None}
+        return {"parameters": params, "buffers": buffers, "grads": grads}
+    if isinstance(obj, torch.optim.Optimizer):
+        index = {id(p): i for i, p in enumerate(p for g in obj.param_groups for p in g["params"])}
+        groups = [{k: (list(range(len(v))) if k == "params" else _state_of(v)) for k, v in g.items()} for g in obj.param_groups]
+        params = [[index[id(p)] for p in g["params"]] for g in obj.param_groups]
+        state = {index.get(id(p), repr(p.shape)): _state_of(s) for p, s in obj.state.items()}
+        return {"param_groups": groups, "param_order": params, "state": state}
+    if isinstance(obj, Mapping):
+        return {"__type__": type(obj).__name__, "items": [(k, id(v), _state_of(v)) for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return [type(obj).__name__, *(_state_of(v) for v in obj)]
+    if isinstance(obj, torch.Tensor):
+        return _tensor_record(obj)
+    return obj
+
+
+def snapshot(**objects: Any) -> Snapshot:
+    """Deep copies of ``objects`` (modules, optimizers, state dicts, by label) to compare against
+    after a call that must change nothing. A state dict's entries are recorded with their identity,
+    so replacing an entry (say, a meta tensor by a built one) counts as a change."""
+    return Snapshot(tuple(objects), tuple(_state_of(obj) for obj in objects.values()))
+
+
+def assert_unchanged(before: Snapshot, *, where: str = "", **objects: Any) -> None:
+    """Every object of ``before`` (passed again under its label) is as it was, deeply."""
+    __tracebackhide__ = True
+    if tuple(objects) != before.labels:
+        raise TypeError(f"assert_unchanged: pass the objects of the snapshot, {before.labels}; got {tuple(objects)}")
+    for label, old, obj in zip(before.labels, before.states, objects.values()):
+        assert_same_state(_state_of(obj), old, what=f"{label} changed by a call that must change nothing", where=where)
+
+
+# -- error messages ----------------------------------------------------------------------------------
+
+
+def assert_names_key(message: str, key: str, *, what: str = "error message", where: str = "",
+                     forbidden: Iterable[str] = WRAPPER_SEGMENTS) -> None:
+    """``message`` names ``key`` whole (not as part of a longer dotted name, so ``weight`` is not
+    found in ``net.0.weight``), and no internal wrapper segment appears in it."""
+    __tracebackhide__ = True
+    leaked = [segment for segment in forbidden if segment in message]
+    if leaked:
+        fail(f"{what} names a wrapper's internal path", _short(message, 600), f"{key!r} without {leaked}", where)
+    pattern = re.compile(r"(?<![\w.])" + re.escape(key) + r"(?![\w.]*\w)")
+    if not pattern.search(message):
+        fail(f"{what} does not name the key {key!r} whole", _short(message, 600), f"a message naming {key!r}", where)
+
+
+def raised(fn: Callable[[], Any]) -> BaseException | None:
+    """What ``fn()`` raises, of any type (DCP's ``CheckpointException`` is a ``BaseException``), or None.
+    pytest's own outcomes (skip, fail, xfail) and interrupts pass through."""
+    try:
+        fn()
+    except (KeyboardInterrupt, SystemExit, pytest.skip.Exception, pytest.fail.Exception, pytest.xfail.Exception):
+        raise
+    except BaseException as exc:  # noqa: B036 - the point is to see what the implementation raises
+        return exc
+    return None
+
+
+def expect_error(fn: Callable[[], Any], types: type[BaseException] | tuple[type[BaseException], ...], *,
+                 keys: Iterable[str] = (), needles: Iterable[str] = (), what: str = "call", where: str = "") -> BaseException:
+    """``fn()`` raises an instance of ``types`` whose message names every key of ``keys`` whole (see
+    :func:`assert_names_key`) and contains every string of ``needles``; returns the exception."""
+    __tracebackhide__ = True
+    exc = raised(fn)
+    wanted = types if isinstance(types, tuple) else (types,)
+    expected = " or ".join(t.__name__ for t in wanted)
+    if exc is None:
+        fail(f"{what}: no error raised", "a normal return", expected, where)
+    if not isinstance(exc, wanted):
+        fail(f"{what}: wrong exception type", f"{type(exc).__name__}: {_short(str(exc), 600)}", expected, where)
+    text = str(exc)
+    for key in keys:
+        assert_names_key(text, key, what=f"{what}: {type(exc).__name__} message", where=where)
+    missing = [n for n in needles if n not in text]
+    if missing:
+        fail(f"{what}: the message lacks {missing}", _short(text, 600), f"a message containing {missing}", where)
+    return exc
+
+
+def assert_same_error_on_every_rank(ctx: Any, exc: BaseException | None, *, what: str = "error") -> None:
+    """Collective: every rank of ``ctx`` (a :class:`~conformance.harness.context.RankContext`) raised,
+    with the same exception type and the same message. Call it on every rank, after the failing call,
+    with what that call raised there (``None`` when it returned): a rank that returned, or raised
+    something else, fails the test on every rank. A rank that never gets here (left waiting in a
+    collective) is cut by the test's rank timeout (``@pytest.mark.rank_timeout``)."""
+    __tracebackhide__ = True
+    mine = None if exc is None else (type(exc).__module__ + "." + type(exc).__qualname__, str(exc))
+    every = ctx.all_gather_object(mine)
+    if len(set(every)) > 1 or every[0] is None:
+        listing = "; ".join(f"rank {r}: " + ("returned normally" if e is None else f"{e[0]}: {e[1][:300]}") for r, e in enumerate(every))
+        fail(f"{what}: ranks did not raise the same error", listing, "the same exception type and message on every rank",
+             f"rank {ctx.rank} of {ctx.world_size}")
