@@ -974,6 +974,34 @@ def test_changes_inside_unflatten_params_are_kept(ops: FlatParamOps, how: str) -
     assert torch.equal(wrapped(x), plain(x))
 
 
+class _UnlistedFirst(nn.Module):
+    """``kept`` is registered before the listed ``w`` and ``b``, and ``last`` after them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept = nn.Parameter(torch.arange(3.0))
+        self.w = nn.Parameter(torch.arange(4.0).reshape(2, 2) + 10)
+        self.b = nn.Parameter(torch.arange(2.0) + 20)
+        self.last = nn.Parameter(torch.arange(2.0) + 30)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w + self.b + self.kept.sum() + self.last.sum()
+
+
+@pytest.mark.req("FP-16")
+def test_unflatten_params_keeps_unlisted_params_in_their_place(ops: FlatParamOps) -> None:
+    """Parameters that were not listed keep their place among the listed ones inside
+    ``unflatten_params()``: an implementation that appends them after the restored ones changes
+    ``named_parameters()`` order, and with it an optimizer built inside the context."""
+    plain, model = _UnlistedFirst(), _UnlistedFirst()
+    wrapped = ops.wrap(model, [model.w, model.b])
+    with ops.unflatten_params(wrapped):
+        inside = [name for name, _ in wrapped.module.named_parameters()]
+        values = {name: p.detach().clone() for name, p in wrapped.module.named_parameters()}
+    assert inside == [name for name, _ in plain.named_parameters()], f"order inside unflatten_params(): {inside}"
+    assert_same_state(values, {n: p.detach() for n, p in plain.named_parameters()}, what="values inside unflatten_params()")
+
+
 @pytest.mark.req("FP-16")
 def test_unflatten_params_keeps_requires_grad(ops: FlatParamOps) -> None:
     """A frozen submodule wrapped alone: inside ``unflatten_params()``, and in ``state_dict(keep_vars=True)``,
@@ -1092,6 +1120,29 @@ def test_params_tied_by_storage_may_be_listed_together(ops: FlatParamOps) -> Non
     wrapped = ops.wrap(model, [model.a.weight, model.b.weight])
     flat = ops.flat_param(wrapped)
     assert flat is not None and flat.numel() == 18
+
+
+class _EmptyViewOfUnlisted(nn.Module):
+    """``empty`` is a 0-element view that starts inside ``weight``'s storage: it shares no memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.arange(10.0))
+        self.empty = nn.Parameter(self.weight.detach()[5:5])
+        self.bias = nn.Parameter(torch.ones(2))
+
+
+@pytest.mark.req("FP-19")
+def test_empty_param_inside_unlisted_storage_is_not_a_tie(ops: FlatParamOps) -> None:
+    """A 0-element parameter holds no memory, so it ties nothing: listing it without the parameter
+    whose storage it points into is accepted, and nothing is lost."""
+    model = _EmptyViewOfUnlisted()
+    wrapped = ops.wrap(model, [model.empty, model.bias])
+    flat = ops.flat_param(wrapped)
+    assert flat is not None and flat.numel() == 2, f"flat parameter of {None if flat is None else flat.numel()} elements"
+    assert_same_state(
+        wrapped.state_dict(), _EmptyViewOfUnlisted().state_dict(), what="state_dict of the wrapper with an empty parameter"
+    )
 
 
 # -- FP-20 .. FP-22: copies and moves ----------------------------------------------------------------
