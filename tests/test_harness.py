@@ -202,12 +202,13 @@ def test_skips_propagate_and_disagreement_is_reported(suite: pytest.Pytester) ->
 def test_nccl_without_gpus_is_a_skip_that_says_so(suite: pytest.Pytester) -> None:
     import torch
 
-    if torch.cuda.device_count() >= 2:
-        pytest.skip("this machine has GPUs: nccl runs for real")
+    found = torch.cuda.device_count()
+    if found >= 2:
+        pytest.skip(f"this machine has {found} GPUs: nccl at world size 2 runs for real")
     suite.makepyfile(test_nccl="def test_body(dist):\n    pass\n")
     result = run_suite(suite, "--world-size", "2", "--backend", "nccl")
     result.assert_outcomes(skipped=1)
-    assert "nccl at world size 2 needs 2 CUDA devices; found 0" in result.stdout.str()
+    assert f"nccl at world size 2 needs 2 CUDA devices; found {found}" in result.stdout.str()
 
 
 ADAPTER = '''
@@ -263,6 +264,54 @@ def test_capability_skips_and_xfails_files(suite: pytest.Pytester) -> None:
     assert "partial does not provide checkpoint: this fork has no DCP" in out
     assert "the fork returns the wrong keys" in out
     assert "StaleXfailWarning" in out and "test_renamed_long_ago" in out
+
+
+KNOWN_HANG = '''
+import time
+
+
+def test_rank_1_never_arrives(dist):
+    if dist.rank == 1:
+        time.sleep(600)
+    dist.barrier()
+
+
+def test_after(dist):
+    dist.barrier()
+'''
+
+
+@pytest.mark.req("HX-15")
+@pytest.mark.parametrize("run_hangs", [False, True], ids=["default", "run-known-hangs"])
+def test_an_entry_flagged_hangs_is_not_run(suite: pytest.Pytester, run_hangs: bool) -> None:
+    """A ``hangs`` entry is an expected failure that is not run (so it costs no timeout), unless
+    ``--run-known-hangs`` asks for it: then it runs, is cut at the rank timeout, and is still expected."""
+    suite.makepyfile(test_hang=KNOWN_HANG)
+    xfails = suite.path / "xfails.txt"
+    xfails.write_text("test_hang.py::test_rank_1_never_arrives  hangs  # rank 1 never reaches the barrier\n")
+    extra = ["--run-known-hangs"] if run_hangs else []
+    result = run_suite(
+        suite, "--world-size", "2", "--rank-timeout", "3", "--xfails", str(xfails), "-rx", "--durations=0",
+        "--durations-min=0", *extra,
+    )
+    out = result.stdout.str()
+    result.assert_outcomes(passed=1, xfailed=1)
+    assert "rank 1 never reaches the barrier" in out
+    assert ("[NOTRUN]" in out) is not run_hangs, out
+    ran = re.search(r"^([\d.]+)s call\s+test_hang.py::test_rank_1_never_arrives", out, re.M)
+    assert (ran is not None) is run_hangs, out
+    assert ran is None or float(ran.group(1)) >= 3, out  # it ran until the timeout cut it
+
+
+@pytest.mark.req("HX-15")
+def test_a_malformed_xfails_file_is_a_usage_error(suite: pytest.Pytester) -> None:
+    suite.makepyfile(test_x="def test_x(dist):\n    pass\n")
+    xfails = suite.path / "xfails.txt"
+    xfails.write_text("test_x.py::test_x  hang  # typo\n")
+    result = run_suite(suite, "--world-size", "1", "--xfails", str(xfails))
+    out = result.stdout.str() + result.stderr.str()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, out
+    assert f"{xfails}:1: unknown flag(s) 'hang'" in out and "INTERNALERROR" not in out, out
 
 
 @pytest.mark.req("HX-8")

@@ -44,3 +44,20 @@ def test_an_entry_for_an_unselected_world_size_is_not_stale() -> None:
     assert matches_at_any_world_size("t.py::a[ws4-torch]", "t.py::a[ws1-torch]")
     assert matches_at_any_world_size("t.py::a*ws[2-9]-torch-x]", "t.py::a[ws1-torch-x]")
     assert not matches_at_any_world_size("t.py::a[ws4-torch]", "t.py::a[ws1-reference]")
+
+
+@pytest.mark.req("HX-15")
+def test_flags_sit_between_pattern_and_reason(tmp_path: Path) -> None:
+    path = tmp_path / "x.txt"
+    path.write_text("t.py::a[ws2-torch]  hangs  # rank 0 waits in a broadcast\nt.py::b  # fails promptly\n")
+    a, b = parse_xfails(path)
+    assert (a.pattern, a.hangs, a.reason) == ("t.py::a[ws2-torch]", True, "rank 0 waits in a broadcast")
+    assert (b.pattern, b.hangs) == ("t.py::b", False)
+
+
+@pytest.mark.req("HX-15")
+def test_an_unknown_flag_is_an_error_naming_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "x.txt"
+    path.write_text("t.py::a\nt.py::b  hang  # typo of hangs\n")
+    with pytest.raises(ValueError, match=rf"{path}:2: unknown flag\(s\) 'hang' after 't.py::b' \(known: hangs: "):
+        parse_xfails(path)
