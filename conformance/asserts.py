@@ -31,8 +31,8 @@ helper                              checks
 
 from __future__ import annotations
 
-import math
 import re
+import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +112,9 @@ def _first_difference(got: torch.Tensor, expected: torch.Tensor) -> str:
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), expected.shape)) if expected.dim() else ()
     g = got.detach().cpu().reshape(-1)[flat].item()
     e = expected.detach().cpu().reshape(-1)[flat].item()
+    if repr(g) == repr(e):  # NaNs with different payloads, or values the dtype prints alike: show the bits
+        g, e = (f"{v!r} (bits {int(bits(t).reshape(-1)[flat]):#x})" for v, t in ((g, got), (e, expected)))
+        return f"{diff.numel()} of {expected.numel()} elements differ; first at index {index}: {g} vs {e}"
     return f"{diff.numel()} of {expected.numel()} elements differ; first at index {index}: {g!r} vs {e!r}"
 
 
@@ -172,7 +175,8 @@ def assert_same_state(
     same length and kind; tensors the same kind (plain or DTensor), dtype and shape, and equal bits,
     or, with ``atol``, values within ``atol + rtol * |expected|`` (floats only; integers stay exact).
     A DTensor is compared as placements, global shape and local shard, so no rank gathers anything.
-    Non-tensor leaves are of the same type and ``==`` (NaN equals NaN)."""
+    Non-tensor leaves are of the same type and ``==``; floats bit for bit (NaN equals the same NaN,
+    ``-0.0`` is not ``0.0``), since a hyperparameter must round-trip exactly."""
     __tracebackhide__ = True
     path = where or "the top"
     if isinstance(expected, Mapping):
@@ -216,9 +220,16 @@ def assert_same_state(
     else:
         if type(got) is not type(expected):
             fail(f"{what}: type differs", f"{type(got).__name__} {_short(got)}", f"{type(expected).__name__} {_short(expected)}", path)
-        same = got == expected or (isinstance(expected, float) and math.isnan(expected) and math.isnan(got))
-        if not same:
+        if isinstance(expected, float):  # bit for bit, as tensors: -0.0 is not 0.0, a NaN payload counts
+            if _float_bits(got) != _float_bits(expected):
+                fail(f"{what}: value differs", f"{got!r} (bits {_float_bits(got):#x})",
+                     f"{expected!r} (bits {_float_bits(expected):#x})", path)
+        elif got != expected:
             fail(f"{what}: value differs", _short(got), _short(expected), path)
+
+
+def _float_bits(value: float) -> int:
+    return int.from_bytes(struct.pack("<d", value), "little")
 
 
 # -- per-rank truth: the local shard of a DTensor -------------------------------------------------

@@ -4,6 +4,7 @@ for every way the compared thing can differ."""
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +112,23 @@ def test_assert_same_state_passes_equal_state_and_names_the_path() -> None:
     assert "['b']['lr']" in _fails(lambda: assert_same_state(got, _state()))
     reordered = dict(reversed(list(_state().items())))
     assert_same_state(reordered, _state(), check_order=False)
+
+
+@pytest.mark.parametrize(
+    "got, expected",
+    [(-0.0, 0.0), (0.0, -0.0), (float("nan"), struct.unpack("<d", struct.pack("<Q", 0x7FF8000000000001))[0])],
+    ids=["negative-zero", "positive-zero", "nan-payload"],
+)
+def test_assert_same_state_compares_float_leaves_bit_for_bit(got: float, expected: float) -> None:
+    """A hyperparameter round-trips exactly: ``==`` would take -0.0 for 0.0 and cannot compare NaNs."""
+    text = _fails(lambda: assert_same_state({"lr": got}, {"lr": expected}), "value differs", "(bits 0x")
+    assert "['lr']" in text
+    assert_same_state({"lr": expected}, {"lr": struct.unpack("<d", struct.pack("<d", expected))[0]})
+
+
+def test_first_difference_shows_bits_where_values_print_alike() -> None:
+    nans = edge_values(torch.float32)[-5:-3]  # two NaNs with different payloads
+    _fails(lambda: assert_bitwise_equal(nans[:1].clone(), nans[1:].clone()), "nan (bits 0x")
 
 
 def test_tolerance_applies_to_floats_only() -> None:
