@@ -289,6 +289,9 @@ class Snapshot:
 
     labels: tuple[str, ...]
     states: tuple[Any, ...]
+    # The modules' parameter and buffer objects, held so that no new object can take the address of
+    # one that was replaced: identity is recorded by id().
+    keepalive: tuple[Any, ...] = ()
 
 
 def _tensor_record(value: torch.Tensor) -> Any:
@@ -306,7 +309,10 @@ def _state_of(obj: Any) -> Any:
         params = {name: _tensor_record(p) for name, p in obj.named_parameters(remove_duplicate=False)}
         buffers = {name: _tensor_record(b) for name, b in obj.named_buffers(remove_duplicate=False)}
         grads = {name: _tensor_record(p.grad) for name, p in obj.named_parameters(remove_duplicate=False) if p.grad is not None}
-        return {"parameters": params, "buffers": buffers, "grads": grads}
+        # Identity counts: a call that swaps a Parameter for an equal new one cuts it off from the
+        # optimizers and hooks that hold the old one.
+        identity = {name: id(t) for name, t in (*obj.named_parameters(remove_duplicate=False), *obj.named_buffers(remove_duplicate=False))}
+        return {"parameters": params, "buffers": buffers, "grads": grads, "identity": identity}
     if isinstance(obj, torch.optim.Optimizer):
         index = {id(p): i for i, p in enumerate(p for g in obj.param_groups for p in g["params"])}
         groups = [{k: (list(range(len(v))) if k == "params" else _state_of(v)) for k, v in g.items()} for g in obj.param_groups]
@@ -324,9 +330,11 @@ def _state_of(obj: Any) -> Any:
 
 def snapshot(**objects: Any) -> Snapshot:
     """Deep copies of ``objects`` (modules, optimizers, state dicts, by label) to compare against
-    after a call that must change nothing. A state dict's entries are recorded with their identity,
-    so replacing an entry (say, a meta tensor by a built one) counts as a change."""
-    return Snapshot(tuple(objects), tuple(_state_of(obj) for obj in objects.values()))
+    after a call that must change nothing. A module's parameters and buffers, and a state dict's
+    entries, are recorded with their identity, so replacing one by an equal new object (say, a meta
+    tensor by a built one) counts as a change."""
+    keepalive = tuple(t for obj in objects.values() if isinstance(obj, nn.Module) for t in (*obj.parameters(), *obj.buffers()))
+    return Snapshot(tuple(objects), tuple(_state_of(obj) for obj in objects.values()), keepalive)
 
 
 def assert_unchanged(before: Snapshot, *, where: str = "", **objects: Any) -> None:

@@ -1122,6 +1122,32 @@ def test_params_tied_by_storage_may_be_listed_together(ops: FlatParamOps) -> Non
     assert flat is not None and flat.numel() == 18
 
 
+class _SharedStorage(nn.Module):
+    """``head`` and ``tail`` are views of one 10-element storage, ``head`` over ``[0, split)`` and
+    ``tail`` over ``[start, 10)``: they overlap when ``start < split`` and only touch when equal."""
+
+    def __init__(self, split: int, start: int) -> None:
+        super().__init__()
+        storage = torch.arange(10.0)
+        self.head = nn.Parameter(storage[:split])
+        self.tail = nn.Parameter(storage[start:])
+
+
+@pytest.mark.req("FP-19")
+@pytest.mark.parametrize("split, start, tied", [(10, 6, True), (7, 6, True), (6, 6, False), (3, 6, False)],
+                         ids=["tail-inside-head", "last-element-shared", "adjacent", "apart"])
+def test_partial_overlap_with_unlisted_is_a_tie(ops: FlatParamOps, split: int, start: int, tied: bool) -> None:
+    """Memory is compared byte range by byte range: a listed view that overlaps an unlisted one in
+    its last element only is a tie, and views that merely touch or lie apart in one storage are not."""
+    model = _SharedStorage(split, start)
+    if tied:
+        with pytest.raises(ValueError, match=r"'tail'.*'head'|'head'.*'tail'"):
+            ops.wrap(model, [model.tail])
+        return
+    wrapped = ops.wrap(model, [model.tail])
+    assert_same_state(wrapped.state_dict(), _SharedStorage(split, start).state_dict(), what="state_dict of the wrapper")
+
+
 class _EmptyViewOfUnlisted(nn.Module):
     """``empty`` is a 0-element view that starts inside ``weight``'s storage: it shares no memory."""
 

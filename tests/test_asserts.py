@@ -183,6 +183,13 @@ def _objects() -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
     return model, optim, sd
 
 
+def _equal_copy(param: nn.Parameter) -> nn.Parameter:
+    """A new Parameter equal to ``param`` in every value it carries, its grad included."""
+    copy = nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
+    copy.grad = None if param.grad is None else param.grad.clone()
+    return copy
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -196,9 +203,11 @@ def _objects() -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
         lambda m, o, sd: sd.update(w=sd["w"].clone()),
         lambda m, o, sd: sd.update(meta=torch.empty(3)),
         lambda m, o, sd: sd["nested"]["k"].append(3),
+        lambda m, o, sd: setattr(m.lin, "weight", _equal_copy(m.lin.weight)),
+        lambda m, o, sd: setattr(m, "hidden", m.hidden.clone()),
     ],
     ids=["param", "non-persistent-buffer", "grad", "lr", "extra-key", "optim-state", "param-order", "entry-identity",
-         "meta-built", "nested"],
+         "meta-built", "nested", "param-replaced-by-equal", "buffer-replaced-by-equal"],
 )
 def test_assert_unchanged_sees_every_change(change: Any) -> None:
     model, optim, sd = _objects()
