@@ -1216,6 +1216,43 @@ def test_pickle_round_trip(ops: FlatParamOps, name: str) -> None:
     assert_bitwise_equal(restored(x), plain(x), what=f"output of unpickled {name}")
 
 
+_COPIES: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "deepcopy": copy.deepcopy,
+    "pickle": lambda model: pickle.loads(pickle.dumps(model)),
+    "to-float64": lambda model: model.to(torch.float64),
+}
+
+
+@pytest.mark.req("FP-20", "FP-21", "FP-22")
+@pytest.mark.parametrize(
+    "first, second",
+    [("deepcopy", "deepcopy"), ("pickle", "deepcopy"), ("deepcopy", "pickle"), ("pickle", "to-float64"),
+     ("deepcopy", "to-float64")],
+    ids=lambda name: name,
+)
+def test_copies_of_copies_keep_metadata_and_values(ops: FlatParamOps, first: str, second: str) -> None:
+    """A copy is as good as the original: copying it again (or moving it) keeps the flat parameters'
+    metadata and recorded shard, and its views. An implementation that restores only part of the
+    metadata on a copy passes a single copy and loses the rest on the second."""
+    plain, wrapped = _pair(ops, "nested")
+    _record_shards(ops, wrapped)
+    metadata = _flat_metadata(ops, wrapped)
+    twice = _COPIES[second](_COPIES[first](wrapped))
+    if second == "to-float64":
+        plain = plain.to(torch.float64)
+    if _flat_metadata(ops, twice) != metadata:
+        fail(f"{first} then {second}: flat parameter metadata or recorded shard differs", _flat_metadata(ops, twice), metadata)
+    assert_same_state(twice.state_dict(), plain.state_dict(), what=f"state_dict after {first} then {second}")
+    # The views are the flat parameters' own: a change written into them is what the model computes.
+    with torch.no_grad():
+        for flat in _flat_params(ops, twice):
+            flat.copy_(different_like(flat))
+        changed = {key: different_like(value) for key, value in plain.state_dict().items()}
+        plain.load_state_dict(changed)
+    x = models.batch("nested").to(next(plain.parameters()).dtype)
+    assert_bitwise_equal(twice(x), plain(x), what=f"output after {first} then {second} and a change to the flat parameters")
+
+
 @pytest.mark.req("FP-22")
 @pytest.mark.parametrize("name", ["mlp", "tied", "buffers"])
 def test_to_dtype_moves_flat_param_and_views(ops: FlatParamOps, name: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from conformance import models
-from reference._prefix_hooks import clean_named_modules, hidden_child, register_prefix_hooks
+# The frame stacks are the hooks' private hand-over state: these tests check that nothing is left in them.
+from reference._prefix_hooks import _LOAD_FRAMES, _save_frames, clean_named_modules, hidden_child, register_prefix_hooks
 from reference.flat_param import (
     FlatParameter,
     FlattenParamsWrapper,
@@ -107,6 +109,53 @@ def test_nested_state_dict_renames_each_key_once_and_survives_errors() -> None:
     assert list(wrapped.state_dict()) == list(sd)
     assert seen == [list(plain[1].state_dict())]
     handle.remove()
+
+
+class _Tolerant(nn.Module):
+    """Saves what it can: a child whose state_dict raises is skipped (its error caught here, inside
+    an enclosing wrapper's traversal, after the child's own wrapper pushed its frame)."""
+
+    def __init__(self, child: nn.Module) -> None:
+        super().__init__()
+        self.child = child
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        try:
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        except OSError:
+            return destination
+
+
+class _Exploding(nn.Linear):
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        raise OSError("disk")
+
+
+def test_error_caught_inside_the_traversal_leaves_keys_clean_and_no_frames() -> None:
+    """A wrapper whose subtree raised, with the error caught by a module above it but still inside an
+    enclosing wrapper: the enclosing wrapper finds its own frame below the stale one, renames what the
+    nested wrappers left to it, and the thread's frame stack is empty afterwards."""
+    def build(wrap: bool) -> nn.Module:
+        torch.manual_seed(0)
+        first, exploding = nn.Linear(2, 2), _Exploding(2, 2)
+        body = nn.Sequential(
+            CheckpointLike(first) if wrap else first,
+            _Tolerant(CheckpointLike(exploding) if wrap else exploding),
+        )
+        return CheckpointLike(body) if wrap else body
+
+    wrapped, plain = build(True), build(False)
+    for _ in range(2):  # the second call sees whatever the first one left behind
+        assert list(wrapped.state_dict()) == list(plain.state_dict()) == ["0.weight", "0.bias", "1.scale"]
+        assert _save_frames() == [], "state_dict left frames behind"
+
+
+def test_state_dict_and_load_leave_no_frames_behind() -> None:
+    plain, wrapped = _deep_wrappers(4)
+    for _ in range(3):
+        wrapped.load_state_dict(wrapped.state_dict())
+    assert _save_frames() == [] and not any(_LOAD_FRAMES.get(m) for m in wrapped.modules())
 
 
 def test_prefix_hooks_load_both_ways_and_name_keys() -> None:
