@@ -47,6 +47,7 @@ from conformance.asserts import (
     assert_local_shard,
     assert_names_key,
     assert_same_error_on_every_rank,
+    assert_bitwise_equal,
     assert_same_state,
     assert_unchanged,
     bits,
@@ -481,6 +482,46 @@ def test_submodule_keyed_load(impl: Any, how: str, strict: bool) -> None:
     assert_same_state({k: after[k] for k in outside}, {k: before[k] for k in outside}, what="entries outside '1'")
     assert sorted(result.missing_keys) == sorted(outside)
     assert list(result.unexpected_keys) == []
+
+
+class _SharedChild(nn.Module):
+    """``first`` and ``second`` are one module, reachable at two paths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(3, 2)
+        self.second = self.first
+        self.other = nn.Linear(2, 2)
+
+
+@pytest.mark.req("SD-6")
+def test_submodule_key_reachable_at_two_paths_is_an_error(impl: Any) -> None:
+    """A submodule key stands for one path; a module reachable at two has no single FQN to load at."""
+    ops = sd_ops(impl)
+    model = _SharedChild()
+    sub_sd = {k: different_like(v) for k, v in model.first.state_dict().items()}
+    before = snapshot(model=model)
+    expect_error(lambda: ops.set_model_state_dict(model, {model.first: sub_sd}, options=ops.options(strict=False)),
+                 ValueError, needles=["first", "second"], what="set keyed by a submodule reachable at two paths")
+    assert_unchanged(before, model=model, where="after the refused load")
+
+
+@pytest.mark.req("SD-6")
+def test_entry_given_under_two_submodule_keys_is_an_error(impl: Any) -> None:
+    """{model.1: ..., model.1.inner: ...} gives the entries of ``1.inner`` twice: which one wins is not
+    defined, so the load is refused naming a twice-given FQN, and nothing changes."""
+    ops = sd_ops(impl)
+    model, source = zoo.build("nested", seed=1), zoo.build("nested", seed=0)
+    outer, inner = model.get_submodule("1"), model.get_submodule("1.inner")
+    given = {outer: copy.deepcopy(source.get_submodule("1").state_dict()),
+             inner: copy.deepcopy(source.get_submodule("1.inner").state_dict())}
+    twice = sorted("1.inner." + key for key in given[inner])
+    before = snapshot(model=model)
+    exc = expect_error(lambda: ops.set_model_state_dict(model, given, options=ops.options(strict=False)),
+                       ValueError, what="set with one entry under two submodule keys")
+    if not any(key in str(exc) for key in twice):
+        fail("the error names no entry that was given twice", str(exc), f"one of {twice}")
+    assert_unchanged(before, model=model, where="after the refused load")
 
 
 @pytest.mark.req("SD-6")
@@ -955,6 +996,47 @@ def test_sharded_full_state_dict_cpu_offload(dist: Any, impl: Any, part: str) ->
         assert_same_state(got, expected, what="full model state dict", atol=ATOL, rtol=RTOL)
     else:
         assert_same_optim(got, expected, "full optimizer state dict", atol=ATOL)
+
+
+def dtensor_model(name: str, seed: int, dist: Any) -> nn.Module:
+    """Zoo model ``name`` whose every parameter is a DTensor sharded on dim 0 over all ranks, with no
+    FSDP wrapper (how tensor parallelism leaves a model); buffers stay plain."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model, mesh = zoo.build(name, seed=seed, device=dist.device), dist.mesh()
+    for module in model.modules():
+        for attr, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.detach(), mesh, [Shard(0)])
+            module.register_parameter(attr, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    return model
+
+
+@pytest.mark.req("SD-19")
+@pytest.mark.parametrize("form", ("full", "sharded"))
+@pytest.mark.parametrize("name", ("nested", "tiny", "dtypes"))
+def test_dtensor_parameters_without_fsdp(dist: Any, impl: Any, name: str, form: str) -> None:
+    """Parameters that are DTensors without any FSDP unit: ``full_state_dict=True`` gives the plain full
+    values on every rank, ``False`` the DTensors (each rank's local shard as the layout says), and a set
+    of either form into a model of another seed restores the source bit for bit on every rank."""
+    ops = sd_ops(impl)
+    oracle = zoo.build(name, seed=0, device=dist.device).state_dict()
+    source, target = dtensor_model(name, 0, dist), dtensor_model(name, 1, dist)
+    options = ops.options(full_state_dict=form == "full")
+    got = ops.get_model_state_dict(source, options=options)
+    where = f"rank {dist.rank}"
+    if form == "full":
+        assert_same_state(got, oracle, what="full state dict of a DTensor-parameter model", where=where)
+    else:
+        assert list(got) == list(oracle), f"{where}: keys {list(got)}"
+        params = dict(source.named_parameters())
+        for key, value in got.items():
+            if key in params:
+                assert_local_shard(value, oracle[key], what="sharded state dict entry", where=f"{key} on {where}")
+            else:
+                assert_bitwise_equal(value, oracle[key], what="buffer", where=f"{key} on {where}")
+    ops.set_model_state_dict(target, copy.deepcopy(got), options=options)
+    full = ops.get_model_state_dict(target, options=ops.options(full_state_dict=True))
+    assert_same_state(full, oracle, what=f"target after a set of the {form} state dict", where=where)
 
 
 @pytest.mark.req("SD-4", "SD-5")
