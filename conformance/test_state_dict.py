@@ -1011,6 +1011,22 @@ def dtensor_model(name: str, seed: int, dist: Any) -> nn.Module:
     return model
 
 
+@pytest.mark.req("SD-12", "SD-19")
+def test_dtensor_parameters_full_cpu_offload(dist: Any, impl: Any) -> None:
+    """full_state_dict + cpu_offload on a DTensor-parameter model: rank 0 holds the full values on the
+    CPU, every other rank ``{}``."""
+    ops = sd_ops(impl)
+    oracle = zoo.build("nested", seed=0, device=dist.device).state_dict()
+    got = ops.get_model_state_dict(dtensor_model("nested", 0, dist), options=ops.options(full_state_dict=True, cpu_offload=True))
+    if dist.rank != 0:
+        assert got == {}, f"rank {dist.rank}: with cpu_offload only rank 0 holds the full state dict; got keys {list(got)}"
+        return
+    off_cpu = {key: str(value.device) for key, value in got.items() if value.device.type != "cpu"}
+    if off_cpu:
+        fail("cpu_offload: tensors not on the CPU", off_cpu, "cpu", "rank 0")
+    assert_same_state(got, {k: v.cpu() for k, v in oracle.items()}, what="full state dict on rank 0", where="rank 0")
+
+
 @pytest.mark.req("SD-19")
 @pytest.mark.parametrize("form", ("full", "sharded"))
 @pytest.mark.parametrize("name", ("nested", "tiny", "dtypes"))
