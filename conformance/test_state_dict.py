@@ -344,6 +344,41 @@ def test_flattened_optimizer_state_dict(impl: Any, name: str) -> None:
                       what="flattened optimizer state dict", check_order=False)
 
 
+def _fresh_optimizer(kind: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.5)
+    return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=0.5)
+
+
+@pytest.mark.req("SD-20")
+@pytest.mark.parametrize("kind", ("adamw", "sgd"))
+def test_get_of_a_fresh_optimizer_changes_nothing(impl: Any, kind: str) -> None:
+    """An optimizer that never stepped has its state built for the get, as one step with zero grads at
+    lr 0 builds it, and the model is untouched: parameters bit for bit (weight decay would move them at
+    the real lr), grads still None, every hyperparameter as it was."""
+    ops = sd_ops(impl)
+    model = zoo.build("nested")
+    optim = _fresh_optimizer(kind, model, lr=0.5)
+    oracle_model = copy.deepcopy(model)
+    oracle = _fresh_optimizer(kind, oracle_model, lr=0.0)
+    for param in oracle_model.parameters():
+        param.grad = torch.zeros_like(param) if param.requires_grad else None
+    oracle.step()
+
+    def hyper(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+    groups_before = copy.deepcopy(hyper(optim.param_groups))
+    before = snapshot(model=model)
+    got = ops.get_optimizer_state_dict(model, optim)
+    assert_unchanged(before, model=model, where=f"after get_optimizer_state_dict of a fresh {kind}")
+    assert_same_state(hyper(optim.param_groups), groups_before, what="the optimizer's hyperparameters after the get")
+    assert_same_state(hyper(got["param_groups"]), groups_before, what="hyperparameters in the returned state dict")
+    assert_same_state(got["state"], fqn_keyed_optim(oracle_model, oracle)["state"],
+                      what="state built for the get", check_order=False)
+
+
 @pytest.mark.req("SD-1", "SD-2", "SD-11")
 @pytest.mark.parametrize("name", ("tied", "buffers", "nested"))
 def test_round_trip_through_ddp(dist: Any, impl: Any, name: str) -> None:
@@ -568,6 +603,25 @@ def test_nonstrict_partial_load_reports_keys(impl: Any) -> None:
     after = target.state_dict()
     assert_same_state({k: after[k] for k in given}, given, what="given entries")
     assert_same_state({k: after[k] for k in dropped}, {k: before[k] for k in dropped}, what="entries not given")
+
+
+@pytest.mark.req("SD-7")
+def test_nonstrict_optimizer_load_keeps_state_not_given(impl: Any) -> None:
+    """A non-strict optimizer load that gives state for only some parameters: those take the given state,
+    the others keep their own (bit for bit), whatever the order of the target's parameters."""
+    ops = sd_ops(impl)
+    pair = plain_pair("nested", layout="reversed")
+    saved = copy.deepcopy(ops.get_optimizer_state_dict(pair.source, pair.source_optim))
+    fqns = list(saved["state"])
+    dropped = fqns[::2]
+    given = {**saved, "state": {fqn: value for fqn, value in saved["state"].items() if fqn not in dropped}}
+    before = copy.deepcopy(fqn_keyed_optim(pair.target, pair.target_optim)["state"])
+    ops.set_optimizer_state_dict(pair.target, pair.target_optim, copy.deepcopy(given), options=ops.options(strict=False))
+    after = fqn_keyed_optim(pair.target, pair.target_optim)["state"]
+    assert sorted(after) == sorted(fqns), f"parameters with state after the load: {sorted(after)}"
+    for fqn in fqns:
+        expected, source = (before[fqn], "its own state") if fqn in dropped else (saved["state"][fqn], "the given state")
+        assert_same_state(after[fqn], expected, what=f"optimizer state after a partial non-strict load ({source})", where=fqn)
 
 
 @pytest.mark.req("SD-7", "SD-8")
