@@ -90,3 +90,28 @@ def test_reference_sharded_model_state_dict(dist, strategy: str, use_orig_params
     target = _wrap(models.build("tiny", seed=1, device=dist.device), dist, strategy, use_orig_params)
     load_sharded_state_dict(target, sharded)
     assert_same_state(full_state_dict(target), oracle, what="full state dict after loading the sharded one", where=f"{strategy}, rank {dist.rank}")
+
+
+@pytest.mark.req("OS-19")
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_reference_reshards_after_forward_as_its_strategy_says(dist, strategy: str, grad: bool) -> None:
+    """Between forward and backward a unit holds what its strategy promises: FULL_SHARD only this rank's
+    shard (the gathered memory freed), SHARD_GRAD_OP and NO_SHARD the whole flat parameter."""
+    model = models.build("mlp", device=dist.device)
+    unit = FullyShardedDataParallel(model, sharding_strategy=strategy, device_id=dist.device)
+    flat = unit.flat_param
+    assert flat is not None
+    shard_numel = flat.numel()  # between iterations every strategy holds its local shard
+    total = sum(p.numel() for p in models.build("mlp").parameters())
+    with torch.set_grad_enabled(grad):
+        unit(models.batch("mlp", device=dist.device))
+    held = unit.flat_param.numel()
+    if strategy == "FULL_SHARD" or dist.world_size == 1:
+        expected = shard_numel
+    elif strategy == "NO_SHARD":
+        expected = total  # never sharded, so never padded
+    else:
+        expected = -(-total // dist.world_size) * dist.world_size  # gathered: the padded flat parameter
+    if held != expected:
+        fail(f"{strategy}: flat parameter size between forward and backward", held, expected, f"rank {dist.rank}")
