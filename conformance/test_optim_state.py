@@ -889,12 +889,16 @@ def test_bad_optimizer_state_dict_is_a_clear_error(dist, impl, kind: str, use_or
 @pytest.mark.req("OS-17")
 @pytest.mark.rank_timeout(30)
 @pytest.mark.parametrize(
-    ("kind", "where"), [("mixed-requires-grad", "every-rank"), ("mixed-requires-grad", "one-rank"), ("shared-across-units", "every-rank")]
+    ("kind", "where", "strategy"),
+    [("mixed-requires-grad", "every-rank", "FULL_SHARD"), ("mixed-requires-grad", "one-rank", "FULL_SHARD"),
+     ("shared-across-units", "every-rank", "FULL_SHARD"), ("mixed-requires-grad", "one-rank", "HYBRID_SHARD")],
+    ids=lambda value: value,
 )
-def test_bad_layout_is_a_clear_error(dist, impl, kind: str, where: str) -> None:
+def test_bad_layout_is_a_clear_error(dist, impl, kind: str, where: str, strategy: str) -> None:
     """Frozen and trainable parameters in one flat parameter (on every rank, or on the last rank only:
     a rank that froze a layer by mistake), or one parameter in two units: every rank raises the same
-    ValueError naming the parameters whole, and every rank's module is as it was."""
+    ValueError naming the parameters whole, and every rank's module is as it was. HYBRID_SHARD's 2-D
+    mesh spans the world too: the ranks agree on the error over all of it."""
     ops = impl.require("optim_state")
     if kind == "mixed-requires-grad":
         model, units, names, orig = models.build("frozen", device=dist.device), (), ("stem.weight",), False
@@ -902,12 +906,12 @@ def test_bad_layout_is_a_clear_error(dist, impl, kind: str, where: str) -> None:
             model.stem.requires_grad_(True)  # this rank's model is uniform: it would wrap
     else:  # embed.weight is head.weight: a unit at `embed` and the root would both hold it
         model, units, names, orig = models.build("tied", device=dist.device), ("embed",), ("embed.weight", "head.weight"), True
-    reason = ops.unsupported("FULL_SHARD", orig)
+    reason = ops.unsupported(strategy, orig)
     if reason:
         pytest.skip(reason)
     ids = {id(m) for n, m in model.named_modules() if n in units}
     before = snapshot(model=model)
-    exc = raised(lambda: ops.wrap(model, strategy="FULL_SHARD", use_orig_params=orig, units=lambda m: id(m) in ids, device=dist.device))
+    exc = raised(lambda: ops.wrap(model, strategy=strategy, use_orig_params=orig, units=lambda m: id(m) in ids, device=dist.device))
     _check_error(dist, exc, (ValueError,), names, f"{kind} on {where}")
     assert_unchanged(before, where=f"{kind} on {where}: rank {dist.rank}", model=model)
     wrapped = [type(m).__name__ for m in model.modules() if "FullyShard" in type(m).__name__ or "FSDP" in type(m).__name__]

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conformance import models
 from conformance.adapters.optim_state import STRATEGIES, _mesh, hybrid_mesh_shape
-from conformance.asserts import assert_local_shard, assert_same_state, assert_unchanged, expect_error, fail, snapshot
+from conformance.asserts import assert_local_shard, assert_same_error_on_every_rank, assert_same_state, assert_unchanged, expect_error, fail, snapshot
 from reference.fsdp import FullyShardedDataParallel, full_state_dict, load_sharded_state_dict, sharded_state_dict
 
 
@@ -115,3 +115,22 @@ def test_reference_reshards_after_forward_as_its_strategy_says(dist, strategy: s
         expected = -(-total // dist.world_size) * dist.world_size  # gathered: the padded flat parameter
     if held != expected:
         fail(f"{strategy}: flat parameter size between forward and backward", held, expected, f"rank {dist.rank}")
+
+
+@pytest.mark.req("OS-17")
+@pytest.mark.rank_timeout(30)
+@pytest.mark.parametrize("given", ["device_mesh", "process_group"])
+def test_reference_construction_error_on_one_rank_is_raised_on_every_rank(dist, given: str) -> None:
+    """The ranks that construct a unit together are those of the group or 1-D mesh it is given: a layout
+    error only the last rank sees (it froze a layer of its copy) is raised alike on every rank."""
+    if dist.world_size == 1:
+        pytest.skip("at world size 1 the one-rank case is the every-rank case")
+    model = models.build("frozen", device=dist.device)
+    if dist.rank != dist.world_size - 1:
+        model.stem.requires_grad_(True)  # this rank's model is uniform: alone, it would wrap
+    before = snapshot(model=model)
+    placement = {"device_mesh": _mesh(dist.device, (dist.world_size,))} if given == "device_mesh" else {"process_group": dist.group}
+    exc = expect_error(lambda: FullyShardedDataParallel(model, sharding_strategy="FULL_SHARD", device_id=dist.device, **placement),
+                       ValueError, needles=["stem.weight"], where=f"rank {dist.rank}")
+    assert_same_error_on_every_rank(dist, exc, what=f"construction with a {given}")
+    assert_unchanged(before, where=f"rank {dist.rank}", model=model)
