@@ -886,26 +886,59 @@ def test_bad_optimizer_state_dict_is_a_clear_error(dist, impl, kind: str, use_or
     assert_unchanged(before, where=f"{kind} ({form}) on {where}: after the failed load, rank {dist.rank}", optim=run.optim, model=run.model)
 
 
+class _SharedAcross(nn.Module):
+    """Two linear layers named ``first`` and ``second`` whose weights are one parameter."""
+
+    def __init__(self, first: str, second: str) -> None:
+        super().__init__()
+        setattr(self, first, nn.Linear(4, 4))
+        setattr(self, second, nn.Linear(4, 4))
+        getattr(self, second).weight = getattr(self, first).weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(layer(x) for layer in self.children())
+
+
+def _bad_layout(kind: str, bad: bool, device: Any) -> tuple[nn.Module, tuple[str, ...], tuple[str, ...], bool]:
+    """A model whose layout is bad in the way ``kind`` says when ``bad`` (else one that would wrap), the
+    units to wrap, the FQNs the error must name and the ``use_orig_params`` it needs."""
+    if kind == "mixed-requires-grad":
+        model = models.build("frozen", device=device)
+        if not bad:
+            model.stem.requires_grad_(True)  # this rank's model is uniform: it would wrap
+        return model, (), ("stem.weight",), False
+    if kind == "mixed-dtype":  # one unit (the root) would flatten float32 and float64 parameters together
+        model = models.build("mlp", device=device)
+        if bad:
+            model.net[2].double()
+        return model, (), ("net.2.weight", "net.2.bias"), True
+    if kind == "shared-across-units":  # embed.weight is head.weight: a unit at `embed` and the root would both hold it
+        return models.build("tied", device=device), ("embed",), ("embed.weight", "head.weight"), True
+    # shared by units whose names end alike ("proj" and "projX", "h.1" and "h.10"): units are told
+    # apart by their whole names, so the shared parameter is still an error naming both
+    first, second = kind.removeprefix("shared-across-units:").split("/")
+    return _SharedAcross(first, second).to(device), (first, second), (f"{first}.weight", f"{second}.weight"), True
+
+
 @pytest.mark.req("OS-17")
 @pytest.mark.rank_timeout(30)
 @pytest.mark.parametrize(
     ("kind", "where", "strategy"),
     [("mixed-requires-grad", "every-rank", "FULL_SHARD"), ("mixed-requires-grad", "one-rank", "FULL_SHARD"),
-     ("shared-across-units", "every-rank", "FULL_SHARD"), ("mixed-requires-grad", "one-rank", "HYBRID_SHARD")],
-    ids=lambda value: value,
+     ("mixed-dtype", "every-rank", "FULL_SHARD"), ("mixed-dtype", "one-rank", "FULL_SHARD"),
+     ("shared-across-units", "every-rank", "FULL_SHARD"), ("shared-across-units:proj/projX", "every-rank", "FULL_SHARD"),
+     ("shared-across-units:enc/enc_", "every-rank", "FULL_SHARD"),
+     ("mixed-requires-grad", "one-rank", "HYBRID_SHARD")],
+    ids=lambda value: value.replace("/", "+").replace(":", "-"),
 )
 def test_bad_layout_is_a_clear_error(dist, impl, kind: str, where: str, strategy: str) -> None:
-    """Frozen and trainable parameters in one flat parameter (on every rank, or on the last rank only:
-    a rank that froze a layer by mistake), or one parameter in two units: every rank raises the same
-    ValueError naming the parameters whole, and every rank's module is as it was. HYBRID_SHARD's 2-D
-    mesh spans the world too: the ranks agree on the error over all of it."""
+    """Frozen and trainable parameters in one flat parameter, or float32 and float64 ones (on every
+    rank, or on the last rank only: a rank that froze or cast a layer by mistake), or one parameter in
+    two units (also units whose names end alike): every rank raises the same ValueError naming the
+    parameters whole, and every rank's module is as it was. HYBRID_SHARD's 2-D mesh spans the world
+    too: the ranks agree on the error over all of it."""
     ops = impl.require("optim_state")
-    if kind == "mixed-requires-grad":
-        model, units, names, orig = models.build("frozen", device=dist.device), (), ("stem.weight",), False
-        if not _bad_here(dist, where):
-            model.stem.requires_grad_(True)  # this rank's model is uniform: it would wrap
-    else:  # embed.weight is head.weight: a unit at `embed` and the root would both hold it
-        model, units, names, orig = models.build("tied", device=dist.device), ("embed",), ("embed.weight", "head.weight"), True
+    model, units, names, orig = _bad_layout(kind, _bad_here(dist, where), dist.device)
     reason = ops.unsupported(strategy, orig)
     if reason:
         pytest.skip(reason)

@@ -344,6 +344,51 @@ def test_flattened_optimizer_state_dict(impl: Any, name: str) -> None:
                       what="flattened optimizer state dict", check_order=False)
 
 
+class _NestedStateAdam(torch.optim.Adam):
+    """Adam that also keeps nested per-parameter state, as optimizers with EMA or history do: a dict of
+    tensors by name and a dict by int (the flattened form spells both keys as text)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for param in group["params"]:
+                state = self.state[param]
+                ema = state.setdefault("ema", {"fast": torch.zeros_like(param), "slow": torch.zeros_like(param)})
+                ema["fast"].lerp_(param, 0.5)
+                ema["slow"].lerp_(param, 0.125)
+                history = state.setdefault("history", {})
+                history[len(history)] = param.detach().clone()
+        return loss
+
+
+@pytest.mark.req("SD-2")
+def test_flattened_nested_state_round_trips(impl: Any) -> None:
+    """Per-parameter state that holds dicts (by name and by int) flattens to ``state.<fqn>.ema.fast`` and
+    ``state.<fqn>.history.0``, and a set of that flat dict into a target whose nested state differs
+    restores it as it was: int keys as ints, every tensor bit for bit."""
+    ops = sd_ops(impl)
+    options = ops.options(flatten_optimizer_state_dict=True)
+    source = zoo.build("nested", seed=0)
+    source_optim = add_source_extras(_NestedStateAdam(zoo.param_groups(source)))
+    train(source, source_optim, "nested", range(2))
+    expected = fqn_keyed_optim(source, source_optim)
+    try:
+        flat = ops.get_optimizer_state_dict(source, source_optim, options=options)
+    except Unsupported as exc:
+        pytest.skip(str(exc))
+    fqn = next(iter(expected["state"]))
+    for key in (f"state.{fqn}.ema.fast", f"state.{fqn}.ema.slow", f"state.{fqn}.history.0", f"state.{fqn}.history.1"):
+        if key not in flat:
+            fail("a nested state's flattened key", sorted(k for k in flat if k.startswith(f"state.{fqn}.")), key, "flattened optimizer state dict")
+    target = zoo.build("nested", seed=1)
+    target_optim = _NestedStateAdam([{"params": g} for g in regroup([g["params"] for g in zoo.param_groups(target)], "reversed")])
+    perturb_hyperparameters(target_optim)
+    train(target, target_optim, "nested", range(5, 8))  # three history entries: the load must drop the third
+    ops.set_optimizer_state_dict(target, target_optim, flat, options=options)
+    assert_same_optim(fqn_keyed_optim(target, target_optim), expected, what="optimizer state after a set of the flattened nested state")
+
+
 def _fresh_optimizer(kind: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     if kind == "adamw":

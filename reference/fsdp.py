@@ -431,9 +431,7 @@ def _unsharded_params(model: nn.Module) -> Iterator[None]:
     finally:
         for unit, flat in hidden:
             unit._parameters[FLAT_PARAM] = flat
-        _reshard_all(model)
-        for unit in units:  # reshard() skips units that were never unsharded; restore their names too
-            unit._handle.use_sharded_params()
+        _reshard_all(model)  # every unit whose names were pointed at full views was unsharded first
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, torch.Tensor]:

@@ -5,7 +5,9 @@ Vocabulary: an *id-keyed* optimizer state dict is what ``Optimizer.state_dict()`
 one uses the canonical FQN of each parameter in their place, so that it is independent of how the
 parameters were split among optimizers and groups. A *flattened* one is a single-level dict
 ``{"state.<fqn>.<name>": v, "param_groups.<fqn>.<hyperparameter>": v}`` (torch's
-``flatten_optimizer_state_dict``).
+``flatten_optimizer_state_dict``). Nested per-parameter state flattens further with ``.``
+(``state.<fqn>.ema.fast``, ``state.<fqn>.history.0``); un-flattening reads an all-digit segment as
+an int key, as optimizer state uses ints (the text form cannot tell ``0`` from ``"0"``).
 
 Nothing here talks to a process group.
 """
@@ -270,9 +272,10 @@ def unflatten(flat: Mapping[str, Any], param_fqns: ParamFQNs) -> dict[str, Any]:
         if section == STATE:
             fqn, path = split(rest, key)
             node = state.setdefault(fqn, {})
-            for part in path[:-1]:
-                node = node.setdefault(int(part) if part.isdigit() else part, {})
-            node[path[-1]] = value
+            keys = [int(part) if part.isdigit() else part for part in path]  # the flat form spells int keys as text
+            for key_part in keys[:-1]:
+                node = node.setdefault(key_part, {})
+            node[keys[-1]] = value
         elif section == PG:
             fqn, path = split(rest, key)
             hyper.setdefault(fqn, {})[".".join(path)] = value
