@@ -65,8 +65,11 @@ class Adapter:
 
     #: Short name used in test ids and the report.
     name: ClassVar[str] = "unnamed"
-    #: Path (relative to the repository root or absolute) of the checked-in expected-failures file of
-    #: this adapter, applied whenever it is selected; None for none.
+    #: The expected-failures file of this adapter's known deviations (format:
+    #: :mod:`conformance.harness.xfails`), absolute or relative to the directory of the module that
+    #: defines the class; None for none. Applied whenever the adapter is selected, and inherited: an
+    #: adapter derived from this one gets these entries too (its own file comes first and may remove
+    #: inherited entries with ``!pattern`` lines). A file that does not exist is a usage error.
     xfails_file: ClassVar[str | None] = None
 
     spec: str  # set by load_adapter: how to recreate this adapter on another process

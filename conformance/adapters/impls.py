@@ -41,7 +41,7 @@ class TorchAdapter(Adapter):
     A vendor fork is validated by installing it in the environment and selecting this adapter."""
 
     name = "torch"
-    xfails_file = "conformance/xfails/torch.txt"
+    xfails_file = "../xfails/torch.txt"
 
     def flat_param(self) -> Any:
         raise Unsupported("upstream torch has no public FlattenParamsWrapper (FSDP's FlatParameter is internal)")
@@ -66,7 +66,7 @@ class TorchFSDP2Adapter(Adapter):
     """Upstream torch's per-parameter sharding (``fully_shard``) with the DCP state_dict APIs."""
 
     name = "torch-fsdp2"
-    xfails_file = "conformance/xfails/torch-fsdp2.txt"
+    xfails_file = "../xfails/torch-fsdp2.txt"
 
     def flat_param(self) -> Any:
         raise Unsupported("fully_shard shards each parameter as a DTensor; it has no FlatParameter")
@@ -91,7 +91,7 @@ class FairscaleAdapter(Adapter):
     """fairscale's ``FlattenParamsWrapper``: checked for the flat-parameter section only."""
 
     name = "fairscale"
-    xfails_file = "conformance/xfails/fairscale.txt"
+    xfails_file = "../xfails/fairscale.txt"
 
     def flat_param(self) -> Any:
         try:

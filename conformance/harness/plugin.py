@@ -8,12 +8,15 @@ How tests use it is in :mod:`conformance.harness`.
 from __future__ import annotations
 
 import atexit
+import functools
 import inspect
 import itertools
 import json
 import shutil
+import sys
 import tempfile
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NoReturn
@@ -21,16 +24,23 @@ from typing import Any, Callable, NoReturn
 import pytest
 
 from conformance.adapters.base import SHIPPED, Adapter, capability_of, load_adapter
+from conformance.harness.failures import DIED, HUNG, Failure
 from conformance.harness.pool import PoolManager, PoolRun, PoolStartError
 from conformance.harness.requirements import load_spec
 from conformance.harness.worker import DIST_ARG
-from conformance.harness.xfails import XfailEntry, matches_at_any_world_size, parse_xfails
+from conformance.harness.xfails import XfailEntry, as_run_by, matches_at_any_world_size, parse_xfails
 
 __all__ = ["DistSpec", "Pools", "StaleXfailWarning"]
 
 _CONFORMANCE_DIR = Path(__file__).resolve().parent.parent
 _REPO_ROOT = _CONFORMANCE_DIR.parent
 _MANAGER = pytest.StashKey[PoolManager]()
+#: The expected-failures entries of the session (loaded once, at configure).
+_ENTRIES = pytest.StashKey[list[XfailEntry]]()
+#: The known-deviation entry applied to a test, for the pin check after it ran.
+_ENTRY = pytest.StashKey[XfailEntry]()
+#: (world size, failures) of a test's last rank run.
+_RANK_FAILURES = pytest.StashKey[tuple[int, list[Failure]]]()
 
 
 class StaleXfailWarning(UserWarning):
@@ -115,6 +125,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "rank_timeout(seconds): cut this rank test after `seconds` (at most --rank-timeout): for tests where a wrong "
         "implementation leaves ranks waiting",
     )
+    config.stash[_ENTRIES] = _load_xfail_entries(config)
     manager = PoolManager(pg_timeout_s=max(60.0, config.getoption("--rank-timeout") * 2))
     config.stash[_MANAGER] = manager
     _SESSION_RESULTS.clear()
@@ -135,7 +146,34 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"conformance: torch {torch.__version__}, cuda devices {_cuda_count()}",
         f"conformance: world sizes {sizes}, backends {backends}, rank timeout {config.getoption('--rank-timeout')}s",
         f"conformance: implementations {', '.join(_impl_specs(config))}",
+        *_entries_header(config),
     ]
+
+
+def _entries_header(config: pytest.Config) -> list[str]:
+    """One line per expected-failures file: its entries, how many are active for this torch and
+    which backends/devices they need; then every entry that is not active everywhere, by name."""
+    import torch
+
+    by_file: dict[str, list[XfailEntry]] = {}
+    for entry in config.stash.get(_ENTRIES, []):
+        by_file.setdefault(entry.source.rsplit(":", 1)[0], []).append(entry)
+    lines = []
+    for path, entries in by_file.items():
+        inactive = [e for e in entries if not e.when.holds_for_torch(torch.__version__)]
+        conditional = [e for e in entries if e not in inactive and (e.when.backend or e.when.device)]
+        pinned = sum(1 for e in entries if e.pin)
+        counts = Counter(e.when.describe() for e in inactive)
+        lines.append(
+            f"conformance: known deviations {path}: {len(entries)} entries, {len(entries) - len(inactive)} active for torch "
+            f"{torch.__version__} ({len(conditional)} of them only on some backends/devices), {pinned} pinned"
+            + (f"; inactive: {', '.join(f'{n} x {c}' for c, n in counts.items())}" if inactive else "")
+        )
+        for entry in inactive:
+            lines.append(f"conformance:   inactive ({entry.when.describe()}): {entry.source} {entry.pattern}")
+        for entry in conditional:
+            lines.append(f"conformance:   only where {entry.when.describe()}: {entry.source} {entry.pattern}")
+    return lines
 
 
 # -- parametrization over the axes ----------------------------------------------------------------
@@ -202,22 +240,88 @@ def _item_impl(item: pytest.Item) -> Adapter | None:
     return value if isinstance(value, Adapter) else None
 
 
+def adapter_xfail_files(adapter: Adapter) -> list[tuple[str, Path]]:
+    return list(_xfail_files_of(type(adapter), adapter.name))
+
+
+@functools.cache
+def _xfail_files_of(adapter_cls: type, adapter_name: str) -> tuple[tuple[str, Path], ...]:
+    """The expected-failures files that apply to ``adapter``, its own first: for each class in its MRO
+    that sets ``xfails_file``, (that class's ``name``, the file). A relative path is resolved against
+    the directory of the module that defines the class."""
+    files = []
+    for cls in adapter_cls.__mro__:
+        raw = cls.__dict__.get("xfails_file")
+        if not raw:
+            continue
+        path = Path(raw)
+        if not path.is_absolute():
+            module = sys.modules.get(cls.__module__)
+            module_file = getattr(module, "__file__", None)
+            if module_file is None:
+                raise ValueError(f"{cls.__qualname__}.xfails_file {raw!r} is relative, but module {cls.__module__!r} has no file to resolve it against")
+            path = Path(module_file).resolve().parent / path
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"expected-failures file {path} of adapter {adapter_name!r} ({cls.__module__}.{cls.__qualname__}.xfails_file = {raw!r}, "
+                "relative to the directory of that module) does not exist"
+            )
+        files.append((str(getattr(cls, "name", adapter_name)), path))
+    return tuple(files)
+
+
 def _load_xfail_entries(config: pytest.Config) -> list[XfailEntry]:
-    """The entries of every ``--xfails`` file and adapter file; a malformed file is a usage error."""
+    """The entries of every ``--xfails`` file and adapter file (inherited ones included); a missing or
+    malformed file is a usage error naming it."""
     entries: list[XfailEntry] = []
+    seen: set[tuple[Path, str]] = set()
     try:
         for raw in config.getoption("--xfails"):
-            entries += parse_xfails(Path(raw))
+            entries += parse_xfails(Path(raw).resolve())
         for spec in _impl_specs(config):
-            adapter = load_adapter(spec)
-            if adapter.xfails_file:
-                path = Path(adapter.xfails_file)
-                path = path if path.is_absolute() else _REPO_ROOT / path
-                if path.is_file():
-                    entries += parse_xfails(path, impl=adapter.name)
+            try:
+                adapter = load_adapter(spec)
+            except ValueError:
+                continue  # reported as a usage error where the axes are built
+            for depth, (name, path) in enumerate(adapter_xfail_files(adapter), start=1):
+                if (path, name) not in seen:
+                    seen.add((path, name))
+                    entries += parse_xfails(path, impl=name, depth=depth)
     except (OSError, ValueError) as error:
         raise pytest.UsageError(str(error)) from None
     return entries
+
+
+def _item_backend(item: pytest.Item) -> str | None:
+    """The process-group backend a test runs with; None for a test on the controller."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return None
+    spec = callspec.params.get("dist")
+    if isinstance(spec, DistSpec):
+        return spec.backend
+    pair = callspec.params.get("world_size_pair")
+    if pair:
+        return _backend_for(item.config, max(pair))
+    return None
+
+
+def _entry_for(item: pytest.Item, entries: list[XfailEntry], torch_version: str) -> XfailEntry | None:
+    """The entry that marks ``item``: ``--xfails`` entries first, then the adapter's own file, then the
+    files of its base adapters; a removal (``!pattern``) stops the search. Entries whose conditions do
+    not hold for this test are skipped."""
+    impl = _item_impl(item)
+    backend = _item_backend(item)
+    mro_names = [name for name, _ in adapter_xfail_files(impl)] if impl is not None else []
+    candidates = [e for e in entries if e.impl is None or e.impl in mro_names]
+    candidates.sort(key=lambda e: (0 if e.impl is None else 1 + mro_names.index(e.impl)))
+    for entry in candidates:
+        if not entry.when.holds(torch_version, backend):
+            continue
+        nodeid = as_run_by(item.nodeid, impl.name, entry.impl) if (impl is not None and entry.impl) else item.nodeid
+        if entry.matches(nodeid):
+            return None if entry.removes else entry
+    return None
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -256,24 +360,37 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             "reference alone belong in tests/reference/: " + ", ".join(without_impl[:10])
         )
 
-    entries = _load_xfail_entries(config)
+    import torch
+
+    entries = config.stash.get(_ENTRIES, [])
     used: set[XfailEntry] = set()
     for item in items:
-        impl = _item_impl(item)
-        for entry in entries:
-            if entry.matches(item.nodeid, impl.name if impl else None):
-                used.add(entry)
-                if entry.hangs and not config.getoption("--run-known-hangs"):
-                    reason = f"{entry.reason} [{entry.source}; a known hang, not run: --run-known-hangs runs it]"
-                    item.add_marker(pytest.mark.xfail(reason=reason, run=False))
-                else:
-                    item.add_marker(pytest.mark.xfail(reason=f"{entry.reason} [{entry.source}]", strict=False))
-                break
+        entry = _entry_for(item, entries, torch.__version__)
+        if entry is None:
+            continue
+        used.add(entry)
+        item.stash[_ENTRY] = entry
+        pinned = f"; pinned: {entry.pin.describe()}" if entry.pin else ""
+        if entry.hangs and not config.getoption("--run-known-hangs"):
+            reason = f"{entry.reason} [{entry.source}; a known hang, not run: --run-known-hangs runs it]"
+            item.add_marker(pytest.mark.xfail(reason=reason, run=False))
+        else:
+            item.add_marker(pytest.mark.xfail(reason=f"{entry.reason} [{entry.source}{pinned}]", strict=False))
+    _warn_stale(entries, used, items, torch.__version__)
+
+
+def _warn_stale(entries: list[XfailEntry], used: set[XfailEntry], items: list[pytest.Item], torch_version: str) -> None:
+    """Warn about each active entry of a collected test file that would match no collected test at
+    any world size (a removal: that would remove nothing). Entries conditioned on a backend or device
+    are not judged: the run may not use it."""
     collected_files = {item.nodeid.split("::", 1)[0] for item in items}
     for entry in entries:
         if entry in used or entry.file_part not in collected_files:
             continue
-        if not any(matches_at_any_world_size(entry.pattern, item.nodeid) for item in items):
+        if not entry.when.holds_for_torch(torch_version) or entry.when.backend or entry.when.device:
+            continue
+        ids = [as_run_by(i.nodeid, impl.name, entry.impl) if (impl := _item_impl(i)) and entry.impl else i.nodeid for i in items]
+        if not any(matches_at_any_world_size(entry.pattern, nodeid) for nodeid in ids):
             warnings.warn(
                 StaleXfailWarning(f"expected-failures entry {entry.pattern!r} ({entry.source}) matches no collected test"),
                 stacklevel=1,
@@ -359,6 +476,23 @@ def _judge(run: PoolRun, backend: str, timeout_s: float) -> list[Any]:
     pytest.fail(_format_run(run, backend, timeout_s, "ranks disagree"), pytrace=False)
 
 
+def rank_failures(run: PoolRun, timeout_s: float) -> list[Failure]:
+    """One :class:`Failure` per rank that failed, died or hung in ``run``, by rank."""
+    failures = []
+    for rank in range(run.world_size):
+        outcome = run.outcomes.get(rank)
+        if rank in run.died:
+            code = run.died[rank]
+            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            failures.append(Failure(rank=rank, type=DIED, message=f"the rank process died ({how})"))
+        elif rank in run.hung:
+            failures.append(Failure(rank=rank, type=HUNG, message=f"no answer within {timeout_s:.0f}s"))
+        elif outcome is not None and outcome.status == "fail":
+            lines = outcome.error.strip().splitlines()
+            failures.append(outcome.failure or Failure(rank=rank, type="Error", message=lines[-1] if lines else ""))
+    return failures
+
+
 def health_check_body(ctx: Any) -> None:
     """Run after ranks ended a test differently: proves the group still completes a collective."""
     ctx.barrier()
@@ -393,6 +527,8 @@ def _run_on_ranks(
             run = manager.run(world_size, backend, fn, args, kwargs, tmp_dir=tmp_dir, timeout_s=timeout_s)
         except PoolStartError as exc:
             pytest.fail(str(exc), pytrace=False)
+        if node is not None:
+            node.stash[_RANK_FAILURES] = (world_size, rank_failures(run, timeout_s))
         if run.healthy and len({o.status for o in run.outcomes.values()}) > 1:
             manager.run(world_size, backend, health_check_body, (DIST_ARG,), {}, tmp_dir=tmp_dir, timeout_s=30.0)
         return _judge(run, backend, timeout_s)
@@ -432,6 +568,43 @@ def pools(request: pytest.FixtureRequest) -> Pools:
     return Pools(request.config, request.node)
 
 
+# -- pinned known deviations: a test that fails otherwise is a failure ------------------------------
+
+
+def _test_failures(item: pytest.Item, call: pytest.CallInfo[None]) -> tuple[int | None, list[Failure]]:
+    """(world size or None, failures) of the test's call phase: the ranks' own failures for a rank
+    test, else the exception that ended it on the controller."""
+    if _RANK_FAILURES in item.stash:
+        return item.stash[_RANK_FAILURES]
+    excinfo = call.excinfo
+    if excinfo is None or isinstance(excinfo.value, (pytest.skip.Exception, pytest.xfail.Exception)):
+        return None, []
+    return None, [Failure.of(excinfo.value, None)]
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if call.when != "call":
+        return report
+    world_size, failures = _test_failures(item, call)
+    if failures and (report.failed or getattr(report, "wasxfail", None) is not None):
+        report.user_properties = [*report.user_properties, ("failures", [f.to_json() for f in failures])]
+    entry = item.stash.get(_ENTRY, None)
+    if entry is not None and entry.pin and report.skipped and getattr(report, "wasxfail", None) is not None:
+        problem = entry.pin.mismatch(failures, world_size)
+        if problem is not None:
+            got = "; ".join(f.headline() for f in failures) or "no failure recorded"
+            original = report.longreprtext
+            report.outcome = "failed"
+            del report.wasxfail
+            report.longrepr = (
+                f"known deviation failed differently ({entry.source}: {entry.reason}): {problem}\n"
+                f"  pinned: {entry.pin.describe()}\n  got:    {got}\n\n{original}"
+            )
+    return report
+
+
 # -- the JSON result -------------------------------------------------------------------------------
 
 
@@ -455,6 +628,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     entry = _SESSION_RESULTS.setdefault(
         report.nodeid, {"outcome": None, "reason": "", "reqs": props.get("reqs", []), "impl": props.get("impl")}
     )
+    if "failures" in props:
+        entry["failures"] = props["failures"]
     xfail_reason = getattr(report, "wasxfail", None)
     if report.when == "call" or (report.when == "setup" and not report.passed):
         if xfail_reason is not None:
@@ -489,6 +664,18 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             "backend": config.getoption("--backend"),
             "impls": [load_adapter(s).name for s in _impl_specs(config)],
             "spec": load_spec(),
+            "known_deviations": [
+                {
+                    "source": e.source,
+                    "pattern": ("!" if e.removes else "") + e.pattern,
+                    "impl": e.impl,
+                    "reason": e.reason,
+                    "pin": e.pin.describe(),
+                    "when": e.when.describe(),
+                    "active": e.when.holds_for_torch(torch.__version__),
+                }
+                for e in config.stash.get(_ENTRIES, [])
+            ],
             "tests": _SESSION_RESULTS,
         }
         Path(path).write_text(json.dumps(payload, indent=1), encoding="utf-8")

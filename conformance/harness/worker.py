@@ -24,6 +24,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from conformance.harness.failures import Failure
+
 __all__ = ["Task", "RankOutcome", "DistArg", "DIST_ARG", "rank_main", "send_message", "recv_message"]
 
 
@@ -74,6 +76,7 @@ class RankOutcome:
     value: Any = None
     error: str = ""  # the formatted traceback for fail; the reason for skip/xfail
     seconds: float = 0.0
+    failure: Failure | None = None  # for fail: the exception's type and message, as data
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -145,6 +148,7 @@ def _run(task: Task, rank: int, world_size: int, backend: str) -> RankOutcome:
         tmp_dir=Path(task.tmp_dir),
     )
     start = time.perf_counter()
+    failure = None
     try:
         fn = _resolve(task)
         args = tuple(ctx if isinstance(a, DistArg) else a for a in task.args)
@@ -156,12 +160,13 @@ def _run(task: Task, rank: int, world_size: int, backend: str) -> RankOutcome:
         status, error, value = "skip", str(exc.msg), None
     except pytest.xfail.Exception as exc:
         status, error, value = "xfail", str(exc.msg), None
-    except BaseException:  # noqa: BLE001 - a test body's SystemExit or BaseException-derived error is a failure too
+    except BaseException as exc:  # noqa: BLE001 - a test body's SystemExit or BaseException-derived error is a failure too
         status, error, value = "fail", traceback.format_exc(), None
+        failure = Failure.of(exc, rank)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-    outcome = RankOutcome(rank=rank, status=status, value=value, error=error, seconds=time.perf_counter() - start)
+    outcome = RankOutcome(rank=rank, status=status, value=value, error=error, seconds=time.perf_counter() - start, failure=failure)
     return outcome
 
 

@@ -1,0 +1,56 @@
+"""How a test failed, as data: one :class:`Failure` per failing rank (or one for the controller).
+
+The rank processes send theirs with the outcome of a task; the plugin adds ranks that died or hung,
+checks them against a pinned known deviation (:class:`conformance.harness.xfails.Pin`) and writes
+them to ``--report-json``, so that a fork's CI can tell "fails as it always did" from "fails
+differently" without parsing tracebacks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Failure", "DIED", "HUNG"]
+
+#: ``Failure.type`` of a rank that died during the test (its exit code or signal is the message).
+DIED = "DIED"
+#: ``Failure.type`` of a rank that gave no answer before the rank timeout.
+HUNG = "HUNG"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank's failure (``rank`` None: the test failed on the controller).
+
+    ``type`` is the exception's class name (``Failed`` for an assertion of the suite, the
+    implementation's own class otherwise, :data:`DIED` or :data:`HUNG`); ``types`` its class names
+    along the MRO, so that a pin may name a base class; ``message`` its text (``str(exc)``, or the
+    suite's failure message)."""
+
+    rank: int | None
+    type: str
+    message: str
+    types: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, exc: BaseException, rank: int | None) -> Failure:
+        msg = getattr(exc, "msg", None)  # pytest's outcome exceptions keep their text in .msg
+        message = msg if isinstance(msg, str) else str(exc)
+        names = tuple(c.__name__ for c in type(exc).__mro__ if c is not object)
+        return cls(rank=rank, type=type(exc).__name__, message=message, types=names)
+
+    def is_a(self, name: str) -> bool:
+        """Whether the exception is of class ``name`` (its own class or a base class)."""
+        return name == self.type or name in self.types
+
+    def headline(self, width: int = 200) -> str:
+        """``rank 1: ValueError: first line of the message`` (``controller:`` without a rank)."""
+        where = "controller" if self.rank is None else f"rank {self.rank}"
+        first = self.message.strip().splitlines()[0] if self.message.strip() else ""
+        if len(first) > width:
+            first = first[: width - 3] + "..."
+        return f"{where}: {self.type}: {first}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "type": self.type, "message": self.message}
