@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from conformance.harness.xfails import matches, matches_at_any_world_size, parse_xfails
+from conformance.harness.failures import Failure
+from conformance.harness.xfails import Condition, Pin, as_run_by, matches, matches_at_any_world_size, parse_xfails
 
 
 @pytest.mark.req("HX-10")
@@ -61,3 +62,74 @@ def test_an_unknown_flag_is_an_error_naming_the_line(tmp_path: Path) -> None:
     path.write_text("t.py::a\nt.py::b  hang  # typo of hangs\n")
     with pytest.raises(ValueError, match=rf"{path}:2: unknown flag 'hang' \(known: hangs: "):
         parse_xfails(path)
+
+
+@pytest.mark.req("HX-17")
+@pytest.mark.parametrize(
+    ("nodeid", "expected"),
+    [
+        ("t.py::a[ws2-myfork-dtype]", "t.py::a[ws2-torch-dtype]"),
+        ("t.py::a[myfork]", "t.py::a[torch]"),
+        ("t.py::a[ws1-ws2-myfork]", "t.py::a[ws1-ws2-torch]"),
+        ("t.py::a[ws2-myfork-myfork]", "t.py::a[ws2-torch-myfork]"),  # the adapter's segment only: the first
+        ("t.py::a[ws2-myforked]", "t.py::a[ws2-myforked]"),  # a longer name is another segment
+        ("t.py::a", "t.py::a"),
+    ],
+)
+def test_a_derived_adapters_test_id_is_read_as_the_base_adapters(nodeid: str, expected: str) -> None:
+    assert as_run_by(nodeid, "myfork", "torch") == expected
+
+
+def _failure(rank: int | None, exc: BaseException) -> Failure:
+    return Failure.of(exc, rank)
+
+
+@pytest.mark.req("HX-18")
+def test_a_pin_names_what_differs() -> None:
+    pin = Pin(raises="LookupError", match=r"key '\w+\.weight'", ranks="last")
+    assert pin.mismatch([_failure(1, KeyError("key 'net.weight' is missing"))], world_size=2) is None  # KeyError is a LookupError
+    assert pin.mismatch([], world_size=2) is None  # passed: XPASS, not a mismatch
+    assert pin.mismatch([_failure(0, KeyError("key 'net.weight'"))], world_size=2) == "expected failing ranks [1] (last), got [0]"
+    wrong_type = pin.mismatch([_failure(1, TypeError("key 'net.weight'"))], world_size=2)
+    assert wrong_type == "expected LookupError, got rank 1: TypeError: key 'net.weight'"
+    wrong_text = pin.mismatch([_failure(1, KeyError("no key"))], world_size=2)
+    assert wrong_text == "expected a message matching \"key '\\\\w+\\\\.weight'\", got rank 1: KeyError: 'no key'"
+    assert Pin(ranks="not-last").expected_ranks(3) == [0, 1] and Pin(ranks="2,0").expected_ranks(3) == [0, 2]
+    assert Pin(ranks="all").mismatch([_failure(None, ValueError("x"))], world_size=None) == (
+        "expected ranks=all, but the test ran on the controller"
+    )
+
+
+@pytest.mark.req("HX-19")
+@pytest.mark.parametrize(
+    ("version", "spec", "expected"),
+    [
+        ("2.11.0+cu130", "<2.13", True),
+        ("2.13.0+cpu", "<2.13", False),
+        ("2.13.0", ">=2.11,<2.14", True),
+        ("2.14.0a0+gitabc", ">=2.14", True),  # a nightly of 2.14 counts as 2.14
+        ("2.14.0a0+gitabc", "<2.14", False),
+    ],
+)
+def test_torch_conditions(version: str, spec: str, expected: bool) -> None:
+    assert Condition(torch=spec).holds(version, None) is expected
+
+
+@pytest.mark.req("HX-19")
+def test_backend_and_device_conditions() -> None:
+    nccl, cuda = Condition(backend="nccl"), Condition(device="cuda")
+    assert nccl.holds("2.13.0", "nccl") and not nccl.holds("2.13.0", "gloo") and not nccl.holds("2.13.0", None)
+    assert cuda.holds("2.13.0", "nccl") and not cuda.holds("2.13.0", "gloo")
+    assert Condition(device="cpu").holds("2.13.0", "gloo") and not Condition(device="cpu").holds("2.13.0", None)
+
+
+@pytest.mark.req("HX-18", "HX-19")
+def test_pins_and_conditions_parse_with_shell_quoting(tmp_path: Path) -> None:
+    path = tmp_path / "x.txt"
+    path.write_text(
+        "t.py::a[ws2-torch]  raises=ValueError match='names no # key' ranks=all torch<2.13 backend=nccl  # reason # with hashes\n"
+        "!t.py::b  device=cuda  # fixed on GPUs\n"
+    )
+    a, b = parse_xfails(path, impl="torch", depth=2)
+    assert (a.pin, a.when, a.reason) == (Pin("ValueError", "names no # key", "all"), Condition("<2.13", "nccl"), "reason # with hashes")
+    assert (b.pattern, b.removes, b.when, b.depth) == ("t.py::b", True, Condition(device="cuda"), 2)
