@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tools.report import main, render, summarize
+from tools.report import diff, main, render, render_diff, summarize
 
 PAYLOAD = {
     "torch": "2.13.0",
@@ -60,3 +60,73 @@ def test_show_reads_a_saved_result(tmp_path, capsys) -> None:
     assert main(["show", str(path), "--format", "markdown"]) == 0
     assert "FAIL 1/1" in capsys.readouterr().out
     assert main(["show", str(tmp_path / "missing.json")]) == 2
+
+
+def _test(outcome: str, reqs: list[str], impl: str | None, *failures: tuple[int | None, str, str], reason: str = "") -> dict:
+    return {"outcome": outcome, "reason": reason, "reqs": reqs, "impl": impl,
+            **({"failures": [{"rank": r, "type": t, "message": m} for r, t, m in failures]} if failures else {})}
+
+
+BASE = {
+    "spec": {"SD-1": "", "SD-2": "", "OS-1": "", "ML-1": ""},
+    "tests": {
+        "t.py::a[ws2-torch]": _test("passed", ["SD-1"], "torch"),
+        "t.py::b[ws2-torch]": _test("xfailed", ["SD-2"], "torch", (1, "ValueError", "names no key at 0x7f00aa")),
+        "t.py::c[ws2-torch]": _test("failed", ["OS-1"], "torch", (0, "KeyError", "'w'")),
+        "t.py::d[torch]": _test("passed", ["ML-1"], "torch"),
+        "t.py::e[torch]": _test("xfailed", ["ML-1"], "torch", (None, "Failed", "copies before raising")),
+        "t.py::f[torch]": _test("passed", ["SD-1"], "torch"),
+    },
+}
+
+
+def _new(impl: str) -> dict:
+    return {
+        "spec": BASE["spec"],
+        "tests": {
+            f"t.py::a[ws2-{impl}]": _test("failed", ["SD-1"], impl, (0, "Failed", "keys differ"), (1, "Failed", "keys differ")),
+            f"t.py::b[ws2-{impl}]": _test("xfailed", ["SD-2"], impl, (1, "ValueError", "names no key at 0x55bb01")),  # same but the address
+            f"t.py::c[ws2-{impl}]": _test("passed", ["OS-1"], impl),
+            f"t.py::d[{impl}]": _test("skipped", ["ML-1"], impl, reason="no DCP"),
+            f"t.py::e[{impl}]": _test("xfailed", ["ML-1"], impl, (None, "TypeError", "unsupported type")),
+            f"t.py::f[{impl}]": _test("passed", ["SD-1"], impl),
+            "t.py::new[reference]": _test("failed", ["SD-1"], "reference", (None, "Failed", "not ours")),
+        },
+    }
+
+
+@pytest.mark.req("HX-20")
+@pytest.mark.parametrize("name", ["torch", "myfork"])
+def test_diff_says_what_changed_per_requirement(name: str) -> None:
+    """Newly failing (with every rank's message), fixed, failing differently (an address alone is not a
+    difference) and newly skipped; a fork's run is compared with the torch column by its own name."""
+    changes = diff(BASE, _new(name), impl=name, base_impl="torch")
+    assert {(c.kind, c.nodeid) for c in changes} == {
+        ("newly failing", f"t.py::a[ws2-{name}]"),
+        ("fixed", f"t.py::c[ws2-{name}]"),
+        ("newly skipped", f"t.py::d[{name}]"),
+        ("failing differently", f"t.py::e[{name}]"),
+    }
+    text = render_diff(changes, list(BASE["spec"]))
+    assert text.splitlines()[0] == "SD-1" and text.index("OS-1") < text.index("ML-1")
+    assert f"newly failing: t.py::a[ws2-{name}] (passed -> failed)\n      rank 0: Failed: keys differ\n      rank 1: Failed: keys differ" in text
+    assert "was: controller: Failed: copies before raising\n      now: controller: TypeError: unsupported type" in text
+    assert text.splitlines()[-1] == "1 newly failing, 1 failing differently, 1 fixed, 1 newly skipped (4 tests changed)"
+
+
+@pytest.mark.req("HX-20")
+def test_diff_exits_1_only_when_something_newly_fails(tmp_path, capsys) -> None:
+    base, new, same = tmp_path / "base.json", tmp_path / "new.json", tmp_path / "same.json"
+    base.write_text(json.dumps(BASE))
+    new.write_text(json.dumps(_new("myfork")))
+    same.write_text(json.dumps(BASE))
+    assert main(["diff", str(base), str(new), "--impl", "myfork", "--base-impl", "torch"]) == 1
+    assert "newly failing: t.py::a[ws2-myfork]" in capsys.readouterr().out
+    assert main(["diff", str(base), str(same)]) == 0
+    assert capsys.readouterr().out.strip() == "0 newly failing, 0 failing differently, 0 fixed, 0 newly skipped (0 tests changed)"
+    with pytest.raises(SystemExit, match=f"cannot read results {tmp_path}: "):
+        main(["diff", str(base), str(tmp_path)])  # a directory
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"benchmarks": []}))
+    with pytest.raises(SystemExit, match=f"{other} is not a --report-json result"):
+        main(["diff", str(other), str(base)])

@@ -2,16 +2,23 @@
 
     python -m tools.report run [--world-size 1,2] [--impl reference,torch] [--format table] [-- PYTEST_ARGS]
     python -m tools.report show RESULTS.json [--format table|markdown|json]
+    python -m tools.report diff BASE.json NEW.json [--impl NAME] [--base-impl NAME]
 
 ``run`` runs ``pytest conformance`` with ``--report-json``, prints the table and exits with pytest's
 status. A cell says what the tests naming that ID did against that implementation: ``pass (n)``,
 ``FAIL m/n``, ``xfail (n): reason``, ``skip: reason``; ``-`` when no test of the run covered it.
+
+``diff`` compares two saved runs test by test and prints, per requirement ID, what changed: newly
+failing, fixed, failing differently (another exception or message on some rank) and newly skipped,
+with the messages. It exits 1 when anything newly fails, so a fork's CI can run it against its last
+good run, or (``--impl myfork --base-impl torch``) against the torch column of a run of upstream.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -22,7 +29,7 @@ from typing import Any, Sequence
 
 from tabulate import tabulate
 
-__all__ = ["Cell", "summarize", "render", "main"]
+__all__ = ["Cell", "Change", "summarize", "render", "diff", "render_diff", "main"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -125,6 +132,121 @@ def render(payload: dict[str, Any], fmt: str = "table") -> str:
     return f"{header}\n\n{table}\n\ncells: {footer}\n{note}"
 
 
+# -- diff of two runs ------------------------------------------------------------------------------
+
+#: Outcomes that count as failing in a diff: a known deviation (xfailed) fails too, as it did.
+_FAILING = {"failed", "error", "xfailed"}
+_PASSING = {"passed", "xpassed"}
+#: Parts of a message that change from run to run without meaning anything: addresses, temp dirs.
+_NOISE = re.compile(r"0x[0-9a-fA-F]+|/tmp/[^\s'\"]+|\b\d+\.\d+s\b")
+
+
+@dataclass(frozen=True)
+class Change:
+    """One test whose result differs between two runs."""
+
+    kind: str  # "newly failing", "fixed", "failing differently", "newly skipped"
+    nodeid: str  # as in the new run
+    before: str  # the outcome in the base run ("absent" if it did not run there)
+    after: str
+    reqs: tuple[str, ...]
+    messages: tuple[str, ...]  # what the new run's failing ranks said (or why it skipped)
+    before_messages: tuple[str, ...] = ()
+
+
+KINDS = ("newly failing", "failing differently", "fixed", "newly skipped")
+
+
+def _failure_lines(test: dict[str, Any]) -> tuple[str, ...]:
+    failures = test.get("failures") or []
+    if failures:
+        lines = []
+        for failure in failures:
+            where = "controller" if failure.get("rank") is None else f"rank {failure['rank']}"
+            first = (failure.get("message") or "").strip().splitlines()
+            lines.append(f"{where}: {failure.get('type')}: {first[0] if first else ''}")
+        return tuple(lines)
+    return (test.get("reason") or "",) if test.get("reason") else ()
+
+
+def _signature(test: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(_NOISE.sub("<>", line) for line in _failure_lines(test))
+
+
+def _translate(nodeid: str, impl: str | None, from_name: str | None, to_name: str | None) -> str:
+    if impl is None or not from_name or not to_name or from_name == to_name:
+        return nodeid
+    from conformance.harness.xfails import as_run_by
+
+    return as_run_by(nodeid, from_name, to_name)
+
+
+def diff(base: dict[str, Any], new: dict[str, Any], *, impl: str | None = None, base_impl: str | None = None) -> list[Change]:
+    """Tests whose result changed from ``base`` to ``new``. With ``impl``, only the new run's tests of
+    that implementation (and of none: harness tests), matched to the base run's tests of ``base_impl``
+    (default: the same name) by reading the adapter's id segment as ``base_impl``'s."""
+    base_impl = base_impl or impl
+    changes = []
+    for nodeid, test in new["tests"].items():
+        if test.get("outcome") is None or (impl is not None and test.get("impl") not in (impl, None)):
+            continue
+        base_id = _translate(nodeid, test.get("impl"), impl, base_impl)
+        before_test = base["tests"].get(base_id)
+        before = before_test["outcome"] if before_test and before_test.get("outcome") else "absent"
+        after = test["outcome"]
+        kind = None
+        if after in _FAILING and before not in _FAILING:
+            kind = "newly failing"
+        elif after in _PASSING and before in _FAILING:
+            kind = "fixed"
+        elif after in _FAILING and before in _FAILING and _signature(test) != _signature(before_test or {}):
+            kind = "failing differently"
+        elif after == "skipped" and before not in ("skipped", "absent"):
+            kind = "newly skipped"
+        if kind is None:
+            continue
+        changes.append(
+            Change(
+                kind=kind, nodeid=nodeid, before=before, after=after, reqs=tuple(test.get("reqs") or ()),
+                messages=_failure_lines(test), before_messages=_failure_lines(before_test or {}),
+            )
+        )
+    return changes
+
+
+def render_diff(changes: list[Change], spec_order: Sequence[str] = ()) -> str:
+    """Changes grouped by requirement ID (SPEC order), then by kind; a summary line last."""
+    order = {req: i for i, req in enumerate(spec_order)}
+    by_req: dict[str, list[Change]] = {}
+    for change in changes:
+        for req in change.reqs or ("(no requirement)",):
+            by_req.setdefault(req, []).append(change)
+    lines = []
+    for req in sorted(by_req, key=lambda r: (order.get(r, len(order)), r)):
+        lines.append(req)
+        for kind in KINDS:
+            for change in (c for c in by_req[req] if c.kind == kind):
+                lines.append(f"  {kind}: {change.nodeid} ({change.before} -> {change.after})")
+                if kind == "failing differently":
+                    lines += [f"      was: {m}" for m in change.before_messages]
+                    lines += [f"      now: {m}" for m in change.messages]
+                elif kind != "fixed":
+                    lines += [f"      {m}" for m in change.messages]
+    counts = Counter(c.kind for c in changes)
+    lines.append(", ".join(f"{counts[k]} {k}" for k in KINDS) + f" ({len(changes)} tests changed)")
+    return "\n".join(lines)
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"cannot read results {path}: {exc}") from None
+    if not isinstance(payload, dict) or "tests" not in payload:
+        raise SystemExit(f"{path} is not a --report-json result (no 'tests')")
+    return payload
+
+
 def _run(args: argparse.Namespace, pytest_args: Sequence[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="sdc-report-") as tmp:
         json_path = Path(tmp) / "results.json"
@@ -161,9 +283,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     show.add_argument("results", type=Path)
     for p in (run, show):
         p.add_argument("--format", choices=("table", "markdown", "json"), default="table")
+    compare = sub.add_parser("diff", help="what changed between two saved results; exit 1 if anything newly fails")
+    compare.add_argument("base", type=Path)
+    compare.add_argument("new", type=Path)
+    compare.add_argument("--impl", help="compare only this implementation's tests of the new run")
+    compare.add_argument("--base-impl", help="...against this implementation's tests of the base run (default: --impl)")
     args = parser.parse_args(argv)
     if args.command == "run":
         return _run(args, pytest_args)
+    if args.command == "diff":
+        base, new = _load(args.base), _load(args.new)
+        changes = diff(base, new, impl=args.impl, base_impl=args.base_impl)
+        print(render_diff(changes, list(new.get("spec", {}))))
+        return 1 if any(c.kind == "newly failing" for c in changes) else 0
     try:
         payload = json.loads(args.results.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
