@@ -723,6 +723,9 @@ ZOO_CASES = [
     pytest.param(Setup(model="frozen"), id="frozen", marks=pytest.mark.req("OS-11")),
     pytest.param(Setup(model="groups", groups=True, extra_state=True), id="groups", marks=pytest.mark.req("OS-12")),
     pytest.param(Setup(model="tiny", optimizer="sgd"), id="tiny", marks=pytest.mark.req("OS-13")),
+    # Optimizer order b.bias, b.weight, a.weight: at world size 2 rank 0 holds no part (so no state) of
+    # the first two, then a part of the third, in one unit's batch.
+    pytest.param(Setup(model="tiny", optimizer="sgd", order="reversed"), id="tiny-reversed", marks=pytest.mark.req("OS-13")),
     pytest.param(Setup(model="nested", strategy="SHARD_GRAD_OP"), id="nested", marks=pytest.mark.req("OS-14")),
     pytest.param(Setup(model="checkpoint"), id="checkpoint", marks=pytest.mark.req("OS-14")),
 ]
@@ -856,6 +859,9 @@ def _bad_osd(kind: str, osd: dict[str, Any]) -> tuple[dict[str, Any], str]:
         # sharded: another parameter's DTensor, a well-formed DTensor of the wrong global shape
         state["net.2.weight"]["exp_avg"] = state["net.0.weight"]["exp_avg"] if isinstance(exp_avg, DTensor) else torch.zeros(3, 7)
         fqn = "net.2.weight"
+    elif kind == "extra-group":  # a saved group of parameters the optimizer does not hold (the frozen stem)
+        groups.append({**{k: v for k, v in groups[0].items() if k != "params"}, "params": ["stem.weight", "stem.bias"]})
+        fqn = "stem.weight"
     elif kind == "group-mismatch":
         groups[0]["params"].remove("net.4.bias")
         groups.append({**{k: v for k, v in groups[0].items() if k != "params"}, "params": ["net.4.bias"]})
@@ -869,14 +875,15 @@ def _bad_osd(kind: str, osd: dict[str, Any]) -> tuple[dict[str, Any], str]:
 @pytest.mark.rank_timeout(30)
 @pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize(("use_orig_params", "form"), [(False, "full"), (True, "full"), (True, "sharded")], ids=["flat-full", "orig-full", "orig-sharded"])
-@pytest.mark.parametrize("kind", ["unknown-fqn", "wrong-shape", "group-mismatch"])
+@pytest.mark.parametrize("kind", ["unknown-fqn", "wrong-shape", "group-mismatch", "extra-group"])
 def test_bad_optimizer_state_dict_is_a_clear_error(dist, impl, kind: str, use_orig_params: bool, form: str, where: str) -> None:
     """A broken optimizer state dict, full or sharded (on every rank, or on the last rank only while
     the others load a good one): every rank raises the same ValueError/RuntimeError naming the FQN
     whole, and on every rank the optimizer (state, param groups, order) and the model are as they
-    were."""
+    were. "extra-group": one more saved param group than the optimizer has, listing parameters of the
+    model the optimizer does not hold (frozen ones)."""
     ops = impl.require("optim_state")
-    run = Run(dist, ops, Setup(use_orig_params=use_orig_params))
+    run = Run(dist, ops, Setup(model="frozen" if kind == "extra-group" else "mlp", use_orig_params=use_orig_params))
     run.train(1)
     good = ops.optim_state_dict(run.model, run.optim, sharded=form == "sharded")
     bad, fqn = _bad_osd(kind, good)
