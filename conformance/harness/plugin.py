@@ -306,6 +306,16 @@ def _item_backend(item: pytest.Item) -> str | None:
     return None
 
 
+def suite_test_id(item: pytest.Item) -> str:
+    """The id known-deviation entries and reports use: for a test of the suite,
+    ``conformance/<file>::<name>[<params>]`` wherever the suite is (this checkout, or installed and run
+    with ``--pyargs conformance`` from any directory); any other test's own node id."""
+    path = Path(str(item.path)).resolve()
+    if _CONFORMANCE_DIR not in path.parents or "::" not in item.nodeid:
+        return item.nodeid
+    return f"conformance/{path.relative_to(_CONFORMANCE_DIR).as_posix()}::{item.nodeid.split('::', 1)[1]}"
+
+
 def _entry_for(item: pytest.Item, entries: list[XfailEntry], torch_version: str) -> XfailEntry | None:
     """The entry that marks ``item``: ``--xfails`` entries first, then the adapter's own file, then the
     files of its base adapters; a removal (``!pattern``) stops the search. Entries whose conditions do
@@ -318,7 +328,8 @@ def _entry_for(item: pytest.Item, entries: list[XfailEntry], torch_version: str)
     for entry in candidates:
         if not entry.when.holds(torch_version, backend):
             continue
-        nodeid = as_run_by(item.nodeid, impl.name, entry.impl) if (impl is not None and entry.impl) else item.nodeid
+        test_id = suite_test_id(item)
+        nodeid = as_run_by(test_id, impl.name, entry.impl) if (impl is not None and entry.impl) else test_id
         if entry.matches(nodeid):
             return None if entry.removes else entry
     return None
@@ -345,6 +356,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         impl = _item_impl(item)
         item.user_properties.append(("reqs", reqs))
         item.user_properties.append(("impl", impl.name if impl else None))
+        item.user_properties.append(("test_id", suite_test_id(item)))
     if unknown:
         listing = "; ".join(f"{req} (named by {nodes[0]})" for req, nodes in sorted(unknown.items()))
         raise pytest.UsageError(f"requirement IDs not in conformance/SPEC.md: {listing}")
@@ -383,13 +395,14 @@ def _warn_stale(entries: list[XfailEntry], used: set[XfailEntry], items: list[py
     """Warn about each active entry of a collected test file that would match no collected test at
     any world size (a removal: that would remove nothing). Entries conditioned on a backend or device
     are not judged: the run may not use it."""
-    collected_files = {item.nodeid.split("::", 1)[0] for item in items}
+    test_ids = [suite_test_id(item) for item in items]
+    collected_files = {test_id.split("::", 1)[0] for test_id in test_ids}
     for entry in entries:
         if entry in used or entry.file_part not in collected_files:
             continue
         if not entry.when.holds_for_torch(torch_version) or entry.when.backend or entry.when.device:
             continue
-        ids = [as_run_by(i.nodeid, impl.name, entry.impl) if (impl := _item_impl(i)) and entry.impl else i.nodeid for i in items]
+        ids = [as_run_by(t, impl.name, entry.impl) if (impl := _item_impl(i)) and entry.impl else t for i, t in zip(items, test_ids)]
         if not any(matches_at_any_world_size(entry.pattern, nodeid) for nodeid in ids):
             warnings.warn(
                 StaleXfailWarning(f"expected-failures entry {entry.pattern!r} ({entry.source}) matches no collected test"),
@@ -626,7 +639,7 @@ def _failure_line(report: pytest.TestReport) -> str:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     props = dict(report.user_properties)
     entry = _SESSION_RESULTS.setdefault(
-        report.nodeid, {"outcome": None, "reason": "", "reqs": props.get("reqs", []), "impl": props.get("impl")}
+        str(props.get("test_id", report.nodeid)), {"outcome": None, "reason": "", "reqs": props.get("reqs", []), "impl": props.get("impl")}
     )
     if "failures" in props:
         entry["failures"] = props["failures"]
