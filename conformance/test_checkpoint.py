@@ -668,12 +668,30 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-@pytest.mark.req("ML-7")
-def test_meta_load_allocates_local_shards_once(dist, impl) -> None:
-    """Peak RSS (VmHWM, reset before the load) of a 64 MiB-per-rank meta load stays below 1.5 times the
-    local shard bytes."""
+def _peak_bytes_during(device: torch.device, fn: Callable[[], Any]) -> tuple[int, str]:
+    """Bytes by which ``fn`` raised the peak memory of ``device`` above what was in use before it,
+    and what was measured: the CUDA caching allocator's peak on a GPU (host memory does not grow when
+    tensors are built there), the process's peak RSS (VmHWM, reset first) on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - baseline, f"peak CUDA memory of {device}"
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("peak RSS is measured through Linux's /proc/self/clear_refs and VmHWM")
+    gc.collect()
+    baseline = _rss_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+    fn()
+    return (_rss_kib("VmHWM") - baseline) * 1024, "peak RSS"
+
+
+@pytest.mark.req("ML-7")
+def test_meta_load_allocates_local_shards_once(dist, impl) -> None:
+    """The peak memory of a 64 MiB-per-rank meta load, on the device the shards are built on (RSS on
+    the CPU, the allocator's peak on a GPU), stays below 1.5 times the local shard bytes."""
     ops = _ops(impl)
     path = dist.tmp_dir / "ckpt"
     rows = 4096 * dist.world_size
@@ -683,14 +701,12 @@ def test_meta_load_allocates_local_shards_once(dist, impl) -> None:
     local_bytes = saved["w"].to_local().numel() * 4
     del full
     sd = {"w": _dtensor(torch.empty(rows, 4096, device="meta"), dist.mesh(), [Shard(0)])}
-    gc.collect()
-    baseline = _rss_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
-    _call(lambda: ops.load(sd, path, process_group=_pg(dist)))
-    peak = (_rss_kib("VmHWM") - baseline) * 1024
+    peak, measured = _peak_bytes_during(dist.device, lambda: _call(lambda: ops.load(sd, path, process_group=_pg(dist))))
     assert_bitwise_equal(sd["w"].to_local(), saved["w"].to_local(), what="local shard loaded into meta")
+    if sd["w"].to_local().device != dist.device:
+        fail("the meta load built the shard on another device", sd["w"].to_local().device, dist.device, f"rank {dist.rank}")
     if peak >= 1.5 * local_bytes:
-        fail("load into meta raised peak RSS too much", f"{peak / 2**20:.1f} MiB",
+        fail(f"load into meta raised the {measured} too much", f"{peak / 2**20:.1f} MiB",
              f"below 1.5 x {local_bytes / 2**20:.1f} MiB of local shards", f"rank {dist.rank}")
 
 
