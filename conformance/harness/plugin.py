@@ -260,7 +260,7 @@ def _xfail_files_of(adapter_cls: type, adapter_name: str) -> tuple[tuple[str, Pa
             module_file = getattr(module, "__file__", None)
             if module_file is None:
                 raise ValueError(f"{cls.__qualname__}.xfails_file {raw!r} is relative, but module {cls.__module__!r} has no file to resolve it against")
-            path = Path(module_file).resolve().parent / path
+            path = (Path(module_file).resolve().parent / path).resolve()
         if not path.is_file():
             raise FileNotFoundError(
                 f"expected-failures file {path} of adapter {adapter_name!r} ({cls.__module__}.{cls.__qualname__}.xfails_file = {raw!r}, "
