@@ -43,6 +43,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = [
+    "check_each",
+    "reraise",
     "WRAPPER_SEGMENTS",
     "fail",
     "bits",
@@ -79,6 +81,27 @@ def fail(what: str, got: Any, expected: Any, where: str = "") -> None:
     if where:
         lines.append(f"  where:    {where}")
     pytest.fail("\n".join(lines), pytrace=False)
+
+
+def check_each(**checks: Callable[[], Any]) -> None:
+    """Run every check (by property name, in order), each even when an earlier one failed, and fail
+    with all that failed: one failure per property, so that a known deviation pinned to one property
+    (``match=`` in an expected-failures file) does not hide a regression in another. A check's error
+    other than the suite's own ``fail`` counts as that property's failure too."""
+    __tracebackhide__ = True
+    parts: list[str] = []
+    for name, check in checks.items():
+        try:
+            check()
+        except pytest.skip.Exception:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - every property is reported, whatever broke it
+            text = getattr(exc, "msg", None) if isinstance(exc, pytest.fail.Exception) else f"{type(exc).__name__}: {exc}"
+            parts.append(f"[{name}] {text}")
+    if parts:
+        failed = pytest.fail.Exception("\n".join(parts), pytrace=False)
+        failed.parts = parts  # type: ignore[attr-defined]  # read by conformance.harness.failures.Failure.all_of
+        raise failed
 
 
 def _short(value: Any, limit: int = 300) -> str:
@@ -360,6 +383,13 @@ def assert_names_key(message: str, key: str, *, what: str = "error message", whe
     pattern = re.compile(r"(?<![\w.])" + re.escape(key) + r"(?![\w.]*\w)")
     if not pattern.search(message):
         fail(f"{what} does not name the key {key!r} whole", _short(message, 600), f"a message naming {key!r}", where)
+
+
+def reraise(exc: BaseException | None) -> None:
+    """Raise ``exc`` again, nothing when it is None: for checks (:func:`expect_error`) of what a call
+    raised earlier, run inside :func:`check_each`."""
+    if exc is not None:
+        raise exc
 
 
 def raised(fn: Callable[[], Any]) -> BaseException | None:

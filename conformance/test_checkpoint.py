@@ -36,6 +36,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from conformance import models
 from conformance.adapters.base import Unsupported
 from conformance.asserts import (
+    check_each,
+    reraise,
     assert_bitwise_equal,
     assert_local_shard,
     assert_same_error_on_every_rank,
@@ -102,12 +104,8 @@ def _fails_alike(dist: Any, fn: Callable[[], Any], *, keys: tuple[str, ...] = ()
     exc = raised(lambda: _call(fn))
     assert_same_error_on_every_rank(dist, exc, what=what)
     assert exc is not None  # assert_same_error_on_every_rank fails when any rank returned
-    return expect_error(lambda: _reraise(exc), BaseException, keys=keys, needles=needles, what=what,
+    return expect_error(lambda: reraise(exc), BaseException, keys=keys, needles=needles, what=what,
                         where=f"rank {dist.rank} of {dist.world_size}")
-
-
-def _reraise(exc: BaseException) -> None:
-    raise exc
 
 
 @dataclass(frozen=True)
@@ -653,9 +651,12 @@ def test_meta_value_of_unknown_type_is_an_error(dist, impl, who: str) -> None:
     sd = {"proj.weight": weight.as_subclass(MarkedTensor) if _bad_here(dist, who) else weight,
           "proj.bias": torch.empty(2, device="meta")}
     before = snapshot(state_dict=sd)
-    _fails_alike(dist, lambda: ops.load(sd, path, process_group=_pg(dist)), keys=("proj.weight",),
-                 needles=("MarkedTensor",), what="load into a meta MarkedTensor")
-    assert_unchanged(before, state_dict=sd, where=f"rank {dist.rank}")
+    exc = raised(lambda: ops.load(sd, path, process_group=_pg(dist)))
+    check_each(
+        raises=lambda: _fails_alike(dist, lambda: reraise(exc), keys=("proj.weight",), needles=("MarkedTensor",),
+                                    what="load into a meta MarkedTensor"),
+        unchanged=lambda: assert_unchanged(before, state_dict=sd, where=f"rank {dist.rank}"),
+    )
 
 
 # -- ML-7 peak memory of a meta load -----------------------------------------------------------------------
@@ -961,9 +962,11 @@ def test_unexpected_keys_can_be_an_error(dist, impl, who: str) -> None:
     if not _bad_here(dist, who):
         sd["surplus.scale"] = different_like(saved["surplus.scale"])
     before = snapshot(state_dict=sd)
-    _fails_alike(dist, lambda: ops.load(sd, path, process_group=_pg(dist), allow_unexpected=False), keys=("surplus.scale",),
-                 what="load with an unexpected key")
-    assert_unchanged(before, state_dict=sd, where=f"rank {dist.rank}")
+    exc = raised(lambda: ops.load(sd, path, process_group=_pg(dist), allow_unexpected=False))
+    check_each(
+        raises=lambda: _fails_alike(dist, lambda: reraise(exc), keys=("surplus.scale",), what="load with an unexpected key"),
+        unchanged=lambda: assert_unchanged(before, state_dict=sd, where=f"rank {dist.rank}"),
+    )
 
 
 # -- ML-12 one process -----------------------------------------------------------------------------------------
@@ -1114,11 +1117,15 @@ def test_bad_checkpoint_fails_fast_naming_the_file(dist, impl, case: str, who: s
     target = {"w": _dtensor(different_like(full), dist.mesh(), [Shard(0)]), "b": different_like(torch.arange(5.0))}
     before = snapshot(state_dict=target)
     start = time.monotonic()
-    _fails_alike(dist, lambda: ops.load(target, path, process_group=_pg(dist)), needles=(needle,), what=f"load of a checkpoint with a {case}")
+    exc = raised(lambda: ops.load(target, path, process_group=_pg(dist)))
     elapsed = time.monotonic() - start
-    if elapsed >= 30:
-        fail(f"{case}: the error took too long", f"{elapsed:.0f} s", "within seconds", f"rank {dist.rank}")
-    assert_unchanged(before, state_dict=target, where=f"rank {dist.rank}")
+
+    def raises() -> None:
+        _fails_alike(dist, lambda: reraise(exc), needles=(needle,), what=f"load of a checkpoint with a {case}")
+        if elapsed >= 30:
+            fail(f"{case}: the error took too long", f"{elapsed:.0f} s", "within seconds", f"rank {dist.rank}")
+
+    check_each(raises=raises, unchanged=lambda: assert_unchanged(before, state_dict=target, where=f"rank {dist.rank}"))
 
 
 @pytest.mark.req("ML-20")
@@ -1145,9 +1152,12 @@ def test_failed_read_replaces_nothing(dist, impl, who: str) -> None:
     if _bad_here(dist, who):
         sd["note"] = ""
     before = snapshot(state_dict=sd)
-    _fails_alike(dist, lambda: ops.load(sd, path, process_group=_pg(dist)), keys=("note",), needles=(name,),
-                 what="load of a checkpoint with a corrupt record")
-    assert_unchanged(before, state_dict=sd, where=f"rank {dist.rank}")
+    exc = raised(lambda: ops.load(sd, path, process_group=_pg(dist)))
+    check_each(
+        raises=lambda: _fails_alike(dist, lambda: reraise(exc), keys=("note",), needles=(name,),
+                                    what="load of a checkpoint with a corrupt record"),
+        unchanged=lambda: assert_unchanged(before, state_dict=sd, where=f"rank {dist.rank}"),
+    )
 
 
 @pytest.mark.req("ML-15")

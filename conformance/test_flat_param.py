@@ -34,6 +34,8 @@ from conformance import models
 from conformance.adapters.base import Unsupported
 from conformance.adapters.flat_param import FlatParamInfo, FlatParamOps, ShardInfo
 from conformance.asserts import (
+    check_each,
+    reraise,
     WRAPPER_SEGMENTS,
     assert_bitwise_equal,
     assert_names_key,
@@ -923,9 +925,14 @@ def test_failed_direct_load_changes_nothing(ops: FlatParamOps, name: str, proble
     with torch.no_grad():
         out_before = wrapped(x)
     before, flats_before = snapshot(model=wrapped), _flat_state(ops, wrapped)
-    expect_error(lambda: wrapped.load_state_dict(bad), RuntimeError, keys=[key], what=f"load with a {problem} entry")
-    assert_unchanged(before, model=wrapped, where=f"after a failed load ({problem} {key!r})")
-    _assert_same_flat_state(_flat_state(ops, wrapped), flats_before, "after a failed load")
+    exc = raised(lambda: wrapped.load_state_dict(bad))
+
+    def unchanged() -> None:
+        assert_unchanged(before, model=wrapped, where=f"after a failed load ({problem} {key!r})")
+        _assert_same_flat_state(_flat_state(ops, wrapped), flats_before, "after a failed load")
+
+    check_each(raises=lambda: expect_error(lambda: reraise(exc), RuntimeError, keys=[key], what=f"load with a {problem} entry"),
+               unchanged=unchanged)
     with torch.no_grad():
         assert_bitwise_equal(wrapped(x), out_before, what="output after a failed load")
 

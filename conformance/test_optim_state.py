@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from conformance import models
 from conformance.adapters.optim_state import STRATEGIES, clean_fqn, hybrid_mesh_shape
 from conformance.asserts import (
+    check_each,
     assert_bitwise_equal,
     assert_local_shard,
     assert_names_key,
@@ -889,8 +890,11 @@ def test_bad_optimizer_state_dict_is_a_clear_error(dist, impl, kind: str, use_or
     bad, fqn = _bad_osd(kind, good)
     before = snapshot(optim=run.optim, model=run.model)
     exc = raised(lambda: ops.load_optim_state_dict(run.model, run.optim, bad if _bad_here(dist, where) else good))
-    _check_error(dist, exc, (ValueError, RuntimeError), (fqn,), f"{kind} ({form}) on {where}")
-    assert_unchanged(before, where=f"{kind} ({form}) on {where}: after the failed load, rank {dist.rank}", optim=run.optim, model=run.model)
+    check_each(
+        raises=lambda: _check_error(dist, exc, (ValueError, RuntimeError), (fqn,), f"{kind} ({form}) on {where}"),
+        unchanged=lambda: assert_unchanged(before, where=f"{kind} ({form}) on {where}: after the failed load, rank {dist.rank}",
+                                           optim=run.optim, model=run.model),
+    )
 
 
 class _SharedAcross(nn.Module):
@@ -952,11 +956,14 @@ def test_bad_layout_is_a_clear_error(dist, impl, kind: str, where: str, strategy
     ids = {id(m) for n, m in model.named_modules() if n in units}
     before = snapshot(model=model)
     exc = raised(lambda: ops.wrap(model, strategy=strategy, use_orig_params=orig, units=lambda m: id(m) in ids, device=dist.device))
-    _check_error(dist, exc, (ValueError,), names, f"{kind} on {where}")
-    assert_unchanged(before, where=f"{kind} on {where}: rank {dist.rank}", model=model)
-    wrapped = [type(m).__name__ for m in model.modules() if "FullyShard" in type(m).__name__ or "FSDP" in type(m).__name__]
-    if wrapped:
-        fail(f"{kind}: the module was wrapped", wrapped, "no unit", f"rank {dist.rank}")
+
+    def unwrapped() -> None:
+        assert_unchanged(before, where=f"{kind} on {where}: rank {dist.rank}", model=model)
+        wrapped = [type(m).__name__ for m in model.modules() if "FullyShard" in type(m).__name__ or "FSDP" in type(m).__name__]
+        if wrapped:
+            fail(f"{kind}: the module was wrapped", wrapped, "no unit", f"rank {dist.rank}")
+
+    check_each(raises=lambda: _check_error(dist, exc, (ValueError,), names, f"{kind} on {where}"), unchanged=unwrapped)
 
 
 # -- OS-18: golden structure ------------------------------------------------------------------------------
@@ -1075,8 +1082,10 @@ def test_bad_model_state_dict_is_a_clear_error(dist, impl, kind: str, use_orig_p
     bad = {**good, key: torch.zeros(2, 3)} if kind == "wrong-shape" else {k: v for k, v in good.items() if k != key}
     before = snapshot(model=run.model)
     exc = raised(lambda: ops.load_full_state_dict(run.model, bad if _bad_here(dist, where) else good))
-    _check_error(dist, exc, (ValueError, RuntimeError), (key,), f"{kind} on {where}")
-    assert_unchanged(before, where=f"{kind} on {where}: rank {dist.rank}", model=run.model)
+    check_each(
+        raises=lambda: _check_error(dist, exc, (ValueError, RuntimeError), (key,), f"{kind} on {where}"),
+        unchanged=lambda: assert_unchanged(before, where=f"{kind} on {where}: rank {dist.rank}", model=run.model),
+    )
 
 
 # -- OS-20: settings survive a failure inside a state-dict call ---------------------------------------------

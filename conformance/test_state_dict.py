@@ -43,6 +43,7 @@ from conformance import models as zoo
 from conformance.adapters.base import Unsupported, load_adapter
 from conformance.adapters.state_dict import SHARDING_STRATEGIES, StateDictOps
 from conformance.asserts import (
+    check_each,
     WRAPPER_SEGMENTS,
     assert_local_shard,
     assert_names_key,
@@ -842,8 +843,9 @@ def test_load_error(impl: Any, kind: str, api: str, how: str) -> None:
             return ops.set_optimizer_state_dict(target, pair.target_optim, bad_optim, options=options)
         return ops.set_model_state_dict(target, bad_model, options=options)
 
-    check_error(case, raised(call), model_sd, list(model_sd))
-    assert_unchanged(before, model=pair.target, optim=pair.target_optim)
+    exc = raised(call)
+    check_each(raises=lambda: check_error(case, exc, model_sd, list(model_sd)),
+               unchanged=lambda: assert_unchanged(before, model=pair.target, optim=pair.target_optim))
 
 
 @pytest.mark.req("SD-10")
@@ -1283,9 +1285,12 @@ def sharded_error_run(dist: Any, impl: Any, kind: str, bad_ranks: set[int]) -> N
                                   options=options)
 
     exc = raised(call)
-    assert_same_error_on_every_rank(dist, exc, what=f"{kind}: set with bad input on rank(s) {sorted(bad_ranks)}")
-    check_error(case, exc, model_sd, list(model_sd), where=where)
-    assert_unchanged(before, where=where, model=target, optim=target_optim)
+
+    def raises() -> None:
+        assert_same_error_on_every_rank(dist, exc, what=f"{kind}: set with bad input on rank(s) {sorted(bad_ranks)}")
+        check_error(case, exc, model_sd, list(model_sd), where=where)
+
+    check_each(raises=raises, unchanged=lambda: assert_unchanged(before, where=where, model=target, optim=target_optim))
 
 
 @pytest.mark.rank_timeout(PROMPTLY_S)

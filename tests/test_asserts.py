@@ -15,6 +15,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from conformance import asserts
 from conformance.asserts import (
+    check_each,
+    fail,
     assert_bitwise_equal,
     assert_names_key,
     assert_same_error_on_every_rank,
@@ -332,3 +334,21 @@ def test_perturb_hyperparameters_changes_every_one() -> None:
             assert numeric and all(new[k] != old[k] for k in numeric), (old, new)
             assert "initial_lr" in new and "sdc_custom" in new
     assert asserts.WRAPPER_SEGMENTS  # the segments assert_names_key forbids by default
+
+
+@pytest.mark.req("HX-18")
+def test_check_each_runs_every_check_and_fails_with_one_part_per_property() -> None:
+    ran = []
+
+    def broken() -> None:
+        ran.append("b")
+        raise KeyError("w")
+
+    with pytest.raises(pytest.fail.Exception) as info:
+        check_each(a=lambda: fail("a broke", 1, 2), b=broken, c=lambda: ran.append("c"))
+    assert ran == ["b", "c"]
+    assert info.value.parts == ["[a] a broke\n  got:      1\n  expected: 2", "[b] KeyError: 'w'"]
+    assert str(info.value.msg) == "\n".join(info.value.parts)
+    check_each(a=lambda: None)  # nothing failed: nothing raised
+    with pytest.raises(pytest.skip.Exception):
+        check_each(a=lambda: pytest.skip("not provided"), b=lambda: fail("b", 1, 2))

@@ -321,3 +321,36 @@ def test_report_json_records_each_failed_rank(suite: pytest.Pytester) -> None:
         {"source": f"{xfails}:1", "pattern": "test_ranks.py::test_known", "impl": None, "reason": "known",
          "pin": "raises=ValueError ranks=all", "when": "", "active": True}
     ]
+
+
+PROPERTY_TESTS = '''
+from conformance.asserts import check_each, fail
+
+
+def test_names_the_key_but_changes_the_model(impl):
+    check_each(raises=lambda: None, unchanged=lambda: fail("model changed", "other values", "the same values"))
+
+
+def test_names_no_key_and_changes_the_model(impl):
+    check_each(raises=lambda: fail("error names no key", "'w'", "'net.w'"),
+               unchanged=lambda: fail("model changed", "other values", "the same values"))
+'''
+
+
+@pytest.mark.req("HX-18")
+def test_a_deviation_in_one_property_does_not_hide_another(suite: pytest.Pytester) -> None:
+    """Tests check their properties with check_each: a pin on one property (the error names no key)
+    does not cover a failure of another (the model changed), which is a failure naming it."""
+    suite.makepyfile(test_props=PROPERTY_TESTS)
+    xfails = suite.path / "x.txt"
+    xfails.write_text(
+        "test_props.py::test_names_the_key_but_changes_the_model  raises=Failed match='^\\[unchanged\\] model changed'  # changes the model\n"
+        "test_props.py::test_names_no_key_and_changes_the_model  raises=Failed match='^\\[raises\\] error names no key'  # names no key\n"
+    )
+    result = run_suite(suite, "--impl", "reference", "--xfails", str(xfails))
+    out = result.stdout.str()
+    assert _outcomes(result) == {
+        "test_props.py::test_names_the_key_but_changes_the_model[reference]": "XFAIL",
+        "test_props.py::test_names_no_key_and_changes_the_model[reference]": "FAILED",
+    }, out
+    assert "expected a message matching '^\\\\[raises\\\\] error names no key', got controller: Failed: [unchanged] model changed" in out, out

@@ -30,6 +30,8 @@ __all__ = ["propose", "common_text", "rewrite", "main"]
 
 #: The shortest shared text worth pinning: anything shorter matches too much to tell failures apart.
 MIN_MATCH = 12
+#: The property tag :func:`conformance.asserts.check_each` puts before each failed property's message.
+_PROPERTY = re.compile(r"^\[(\w+)\] ")
 #: A world-size id segment, to know how many ranks a test ran on.
 _WS = re.compile(r"[\[-]ws(\d+)[-\]]")
 
@@ -82,8 +84,20 @@ def propose(entry: XfailEntry, tests: dict[str, dict[str, Any]]) -> Pin | None:
         return None
     types = {f["type"] for _, f in failures}
     raises = types.pop() if len(types) == 1 else None
-    text = common_text([f["message"] for _, f in failures])
-    match = regex_of(text) if text else None
+    by_property: dict[str, list[str]] = {}
+    for _, f in failures:
+        tag = _PROPERTY.match(f["message"])
+        by_property.setdefault(tag.group(1) if tag else "", []).append(f["message"])
+    if len(by_property) > 1 and "" not in by_property:
+        # One alternative per property (check_each): each failure must match its own property's text.
+        alternatives = []
+        for prop, messages in by_property.items():
+            text = common_text([_PROPERTY.sub("", m, count=1) for m in messages])
+            alternatives.append(rf"^\[{prop}\] " + (f".*{regex_of(text)}" if text else ""))
+        match: str | None = "|".join(alternatives)
+    else:
+        text = common_text([f["message"] for _, f in failures])
+        match = regex_of(text) if text else None
     ranks = None
     sets = set()
     for test_id, test in tests.items():
@@ -115,14 +129,23 @@ def _pin_words(pin: Pin) -> str:
     return " ".join(words)
 
 
+def _word(text: str) -> str:
+    return text if re.fullmatch(r"[^\s'\"#\\]+", text) else shlex.quote(text)
+
+
 def rewrite(path: Path, pins: dict[int, Pin]) -> str:
-    """The text of ``path`` with ``pins`` (by line number) inserted before each line's reason."""
+    """The text of ``path`` with ``pins`` (by line number) in place of each line's pin words (any
+    ``raises=``/``match=``/``ranks=`` it had), before its reason; its flags and conditions kept."""
+    from conformance.harness.xfails import _split_reason
+
     lines = path.read_text(encoding="utf-8").splitlines()
     for lineno, pin in pins.items():
         line = lines[lineno - 1]
-        cut = line.find("  #")
-        head, tail = (line[:cut].rstrip(), line[cut:]) if cut >= 0 else (line.rstrip(), "")
-        lines[lineno - 1] = f"{head}  {_pin_words(pin)}{tail}"
+        head, _ = _split_reason(line)
+        tail = line[len(head):]
+        words = shlex.split(head)
+        kept = [words[0]] + [_word(w) for w in words[1:] if not w.startswith(("raises=", "match=", "ranks="))]
+        lines[lineno - 1] = f"{' '.join(kept[:1])}  {' '.join(kept[1:] + [_pin_words(pin)])}{'  ' + tail.lstrip() if tail else ''}"
     return "\n".join(lines) + "\n"
 
 
@@ -131,18 +154,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("results", type=Path, help="a --report-json result of a run that selected the file's adapter")
     parser.add_argument("xfails", type=Path, help="the known-deviations file")
     parser.add_argument("--write", action="store_true", help="rewrite the file with the proposed pins")
+    parser.add_argument("--repin", action="store_true",
+                        help="also re-derive the pins of pinned entries (from the tests they marked, and those that failed differently)")
     args = parser.parse_args(argv)
     payload = json.loads(args.results.read_text(encoding="utf-8"))
     entries = parse_xfails(args.xfails.resolve())
     marked: dict[int, dict[str, dict[str, Any]]] = {}
     for test_id, test in payload["tests"].items():
-        found = re.search(r"\[([^\[\]]+):(\d+)(?:;[^\]]*)?\]$", test.get("reason") or "")
-        if test.get("outcome") == "xfailed" and found and Path(found.group(1)).resolve() == args.xfails.resolve():
+        reason = test.get("reason") or ""
+        found = re.search(r"\[([^\[\]]+):(\d+)(?:;[^\]]*)?\]$", reason) if test.get("outcome") == "xfailed" else None
+        if test.get("outcome") == "failed" and args.repin:  # a pinned entry whose test failed otherwise
+            found = re.search(r"known deviation failed differently \(([^()]+?):(\d+): ", reason)
+        if found and Path(found.group(1)).resolve() == args.xfails.resolve():
             marked.setdefault(int(found.group(2)), {})[test_id] = test
     pins: dict[int, Pin] = {}
     for entry in entries:
         lineno = int(entry.source.rsplit(":", 1)[1])
-        if entry.pin or entry.hangs or entry.removes:
+        if (entry.pin and not args.repin) or entry.hangs or entry.removes:
             why = "pinned already" if entry.pin else "flagged hangs (not run)" if entry.hangs else "a removal"
             print(f"{entry.source}: left as it is: {why}")
             continue

@@ -40,6 +40,16 @@ class Failure:
         names = tuple(c.__name__ for c in type(exc).__mro__ if c is not object)
         return cls(rank=rank, type=type(exc).__name__, message=message, types=names)
 
+    @classmethod
+    def all_of(cls, exc: BaseException, rank: int | None) -> list[Failure]:
+        """The failures ``exc`` stands for: one per property that failed when the test checked several
+        with :func:`conformance.asserts.check_each` (its ``parts``), else one."""
+        parts = getattr(exc, "parts", None)
+        if isinstance(parts, list) and parts and all(isinstance(p, str) for p in parts):
+            names = tuple(c.__name__ for c in type(exc).__mro__ if c is not object)
+            return [cls(rank=rank, type=type(exc).__name__, message=part, types=names) for part in parts]
+        return [cls.of(exc, rank)]
+
     def is_a(self, name: str) -> bool:
         """Whether the exception is of class ``name`` (its own class or a base class)."""
         return name == self.type or name in self.types

@@ -502,7 +502,7 @@ def rank_failures(run: PoolRun, timeout_s: float) -> list[Failure]:
             failures.append(Failure(rank=rank, type=HUNG, message=f"no answer within {timeout_s:.0f}s"))
         elif outcome is not None and outcome.status == "fail":
             lines = outcome.error.strip().splitlines()
-            failures.append(outcome.failure or Failure(rank=rank, type="Error", message=lines[-1] if lines else ""))
+            failures.extend(outcome.failures or [Failure(rank=rank, type="Error", message=lines[-1] if lines else "")])
     return failures
 
 
@@ -592,7 +592,7 @@ def _test_failures(item: pytest.Item, call: pytest.CallInfo[None]) -> tuple[int 
     excinfo = call.excinfo
     if excinfo is None or isinstance(excinfo.value, (pytest.skip.Exception, pytest.xfail.Exception)):
         return None, []
-    return None, [Failure.of(excinfo.value, None)]
+    return None, Failure.all_of(excinfo.value, None)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -631,6 +631,8 @@ def _skip_reason(report: pytest.TestReport) -> str:
 
 def _failure_line(report: pytest.TestReport) -> str:
     text = (report.longreprtext or "").strip()
+    if text.startswith("known deviation failed differently"):
+        return text.splitlines()[0][:600]
     error_lines = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
     first = error_lines[0] if error_lines else (text.splitlines()[0] if text else "")
     return first[:300]

@@ -76,7 +76,7 @@ class RankOutcome:
     value: Any = None
     error: str = ""  # the formatted traceback for fail; the reason for skip/xfail
     seconds: float = 0.0
-    failure: Failure | None = None  # for fail: the exception's type and message, as data
+    failures: list[Failure] = field(default_factory=list)  # for fail: what failed, as data (one per property)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -148,7 +148,7 @@ def _run(task: Task, rank: int, world_size: int, backend: str) -> RankOutcome:
         tmp_dir=Path(task.tmp_dir),
     )
     start = time.perf_counter()
-    failure = None
+    failures: list[Failure] = []
     try:
         fn = _resolve(task)
         args = tuple(ctx if isinstance(a, DistArg) else a for a in task.args)
@@ -162,11 +162,11 @@ def _run(task: Task, rank: int, world_size: int, backend: str) -> RankOutcome:
         status, error, value = "xfail", str(exc.msg), None
     except BaseException as exc:  # noqa: BLE001 - a test body's SystemExit or BaseException-derived error is a failure too
         status, error, value = "fail", traceback.format_exc(), None
-        failure = Failure.of(exc, rank)
+        failures = Failure.all_of(exc, rank)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-    outcome = RankOutcome(rank=rank, status=status, value=value, error=error, seconds=time.perf_counter() - start, failure=failure)
+    outcome = RankOutcome(rank=rank, status=status, value=value, error=error, seconds=time.perf_counter() - start, failures=failures)
     return outcome
 
 

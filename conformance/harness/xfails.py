@@ -115,7 +115,7 @@ class Pin:
             return None
         problems = []
         if self.ranks is not None:
-            got = sorted(f.rank for f in failures if f.rank is not None)
+            got = sorted({f.rank for f in failures if f.rank is not None})
             want = self.expected_ranks(world_size) if world_size is not None else None
             if want is None:
                 problems.append(f"ranks={self.ranks}, but the test ran on the controller")
