@@ -218,3 +218,30 @@ def test_top_level_values_are_replaced_in_the_callers_dict(tmp_path) -> None:
     sd = {"counter": _Counter(0), "w": torch.empty(2, device="meta"), "name": ""}
     checkpoint.load(sd, checkpoint_id=tmp_path)
     assert sd["w"].device.type == "cpu" and torch.equal(sd["w"], torch.ones(2)) and sd["name"] == "x"
+
+
+def test_non_strided_tensors_cannot_be_saved() -> None:
+    """A sparse tensor is refused naming its key, never left out of the checkpoint silently."""
+    sparse = torch.eye(3).to_sparse()
+    with pytest.raises(StateDictError, match=r"key 'emb': layout torch.sparse_coo is not supported"):
+        ReferenceSavePlanner().set_up_planner({"w": torch.ones(2), "emb": sparse})
+
+
+def test_an_io_error_while_reading_names_the_file_and_key(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error the reader did not foresee (an I/O error mid-read) is a CheckpointFormatError naming the
+    data file and the key, and the state dict is left as it was."""
+    from reference.checkpoint import CheckpointFormatError, load, save
+    from reference.checkpoint import storage
+
+    save({"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2)}, checkpoint_id=tmp_path)
+    target = {"w": torch.zeros(2, 3), "b": torch.zeros(2)}
+
+    def failing_read(*args: object, **kwargs: object) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(storage, "read_region", failing_read)
+    with pytest.raises(CheckpointFormatError) as info:
+        load(target, checkpoint_id=tmp_path)
+    text = str(info.value)
+    assert str(tmp_path) in text and ".distcp" in text and ("'w'" in text or "'b'" in text) and "Input/output error" in text, text
+    assert torch.equal(target["w"], torch.zeros(2, 3)) and torch.equal(target["b"], torch.zeros(2)), "a failed load changed the state dict"
