@@ -750,6 +750,26 @@ def test_zoo_model(dist, impl, case: Setup, use_orig_params: bool) -> None:
     assert_continues(load_target(dist, ops, setup), run, osd, where=f"{setup} reloaded")
 
 
+@pytest.mark.req("OS-13")
+@pytest.mark.world_size(min=2)
+def test_no_state_where_a_parameters_part_is_empty(dist, impl) -> None:
+    """An optimizer that skips parameters without a gradient holds no state on a rank for a parameter
+    whose part is empty there (torch's FSDP leaves exactly that); the full optimizer state dict is the
+    unwrapped model's all the same, for the parameters after it in the unit too. ``tiny`` in reverse
+    order: at world size 2 rank 0 holds no part of ``b.bias`` and ``b.weight``, then part of ``a.weight``."""
+    ops = impl.require("optim_state")
+    run = Run(dist, ops, Setup(model="tiny", optimizer="sgd", order="reversed", use_orig_params=True))
+    run.train(2)
+    empty = []
+    for fqns, param in ops.optimizer_params(run.model):
+        if (param.to_local() if isinstance(param, DTensor) else param).numel() == 0:
+            run.optim.state.pop(param, None)  # torch's FSDP never makes it: such a part gets no gradient
+            empty.append(fqns[0])
+    if not any(dist.all_gather_object(empty)):
+        pytest.skip(f"{impl.name}: no parameter's part is empty on any rank at world size {dist.world_size}")
+    assert_osd_matches(ops.optim_state_dict(run.model, run.optim), run.oracle_osd(), f"{run.setup}: no state for {empty} on rank {dist.rank}")
+
+
 # -- OS-2, OS-15: layout and keying ---------------------------------------------------------------------
 
 

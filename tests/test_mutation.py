@@ -233,7 +233,10 @@ def test_report_table_and_survivors() -> None:
 TINY_CONFTEST = """
 def pytest_addoption(parser):
     for name in ("--impl", "--world-size", "--rank-timeout"):
-        parser.addoption(name)
+        try:
+            parser.addoption(name)
+        except ValueError:  # the suite's plugin, installed in this environment, defines it already
+            pass
 """
 
 

@@ -108,6 +108,7 @@ SECTIONS: dict[str, Section] = {
                 "tests/reference/test_optim_state*.py",
                 "tests/reference/test_sharding*.py",
                 "tests/reference/test_fsdp*.py",
+                "tests/reference/test_collectives*.py",
             ),
         ),
         Section(
