@@ -752,13 +752,19 @@ def test_zoo_model(dist, impl, case: Setup, use_orig_params: bool) -> None:
 
 @pytest.mark.req("OS-13")
 @pytest.mark.world_size(min=2)
-def test_no_state_where_a_parameters_part_is_empty(dist, impl) -> None:
+@pytest.mark.parametrize(
+    "setup",
+    [Setup(model="tiny", optimizer="sgd", order="reversed", use_orig_params=True), Setup(model="groups", use_orig_params=True)],
+    ids=["tiny-reversed", "groups"],
+)
+def test_no_state_where_a_parameters_part_is_empty(dist, impl, setup: Setup) -> None:
     """An optimizer that skips parameters without a gradient holds no state on a rank for a parameter
     whose part is empty there (torch's FSDP leaves exactly that); the full optimizer state dict is the
-    unwrapped model's all the same, for the parameters after it in the unit too. ``tiny`` in reverse
-    order: at world size 2 rank 0 holds no part of ``b.bias`` and ``b.weight``, then part of ``a.weight``."""
+    unwrapped model's all the same, for the parameters after it in the unit too: at world size 2,
+    ``tiny`` in reverse order leaves rank 0 without ``b.bias`` and ``b.weight`` before ``a.weight``,
+    and ``groups`` leaves the last rank without ``inp.weight`` before the parameters it holds."""
     ops = impl.require("optim_state")
-    run = Run(dist, ops, Setup(model="tiny", optimizer="sgd", order="reversed", use_orig_params=True))
+    run = Run(dist, ops, setup)
     run.train(2)
     empty = []
     for fqns, param in ops.optimizer_params(run.model):
