@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from reference import _collectives as C
+from reference import comm
 from reference.sharding import FlatParamHandle
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "load_full_state_dict",
     "load_sharded_state_dict",
     "state_dict_layout",
+    "model_group",
 ]
 
 #: The attribute under which a unit holds the module it wraps: a segment of raw FQNs, never of clean ones.
@@ -143,18 +144,17 @@ class FullyShardedDataParallel(nn.Module):
         self.device = _compute_device(module, device_id)
         # Checked before anything is wrapped, so that a bad layout leaves the model untouched, and agreed
         # on by every rank, so that one rank's bad model (a layer frozen there only) fails every rank.
-        error = None
-        try:
-            self._device_mesh, self._shard_group, self._replicate_group, self.process_group = _resolve_groups(
-                sharding_strategy, process_group, device_mesh
-            )
+        def check() -> tuple[Any, dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup, AutoWrapPolicy | None]:
+            groups = _resolve_groups(sharding_strategy, process_group, device_mesh)
             policy = _as_policy(auto_wrap_policy)
             if policy is not None:
                 _check_no_param_shared_across_units(module, policy)
             _check_uniform_units(module, policy, use_orig_params)
-        except (ValueError, TypeError) as exc:
-            error = exc
-        C.raise_if_any_rank_failed(error, _construction_group(process_group, device_mesh))
+            return (*groups, policy)
+
+        self._device_mesh, self._shard_group, self._replicate_group, self.process_group, policy = comm.agree(
+            _construction_group(process_group, device_mesh), check
+        )
         if policy is not None:
             _auto_wrap(
                 module,
@@ -406,6 +406,13 @@ def _reshard_all(model: nn.Module) -> None:
 # -- model state dicts --------------------------------------------------------------------------------
 
 
+def model_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The group over which the units under ``model`` agree and exchange state (for HYBRID_SHARD the
+    group spanning both axes), or None when ``model`` holds no unit."""
+    units = FullyShardedDataParallel.fsdp_modules(model)
+    return units[0].process_group if units else None
+
+
 @contextlib.contextmanager
 def _unsharded_params(model: nn.Module) -> Iterator[None]:
     """Inside: every original parameter name of every unit under ``model`` holds its full value (a
@@ -519,7 +526,22 @@ def load_sharded_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, 
     tensors). Collective. Checked like :func:`load_full_state_dict` before anything is gathered."""
     from torch.distributed.tensor import DTensor
 
-    _checked_on_every_rank(model, state_dict, strict=strict, expected=state_dict_layout(model))
+    expected = state_dict_layout(model)
+
+    def check() -> list[str]:
+        _check_state_dict(model, state_dict, strict=strict, expected=expected)
+        return sorted(key for key, value in state_dict.items() if isinstance(value, DTensor))
+
+    # The gathers below are issued per DTensor entry: every rank must hold the same ones.
+    every = comm.gather_agreed(model_group(model), check)
+    for rank, keys in enumerate(every):
+        if keys != every[0]:
+            odd = sorted(set(keys) ^ set(every[0]))[0]
+            forms = ", ".join(f"rank {r}: {'DTensor' if odd in k else 'no DTensor'}" for r, k in enumerate(every))
+            raise ValueError(
+                f"state dict entry {odd!r} is not a DTensor on every rank ({forms}): "
+                "every rank must load the same sharded state dict"
+            )
     full = {}
     for key in sorted(state_dict):  # one order on every rank: full_tensor() is a collective
         value = state_dict[key]
@@ -572,13 +594,7 @@ def _checked_on_every_rank(
 ) -> None:
     """:func:`_check_state_dict` on every rank of the model's groups, agreed: if any rank's dict is bad,
     every rank raises that rank's error. Collective."""
-    units = FullyShardedDataParallel.fsdp_modules(model)
-    error = None
-    try:
-        _check_state_dict(model, state_dict, strict=strict, expected=expected)
-    except (RuntimeError, ValueError, TypeError) as exc:
-        error = exc
-    C.raise_if_any_rank_failed(error, units[0].process_group if units else None)
+    comm.agree(model_group(model), lambda: _check_state_dict(model, state_dict, strict=strict, expected=expected))
 
 
 def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:

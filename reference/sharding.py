@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from reference import _collectives as C
+from reference import comm
 from reference.flat_param import FlatParameter, even_shard_range
 
 __all__ = ["ParamSlot", "AliasSlot", "SlotShard", "FlatParamHandle"]
@@ -192,7 +192,7 @@ class FlatParamHandle:
         if len(dtypes) > 1:
             raise ValueError(f"parameters of one unit must share a dtype, got {sorted(map(str, dtypes))} in {[s.fqn for s in slots]}")
 
-        shard_world, shard_rank = C.group_size(shard_group), C.group_rank(shard_group)
+        shard_world, shard_rank = comm.group_size(shard_group), comm.group_rank(shard_group)
         with torch.no_grad():
             flat_param = FlatParameter(
                 [p.detach().to(device) for p in params], requires_grad=any(requires_grad), names=[s.fqn for s in slots]
@@ -295,7 +295,7 @@ class FlatParamHandle:
         if not self._unsharded:
             self._full.untyped_storage().resize_(self._full.numel() * self._full.element_size())
             with torch.no_grad():
-                C.all_gather_flat(self._full, self.local_shard, self.shard_group)
+                comm.all_gather_flat(self._full, self.local_shard, self.shard_group)
             self._unsharded = True
         self.flat_param.data = self._full
 
@@ -342,8 +342,8 @@ class FlatParamHandle:
         if full_grad.numel() != self.padded_numel:
             raise RuntimeError(f"post_backward: gradient of {full_grad.numel()} elements, expected {self.padded_numel}")
         with torch.no_grad():
-            grad = C.reduce_scatter_mean(full_grad.detach().reshape(-1), self.shard_group)
-            C.all_reduce_mean(grad, self.replicate_group)
+            grad = comm.reduce_scatter_mean(full_grad.detach().reshape(-1), self.shard_group)
+            comm.all_reduce_mean(grad, self.replicate_group)
         used, self._used = self._used, set()
         self.reshard()
         if self.use_orig_params:

@@ -16,9 +16,11 @@ Contracts (see ``conformance/SPEC.md``, SD-*):
   ``strict=True`` a missing or unexpected key is a ``RuntimeError`` naming it and the model is left as
   it was; a shape mismatch is always such an error. For a submodule-keyed dict, ``strict`` applies to
   the keys of those submodules; the rest of the model is left untouched and reported as missing.
-* Which ranks call: every function is collective when the model is sharded, or when
-  ``broadcast_from_rank0`` is set: call it on every rank of the process group, in the same order.
-  On a plain model without ``broadcast_from_rank0`` each rank may call it alone.
+* Which ranks call: every function is collective when the model is sharded or has DTensor
+  parameters, or when ``broadcast_from_rank0`` is set: call it on every rank of the process group, in
+  the same order. On a plain model without ``broadcast_from_rank0`` each rank may call it alone.
+* Errors of a collective call are agreed on (:mod:`reference.comm`): when one rank's input is wrong,
+  every rank raises the same exception, naming that rank, before any rank gathers or changes anything.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from reference import comm
 from reference.fqn import FQNResolver, join_fqn, submodule_paths
 from reference import state_dict_backend as _backend
 from reference import state_dict_optim as _optim
@@ -123,6 +127,13 @@ def _as_optimizers(optimizers: Optimizers | None) -> tuple[torch.optim.Optimizer
     return optims
 
 
+def _some_optimizers(optimizers: Optimizers, caller: str) -> tuple[torch.optim.Optimizer, ...]:
+    optims = _as_optimizers(optimizers)
+    if not optims:
+        raise ValueError(f"{caller}: no optimizer given")
+    return optims
+
+
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
     # Building dicts of many tensors triggers the cyclic GC over and over for nothing (torch does the same).
@@ -202,8 +213,9 @@ def get_model_state_dict(
     """The model state dict of ``model``, keyed by canonical FQN. See :func:`get_state_dict`."""
     options = options or StateDictOptions()
     with _gc_paused():
-        selected = _check_submodules(model, submodules)
         backend = _backend.for_model(model)
+        # Agreed: a rank whose selection is wrong must not leave the others in the gathers below.
+        selected = comm.agree(_backend.collective_group(model, backend, False), lambda: _check_submodules(model, submodules))
         resolver = FQNResolver(model, selected)
         frozen = backend.frozen_fqns(model, resolver) if options.ignore_frozen_params else set()
         raw = backend.model_state_dict(model, options)
@@ -233,12 +245,14 @@ def get_optimizer_state_dict(
     that every trainable parameter has its state entries. ``submodules`` is accepted for symmetry with
     :func:`get_state_dict` and does not filter optimizer state (as in torch)."""
     options = options or StateDictOptions()
-    optims = _as_optimizers(optimizers)
-    if not optims:
-        raise ValueError("get_optimizer_state_dict: no optimizer given")
     with _gc_paused():
-        _check_submodules(model, submodules)
         backend = _backend.for_model(model)
+
+        def check() -> tuple[torch.optim.Optimizer, ...]:
+            _check_submodules(model, submodules)
+            return _some_optimizers(optimizers, "get_optimizer_state_dict")
+
+        optims = comm.agree(_backend.collective_group(model, backend, False), check)
         osd = backend.optim_state_dict(model, optims, options)
         if options.flatten_optimizer_state_dict and osd:  # {} on ranks > 0 with full + cpu_offload
             osd = _optim.flatten(osd)
@@ -383,11 +397,11 @@ def set_model_state_dict(
     with _gc_paused():
         backend = _backend.for_model(model)
         # Collective: every check is agreed on by all ranks before anything is gathered or changed.
-        collective = _backend.is_collective(model, backend, options.broadcast_from_rank0)
-        flat, scope = _backend.agreed(collective, lambda: _checked_unflatten(model, model_state_dict, options))
+        group = _backend.collective_group(model, backend, options.broadcast_from_rank0)
+        flat, scope = comm.agree(group, lambda: _checked_unflatten(model, model_state_dict, options))
         if options.broadcast_from_rank0:
-            flat = _backend.broadcast_from_rank0(flat, backend.device(model))
-        plan = _backend.agreed(collective, lambda: _plan_model_load(model, flat, scope, options, backend))
+            flat = _backend.broadcast_from_rank0(flat, backend.device(model), group)
+        plan = comm.agree(group, lambda: _plan_model_load(model, flat, scope, options, backend))
         backend.load_model_state_dict(model, plan.raw, options)
         return IncompatibleKeys(plan.missing, plan.unexpected)
 
@@ -412,16 +426,18 @@ def set_optimizer_state_dict(
     parameter without state, or state for an FQN that no given optimizer holds, is a ``RuntimeError``
     naming the FQN; otherwise such parameters keep their current state."""
     options = options or StateDictOptions()
-    optims = _as_optimizers(optimizers)
-    if not optims:
-        raise ValueError("set_optimizer_state_dict: no optimizer given")
     with _gc_paused():
         backend = _backend.for_model(model)
-        collective = _backend.is_collective(model, backend, options.broadcast_from_rank0)
-        _backend.agreed(collective, options.check)
+        group = _backend.collective_group(model, backend, options.broadcast_from_rank0)
+
+        def check() -> tuple[torch.optim.Optimizer, ...]:
+            options.check()
+            return _some_optimizers(optimizers, "set_optimizer_state_dict")
+
+        optims = comm.agree(group, check)
         if options.broadcast_from_rank0:
-            optim_state_dict = _backend.broadcast_from_rank0(optim_state_dict, backend.device(model))
-        _plan_optim_load(model, optims, optim_state_dict, options, backend, collective)()
+            optim_state_dict = _backend.broadcast_from_rank0(optim_state_dict, backend.device(model), group)
+        _plan_optim_load(model, optims, optim_state_dict, options, backend, group)()
 
 
 def _plan_optim_load(
@@ -430,7 +446,7 @@ def _plan_optim_load(
     osd: OptimizerStateDict,
     options: StateDictOptions,
     backend: _backend.ModelBackend,
-    collective: bool,
+    group: dist.ProcessGroup | None,
 ) -> Any:
     def check() -> OptimizerStateDict:
         if not osd:
@@ -439,9 +455,9 @@ def _plan_optim_load(
         backend.check_optim_load(model, optims, nested, options)
         return nested
 
-    nested = _backend.agreed(collective, check)
+    nested = comm.agree(group, check)
     # Agreed again: the plan may gather (DTensor state) before its last checks.
-    return _backend.agreed(collective, lambda: backend.plan_optim_load(model, optims, nested, options))
+    return comm.agree(group, lambda: backend.plan_optim_load(model, optims, nested, options))
 
 
 def set_state_dict(
@@ -457,21 +473,21 @@ def set_state_dict(
     An empty ``model_state_dict`` loads the optimizers only (as torch does); an empty
     ``optim_state_dict`` loads the model only."""
     options = options or StateDictOptions()
-    optims = _as_optimizers(optimizers)
     with _gc_paused():
         backend = _backend.for_model(model)
-        collective = _backend.is_collective(model, backend, options.broadcast_from_rank0)
+        group = _backend.collective_group(model, backend, options.broadcast_from_rank0)
         plan: _ModelLoad | None = None
-        flat, scope = _backend.agreed(collective, lambda: _checked_unflatten(model, model_state_dict or {}, options))
+        optims = comm.agree(group, lambda: _as_optimizers(optimizers))
+        flat, scope = comm.agree(group, lambda: _checked_unflatten(model, model_state_dict or {}, options))
         if options.broadcast_from_rank0:
-            flat = _backend.broadcast_from_rank0(flat, backend.device(model))
+            flat = _backend.broadcast_from_rank0(flat, backend.device(model), group)
         if flat:
-            plan = _backend.agreed(collective, lambda: _plan_model_load(model, flat, scope, options, backend))
+            plan = comm.agree(group, lambda: _plan_model_load(model, flat, scope, options, backend))
         apply_optim = None
         if optims and options.broadcast_from_rank0:
-            optim_state_dict = _backend.broadcast_from_rank0(optim_state_dict or {}, backend.device(model))
+            optim_state_dict = _backend.broadcast_from_rank0(optim_state_dict or {}, backend.device(model), group)
         if optims and optim_state_dict:
-            apply_optim = _plan_optim_load(model, optims, optim_state_dict, options, backend, collective)
+            apply_optim = _plan_optim_load(model, optims, optim_state_dict, options, backend, group)
         if apply_optim is not None:
             apply_optim()
         if plan is None:

@@ -102,7 +102,7 @@ SECTIONS: dict[str, Section] = {
         ),
         Section(
             "OS",
-            ("reference/fsdp.py", "reference/sharding.py", "reference/optim_state.py", "reference/_collectives.py"),
+            ("reference/fsdp.py", "reference/sharding.py", "reference/optim_state.py", "reference/comm.py"),
             (
                 "conformance/test_optim_state.py",
                 "tests/reference/test_optim_state*.py",
