@@ -445,9 +445,10 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu_offload: 
     """The unsharded model state dict under clean FQNs: the keys and values ``state_dict()`` of the
     unwrapped model would have (tied parameters under every name, non-persistent buffers absent).
 
-    Collective: every rank of the model's groups calls it. With ``rank0_only`` other ranks get ``{}``;
+    Collective: every rank of the model's groups calls it. With ``rank0_only`` only the coordinator
+    (the first rank of the model's group, :func:`model_group`) gets the values, the other ranks ``{}``;
     with ``cpu_offload`` values are on the CPU. Values are copies, never views of the model."""
-    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    keep = not rank0_only or comm.is_coordinator(model_group(model))
     with _unsharded_params(model):
         raw = model.state_dict()
         out = {}

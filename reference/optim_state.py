@@ -12,7 +12,7 @@ its tensors the parameter's (possibly empty) part of the shard. This module turn
 * an FSDP-managed key is resolved through one map from every clean FQN to its :class:`FSDPParamInfo`
   (the unit, its flat parameter and each FQN's index in it), built by walking the module tree from the
   module passed in, so the FQNs are global from there and free of wrapper segments;
-* ranks agree on one order of keys (rank 0's, then keys only other ranks have), because the
+* ranks agree on one order of keys (the coordinator's, then keys only other ranks have), because the
   all-gathers that unshard state must be issued in the same order everywhere.
 
 State conventions (as torch's FSDP): a tensor state of positive dimension is *positional*: it has the
@@ -227,8 +227,9 @@ def optim_state_dict(
     scalars as is); FQNs without state (frozen, never stepped) are absent. ``param_groups`` keep every
     hyperparameter and extra key, with ``params`` listing FQNs. With ``sharded``, positional states of
     FSDP-managed parameters are DTensors laid out like :func:`reference.fsdp.sharded_state_dict`'s
-    parameters (their ``full_tensor()`` is the full value). With ``rank0_only`` every rank but 0 gets
-    ``{}``; with ``cpu_offload`` tensors are on the CPU.
+    parameters (their ``full_tensor()`` is the full value). With ``rank0_only`` every rank but the
+    coordinator (the first rank of the model's group) gets ``{}``; with ``cpu_offload`` tensors are on
+    the CPU.
 
     Collective over the model's groups: every rank calls it, with optimizers over the same parameters
     (their order within groups, and the order of states, may differ by rank)."""
@@ -238,7 +239,7 @@ def optim_state_dict(
     local_state: dict[_OptimStateKey, dict[str, Any]] = {}
 
     def describe() -> tuple[list[tuple[_OptimStateKey, dict[str, bool]]], list[tuple[dict[str, Any], list[_OptimStateKey]]]]:
-        # One order for every rank: rank 0's, then what only other ranks hold. Only structure travels
+        # One order for every rank: the coordinator's, then what only other ranks hold. Only structure travels
         # (which states each key has, and which are positional); values are exchanged below only for
         # keys some rank holds no state for.
         keys, state, groups = _local_optim_state(model, optim, infos)
@@ -304,7 +305,7 @@ def optim_state_dict(
     if cpu_offload:
         state = {fqn: {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in entry.items()} for fqn, entry in state.items()}
     param_groups = []
-    for hyper, group_keys in gathered[0][1]:  # rank 0's groups
+    for hyper, group_keys in gathered[0][1]:  # the coordinator's groups
         group = copy.deepcopy(hyper)
         group["params"] = [fqn for key in group_keys for fqn in key.unflat_param_names]
         param_groups.append(group)

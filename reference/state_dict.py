@@ -70,8 +70,9 @@ class StateDictOptions:
     #: Gather sharded values: every tensor of the result is a plain tensor of the full (unsharded)
     #: shape. When False, a sharded model gives its per-rank shards as DTensors.
     full_state_dict: bool = False
-    #: Put every tensor of the result on CPU. With ``full_state_dict`` in a process group, only rank 0
-    #: gets the state dict (the others get an empty one), so that N ranks do not hold N CPU copies.
+    #: Put every tensor of the result on CPU. With ``full_state_dict`` in a process group, only the
+    #: coordinator, the first rank of the model's group ("rank 0"), gets the state dict (the others get
+    #: an empty one), so that N ranks do not hold N CPU copies.
     cpu_offload: bool = False
     #: Leave parameters with ``requires_grad=False`` out of the model state dict on get, and do not
     #: require them on set.
@@ -80,8 +81,8 @@ class StateDictOptions:
     keep_submodule_prefixes: bool = True
     #: On set: a missing or unexpected key is an error (nothing is loaded) instead of being reported.
     strict: bool = True
-    #: On set: the full state dict is present on rank 0 only; it is broadcast to every rank and loaded
-    #: there. Requires ``full_state_dict``.
+    #: On set: the full state dict is present on the coordinator ("rank 0": the first rank of the
+    #: model's group) only; it is broadcast to every rank and loaded there. Requires ``full_state_dict``.
     broadcast_from_rank0: bool = False
     #: Optimizer state dicts are one flat ``{"state.<fqn>.<name>": v, "param_groups.<fqn>.<k>": v}``.
     flatten_optimizer_state_dict: bool = False

@@ -125,11 +125,12 @@ def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 def _full_and_offloaded(tree: dict[str, Any], options: StateDictOptions) -> dict[str, Any]:
     """``full_state_dict``: DTensors become full plain tensors (collective if there are any).
-    ``cpu_offload``: tensors move to CPU; with ``full_state_dict`` in a group, ranks > 0 get ``{}``."""
+    ``cpu_offload``: tensors move to CPU; with ``full_state_dict`` in a group, only the coordinator (the
+    default group's first rank) keeps them, the others get ``{}``."""
     if options.full_state_dict:
         tree = _map_tensors(tree, lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
     if options.cpu_offload:
-        if options.full_state_dict and _in_group() and dist.get_rank() != 0:
+        if options.full_state_dict and not comm.is_coordinator(comm.default_group()):
             return {}
         tree = _map_tensors(tree, lambda t: t.cpu())
     return tree
