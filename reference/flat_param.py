@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from reference._prefix_hooks import clean_named_modules, register_prefix_hooks
+from reference.fqn import register_wrapper
 
 __all__ = [
     "FlatParameter",
@@ -756,6 +757,10 @@ class FlattenParamsWrapper(nn.Module):
         super().__setstate__(state)
         if self._flattened:
             self._set_views()
+
+
+# The canonical-FQN rule (reference.fqn) skips the wrapper's segment.
+register_wrapper(FlattenParamsWrapper, FPW_MODULE)
 
 
 def _checked_param_list(param_list: Iterable[nn.Parameter]) -> list[nn.Parameter]:

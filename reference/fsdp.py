@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from reference import comm
+from reference.fqn import FQNResolver, register_wrapper
 from reference.sharding import FlatParamHandle
 
 __all__ = [
@@ -49,7 +50,6 @@ __all__ = [
     "ShardingStrategy",
     "FSDP_WRAPPED_MODULE",
     "FLAT_PARAM",
-    "clean_fqn",
     "full_state_dict",
     "sharded_state_dict",
     "load_full_state_dict",
@@ -62,9 +62,6 @@ __all__ = [
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 #: The name under which a unit registers its flat parameter (``use_orig_params=False`` only).
 FLAT_PARAM = "_flat_param"
-#: FQN segments added by wrappers, removed by :func:`clean_fqn`: ours, and activation checkpointing's
-#: (``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``), as torch's FSDP does.
-WRAPPER_SEGMENTS = (FSDP_WRAPPED_MODULE, "_checkpoint_wrapped_module")
 
 
 class ShardingStrategy(enum.Enum):
@@ -74,11 +71,6 @@ class ShardingStrategy(enum.Enum):
     SHARD_GRAD_OP = enum.auto()
     NO_SHARD = enum.auto()
     HYBRID_SHARD = enum.auto()
-
-
-def clean_fqn(fqn: str) -> str:
-    """``fqn`` without wrapper segments: ``_fsdp_wrapped_module.1._checkpoint_wrapped_module.w`` -> ``1.w``."""
-    return ".".join(part for part in fqn.split(".") if part not in WRAPPER_SEGMENTS)
 
 
 AutoWrapPolicy = Callable[[nn.Module], bool]
@@ -254,6 +246,10 @@ class FullyShardedDataParallel(nn.Module):
         return f"{self.sharding_strategy.name}, use_orig_params={self.use_orig_params}, {shard}"
 
 
+# The canonical-FQN rule (reference.fqn) skips our wrapped-module segment.
+register_wrapper(FullyShardedDataParallel, FSDP_WRAPPED_MODULE)
+
+
 # -- construction helpers ---------------------------------------------------------------------------
 
 
@@ -318,6 +314,7 @@ def _check_uniform_units(root: nn.Module, policy: AutoWrapPolicy | None, use_ori
     included) cannot be one flat parameter: several dtypes, or with ``use_orig_params=False`` frozen
     and trainable parameters together. Local; nothing is modified."""
     units: dict[str, dict[nn.Parameter, str]] = {}
+    names = FQNResolver(root)
 
     def visit(module: nn.Module, prefix: str, unit: str) -> None:
         if prefix and isinstance(module, FullyShardedDataParallel):
@@ -326,14 +323,14 @@ def _check_uniform_units(root: nn.Module, policy: AutoWrapPolicy | None, use_ori
             unit = prefix
         for name, param in module._parameters.items():
             if param is not None:
-                units.setdefault(unit, {}).setdefault(param, clean_fqn(prefix + name))
+                units.setdefault(unit, {}).setdefault(param, names.clean_key(prefix + name))
         for child_name, child in module._modules.items():
             if child is not None:
                 visit(child, prefix + child_name + ".", unit)
 
     visit(root, "", "")
     for unit, params in units.items():
-        where = repr(clean_fqn(unit.rstrip("."))) if unit else "<root>"
+        where = repr(names.clean_path(unit.rstrip("."))) if unit else "<root>"
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             raise ValueError(f"parameters of one unit must share a dtype, got {sorted(map(str, dtypes))} in unit {where}: {list(params.values())}")
@@ -361,6 +358,7 @@ def _auto_wrap(module: nn.Module, policy: AutoWrapPolicy, wrap: Callable[[nn.Mod
 def _check_no_param_shared_across_units(root: nn.Module, policy: AutoWrapPolicy) -> None:
     """Raise if one parameter would be flattened into two units by ``policy`` (root included)."""
     owner: dict[nn.Parameter, tuple[str, str]] = {}
+    names = FQNResolver(root)
 
     def visit(module: nn.Module, prefix: str, unit: str) -> None:
         if prefix and (policy(module) or isinstance(module, FullyShardedDataParallel)):
@@ -372,8 +370,8 @@ def _check_no_param_shared_across_units(root: nn.Module, policy: AutoWrapPolicy)
             if param in owner and owner[param][1] != unit:
                 first_fqn, first_unit = owner[param]
                 raise ValueError(
-                    f"parameter {clean_fqn(fqn)!r} (unit {clean_fqn(unit) or '<root>'!r}) is the same parameter "
-                    f"as {clean_fqn(first_fqn)!r} (unit {clean_fqn(first_unit) or '<root>'!r}): a shared parameter "
+                    f"parameter {names.clean_key(fqn)!r} (unit {names.clean_path(unit) or '<root>'!r}) is the same parameter "
+                    f"as {names.clean_key(first_fqn)!r} (unit {names.clean_path(first_unit) or '<root>'!r}): a shared parameter "
                     "must be owned by one unit (wrap the common ancestor of both uses instead)"
                 )
             owner.setdefault(param, (fqn, unit))
@@ -449,13 +447,14 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu_offload: 
     (the first rank of the model's group, :func:`model_group`) gets the values, the other ranks ``{}``;
     with ``cpu_offload`` values are on the CPU. Values are copies, never views of the model."""
     keep = not rank0_only or comm.is_coordinator(model_group(model))
+    names = FQNResolver(model)
     with _unsharded_params(model):
         raw = model.state_dict()
         out = {}
         for key, value in raw.items():
             if keep:
                 value = value.detach()
-                out[clean_fqn(key)] = value.cpu().clone() if cpu_offload else value.clone()
+                out[names.clean_key(key)] = value.cpu().clone() if cpu_offload else value.clone()
     return out
 
 
@@ -501,17 +500,18 @@ def _units(model: nn.Module) -> list[tuple[str, FullyShardedDataParallel]]:
     return out
 
 
-def _slot_names(base: str, handle: FlatParamHandle) -> list[list[str]]:
-    """Per slot of ``handle``, its clean FQNs under ``model``: the first name, then tied aliases."""
-    names = [[clean_fqn(base + slot.fqn)] for slot in handle.slots]
+def _slot_names(resolver: FQNResolver, base: str, handle: FlatParamHandle) -> list[list[str]]:
+    """Per slot of ``handle``, its canonical FQNs under ``resolver.root``: the first name, then tied aliases."""
+    names = [[resolver.clean_key(base + slot.fqn)] for slot in handle.slots]
     for alias in handle.aliases:
-        names[alias.slot_index].append(clean_fqn(base + alias.fqn))
+        names[alias.slot_index].append(resolver.clean_key(base + alias.fqn))
     return names
 
 
 def _param_owner_units(model: nn.Module) -> dict[str, FullyShardedDataParallel]:
     """Clean FQN of every flattened parameter (aliases included) -> its unit."""
-    return {name: unit for base, unit in _units(model) for names in _slot_names(base, unit._handle) for name in names}
+    resolver = FQNResolver(model)
+    return {name: unit for base, unit in _units(model) for names in _slot_names(resolver, base, unit._handle) for name in names}
 
 
 def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
@@ -554,14 +554,15 @@ def state_dict_layout(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dty
     """Clean FQN -> (shape, dtype) of every parameter entry of the full state dict, computed locally
     (no collective), so any rank can describe a sharded model without gathering it."""
     shapes = {}
+    resolver = FQNResolver(model)
     for base, unit in _units(model):
         handle = unit._handle
-        for slot, names in zip(handle.slots, _slot_names(base, handle)):
+        for slot, names in zip(handle.slots, _slot_names(resolver, base, handle)):
             for name in names:
                 shapes[name] = (slot.shape, handle.flat_param.dtype)
     out = {}
     for key, value in model.state_dict(keep_vars=True).items():
-        name = clean_fqn(key)
+        name = resolver.clean_key(key)
         # Flattened parameters show as 1-D shards (or not at all) here; their real shapes are above.
         if key.split(".")[-1] == FLAT_PARAM or name in shapes:
             continue
@@ -610,9 +611,10 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     _reshard_all(model)
     with torch.no_grad():
         done: set[str] = set()
+        resolver = FQNResolver(model)
         for base, unit in _units(model):
             handle = unit._handle
-            for slot, slot_names in zip(handle.slots, _slot_names(base, handle)):
+            for slot, slot_names in zip(handle.slots, _slot_names(resolver, base, handle)):
                 done.update(slot_names)
                 key = next((n for n in slot_names if n in state_dict), None)
                 if key is None:
@@ -629,10 +631,11 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
 
 def _plain_entries(model: nn.Module) -> dict[str, torch.Tensor]:
     """Clean FQN -> the live tensor of every state-dict entry not flattened into a unit."""
+    resolver = FQNResolver(model)
     out = {}
     for key, value in model.state_dict(keep_vars=True).items():
         if value is None or key.split(".")[-1] == FLAT_PARAM:
             continue
-        out.setdefault(clean_fqn(key), value)
+        out.setdefault(resolver.clean_key(key), value)
     owners = _param_owner_units(model)
     return {k: v for k, v in out.items() if k not in owners}

@@ -35,7 +35,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from reference import comm
-from reference.fsdp import FSDP_WRAPPED_MODULE, FullyShardedDataParallel, _reshard_all, clean_fqn, model_group, to_dtensor
+from reference.fqn import FQNResolver
+from reference.fsdp import FSDP_WRAPPED_MODULE, FullyShardedDataParallel, _reshard_all, model_group, to_dtensor
 from reference.sharding import FlatParamHandle, ParamSlot
 
 __all__ = [
@@ -82,6 +83,7 @@ def get_fqn_to_fsdp_param_info(model: nn.Module) -> dict[str, FSDPParamInfo]:
 
     ``model`` may be any module of the tree (a submodule too): FQNs are relative to it. Local."""
     out: dict[str, FSDPParamInfo] = {}
+    resolver = FQNResolver(model)
     for prefix, unit in model.named_modules():
         if not isinstance(unit, FullyShardedDataParallel) or unit._handle is None:
             continue
@@ -89,7 +91,7 @@ def get_fqn_to_fsdp_param_info(model: nn.Module) -> dict[str, FSDPParamInfo]:
         info = FSDPParamInfo(unit, handle.flat_param)
         names = [(s.fqn, i) for i, s in enumerate(handle.slots)] + [(a.fqn, a.slot_index) for a in handle.aliases]
         for local_fqn, index in names:
-            fqn = clean_fqn(_unit_base(prefix) + local_fqn)
+            fqn = resolver.clean_key(_unit_base(prefix) + local_fqn)
             # Invariant: one parameter, one unit (enforced at construction).
             assert fqn not in out, f"{fqn} is flattened by two units"
             out[fqn] = info
@@ -103,15 +105,16 @@ def get_param_to_fqns(model: nn.Module) -> dict[nn.Parameter, list[str]]:
     A flat parameter stands for the first FQN of each of its slots (in flat order); an original or
     plain parameter for all its names, the first being the one state is keyed by. Local."""
     out: dict[nn.Parameter, list[str]] = {}
+    resolver = FQNResolver(model)
     units = {id(u): u for u in FullyShardedDataParallel.fsdp_modules(model)}
     for prefix, module in model.named_modules():
         if id(module) in units and module._handle is not None and not module.use_orig_params:
             base = _unit_base(prefix)
-            out[module._handle.flat_param] = [clean_fqn(base + s.fqn) for s in module._handle.slots]
+            out[module._handle.flat_param] = [resolver.clean_key(base + s.fqn) for s in module._handle.slots]
     for name, param in model.named_parameters(remove_duplicate=False):
         if param in out and name.rsplit(".", 1)[-1] == "_flat_param":
             continue
-        out.setdefault(param, []).append(clean_fqn(name))
+        out.setdefault(param, []).append(resolver.clean_key(name))
     return out
 
 

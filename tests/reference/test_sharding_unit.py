@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.nn as nn
 
-from reference.fsdp import _as_policy, _check_no_param_shared_across_units, clean_fqn
+from reference.fsdp import _as_policy, _check_no_param_shared_across_units
 from reference.sharding import SlotShard, slot_shard
 
 
@@ -38,11 +38,6 @@ def test_shard_ranges_cover_every_element_once() -> None:
                 r = slot_shard(offset, numel, rank * chunk, chunk)
                 held.extend(range(r.start, r.end))
             assert held == list(range(numel)), (world, offset, held)
-
-
-def test_clean_fqn() -> None:
-    assert clean_fqn("_fsdp_wrapped_module.net.2._checkpoint_wrapped_module._fsdp_wrapped_module.weight") == "net.2.weight"
-    assert clean_fqn("a._fsdp_wrapped_module_x.b") == "a._fsdp_wrapped_module_x.b"  # whole segments only
 
 
 def test_policy_from_classes_and_callables() -> None:
