@@ -65,6 +65,15 @@ class ParamRange(NamedTuple):
     start: int
     end: int
 
+    @property
+    def numel(self) -> int:
+        """How many indices the range holds."""
+        return self.end - self.start + 1
+
+    def as_slice(self) -> slice:
+        """The range as a Python slice (``[start, end + 1)``), to index a 1-D tensor with."""
+        return slice(self.start, self.end + 1)
+
 
 class FlatParamMetadata(NamedTuple):
     """What a flat parameter is made of: one entry per original parameter, in flat order."""

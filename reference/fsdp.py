@@ -620,8 +620,8 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
                 if key is None:
                     continue
                 r = handle.slot_shard(slot)
-                source = state_dict[key].detach().reshape(-1)[r.start : r.end]
-                handle.local_shard[r.shard_offset : r.shard_offset + r.numel].copy_(source)
+                source = state_dict[key].detach().reshape(-1)[r.part.as_slice()]
+                handle.local_shard[r.in_shard].copy_(source)
         # Everything else (buffers, parameters outside any unit) is plain: load it as torch would.
         rest = {k: v for k, v in state_dict.items() if k not in done}
         for key, tensor in _plain_entries(model).items():

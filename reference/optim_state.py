@@ -209,11 +209,10 @@ def _gather_positional(
         if flat_mode:
             shard.copy_(local.detach())
         else:
-            r = handle.slot_shard(slots_of[key][0])
-            shard[r.shard_offset : r.shard_offset + r.numel].copy_(local.detach().reshape(-1))
+            shard[handle.slot_shard(slots_of[key][0]).in_shard].copy_(local.detach().reshape(-1))
     full = torch.empty(handle.padded_numel, dtype=dtype, device=shard.device)
     comm.all_gather_flat(full, shard, handle.shard_group)
-    return {key: [full[s.offset : s.offset + s.numel].view(s.shape).clone() for s in slots] for key, slots in slots_of.items()}
+    return {key: [full[s.flat.as_slice()].view(s.shape).clone() for s in slots] for key, slots in slots_of.items()}
 
 
 def optim_state_dict(
@@ -469,14 +468,13 @@ def _optim_state_dict_to_load(
                     if name in entry:
                         slot = _slot_of(info, fqn)
                         value = checked(fqn, name, entry[name])
-                        flat[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
+                        flat[slot.flat.as_slice()].copy_(value.reshape(-1))
                 start = handle.shard_rank * handle.shard_numel
                 local[name] = flat[start : start + handle.shard_numel].clone()
             else:
                 fqn = key.unflat_param_names[0]
                 slot = _slot_of(info, fqn)
-                r = handle.slot_shard(slot)
-                value = checked(fqn, name, first).reshape(-1)[r.start : r.end]
+                value = checked(fqn, name, first).reshape(-1)[handle.slot_shard(slot).part.as_slice()]
                 local[name] = value.clone().view(handle.local_view(slot).shape)
         state[param_id] = local
 
