@@ -1,5 +1,5 @@
-"""The one communication layer of the sharded reference: every c10d call of :mod:`reference.fsdp`,
-:mod:`reference.sharding`, :mod:`reference.optim_state` and :mod:`reference.state_dict` goes through here.
+"""The one communication layer of the sharded reference: every c10d call of :mod:`reference.fsdp`
+and :mod:`reference.state_dict` goes through here.
 
 Vocabulary. A *group* is a ``torch.distributed`` process group, or ``None`` for "no group": a trivial
 axis of size 1 on which every function is a local no-op (never the default group; callers that mean

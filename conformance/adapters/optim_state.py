@@ -100,7 +100,7 @@ class OptimStateOps(Protocol):
 
 
 class ReferenceOptimStateOps:
-    """``reference.fsdp`` and ``reference.optim_state``."""
+    """``reference.fsdp`` (the wrapper, its model state dicts and its optimizer-state keying)."""
 
     def unsupported(self, strategy: str, use_orig_params: bool) -> str | None:
         return None
@@ -114,7 +114,7 @@ class ReferenceOptimStateOps:
         )
 
     def optimizer_params(self, model):
-        from reference.optim_state import get_param_to_fqns
+        from reference.fsdp import get_param_to_fqns
 
         return [(tuple(fqns), param) for param, fqns in get_param_to_fqns(model).items()]
 
@@ -152,7 +152,7 @@ class ReferenceOptimStateOps:
         return model.state_dict()
 
     def fqn_to_param_info(self, model):
-        from reference.optim_state import get_fqn_to_fsdp_param_info
+        from reference.fsdp import get_fqn_to_fsdp_param_info
 
         return _number_flat_params({fqn: (info.flat_param, info.param_indices[fqn]) for fqn, info in get_fqn_to_fsdp_param_info(model).items()})
 

@@ -16,7 +16,7 @@ from conformance import models
 from conformance.asserts import assert_same_error_on_every_rank, assert_unchanged, raised, snapshot
 from reference import comm
 from reference.fsdp import FullyShardedDataParallel, load_sharded_state_dict, sharded_state_dict
-from reference.optim_state import optim_state_dict
+from reference.fsdp import optim_state_dict
 from reference.state_dict import (
     StateDictOptions,
     get_model_state_dict,

@@ -17,7 +17,7 @@ import torch.distributed as c10d
 from conformance import models
 from conformance.asserts import assert_same_state, fail
 from reference.fsdp import FullyShardedDataParallel, full_state_dict
-from reference.optim_state import optim_state_dict
+from reference.fsdp import optim_state_dict
 from reference.state_dict import StateDictOptions, get_optimizer_state_dict, get_state_dict, set_state_dict
 
 #: The two groups of the test, by their global ranks.

@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 
 from reference.flat_param import FlatParameter, ParamRange, even_shard_range
-from reference.fsdp import _as_policy, _check_no_param_shared_across_units
-from reference.sharding import SlotShard, slot_shard
+from reference.fsdp.sharding import SlotShard, slot_shard
+from reference.fsdp.unit import _as_policy, _check_no_param_shared_across_units
 
 
 def _part(flat: FlatParameter, name: str) -> ParamRange | None:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from reference import comm
-from reference.flat_param import FlatParameter, ParamRange, ShardRange, even_shard_range
+from reference.flat_param.wrapper import FlatParameter, ParamRange, ShardRange, even_shard_range
 
 __all__ = ["ParamSlot", "AliasSlot", "SlotShard", "FlatParamHandle"]
 
@@ -134,7 +134,7 @@ class FlatParamHandle:
     orig_params: list[nn.Parameter] = field(default_factory=list)
     #: the gathered padded flat tensor; its storage is freed while sharded
     _full: torch.Tensor | None = None
-    _unsharded: bool = False
+    _is_unsharded: bool = False
     _saved_grad: torch.Tensor | None = None
     _used: set[int] = field(default_factory=set)
     #: slot name -> the param indices this rank's shard holds (from ``flat_param.shard_metadata()``)
@@ -247,6 +247,11 @@ class FlatParamHandle:
         handle.use_sharded_params()
         return handle
 
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether the gathered flat parameter is live (between :meth:`unshard` and :meth:`reshard`)."""
+        return self._is_unsharded
+
     # -- views ---------------------------------------------------------------------------------------
 
     def slot_shard(self, slot: ParamSlot) -> SlotShard:
@@ -288,7 +293,7 @@ class FlatParamHandle:
 
     def full_param_views(self) -> list[torch.Tensor]:
         """Detached views of every slot in the unsharded flat parameter (only while unsharded)."""
-        assert self._unsharded or self.shard_world == 1, "full_param_views needs the handle unsharded"
+        assert self._is_unsharded or self.shard_world == 1, "full_param_views needs the handle unsharded"
         full = self._full if self.shard_world > 1 else self.local_shard
         return [full[s.flat.as_slice()].view(s.shape).detach() for s in self.slots]
 
@@ -298,21 +303,21 @@ class FlatParamHandle:
         """All-gather the shards into the padded flat tensor (collective over the shard axis; no-op when
         already unsharded) and make it the flat parameter's data."""
         if self.shard_world == 1:
-            self._unsharded = True
+            self._is_unsharded = True
             return
-        if not self._unsharded:
+        if not self._is_unsharded:
             self._full.untyped_storage().resize_(self._full.numel() * self._full.element_size())
             with torch.no_grad():
                 comm.all_gather_flat(self._full, self.local_shard, self.shard_group)
-            self._unsharded = True
+            self._is_unsharded = True
         self.flat_param.data = self._full
 
     def reshard(self) -> None:
         """Free the gathered tensor and return to the sharded state (local; no collective)."""
         self.flat_param.data = self.local_shard
-        if self.shard_world > 1 and self._unsharded:
+        if self.shard_world > 1 and self._is_unsharded:
             self._full.untyped_storage().resize_(0)
-        self._unsharded = False
+        self._is_unsharded = False
         self.in_backward = False
         self.use_sharded_params()
 

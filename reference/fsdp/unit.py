@@ -8,7 +8,7 @@ real sharded parameters and optimizer state for the conformance suite; it is not
 
 Each *unit* (an instance of the class) flattens the parameters of its module that no nested unit owns
 into one flat parameter, pads it to a multiple of the shard count and keeps one shard per rank (see
-:mod:`reference.sharding` for the states and the rewiring). Strategies:
+:mod:`reference.fsdp.sharding` for the states and the rewiring). Strategies:
 
 ================  ===========================================================================
 FULL_SHARD        all-gather before forward, free after it; all-gather again before backward
@@ -43,19 +43,17 @@ import torch.nn as nn
 
 from reference import comm
 from reference.fqn import FQNResolver, register_wrapper
-from reference.sharding import FlatParamHandle
+from reference.fsdp.sharding import FlatParamHandle
 
 __all__ = [
     "FullyShardedDataParallel",
     "ShardingStrategy",
+    "AutoWrapPolicy",
     "FSDP_WRAPPED_MODULE",
     "FLAT_PARAM",
-    "full_state_dict",
-    "sharded_state_dict",
-    "load_full_state_dict",
-    "load_sharded_state_dict",
-    "state_dict_layout",
     "model_group",
+    "units",
+    "reshard_all",
 ]
 
 #: The attribute under which a unit holds the module it wraps: a segment of raw FQNs, never of clean ones.
@@ -191,6 +189,22 @@ class FullyShardedDataParallel(nn.Module):
         return self._modules[FSDP_WRAPPED_MODULE]
 
     @property
+    def handle(self) -> FlatParamHandle | None:
+        """The flat-parameter handle of this unit (layout, shard, unshard/reshard), or None if it owns
+        no parameter. Read-only: the unit owns it."""
+        return self._handle
+
+    @property
+    def device_mesh(self) -> Any:
+        """The mesh that sharded-state-dict DTensors of this unit live on: the one given at
+        construction, else a 1-D mesh over ``process_group`` (built on first use)."""
+        if self._device_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._device_mesh = DeviceMesh.from_group(self.process_group, self.device.type)
+        return self._device_mesh
+
+    @property
     def flat_param(self) -> nn.Parameter | None:
         """This unit's flat parameter (its local shard between iterations), or None if it owns none."""
         return self._handle.flat_param if self._handle is not None else None
@@ -199,7 +213,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._is_root:
             # A unit left unsharded by the last iteration (frozen, or SHARD_GRAD_OP without a backward)
             # is resharded here, so every iteration starts from the sharded state.
-            _reshard_all(self)
+            reshard_all(self)
         handle = self._handle
         if handle is None:
             return self.module(*args, **kwargs)
@@ -218,27 +232,6 @@ class FullyShardedDataParallel(nn.Module):
     def fsdp_modules(module: nn.Module) -> list[FullyShardedDataParallel]:
         """Every unit in ``module``'s tree (``module`` itself included), in ``modules()`` order."""
         return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
-
-    @staticmethod
-    def optim_state_dict(
-        model: nn.Module,
-        optim: torch.optim.Optimizer,
-        *,
-        rank0_only: bool = False,
-        cpu_offload: bool = False,
-        sharded: bool = False,
-    ) -> dict[str, Any]:
-        """The optimizer state dict keyed by clean FQNs; see :func:`reference.optim_state.optim_state_dict`."""
-        from reference.optim_state import optim_state_dict
-
-        return optim_state_dict(model, optim, rank0_only=rank0_only, cpu_offload=cpu_offload, sharded=sharded)
-
-    @staticmethod
-    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: Mapping[str, Any]) -> dict[str, Any]:
-        """What ``optim.load_state_dict`` takes; see :func:`reference.optim_state.optim_state_dict_to_load`."""
-        from reference.optim_state import optim_state_dict_to_load
-
-        return optim_state_dict_to_load(model, optim, osd)
 
     def extra_repr(self) -> str:
         h = self._handle
@@ -394,14 +387,14 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors_in(item)
 
 
-def _reshard_all(model: nn.Module) -> None:
+def reshard_all(model: nn.Module) -> None:
     """Return every unit under ``model`` to the sharded state (local; no collective)."""
     for unit in FullyShardedDataParallel.fsdp_modules(model):
-        if unit._handle is not None and (unit._handle._unsharded or unit._handle.in_backward):
-            unit._handle.reshard()
+        if unit.handle is not None and (unit.handle.is_unsharded or unit.handle.in_backward):
+            unit.handle.reshard()
 
 
-# -- model state dicts --------------------------------------------------------------------------------
+# -- units of a model ------------------------------------------------------------------------------
 
 
 def model_group(model: nn.Module) -> dist.ProcessGroup | None:
@@ -411,231 +404,10 @@ def model_group(model: nn.Module) -> dist.ProcessGroup | None:
     return units[0].process_group if units else None
 
 
-@contextlib.contextmanager
-def _unsharded_params(model: nn.Module) -> Iterator[None]:
-    """Inside: every original parameter name of every unit under ``model`` holds its full value (a
-    detached view of the gathered flat parameter) and flat parameters are hidden, so
-    ``model.state_dict()`` shows the unwrapped model's entries. All-gathers on entry (collective, units
-    in ``modules()`` order); resharded on exit, also on error."""
-    units = [u for u in FullyShardedDataParallel.fsdp_modules(model) if u._handle is not None]
-    _reshard_all(model)
-    hidden = []
-    try:
-        for unit in units:
-            handle = unit._handle
-            handle.unshard()
-            views = handle.full_param_views()
-            for slot, view in zip(handle.slots, views):
-                slot.module._parameters[slot.name] = view
-            for alias in handle.aliases:
-                alias.module._parameters[alias.name] = views[alias.slot_index]
-            if FLAT_PARAM in unit._parameters:
-                hidden.append((unit, unit._parameters[FLAT_PARAM]))
-                unit._parameters[FLAT_PARAM] = None
-        yield
-    finally:
-        for unit, flat in hidden:
-            unit._parameters[FLAT_PARAM] = flat
-        _reshard_all(model)  # every unit whose names were pointed at full views was unsharded first
-
-
-def full_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
-    """The unsharded model state dict under clean FQNs: the keys and values ``state_dict()`` of the
-    unwrapped model would have (tied parameters under every name, non-persistent buffers absent).
-
-    Collective: every rank of the model's groups calls it. With ``rank0_only`` only the coordinator
-    (the first rank of the model's group, :func:`model_group`) gets the values, the other ranks ``{}``;
-    with ``cpu_offload`` values are on the CPU. Values are copies, never views of the model."""
-    keep = not rank0_only or comm.is_coordinator(model_group(model))
-    names = FQNResolver(model)
-    with _unsharded_params(model):
-        raw = model.state_dict()
-        out = {}
-        for key, value in raw.items():
-            if keep:
-                value = value.detach()
-                out[names.clean_key(key)] = value.cpu().clone() if cpu_offload else value.clone()
-    return out
-
-
-def _param_placements(unit: FullyShardedDataParallel, ndim: int) -> tuple[Any, tuple[Any, ...]]:
-    """``(mesh, placements)`` of a sharded-state-dict DTensor of a ``ndim``-dim parameter of ``unit``."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Replicate, Shard
-
-    mesh = unit._device_mesh
-    if mesh is None:
-        mesh = DeviceMesh.from_group(unit.process_group, unit.device.type)
-        unit._device_mesh = mesh
-    shard = Shard(0) if ndim > 0 else Replicate()
-    if unit.sharding_strategy is ShardingStrategy.HYBRID_SHARD:
-        return mesh, (Replicate(), shard)
-    if unit.sharding_strategy is ShardingStrategy.NO_SHARD:
-        return mesh, (Replicate(),)
-    return mesh, (shard,)
-
-
-def to_dtensor(unit: FullyShardedDataParallel, full: torch.Tensor) -> Any:
-    """``full`` (identical on every rank) as a DTensor laid out like ``unit``'s parameters: this rank
-    keeps its ``torch.chunk`` piece along dim 0 of the shard axis. Local; no collective."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    mesh, placements = _param_placements(unit, full.dim())
-    local = full
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
-            pieces = torch.chunk(full, mesh.size(mesh_dim), dim=0)
-            coordinate = mesh.get_local_rank(mesh_dim)
-            # torch.chunk may return fewer pieces than ranks: the missing ones are empty.
-            local = pieces[coordinate] if coordinate < len(pieces) else full.new_empty((0, *full.shape[1:]))
-    return DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
-
-
-def _units(model: nn.Module) -> list[tuple[str, FullyShardedDataParallel]]:
+def units(model: nn.Module) -> list[tuple[str, FullyShardedDataParallel]]:
     """``(raw prefix of the unit's wrapped module, unit)`` for every unit under ``model`` owning parameters."""
     out = []
     for prefix, unit in model.named_modules():
-        if isinstance(unit, FullyShardedDataParallel) and unit._handle is not None:
+        if isinstance(unit, FullyShardedDataParallel) and unit.handle is not None:
             out.append(((prefix + "." if prefix else "") + FSDP_WRAPPED_MODULE + ".", unit))
     return out
-
-
-def _slot_names(resolver: FQNResolver, base: str, handle: FlatParamHandle) -> list[list[str]]:
-    """Per slot of ``handle``, its canonical FQNs under ``resolver.root``: the first name, then tied aliases."""
-    names = [[resolver.clean_key(base + slot.fqn)] for slot in handle.slots]
-    for alias in handle.aliases:
-        names[alias.slot_index].append(resolver.clean_key(base + alias.fqn))
-    return names
-
-
-def _param_owner_units(model: nn.Module) -> dict[str, FullyShardedDataParallel]:
-    """Clean FQN of every flattened parameter (aliases included) -> its unit."""
-    resolver = FQNResolver(model)
-    return {name: unit for base, unit in _units(model) for names in _slot_names(resolver, base, unit._handle) for name in names}
-
-
-def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
-    """The model state dict under clean FQNs with parameters as DTensors (layout in the module
-    docstring) and buffers as plain tensors. Collective: every rank of the model's groups calls it."""
-    owners = _param_owner_units(model)
-    full = full_state_dict(model)
-    return {key: to_dtensor(owners[key], value) if key in owners else value for key, value in full.items()}
-
-
-def load_sharded_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
-    """Load what :func:`sharded_state_dict` returns (DTensors of any layout over this world, or plain
-    tensors). Collective. Checked like :func:`load_full_state_dict` before anything is gathered."""
-    from torch.distributed.tensor import DTensor
-
-    expected = state_dict_layout(model)
-
-    def check() -> list[str]:
-        _check_state_dict(model, state_dict, strict=strict, expected=expected)
-        return sorted(key for key, value in state_dict.items() if isinstance(value, DTensor))
-
-    # The gathers below are issued per DTensor entry: every rank must hold the same ones.
-    every = comm.gather_agreed(model_group(model), check)
-    for rank, keys in enumerate(every):
-        if keys != every[0]:
-            odd = sorted(set(keys) ^ set(every[0]))[0]
-            forms = ", ".join(f"rank {r}: {'DTensor' if odd in k else 'no DTensor'}" for r, k in enumerate(every))
-            raise ValueError(
-                f"state dict entry {odd!r} is not a DTensor on every rank ({forms}): "
-                "every rank must load the same sharded state dict"
-            )
-    full = {}
-    for key in sorted(state_dict):  # one order on every rank: full_tensor() is a collective
-        value = state_dict[key]
-        full[key] = value.full_tensor() if isinstance(value, DTensor) else value
-    load_full_state_dict(model, full, strict=strict)
-
-
-def state_dict_layout(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Clean FQN -> (shape, dtype) of every parameter entry of the full state dict, computed locally
-    (no collective), so any rank can describe a sharded model without gathering it."""
-    shapes = {}
-    resolver = FQNResolver(model)
-    for base, unit in _units(model):
-        handle = unit._handle
-        for slot, names in zip(handle.slots, _slot_names(resolver, base, handle)):
-            for name in names:
-                shapes[name] = (slot.shape, handle.flat_param.dtype)
-    out = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        name = resolver.clean_key(key)
-        # Flattened parameters show as 1-D shards (or not at all) here; their real shapes are above.
-        if key.split(".")[-1] == FLAT_PARAM or name in shapes:
-            continue
-        out[name] = (value.shape, value.dtype)
-    out.update(shapes)
-    return out
-
-
-def _check_state_dict(
-    model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool, expected: dict[str, tuple[torch.Size, torch.dtype]]
-) -> None:
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    if strict and (missing or unexpected):
-        raise RuntimeError(
-            f"state dict does not match the model: missing keys {missing}, unexpected keys {unexpected} "
-            f"(the model expects {len(expected)} clean FQNs)"
-        )
-    for key, value in state_dict.items():
-        if key not in expected:
-            continue
-        shape, _ = expected[key]
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"state dict entry {key!r}: expected a tensor, got {type(value).__name__}")
-        if tuple(value.shape) != tuple(shape):
-            raise ValueError(f"state dict entry {key!r}: shape {tuple(value.shape)} in the state dict, {tuple(shape)} in the model")
-
-
-def _checked_on_every_rank(
-    model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool, expected: dict[str, tuple[torch.Size, torch.dtype]]
-) -> None:
-    """:func:`_check_state_dict` on every rank of the model's groups, agreed: if any rank's dict is bad,
-    every rank raises that rank's error. Collective."""
-    comm.agree(model_group(model), lambda: _check_state_dict(model, state_dict, strict=strict, expected=expected))
-
-
-def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
-    """Load unsharded tensors under clean FQNs (what :func:`full_state_dict` returns, on every rank).
-
-    Every entry is checked first (missing/unexpected keys under ``strict``, shapes), on every rank: if
-    any rank's dict is bad, every rank raises that error naming the key, and no model changes.
-    Collective (the check's outcome is agreed on); each rank then copies its own shard.
-    A tied parameter is written from the first of its names present."""
-    expected = state_dict_layout(model)
-    _checked_on_every_rank(model, state_dict, strict=strict, expected=expected)
-    _reshard_all(model)
-    with torch.no_grad():
-        done: set[str] = set()
-        resolver = FQNResolver(model)
-        for base, unit in _units(model):
-            handle = unit._handle
-            for slot, slot_names in zip(handle.slots, _slot_names(resolver, base, handle)):
-                done.update(slot_names)
-                key = next((n for n in slot_names if n in state_dict), None)
-                if key is None:
-                    continue
-                r = handle.slot_shard(slot)
-                source = state_dict[key].detach().reshape(-1)[r.part.as_slice()]
-                handle.local_shard[r.in_shard].copy_(source)
-        # Everything else (buffers, parameters outside any unit) is plain: load it as torch would.
-        rest = {k: v for k, v in state_dict.items() if k not in done}
-        for key, tensor in _plain_entries(model).items():
-            if key in rest:
-                tensor.copy_(rest[key])
-
-
-def _plain_entries(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Clean FQN -> the live tensor of every state-dict entry not flattened into a unit."""
-    resolver = FQNResolver(model)
-    out = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        if value is None or key.split(".")[-1] == FLAT_PARAM:
-            continue
-        out.setdefault(resolver.clean_key(key), value)
-    owners = _param_owner_units(model)
-    return {k: v for k, v in out.items() if k not in owners}

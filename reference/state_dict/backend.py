@@ -25,11 +25,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from reference import comm
-from reference import state_dict_optim as _optim
+from reference.state_dict import optim_fqn as _optim
 from reference.fqn import FQNResolver, named_parameter_fqns
 
 if TYPE_CHECKING:
-    from reference.state_dict import StateDictOptions
+    from reference.state_dict.options import StateDictOptions
 
 __all__ = ["ModelBackend", "PlainBackend", "ShardedBackend", "for_model", "broadcast_from_rank0", "collective_group"]
 
@@ -212,28 +212,28 @@ class ShardedBackend(PlainBackend):
     take canonical FQNs."""
 
     def model_state_dict(self, model: nn.Module, options: StateDictOptions) -> dict[str, Any]:
-        from reference import fsdp
+        from reference.fsdp import model_state
 
         if options.full_state_dict:
             # rank0_only with cpu_offload: N ranks must not hold N CPU copies (torch's contract).
-            return fsdp.full_state_dict(model, rank0_only=options.cpu_offload, cpu_offload=options.cpu_offload)
-        return fsdp.sharded_state_dict(model)
+            return model_state.full_state_dict(model, rank0_only=options.cpu_offload, cpu_offload=options.cpu_offload)
+        return model_state.sharded_state_dict(model)
 
     def local_state(self, model: nn.Module) -> Mapping[str, Any]:
         # Shapes without a collective: meta tensors of each entry's full shape.
-        from reference.fsdp import state_dict_layout
+        from reference.fsdp.model_state import state_dict_layout
 
         return {key: torch.empty(shape, dtype=dtype, device="meta") for key, (shape, dtype) in state_dict_layout(model).items()}
 
     def load_model_state_dict(self, model: nn.Module, state_dict: dict[str, Any], options: StateDictOptions) -> None:
-        from reference import fsdp
+        from reference.fsdp import model_state
 
         # Invariant: every rank holds the same keys (all ranks got them from one get, or from the
         # broadcast), so the all-gathers inside load_sharded_state_dict line up.
         if any(isinstance(v, DTensor) for v in state_dict.values()):
-            fsdp.load_sharded_state_dict(model, state_dict, strict=False)
+            model_state.load_sharded_state_dict(model, state_dict, strict=False)
         else:
-            fsdp.load_full_state_dict(model, state_dict, strict=False)
+            model_state.load_full_state_dict(model, state_dict, strict=False)
 
     def frozen_fqns(self, model: nn.Module, resolver: FQNResolver) -> set[str]:
         # With use_orig_params=False a flat parameter is frozen exactly when all its parameters are
@@ -241,20 +241,20 @@ class ShardedBackend(PlainBackend):
         return {fqn for p, fqns in self.param_fqns(model).items() if not p.requires_grad for fqn in fqns}
 
     def param_fqns(self, model: nn.Module) -> dict[torch.Tensor, list[str]]:
-        from reference.optim_state import get_param_to_fqns
+        from reference.fsdp.optim_keys import get_param_to_fqns
 
         return get_param_to_fqns(model)
 
     def optim_state_dict(
         self, model: nn.Module, optims: tuple[torch.optim.Optimizer, ...], options: StateDictOptions
     ) -> dict[str, Any]:
-        from reference.fsdp import FullyShardedDataParallel as FSDP
+        from reference.fsdp import optim_keys
 
         merged: dict[str, Any] = {_optim.STATE: {}, _optim.PG: []}
         rank0_only = options.full_state_dict and options.cpu_offload
         for optim in optims:
             _optim.init_state(optim)
-            osd = FSDP.optim_state_dict(
+            osd = optim_keys.optim_state_dict(
                 model, optim, rank0_only=rank0_only, cpu_offload=options.cpu_offload, sharded=not options.full_state_dict
             )
             if not osd:  # rank0_only, on a rank > 0
@@ -270,7 +270,7 @@ class ShardedBackend(PlainBackend):
         osd: dict[str, Any],
         options: StateDictOptions,
     ) -> None:
-        from reference.optim_state import get_fqn_to_fsdp_param_info
+        from reference.fsdp.optim_keys import get_fqn_to_fsdp_param_info
 
         param_fqns = self.param_fqns(model)
         # A flat parameter stands for several parameters: each needs state, under any of its names.
@@ -288,13 +288,13 @@ class ShardedBackend(PlainBackend):
         osd: dict[str, Any],
         options: StateDictOptions,
     ) -> Callable[[], None]:
-        from reference.fsdp import FullyShardedDataParallel as FSDP
+        from reference.fsdp import optim_keys
 
         param_fqns = self.param_fqns(model)
         to_load = []
         for optim in optims:
             part = _optim.part_of(optim, osd, param_fqns)
-            to_load.append(FSDP.optim_state_dict_to_load(model, optim, part))
+            to_load.append(optim_keys.optim_state_dict_to_load(model, optim, part))
 
         def apply() -> None:
             for optim, sd in zip(optims, to_load):
@@ -320,7 +320,7 @@ def for_model(model: nn.Module) -> ModelBackend:
             f"{type(model).__name__} contains torch.distributed.fsdp.FullyShardedDataParallel; the reference "
             "get/set_state_dict handles the reference FullyShardedDataParallel, plain and DTensor models"
         )
-    from reference.fsdp import FullyShardedDataParallel
+    from reference.fsdp.unit import FullyShardedDataParallel
 
     if FullyShardedDataParallel.fsdp_modules(model):
         return ShardedBackend()
@@ -337,7 +337,7 @@ def collective_group(model: nn.Module, backend: ModelBackend, broadcast: bool) -
     Every check that may raise before a collective of such a call is agreed on over this group
     (:func:`reference.comm.agree`), so that a rank that fails alone does not leave the others waiting."""
     if isinstance(backend, ShardedBackend):
-        from reference.fsdp import model_group
+        from reference.fsdp.unit import model_group
 
         group = model_group(model)
     elif broadcast or any(isinstance(p, DTensor) for p in model.parameters()):

@@ -36,8 +36,9 @@ import torch.nn as nn
 
 from reference import comm
 from reference.fqn import FQNResolver
-from reference.fsdp import FSDP_WRAPPED_MODULE, FullyShardedDataParallel, _reshard_all, model_group, to_dtensor
-from reference.sharding import FlatParamHandle, ParamSlot
+from reference.fsdp.model_state import to_dtensor
+from reference.fsdp.sharding import FlatParamHandle, ParamSlot
+from reference.fsdp.unit import FSDP_WRAPPED_MODULE, FullyShardedDataParallel, model_group, reshard_all
 
 __all__ = [
     "_OptimStateKey",
@@ -71,7 +72,7 @@ class FSDPParamInfo:
 
     @property
     def handle(self) -> FlatParamHandle:
-        return self.state._handle
+        return self.state.handle
 
 
 def _unit_base(prefix: str) -> str:
@@ -85,9 +86,9 @@ def get_fqn_to_fsdp_param_info(model: nn.Module) -> dict[str, FSDPParamInfo]:
     out: dict[str, FSDPParamInfo] = {}
     resolver = FQNResolver(model)
     for prefix, unit in model.named_modules():
-        if not isinstance(unit, FullyShardedDataParallel) or unit._handle is None:
+        if not isinstance(unit, FullyShardedDataParallel) or unit.handle is None:
             continue
-        handle = unit._handle
+        handle = unit.handle
         info = FSDPParamInfo(unit, handle.flat_param)
         names = [(s.fqn, i) for i, s in enumerate(handle.slots)] + [(a.fqn, a.slot_index) for a in handle.aliases]
         for local_fqn, index in names:
@@ -108,9 +109,9 @@ def get_param_to_fqns(model: nn.Module) -> dict[nn.Parameter, list[str]]:
     resolver = FQNResolver(model)
     units = {id(u): u for u in FullyShardedDataParallel.fsdp_modules(model)}
     for prefix, module in model.named_modules():
-        if id(module) in units and module._handle is not None and not module.use_orig_params:
+        if id(module) in units and module.handle is not None and not module.use_orig_params:
             base = _unit_base(prefix)
-            out[module._handle.flat_param] = [resolver.clean_key(base + s.fqn) for s in module._handle.slots]
+            out[module.handle.flat_param] = [resolver.clean_key(base + s.fqn) for s in module.handle.slots]
     for name, param in model.named_parameters(remove_duplicate=False):
         if param in out and name.rsplit(".", 1)[-1] == "_flat_param":
             continue
@@ -236,7 +237,7 @@ def optim_state_dict(
     Collective over the model's groups: every rank calls it, with optimizers over the same parameters
     (their order within groups, and the order of states, may differ by rank)."""
     group = model_group(model)
-    _reshard_all(model)
+    reshard_all(model)
     infos = get_fqn_to_fsdp_param_info(model)
     local_state: dict[_OptimStateKey, dict[str, Any]] = {}
 

@@ -21,7 +21,7 @@ views (they are rebuilt at every forward, ``.to()`` and ``unflatten_params()``; 
 module), and do not tie a listed parameter to a module outside the wrapped one (the wrapper cannot
 see it; see :class:`FlattenParamsWrapper`).
 
-Helpers for other wrappers: :mod:`reference._prefix_hooks` (hide a wrapper's path segment from
+Helpers for other wrappers: :mod:`reference.flat_param.prefix_hooks` (hide a wrapper's path segment from
 state_dict keys; clean FQNs of a model with wrappers).
 """
 
@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from reference._prefix_hooks import clean_named_modules, register_prefix_hooks
+from reference.flat_param.prefix_hooks import clean_named_modules, register_prefix_hooks
 from reference.fqn import register_wrapper
 
 __all__ = [
@@ -418,7 +418,7 @@ class FlattenParamsWrapper(nn.Module):
     avoid (wrap the common parent instead).
 
     ``state_dict()``/``load_state_dict()`` use the unwrapped module's keys, also when the wrapper sits
-    inside a larger model (see :mod:`reference._prefix_hooks`); there is no ``flat_param`` key.
+    inside a larger model (see :mod:`reference.flat_param.prefix_hooks`); there is no ``flat_param`` key.
     For the call, the wrapped modules are unflattened (their parameters registered again, as
     ``nn.Parameter``s over ``flat_param``), so their own state_dict code runs as unwrapped; this
     costs a few dict operations per parameter, no copy.
