@@ -1,8 +1,8 @@
 """The smallest correct flat-parameter sharded data parallel: the reference for FSDP state-dict semantics.
 
 ``FullyShardedDataParallel`` mirrors the names of ``torch.distributed.fsdp.FullyShardedDataParallel``
-(constructor arguments, ``ShardingStrategy``, ``fsdp_modules``, ``optim_state_dict``,
-``optim_state_dict_to_load``) so that a torch user reads it without a glossary. It exists to produce
+(constructor arguments, ``ShardingStrategy``, ``fsdp_modules``, and ``optim_state_dict`` /
+``optim_state_dict_to_load``, attached by :mod:`reference.fsdp` from :mod:`reference.fsdp.optim_keys`) so that a torch user reads it without a glossary. It exists to produce
 real sharded parameters and optimizer state for the conformance suite; it is not a training framework
 (no prefetching, no mixed precision, no CPU offload of parameters).
 
@@ -21,8 +21,8 @@ HYBRID_SHARD      FULL_SHARD inside each group of the mesh's ``shard`` axis, rep
 Gradients are averaged over every data-parallel rank (reduce-scatter over the shard axis, all-reduce
 over the replicate axis), so N ranks on N equal slices of a batch match one process on the batch.
 
-Model state dicts of a sharded model (module-level functions; every rank of the model's groups calls
-them, in the same order):
+Model state dicts of a sharded model are in :mod:`reference.fsdp.model_state` (module-level functions;
+every rank of the model's groups calls them, in the same order):
 
 * :func:`full_state_dict` / :func:`load_full_state_dict`: unsharded tensors under clean FQNs
   (the FQNs of the unwrapped model), exactly the keys ``model.state_dict()`` had before wrapping.
