@@ -42,6 +42,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from conformance import fqn
+
 __all__ = [
     "check_each",
     "reraise",
@@ -64,14 +66,7 @@ __all__ = [
 #: Path segments that wrappers insert into parameter names and that must never reach a key or a
 #: message a user reads (fairscale/reference FlattenParamsWrapper, FSDP1, torch.compile, activation
 #: checkpointing, and the flat parameters' own names).
-WRAPPER_SEGMENTS: tuple[str, ...] = (
-    "_fpw_module.",
-    "_fsdp_wrapped_module.",
-    "_orig_mod.",
-    "_checkpoint_wrapped_module.",
-    "flat_param_0",
-    "_flat_param",
-)
+WRAPPER_SEGMENTS: tuple[str, ...] = (*(segment + "." for segment in fqn.WRAPPER_SEGMENTS), "flat_param_0", "_flat_param")
 
 
 def fail(what: str, got: Any, expected: Any, where: str = "") -> None:

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from conformance.fqn import canonical_fqn
+
 __all__ = ["fqn_keyed_optim", "full_on_cpu", "full_tensor", "local_tensor"]
 
-#: The segment torch's activation-checkpoint wrapper adds to parameter names (state_dict() hides it).
-_CHECKPOINT_SEGMENT = "_checkpoint_wrapped_module."
 
 
 def fqn_keyed_optim(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
@@ -27,7 +27,7 @@ def fqn_keyed_optim(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str,
     The model's children may be checkpoint-wrapped in place; their FQNs are spelled as ``state_dict()``
     spells them, without the wrapper's segment. Tensors are ``optim``'s own, not copies."""
     osd = optim.state_dict()
-    name_of = {p: n.replace(_CHECKPOINT_SEGMENT, "") for n, p in model.named_parameters()}
+    name_of = {p: canonical_fqn(n) for n, p in model.named_parameters()}
     fqns = [name_of[p] for group in optim.param_groups for p in group["params"]]
     return {
         "state": {fqns[i]: s for i, s in osd["state"].items()},

@@ -41,6 +41,7 @@ from torch import nn
 
 from conformance.adapters.base import Unsupported
 from conformance.asserts import assert_same_state, bits, expected_local_chunk, fail
+from conformance.fqn import canonical_fqn
 from conformance.values import EDGE_DTYPES, edge_values, perturb_hyperparameters
 
 __all__ = [
@@ -1031,7 +1032,7 @@ def by_parameter(osd: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
 
 def fqn_keyed(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     """``optim.state_dict()`` of the unwrapped ``model`` keyed by FQN (``named_parameters`` names)."""
-    name_of = {p: clean_name(n) for n, p in model.named_parameters()}
+    name_of = {p: canonical_fqn(n) for n, p in model.named_parameters()}
     fqns = [name_of[p] for g in optim.param_groups for p in g["params"]]
     osd = optim.state_dict()
     return {
@@ -1096,17 +1097,10 @@ def non_persistent_buffers(spec: ModelSpec, model: nn.Module) -> dict[str, torch
     wanted = set(spec.non_persistent())
     out = {}
     for name, buf in model.named_buffers():
-        clean = clean_name(name)
+        clean = canonical_fqn(name)
         if clean in wanted:
             out[clean] = buf.detach().clone()
     return out
-
-
-_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_fpw_module", "_orig_mod")
-
-
-def clean_name(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in _SEGMENTS)
 
 
 def to_cpu(obj: Any) -> Any:
@@ -1181,7 +1175,7 @@ def _os_run(ctx: Any, impl: Any, case: Case, sharding: Sharding, seed: int, plan
     model = build(case.model, seed, ctx.device)
     unit_ids = {id(model.get_submodule(path)) for path in sharding.units}
     wrapped = ops.wrap(model, strategy=sharding.strategy, use_orig_params=sharding.use_orig_params, units=lambda m: id(m) in unit_ids, device=ctx.device)
-    optim = make_optimizer(case.optimizer, plan, [(tuple(clean_name(f) for f in fqns), p) for fqns, p in ops.optimizer_params(wrapped)], perturb=perturb)
+    optim = make_optimizer(case.optimizer, plan, [(tuple(canonical_fqn(f) for f in fqns), p) for fqns, p in ops.optimizer_params(wrapped)], perturb=perturb)
     return ops, wrapped, optim
 
 
@@ -1282,7 +1276,7 @@ def optim_state_both(ctx: Any, impl: Any, case: Case) -> Any:
 def _ml_run(ctx: Any, impl: Any, case: Case, seed: int, plan: OptimPlan, *, perturb: bool) -> tuple[Any, nn.Module, torch.optim.Optimizer]:
     ops = impl.require("checkpoint")
     model = ops.shard(build(case.model, seed, ctx.device), ctx.mesh())
-    optim = make_optimizer(case.optimizer, plan, [((clean_name(n),), p) for n, p in model.named_parameters()], perturb=perturb)
+    optim = make_optimizer(case.optimizer, plan, [((canonical_fqn(n),), p) for n, p in model.named_parameters()], perturb=perturb)
     return ops, model, optim
 
 
@@ -1428,10 +1422,10 @@ def flat_named_params(ops: Any, spec: ModelSpec, model: nn.Module, wrappers: Seq
     for path, wrapper in wrappers:
         flat = ops.flat_param(wrapper)
         if flat is not None:
-            flats[id(flat)] = tuple(key_of[clean_name(_join(path, n))] for n in ops.info(flat).names)
+            flats[id(flat)] = tuple(key_of[canonical_fqn(_join(path, n))] for n in ops.info(flat).names)
     out = []
     for name, param in model.named_parameters():
-        out.append((flats[id(param)] if id(param) in flats else (key_of[clean_name(name)],), param))
+        out.append((flats[id(param)] if id(param) in flats else (key_of[canonical_fqn(name)],), param))
     return out
 
 
@@ -1568,7 +1562,7 @@ def sd_named_params(spec: ModelSpec, units: Sequence[str], model: nn.Module) -> 
             owned.setdefault(_owner(entry.owner, units), []).append(entry.key)
     out = []
     for name, param in model.named_parameters():
-        clean = clean_name(name)
+        clean = canonical_fqn(name)
         if clean in keys:
             out.append(((clean,), param))
         else:

@@ -13,7 +13,7 @@ reads it); then every rank must raise the same error,
 promptly (``rank_timeout``), and leave its state dict as it was. At world size 1 the one-rank case is
 the every-rank case and is skipped as such.
 
-The inspector's requirements (ML-16, ML-17) are tested in ``tests/test_inspect.py``.
+The inspector's requirements (ML-16, ML-17) are tested in ``tests/test_ckpt_inspect.py``.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conformance import models
-from conformance.adapters.optim_state import STRATEGIES, clean_fqn, hybrid_mesh_shape
+from conformance.adapters.optim_state import STRATEGIES, hybrid_mesh_shape
+from conformance.fqn import canonical_fqn
 from conformance.asserts import (
     check_each,
     assert_bitwise_equal,
@@ -195,7 +196,7 @@ class Run:
 
     def module(self, fqn: str) -> nn.Module:
         """The submodule of the wrapped model whose clean name is ``fqn``."""
-        return next(m for n, m in self.model.named_modules() if clean_fqn(n) == fqn)
+        return next(m for n, m in self.model.named_modules() if canonical_fqn(n) == fqn)
 
 
 def load_target(dist: Any, ops: Any, setup: Setup) -> Run:
@@ -391,7 +392,7 @@ class Layout:
     that chunk it overlaps (1-D, possibly empty; its own shape when the shard axis is trivial)."""
 
     def __init__(self, setup: Setup, oracle: nn.Module, world_size: int, rank: int) -> None:
-        units = sorted((clean_fqn(u) for u in UNITS[setup.model][setup.use_orig_params]), key=len, reverse=True)
+        units = sorted((canonical_fqn(u) for u in UNITS[setup.model][setup.use_orig_params]), key=len, reverse=True)
         members: dict[str, list[tuple[str, nn.Parameter]]] = {u: [] for u in ["", *units]}
         self.unit_of: dict[str, str] = {}
         for fqn, param in oracle.named_parameters():

@@ -75,12 +75,8 @@ def _builtin_wrappers() -> dict[type, str]:
     # torch.distributed.algorithms.checkpoint_wrapper's public functions return.
     _WRAPPERS.setdefault(ActivationWrapper, "_checkpoint_wrapped_module")
     _WRAPPERS.setdefault(TorchFSDP, "_fsdp_wrapped_module")
-    # The reference wrappers (imported here, not at module level: they may import this module).
-    from reference.flat_param import FPW_MODULE, FlattenParamsWrapper
-    from reference.fsdp import FSDP_WRAPPED_MODULE, FullyShardedDataParallel
-
-    _WRAPPERS.setdefault(FlattenParamsWrapper, FPW_MODULE)
-    _WRAPPERS.setdefault(FullyShardedDataParallel, FSDP_WRAPPED_MODULE)
+    # The reference wrappers register themselves when their modules are imported (this module
+    # imports none of them): a model can only hold one after its module was imported.
     _BUILTINS_LOADED = True
     return _WRAPPERS
 
@@ -179,6 +175,13 @@ class FQNResolver:
         if owner is None:
             return None
         return join_fqn(owner.fqn, leaf), owner
+
+    def clean_path(self, raw_path: str) -> str:
+        """The canonical path of the module at ``raw_path``; a path that names no module is an error."""
+        resolved = self.resolve(raw_path)
+        if resolved is None:
+            raise RuntimeError(f"{raw_path!r} names no module of {type(self.root).__name__}")
+        return resolved.fqn
 
     def clean_key(self, raw_key: str) -> str:
         """The canonical FQN of ``raw_key``; a key that names no module of the model is an error."""

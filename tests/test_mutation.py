@@ -313,7 +313,7 @@ import pytest
 import torch
 import torch.distributed as c10d
 
-from reference import _collectives as C
+from reference import comm as C
 
 
 @pytest.mark.req("OS-1")
@@ -332,12 +332,12 @@ def test_mutants_reach_the_rank_processes(tmp_path: Path) -> None:
     scratch = tmp_path / "scratch"
     make_scratch(REPO_ROOT, scratch, checkout_files(REPO_ROOT))
     (scratch / "conformance" / "test_mutation_canary.py").write_text(CANARY)
-    section = Section("XX", ("reference/_collectives.py",), ("conformance/test_mutation_canary.py",))
-    source = (scratch / "reference" / "_collectives.py").read_text()
+    section = Section("XX", ("reference/comm.py",), ("conformance/test_mutation_canary.py",))
+    source = (scratch / "reference" / "comm.py").read_text()
     gather = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "all_gather_flat")
     [mutant] = [
         m
-        for m in mutants_of_file(scratch, "reference/_collectives.py")
+        for m in mutants_of_file(scratch, "reference/comm.py")
         if m.original == "if world == 1:" and m.operator == "cmp" and gather.lineno <= m.line <= gather.end_lineno
     ]
     runner = Runner(["--rank-timeout", "30", "--world-size", "2"])  # the last --world-size wins: one pool

@@ -92,23 +92,24 @@ SECTIONS: dict[str, Section] = {
     for s in (
         Section(
             "FP",
-            ("reference/flat_param.py", "reference/_prefix_hooks.py"),
+            ("reference/flat_param/*.py",),
             ("conformance/test_flat_param.py", "tests/reference/test_flat_param*.py", "tests/reference/test_prefix_hooks*.py"),
         ),
         Section(
             "SD",
-            ("reference/state_dict.py", "reference/state_dict_backend.py", "reference/state_dict_optim.py", "reference/fqn.py"),
+            ("reference/state_dict/*.py", "reference/fqn.py"),
             ("conformance/test_state_dict.py", "tests/reference/test_state_dict*.py", "tests/reference/test_fqn*.py"),
         ),
         Section(
             "OS",
-            ("reference/fsdp.py", "reference/sharding.py", "reference/optim_state.py", "reference/_collectives.py"),
+            ("reference/fsdp/*.py", "reference/comm.py"),
             (
                 "conformance/test_optim_state.py",
                 "tests/reference/test_optim_state*.py",
                 "tests/reference/test_sharding*.py",
                 "tests/reference/test_fsdp*.py",
-                "tests/reference/test_collectives*.py",
+                "tests/reference/test_comm*.py",
+                "tests/reference/test_coordinator*.py",
             ),
         ),
         Section(

@@ -1,8 +1,9 @@
 """The protocol every implementation under test satisfies.
 
 An adapter is a small class with a ``name`` and one method per capability of ``conformance/SPEC.md``.
-Each method returns an *ops* object for that capability (its protocol lives next to the shipped ops,
-in ``conformance/adapters/<capability>.py``), or raises :class:`Unsupported` with the reason the
+Each method returns an *ops* object for that capability, typed by its ``Protocol`` (``FlatParamOps``,
+``StateDictOps``, ``OptimStateOps``, ``CheckpointOps``, next to the shipped ops in
+``conformance/adapters/<capability>.py``, so that a type checker checks a fork's adapter), or raises :class:`Unsupported` with the reason the
 implementation does not provide it. The harness turns ``Unsupported`` into a skip that names the
 adapter, the capability and the reason, never into a pass.
 
@@ -26,7 +27,13 @@ they pickle by spec, not by value: keep per-process state out of them.
 from __future__ import annotations
 
 import importlib
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:  # the capability modules import Unsupported from here
+    from conformance.adapters.checkpoint import CheckpointOps
+    from conformance.adapters.flat_param import FlatParamOps
+    from conformance.adapters.optim_state import OptimStateOps
+    from conformance.adapters.state_dict import StateDictOps
 
 __all__ = ["Adapter", "Unsupported", "CAPABILITIES", "SHIPPED", "load_adapter", "capability_of"]
 
@@ -74,19 +81,19 @@ class Adapter:
 
     spec: str  # set by load_adapter: how to recreate this adapter on another process
 
-    def flat_param(self) -> Any:
+    def flat_param(self) -> FlatParamOps:
         """Ops for FlatParameter wrapping (FP-*)."""
         raise Unsupported("not provided by this adapter")
 
-    def state_dict(self) -> Any:
+    def state_dict(self) -> StateDictOps:
         """Ops for get/set_state_dict with submodules (SD-*)."""
         raise Unsupported("not provided by this adapter")
 
-    def optim_state(self) -> Any:
+    def optim_state(self) -> OptimStateOps:
         """Ops for sharded models and their optimizer state dicts (OS-*)."""
         raise Unsupported("not provided by this adapter")
 
-    def checkpoint(self) -> Any:
+    def checkpoint(self) -> CheckpointOps:
         """Ops for distributed checkpoint save/load and meta-tensor loading (ML-*)."""
         raise Unsupported("not provided by this adapter")
 

@@ -4,9 +4,15 @@ the ops themselves live in one module per capability (``flat_param.py``, ``state
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from conformance.adapters.base import Adapter, Unsupported
+
+if TYPE_CHECKING:  # the ops modules are imported only when a capability is asked for
+    from conformance.adapters.checkpoint import CheckpointOps
+    from conformance.adapters.flat_param import FlatParamOps
+    from conformance.adapters.optim_state import OptimStateOps
+    from conformance.adapters.state_dict import StateDictOps
 
 
 class ReferenceAdapter(Adapter):
@@ -14,22 +20,22 @@ class ReferenceAdapter(Adapter):
 
     name = "reference"
 
-    def flat_param(self) -> Any:
+    def flat_param(self) -> FlatParamOps:
         from conformance.adapters.flat_param import ReferenceFlatParamOps
 
         return ReferenceFlatParamOps()
 
-    def state_dict(self) -> Any:
+    def state_dict(self) -> StateDictOps:
         from conformance.adapters.state_dict import ReferenceStateDictOps
 
         return ReferenceStateDictOps()
 
-    def optim_state(self) -> Any:
+    def optim_state(self) -> OptimStateOps:
         from conformance.adapters.optim_state import ReferenceOptimStateOps
 
         return ReferenceOptimStateOps()
 
-    def checkpoint(self) -> Any:
+    def checkpoint(self) -> CheckpointOps:
         from conformance.adapters.checkpoint import ReferenceCheckpointOps
 
         return ReferenceCheckpointOps()
@@ -43,20 +49,20 @@ class TorchAdapter(Adapter):
     name = "torch"
     xfails_file = "../xfails/torch.txt"
 
-    def flat_param(self) -> Any:
+    def flat_param(self) -> FlatParamOps:
         raise Unsupported("upstream torch has no public FlattenParamsWrapper (FSDP's FlatParameter is internal)")
 
-    def state_dict(self) -> Any:
+    def state_dict(self) -> StateDictOps:
         from conformance.adapters.state_dict import TorchStateDictOps
 
         return TorchStateDictOps()
 
-    def optim_state(self) -> Any:
+    def optim_state(self) -> OptimStateOps:
         from conformance.adapters.optim_state import TorchFSDP1OptimStateOps
 
         return TorchFSDP1OptimStateOps()
 
-    def checkpoint(self) -> Any:
+    def checkpoint(self) -> CheckpointOps:
         from conformance.adapters.checkpoint import TorchCheckpointOps
 
         return TorchCheckpointOps()
@@ -68,20 +74,20 @@ class TorchFSDP2Adapter(Adapter):
     name = "torch-fsdp2"
     xfails_file = "../xfails/torch-fsdp2.txt"
 
-    def flat_param(self) -> Any:
+    def flat_param(self) -> FlatParamOps:
         raise Unsupported("fully_shard shards each parameter as a DTensor; it has no FlatParameter")
 
-    def state_dict(self) -> Any:
+    def state_dict(self) -> StateDictOps:
         from conformance.adapters.state_dict import TorchFSDP2StateDictOps
 
         return TorchFSDP2StateDictOps()
 
-    def optim_state(self) -> Any:
+    def optim_state(self) -> OptimStateOps:
         from conformance.adapters.optim_state import TorchFSDP2OptimStateOps
 
         return TorchFSDP2OptimStateOps()
 
-    def checkpoint(self) -> Any:
+    def checkpoint(self) -> CheckpointOps:
         from conformance.adapters.checkpoint import TorchFSDP2CheckpointOps
 
         return TorchFSDP2CheckpointOps()
@@ -93,7 +99,7 @@ class FairscaleAdapter(Adapter):
     name = "fairscale"
     xfails_file = "../xfails/fairscale.txt"
 
-    def flat_param(self) -> Any:
+    def flat_param(self) -> FlatParamOps:
         try:
             import fairscale  # noqa: F401
         except ImportError as exc:
@@ -102,11 +108,11 @@ class FairscaleAdapter(Adapter):
 
         return FairscaleFlatParamOps()
 
-    def state_dict(self) -> Any:
+    def state_dict(self) -> StateDictOps:
         raise Unsupported("fairscale is checked for FlatParameter wrapping only")
 
-    def optim_state(self) -> Any:
+    def optim_state(self) -> OptimStateOps:
         raise Unsupported("fairscale is checked for FlatParameter wrapping only")
 
-    def checkpoint(self) -> Any:
+    def checkpoint(self) -> CheckpointOps:
         raise Unsupported("fairscale is checked for FlatParameter wrapping only")

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from conformance.adapters.base import Unsupported
+from conformance.fqn import canonical_fqn
 
 __all__ = [
     "STRATEGIES",
@@ -22,19 +23,10 @@ __all__ = [
     "TorchFSDP1OptimStateOps",
     "TorchFSDP2OptimStateOps",
     "hybrid_mesh_shape",
-    "clean_fqn",
 ]
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 UnitPredicate = Callable[[nn.Module], bool]
-
-# Wrapper segments of raw FQNs: FSDP1's and activation checkpointing's (as torch's clean_tensor_name).
-_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
-
-
-def clean_fqn(fqn: str) -> str:
-    return ".".join(part for part in fqn.split(".") if part not in _WRAPPER_SEGMENTS)
-
 
 def hybrid_mesh_shape(world_size: int) -> tuple[int, int]:
     """``(replicate, shard)`` for HYBRID_SHARD: two replicas when the world splits in two, else one."""
@@ -108,7 +100,7 @@ class OptimStateOps(Protocol):
 
 
 class ReferenceOptimStateOps:
-    """``reference.fsdp`` and ``reference.optim_state``."""
+    """``reference.fsdp`` (the wrapper, its model state dicts and its optimizer-state keying)."""
 
     def unsupported(self, strategy: str, use_orig_params: bool) -> str | None:
         return None
@@ -122,7 +114,7 @@ class ReferenceOptimStateOps:
         )
 
     def optimizer_params(self, model):
-        from reference.optim_state import get_param_to_fqns
+        from reference.fsdp import get_param_to_fqns
 
         return [(tuple(fqns), param) for param, fqns in get_param_to_fqns(model).items()]
 
@@ -160,7 +152,7 @@ class ReferenceOptimStateOps:
         return model.state_dict()
 
     def fqn_to_param_info(self, model):
-        from reference.optim_state import get_fqn_to_fsdp_param_info
+        from reference.fsdp import get_fqn_to_fsdp_param_info
 
         return _number_flat_params({fqn: (info.flat_param, info.param_indices[fqn]) for fqn, info in get_fqn_to_fsdp_param_info(model).items()})
 
@@ -202,10 +194,10 @@ class TorchFSDP1OptimStateOps:
             # they are prefixed here with the unit's clean path.
             fqns = getattr(param, "_fqns", None)
             if fqns is not None:
-                unit = clean_fqn(name.rsplit("_flat_param", 1)[0].rstrip("."))
-                out.append((tuple(clean_fqn(f"{unit}.{f}" if unit else f) for f in fqns), param))
+                unit = canonical_fqn(name.rsplit("_flat_param", 1)[0].rstrip("."))
+                out.append((tuple(canonical_fqn(f"{unit}.{f}" if unit else f) for f in fqns), param))
             else:
-                out.append(((clean_fqn(name),), param))
+                out.append(((canonical_fqn(name),), param))
         return out
 
     def _state_dict_type(self, model, *, rank0_only=False, cpu_offload=False, sharded=False):
@@ -299,7 +291,7 @@ class TorchFSDP2OptimStateOps(TorchFSDP1OptimStateOps):
         return model
 
     def optimizer_params(self, model):
-        return [((clean_fqn(name),), param) for name, param in model.named_parameters()]
+        return [((canonical_fqn(name),), param) for name, param in model.named_parameters()]
 
     def full_state_dict(self, model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -1,4 +1,4 @@
-"""Unit tests of reference.flat_param and reference._prefix_hooks internals (single process).
+"""Unit tests of reference.flat_param internals (wrapper and prefix_hooks) (single process).
 
 The behaviour every implementation owes is checked by conformance/test_flat_param.py; these tests pin
 what is particular to the reference: the reusable prefix hooks (with a second wrapper kind), clean
@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from conformance import models
 # The frame stacks are the hooks' private hand-over state: these tests check that nothing is left in them.
-from reference._prefix_hooks import _LOAD_FRAMES, _save_frames, clean_named_modules, hidden_child, register_prefix_hooks
+from reference.flat_param.prefix_hooks import _LOAD_FRAMES, _save_frames, clean_named_modules, hidden_child, register_prefix_hooks
 from reference.flat_param import (
     FlatParameter,
     FlattenParamsWrapper,

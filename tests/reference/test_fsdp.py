@@ -1,4 +1,4 @@
-"""Multi-rank tests of ``reference.fsdp`` and ``reference.optim_state`` alone (no adapter): the OS
+"""Multi-rank tests of ``reference.fsdp`` alone (no adapter): the OS
 requirements' parts that only the reference's own API states. They take ``dist`` and run on the rank
 pools of the conformance plugin (loaded for ``tests/`` by ``tests/conftest.py``)."""
 
@@ -21,7 +21,7 @@ from reference.fsdp import FullyShardedDataParallel, full_state_dict, load_shard
 def test_reference_optim_state_keys(dist, use_orig_params: bool) -> None:
     """The reference's ``_OptimStateKey`` of every optimizer parameter: a flat parameter stands for its
     unit's FQNs, an original parameter for its own; both FSDP-managed. Local (no collective)."""
-    from reference.optim_state import _OptimStateKey, get_fqn_to_fsdp_param_info, get_param_to_fqns
+    from reference.fsdp import _OptimStateKey, get_fqn_to_fsdp_param_info, get_param_to_fqns
 
     model = models.build("tied", device=dist.device)
     model = FullyShardedDataParallel(model, use_orig_params=use_orig_params, auto_wrap_policy=lambda m: m is model.body, device_id=dist.device)

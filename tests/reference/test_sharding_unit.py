@@ -3,46 +3,53 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.nn as nn
 
-from reference.fsdp import _as_policy, _check_no_param_shared_across_units, clean_fqn
-from reference.sharding import SlotShard, slot_shard
+from reference.flat_param import FlatParameter, ParamRange, even_shard_range
+from reference.fsdp.sharding import SlotShard, slot_shard
+from reference.fsdp.unit import _as_policy, _check_no_param_shared_across_units
+
+
+def _part(flat: FlatParameter, name: str) -> ParamRange | None:
+    held = flat.shard_metadata()
+    return dict(zip(held.param_names, held.param_offsets)).get(name)
 
 
 @pytest.mark.parametrize(
-    ("slot", "shard", "expected"),
+    ("numels", "shard", "slot", "expected"),
     [
-        ((0, 6), (0, 2), SlotShard(0, 2, 0)),  # the shard starts inside the slot
-        ((0, 6), (4, 2), SlotShard(4, 6, 0)),  # ... ends the slot
-        ((6, 3), (4, 4), SlotShard(0, 2, 2)),  # the slot starts inside the shard
-        ((0, 6), (6, 2), SlotShard(0, 0, 0)),  # no overlap: empty, at the shard's start
-        ((6, 3), (0, 2), SlotShard(0, 0, 2)),  # no overlap, slot after the shard: empty at its end
-        ((2, 0), (0, 4), SlotShard(0, 0, 2)),  # an empty parameter holds nothing anywhere
+        ((6,), (0, 1), 0, SlotShard(ParamRange(0, 1), 0)),  # the shard starts inside the slot
+        ((6,), (4, 5), 0, SlotShard(ParamRange(4, 5), 0)),  # ... ends the slot
+        ((6, 3), (4, 7), 1, SlotShard(ParamRange(0, 1), 2)),  # the slot starts inside the shard
+        ((6, 3), (0, 1), 1, SlotShard(ParamRange(0, -1), 2)),  # no overlap, slot after the shard: empty at its end
+        ((6, 3), (6, 7), 0, SlotShard(ParamRange(0, -1), 0)),  # no overlap, slot before the shard: empty at its start
+        ((2, 0, 2), (0, 3), 1, SlotShard(ParamRange(0, -1), 2)),  # an empty parameter holds nothing anywhere
     ],
 )
-def test_shard_range(slot: tuple[int, int], shard: tuple[int, int], expected: SlotShard) -> None:
-    got = slot_shard(slot[0], slot[1], shard[0], shard[1])
+def test_slot_shard(numels: tuple[int, ...], shard: tuple[int, int], slot: int, expected: SlotShard) -> None:
+    """A slot's part of a shard, from the FlatParameter's own layout and shard metadata."""
+    flat = FlatParameter([torch.zeros(n) for n in numels], names=[f"p{i}" for i in range(len(numels))])
+    total = sum(numels)
+    flat.shard_by_offsets(shard[0], shard[1], max(0, shard[1] + 1 - max(shard[0], total)))
+    got = slot_shard(flat.param_offsets[slot], _part(flat, f"p{slot}"), flat.shard_range)
     assert got == expected
-    assert 0 <= got.shard_offset <= shard[1] and got.shard_offset + got.numel <= shard[1]
+    size = shard[1] - shard[0] + 1
+    assert 0 <= got.shard_offset <= size and got.shard_offset + got.numel <= size
 
 
-def test_shard_ranges_cover_every_element_once() -> None:
+def test_slot_shards_cover_every_element_once() -> None:
     """Over all shards of a padded flat parameter, each slot's elements are held exactly once."""
     numels = [6, 3, 1]
-    offsets = [0, 6, 9]
     for world in (1, 2, 3, 4, 7):
-        chunk = -(-sum(numels) // world)
-        for offset, numel in zip(offsets, numels):
-            held = []
-            for rank in range(world):
-                r = slot_shard(offset, numel, rank * chunk, chunk)
-                held.extend(range(r.start, r.end))
-            assert held == list(range(numel)), (world, offset, held)
-
-
-def test_clean_fqn() -> None:
-    assert clean_fqn("_fsdp_wrapped_module.net.2._checkpoint_wrapped_module._fsdp_wrapped_module.weight") == "net.2.weight"
-    assert clean_fqn("a._fsdp_wrapped_module_x.b") == "a._fsdp_wrapped_module_x.b"  # whole segments only
+        held: dict[int, list[int]] = {i: [] for i in range(len(numels))}
+        for rank in range(world):
+            flat = FlatParameter([torch.zeros(n) for n in numels], names=["a", "b", "c"])
+            flat.shard_by_offsets(*even_shard_range(sum(numels), rank, world))
+            for i, name in enumerate("abc"):
+                r = slot_shard(flat.param_offsets[i], _part(flat, name), flat.shard_range)
+                held[i].extend(range(r.part.start, r.part.end + 1))
+        assert held == {i: list(range(n)) for i, n in enumerate(numels)}, (world, held)
 
 
 def test_policy_from_classes_and_callables() -> None:

@@ -16,9 +16,11 @@ Contracts (see ``conformance/SPEC.md``, SD-*):
   ``strict=True`` a missing or unexpected key is a ``RuntimeError`` naming it and the model is left as
   it was; a shape mismatch is always such an error. For a submodule-keyed dict, ``strict`` applies to
   the keys of those submodules; the rest of the model is left untouched and reported as missing.
-* Which ranks call: every function is collective when the model is sharded, or when
-  ``broadcast_from_rank0`` is set: call it on every rank of the process group, in the same order.
-  On a plain model without ``broadcast_from_rank0`` each rank may call it alone.
+* Which ranks call: every function is collective when the model is sharded or has DTensor
+  parameters, or when ``broadcast_from_rank0`` is set: call it on every rank of the process group, in
+  the same order. On a plain model without ``broadcast_from_rank0`` each rank may call it alone.
+* Errors of a collective call are agreed on (:mod:`reference.comm`): when one rank's input is wrong,
+  every rank raises the same exception, naming that rank, before any rank gathers or changes anything.
 """
 
 from __future__ import annotations
@@ -27,14 +29,17 @@ import contextlib
 import gc
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Union
+from typing import Any, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from reference import comm
 from reference.fqn import FQNResolver, join_fqn, submodule_paths
-from reference import state_dict_backend as _backend
-from reference import state_dict_optim as _optim
+from reference.state_dict import backend as _backend
+from reference.state_dict import optim_fqn as _optim
+from reference.state_dict.options import IncompatibleKeys, StateDictOptions
 
 __all__ = [
     "StateDictOptions",
@@ -59,47 +64,6 @@ _EXTRA_STATE_SUFFIX = "_extra_state"
 _MAX_KEYS_IN_MESSAGE = 10
 
 
-@dataclass
-class StateDictOptions:
-    """How get/set state_dict behave. Fields and defaults are those of torch's ``StateDictOptions``."""
-
-    #: Gather sharded values: every tensor of the result is a plain tensor of the full (unsharded)
-    #: shape. When False, a sharded model gives its per-rank shards as DTensors.
-    full_state_dict: bool = False
-    #: Put every tensor of the result on CPU. With ``full_state_dict`` in a process group, only rank 0
-    #: gets the state dict (the others get an empty one), so that N ranks do not hold N CPU copies.
-    cpu_offload: bool = False
-    #: Leave parameters with ``requires_grad=False`` out of the model state dict on get, and do not
-    #: require them on set.
-    ignore_frozen_params: bool = False
-    #: With ``submodules``: keep each entry's full FQN (True) or strip the submodule's path (False).
-    keep_submodule_prefixes: bool = True
-    #: On set: a missing or unexpected key is an error (nothing is loaded) instead of being reported.
-    strict: bool = True
-    #: On set: the full state dict is present on rank 0 only; it is broadcast to every rank and loaded
-    #: there. Requires ``full_state_dict``.
-    broadcast_from_rank0: bool = False
-    #: Optimizer state dicts are one flat ``{"state.<fqn>.<name>": v, "param_groups.<fqn>.<k>": v}``.
-    flatten_optimizer_state_dict: bool = False
-
-    def __post_init__(self) -> None:
-        self.check()
-
-    def check(self) -> None:
-        """The rules spanning two fields; checked at construction and again by every set (the fields
-        stay assignable)."""
-        # Broadcasting sends full tensors, so the dict must be a full one.
-        if self.broadcast_from_rank0 and not self.full_state_dict:
-            raise ValueError("StateDictOptions: broadcast_from_rank0=True requires full_state_dict=True")
-
-
-class IncompatibleKeys(NamedTuple):
-    """What a non-strict load did not match: model keys left untouched, and given keys the model lacks."""
-
-    missing_keys: list[str]
-    unexpected_keys: list[str]
-
-
 # ---------------------------------------------------------------------------------------------------
 # helpers
 
@@ -120,6 +84,13 @@ def _as_optimizers(optimizers: Optimizers | None) -> tuple[torch.optim.Optimizer
     for i, optim in enumerate(optims):
         if not isinstance(optim, torch.optim.Optimizer):
             raise TypeError(f"optimizers[{i}]: expected a torch.optim.Optimizer, got {type(optim).__name__}")
+    return optims
+
+
+def _some_optimizers(optimizers: Optimizers, caller: str) -> tuple[torch.optim.Optimizer, ...]:
+    optims = _as_optimizers(optimizers)
+    if not optims:
+        raise ValueError(f"{caller}: no optimizer given")
     return optims
 
 
@@ -202,8 +173,9 @@ def get_model_state_dict(
     """The model state dict of ``model``, keyed by canonical FQN. See :func:`get_state_dict`."""
     options = options or StateDictOptions()
     with _gc_paused():
-        selected = _check_submodules(model, submodules)
         backend = _backend.for_model(model)
+        # Agreed: a rank whose selection is wrong must not leave the others in the gathers below.
+        selected = comm.agree(_backend.collective_group(model, backend, False), lambda: _check_submodules(model, submodules))
         resolver = FQNResolver(model, selected)
         frozen = backend.frozen_fqns(model, resolver) if options.ignore_frozen_params else set()
         raw = backend.model_state_dict(model, options)
@@ -233,12 +205,14 @@ def get_optimizer_state_dict(
     that every trainable parameter has its state entries. ``submodules`` is accepted for symmetry with
     :func:`get_state_dict` and does not filter optimizer state (as in torch)."""
     options = options or StateDictOptions()
-    optims = _as_optimizers(optimizers)
-    if not optims:
-        raise ValueError("get_optimizer_state_dict: no optimizer given")
     with _gc_paused():
-        _check_submodules(model, submodules)
         backend = _backend.for_model(model)
+
+        def check() -> tuple[torch.optim.Optimizer, ...]:
+            _check_submodules(model, submodules)
+            return _some_optimizers(optimizers, "get_optimizer_state_dict")
+
+        optims = comm.agree(_backend.collective_group(model, backend, False), check)
         osd = backend.optim_state_dict(model, optims, options)
         if options.flatten_optimizer_state_dict and osd:  # {} on ranks > 0 with full + cpu_offload
             osd = _optim.flatten(osd)
@@ -383,11 +357,11 @@ def set_model_state_dict(
     with _gc_paused():
         backend = _backend.for_model(model)
         # Collective: every check is agreed on by all ranks before anything is gathered or changed.
-        collective = _backend.is_collective(model, backend, options.broadcast_from_rank0)
-        flat, scope = _backend.agreed(collective, lambda: _checked_unflatten(model, model_state_dict, options))
+        group = _backend.collective_group(model, backend, options.broadcast_from_rank0)
+        flat, scope = comm.agree(group, lambda: _checked_unflatten(model, model_state_dict, options))
         if options.broadcast_from_rank0:
-            flat = _backend.broadcast_from_rank0(flat, backend.device(model))
-        plan = _backend.agreed(collective, lambda: _plan_model_load(model, flat, scope, options, backend))
+            flat = _backend.broadcast_from_rank0(flat, backend.device(model), group)
+        plan = comm.agree(group, lambda: _plan_model_load(model, flat, scope, options, backend))
         backend.load_model_state_dict(model, plan.raw, options)
         return IncompatibleKeys(plan.missing, plan.unexpected)
 
@@ -412,16 +386,18 @@ def set_optimizer_state_dict(
     parameter without state, or state for an FQN that no given optimizer holds, is a ``RuntimeError``
     naming the FQN; otherwise such parameters keep their current state."""
     options = options or StateDictOptions()
-    optims = _as_optimizers(optimizers)
-    if not optims:
-        raise ValueError("set_optimizer_state_dict: no optimizer given")
     with _gc_paused():
         backend = _backend.for_model(model)
-        collective = _backend.is_collective(model, backend, options.broadcast_from_rank0)
-        _backend.agreed(collective, options.check)
+        group = _backend.collective_group(model, backend, options.broadcast_from_rank0)
+
+        def check() -> tuple[torch.optim.Optimizer, ...]:
+            options.check()
+            return _some_optimizers(optimizers, "set_optimizer_state_dict")
+
+        optims = comm.agree(group, check)
         if options.broadcast_from_rank0:
-            optim_state_dict = _backend.broadcast_from_rank0(optim_state_dict, backend.device(model))
-        _plan_optim_load(model, optims, optim_state_dict, options, backend, collective)()
+            optim_state_dict = _backend.broadcast_from_rank0(optim_state_dict, backend.device(model), group)
+        _plan_optim_load(model, optims, optim_state_dict, options, backend, group)()
 
 
 def _plan_optim_load(
@@ -430,7 +406,7 @@ def _plan_optim_load(
     osd: OptimizerStateDict,
     options: StateDictOptions,
     backend: _backend.ModelBackend,
-    collective: bool,
+    group: dist.ProcessGroup | None,
 ) -> Any:
     def check() -> OptimizerStateDict:
         if not osd:
@@ -439,9 +415,9 @@ def _plan_optim_load(
         backend.check_optim_load(model, optims, nested, options)
         return nested
 
-    nested = _backend.agreed(collective, check)
+    nested = comm.agree(group, check)
     # Agreed again: the plan may gather (DTensor state) before its last checks.
-    return _backend.agreed(collective, lambda: backend.plan_optim_load(model, optims, nested, options))
+    return comm.agree(group, lambda: backend.plan_optim_load(model, optims, nested, options))
 
 
 def set_state_dict(
@@ -457,21 +433,21 @@ def set_state_dict(
     An empty ``model_state_dict`` loads the optimizers only (as torch does); an empty
     ``optim_state_dict`` loads the model only."""
     options = options or StateDictOptions()
-    optims = _as_optimizers(optimizers)
     with _gc_paused():
         backend = _backend.for_model(model)
-        collective = _backend.is_collective(model, backend, options.broadcast_from_rank0)
+        group = _backend.collective_group(model, backend, options.broadcast_from_rank0)
         plan: _ModelLoad | None = None
-        flat, scope = _backend.agreed(collective, lambda: _checked_unflatten(model, model_state_dict or {}, options))
+        optims = comm.agree(group, lambda: _as_optimizers(optimizers))
+        flat, scope = comm.agree(group, lambda: _checked_unflatten(model, model_state_dict or {}, options))
         if options.broadcast_from_rank0:
-            flat = _backend.broadcast_from_rank0(flat, backend.device(model))
+            flat = _backend.broadcast_from_rank0(flat, backend.device(model), group)
         if flat:
-            plan = _backend.agreed(collective, lambda: _plan_model_load(model, flat, scope, options, backend))
+            plan = comm.agree(group, lambda: _plan_model_load(model, flat, scope, options, backend))
         apply_optim = None
         if optims and options.broadcast_from_rank0:
-            optim_state_dict = _backend.broadcast_from_rank0(optim_state_dict or {}, backend.device(model))
+            optim_state_dict = _backend.broadcast_from_rank0(optim_state_dict or {}, backend.device(model), group)
         if optims and optim_state_dict:
-            apply_optim = _plan_optim_load(model, optims, optim_state_dict, options, backend, collective)
+            apply_optim = _plan_optim_load(model, optims, optim_state_dict, options, backend, group)
         if apply_optim is not None:
             apply_optim()
         if plan is None:

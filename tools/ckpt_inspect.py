@@ -1,7 +1,7 @@
 """The checkpoint inspector: what a DCP checkpoint holds, without loading it or trusting it.
 
-    python -m tools.inspect CHECKPOINT_DIR            # a table: one row per key, then totals
-    python -m tools.inspect CHECKPOINT_DIR --json     # the same as JSON
+    python -m tools.ckpt_inspect CHECKPOINT_DIR            # a table: one row per key, then totals
+    python -m tools.ckpt_inspect CHECKPOINT_DIR --json     # the same as JSON
 
 For every key: its kind (tensor or object), dtype, global shape, number of saved chunks, data bytes
 (elements x element size; for an object, its serialized size), bytes stored on disk, and the data
@@ -147,7 +147,7 @@ def format_table(summary: CheckpointSummary) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.inspect",
+        prog="python -m tools.ckpt_inspect",
         description="List the keys, dtypes, shapes, chunks, bytes and files of a DCP checkpoint, without unpickling untrusted code.",
     )
     parser.add_argument("checkpoint", help=f"checkpoint directory (the one holding {METADATA_FILE})")

@@ -1,14 +1,14 @@
 """The smallest correct flat-parameter sharded data parallel: the reference for FSDP state-dict semantics.
 
 ``FullyShardedDataParallel`` mirrors the names of ``torch.distributed.fsdp.FullyShardedDataParallel``
-(constructor arguments, ``ShardingStrategy``, ``fsdp_modules``, ``optim_state_dict``,
-``optim_state_dict_to_load``) so that a torch user reads it without a glossary. It exists to produce
+(constructor arguments, ``ShardingStrategy``, ``fsdp_modules``, and ``optim_state_dict`` /
+``optim_state_dict_to_load``, attached by :mod:`reference.fsdp` from :mod:`reference.fsdp.optim_keys`) so that a torch user reads it without a glossary. It exists to produce
 real sharded parameters and optimizer state for the conformance suite; it is not a training framework
 (no prefetching, no mixed precision, no CPU offload of parameters).
 
 Each *unit* (an instance of the class) flattens the parameters of its module that no nested unit owns
 into one flat parameter, pads it to a multiple of the shard count and keeps one shard per rank (see
-:mod:`reference.sharding` for the states and the rewiring). Strategies:
+:mod:`reference.fsdp.sharding` for the states and the rewiring). Strategies:
 
 ================  ===========================================================================
 FULL_SHARD        all-gather before forward, free after it; all-gather again before backward
@@ -21,8 +21,8 @@ HYBRID_SHARD      FULL_SHARD inside each group of the mesh's ``shard`` axis, rep
 Gradients are averaged over every data-parallel rank (reduce-scatter over the shard axis, all-reduce
 over the replicate axis), so N ranks on N equal slices of a batch match one process on the batch.
 
-Model state dicts of a sharded model (module-level functions; every rank of the model's groups calls
-them, in the same order):
+Model state dicts of a sharded model are in :mod:`reference.fsdp.model_state` (module-level functions;
+every rank of the model's groups calls them, in the same order):
 
 * :func:`full_state_dict` / :func:`load_full_state_dict`: unsharded tensors under clean FQNs
   (the FQNs of the unwrapped model), exactly the keys ``model.state_dict()`` had before wrapping.
@@ -41,29 +41,25 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from reference import _collectives as C
-from reference.sharding import FlatParamHandle
+from reference import comm
+from reference.fqn import FQNResolver, register_wrapper
+from reference.fsdp.sharding import FlatParamHandle
 
 __all__ = [
     "FullyShardedDataParallel",
     "ShardingStrategy",
+    "AutoWrapPolicy",
     "FSDP_WRAPPED_MODULE",
     "FLAT_PARAM",
-    "clean_fqn",
-    "full_state_dict",
-    "sharded_state_dict",
-    "load_full_state_dict",
-    "load_sharded_state_dict",
-    "state_dict_layout",
+    "model_group",
+    "units",
+    "reshard_all",
 ]
 
 #: The attribute under which a unit holds the module it wraps: a segment of raw FQNs, never of clean ones.
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 #: The name under which a unit registers its flat parameter (``use_orig_params=False`` only).
 FLAT_PARAM = "_flat_param"
-#: FQN segments added by wrappers, removed by :func:`clean_fqn`: ours, and activation checkpointing's
-#: (``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``), as torch's FSDP does.
-WRAPPER_SEGMENTS = (FSDP_WRAPPED_MODULE, "_checkpoint_wrapped_module")
 
 
 class ShardingStrategy(enum.Enum):
@@ -73,11 +69,6 @@ class ShardingStrategy(enum.Enum):
     SHARD_GRAD_OP = enum.auto()
     NO_SHARD = enum.auto()
     HYBRID_SHARD = enum.auto()
-
-
-def clean_fqn(fqn: str) -> str:
-    """``fqn`` without wrapper segments: ``_fsdp_wrapped_module.1._checkpoint_wrapped_module.w`` -> ``1.w``."""
-    return ".".join(part for part in fqn.split(".") if part not in WRAPPER_SEGMENTS)
 
 
 AutoWrapPolicy = Callable[[nn.Module], bool]
@@ -143,18 +134,17 @@ class FullyShardedDataParallel(nn.Module):
         self.device = _compute_device(module, device_id)
         # Checked before anything is wrapped, so that a bad layout leaves the model untouched, and agreed
         # on by every rank, so that one rank's bad model (a layer frozen there only) fails every rank.
-        error = None
-        try:
-            self._device_mesh, self._shard_group, self._replicate_group, self.process_group = _resolve_groups(
-                sharding_strategy, process_group, device_mesh
-            )
+        def check() -> tuple[Any, dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup, AutoWrapPolicy | None]:
+            groups = _resolve_groups(sharding_strategy, process_group, device_mesh)
             policy = _as_policy(auto_wrap_policy)
             if policy is not None:
                 _check_no_param_shared_across_units(module, policy)
             _check_uniform_units(module, policy, use_orig_params)
-        except (ValueError, TypeError) as exc:
-            error = exc
-        C.raise_if_any_rank_failed(error, _construction_group(process_group, device_mesh))
+            return (*groups, policy)
+
+        self._device_mesh, self._shard_group, self._replicate_group, self.process_group, policy = comm.agree(
+            _construction_group(process_group, device_mesh), check
+        )
         if policy is not None:
             _auto_wrap(
                 module,
@@ -199,6 +189,22 @@ class FullyShardedDataParallel(nn.Module):
         return self._modules[FSDP_WRAPPED_MODULE]
 
     @property
+    def handle(self) -> FlatParamHandle | None:
+        """The flat-parameter handle of this unit (layout, shard, unshard/reshard), or None if it owns
+        no parameter. Read-only: the unit owns it."""
+        return self._handle
+
+    @property
+    def device_mesh(self) -> Any:
+        """The mesh that sharded-state-dict DTensors of this unit live on: the one given at
+        construction, else a 1-D mesh over ``process_group`` (built on first use)."""
+        if self._device_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._device_mesh = DeviceMesh.from_group(self.process_group, self.device.type)
+        return self._device_mesh
+
+    @property
     def flat_param(self) -> nn.Parameter | None:
         """This unit's flat parameter (its local shard between iterations), or None if it owns none."""
         return self._handle.flat_param if self._handle is not None else None
@@ -207,7 +213,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._is_root:
             # A unit left unsharded by the last iteration (frozen, or SHARD_GRAD_OP without a backward)
             # is resharded here, so every iteration starts from the sharded state.
-            _reshard_all(self)
+            reshard_all(self)
         handle = self._handle
         if handle is None:
             return self.module(*args, **kwargs)
@@ -227,31 +233,14 @@ class FullyShardedDataParallel(nn.Module):
         """Every unit in ``module``'s tree (``module`` itself included), in ``modules()`` order."""
         return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
 
-    @staticmethod
-    def optim_state_dict(
-        model: nn.Module,
-        optim: torch.optim.Optimizer,
-        *,
-        rank0_only: bool = False,
-        cpu_offload: bool = False,
-        sharded: bool = False,
-    ) -> dict[str, Any]:
-        """The optimizer state dict keyed by clean FQNs; see :func:`reference.optim_state.optim_state_dict`."""
-        from reference.optim_state import optim_state_dict
-
-        return optim_state_dict(model, optim, rank0_only=rank0_only, cpu_offload=cpu_offload, sharded=sharded)
-
-    @staticmethod
-    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: Mapping[str, Any]) -> dict[str, Any]:
-        """What ``optim.load_state_dict`` takes; see :func:`reference.optim_state.optim_state_dict_to_load`."""
-        from reference.optim_state import optim_state_dict_to_load
-
-        return optim_state_dict_to_load(model, optim, osd)
-
     def extra_repr(self) -> str:
         h = self._handle
         shard = f"shard {h.shard_rank}/{h.shard_world} of {h.padded_numel}" if h else "no parameters"
         return f"{self.sharding_strategy.name}, use_orig_params={self.use_orig_params}, {shard}"
+
+
+# The canonical-FQN rule (reference.fqn) skips our wrapped-module segment.
+register_wrapper(FullyShardedDataParallel, FSDP_WRAPPED_MODULE)
 
 
 # -- construction helpers ---------------------------------------------------------------------------
@@ -318,6 +307,7 @@ def _check_uniform_units(root: nn.Module, policy: AutoWrapPolicy | None, use_ori
     included) cannot be one flat parameter: several dtypes, or with ``use_orig_params=False`` frozen
     and trainable parameters together. Local; nothing is modified."""
     units: dict[str, dict[nn.Parameter, str]] = {}
+    names = FQNResolver(root)
 
     def visit(module: nn.Module, prefix: str, unit: str) -> None:
         if prefix and isinstance(module, FullyShardedDataParallel):
@@ -326,14 +316,14 @@ def _check_uniform_units(root: nn.Module, policy: AutoWrapPolicy | None, use_ori
             unit = prefix
         for name, param in module._parameters.items():
             if param is not None:
-                units.setdefault(unit, {}).setdefault(param, clean_fqn(prefix + name))
+                units.setdefault(unit, {}).setdefault(param, names.clean_key(prefix + name))
         for child_name, child in module._modules.items():
             if child is not None:
                 visit(child, prefix + child_name + ".", unit)
 
     visit(root, "", "")
     for unit, params in units.items():
-        where = repr(clean_fqn(unit.rstrip("."))) if unit else "<root>"
+        where = repr(names.clean_path(unit.rstrip("."))) if unit else "<root>"
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             raise ValueError(f"parameters of one unit must share a dtype, got {sorted(map(str, dtypes))} in unit {where}: {list(params.values())}")
@@ -361,6 +351,7 @@ def _auto_wrap(module: nn.Module, policy: AutoWrapPolicy, wrap: Callable[[nn.Mod
 def _check_no_param_shared_across_units(root: nn.Module, policy: AutoWrapPolicy) -> None:
     """Raise if one parameter would be flattened into two units by ``policy`` (root included)."""
     owner: dict[nn.Parameter, tuple[str, str]] = {}
+    names = FQNResolver(root)
 
     def visit(module: nn.Module, prefix: str, unit: str) -> None:
         if prefix and (policy(module) or isinstance(module, FullyShardedDataParallel)):
@@ -372,8 +363,8 @@ def _check_no_param_shared_across_units(root: nn.Module, policy: AutoWrapPolicy)
             if param in owner and owner[param][1] != unit:
                 first_fqn, first_unit = owner[param]
                 raise ValueError(
-                    f"parameter {clean_fqn(fqn)!r} (unit {clean_fqn(unit) or '<root>'!r}) is the same parameter "
-                    f"as {clean_fqn(first_fqn)!r} (unit {clean_fqn(first_unit) or '<root>'!r}): a shared parameter "
+                    f"parameter {names.clean_key(fqn)!r} (unit {names.clean_path(unit) or '<root>'!r}) is the same parameter "
+                    f"as {names.clean_key(first_fqn)!r} (unit {names.clean_path(first_unit) or '<root>'!r}): a shared parameter "
                     "must be owned by one unit (wrap the common ancestor of both uses instead)"
                 )
             owner.setdefault(param, (fqn, unit))
@@ -396,226 +387,27 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors_in(item)
 
 
-def _reshard_all(model: nn.Module) -> None:
+def reshard_all(model: nn.Module) -> None:
     """Return every unit under ``model`` to the sharded state (local; no collective)."""
     for unit in FullyShardedDataParallel.fsdp_modules(model):
-        if unit._handle is not None and (unit._handle._unsharded or unit._handle.in_backward):
-            unit._handle.reshard()
+        if unit.handle is not None and (unit.handle.is_unsharded or unit.handle.in_backward):
+            unit.handle.reshard()
 
 
-# -- model state dicts --------------------------------------------------------------------------------
+# -- units of a model ------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _unsharded_params(model: nn.Module) -> Iterator[None]:
-    """Inside: every original parameter name of every unit under ``model`` holds its full value (a
-    detached view of the gathered flat parameter) and flat parameters are hidden, so
-    ``model.state_dict()`` shows the unwrapped model's entries. All-gathers on entry (collective, units
-    in ``modules()`` order); resharded on exit, also on error."""
-    units = [u for u in FullyShardedDataParallel.fsdp_modules(model) if u._handle is not None]
-    _reshard_all(model)
-    hidden = []
-    try:
-        for unit in units:
-            handle = unit._handle
-            handle.unshard()
-            views = handle.full_param_views()
-            for slot, view in zip(handle.slots, views):
-                slot.module._parameters[slot.name] = view
-            for alias in handle.aliases:
-                alias.module._parameters[alias.name] = views[alias.slot_index]
-            if FLAT_PARAM in unit._parameters:
-                hidden.append((unit, unit._parameters[FLAT_PARAM]))
-                unit._parameters[FLAT_PARAM] = None
-        yield
-    finally:
-        for unit, flat in hidden:
-            unit._parameters[FLAT_PARAM] = flat
-        _reshard_all(model)  # every unit whose names were pointed at full views was unsharded first
+def model_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The group over which the units under ``model`` agree and exchange state (for HYBRID_SHARD the
+    group spanning both axes), or None when ``model`` holds no unit."""
+    units = FullyShardedDataParallel.fsdp_modules(model)
+    return units[0].process_group if units else None
 
 
-def full_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
-    """The unsharded model state dict under clean FQNs: the keys and values ``state_dict()`` of the
-    unwrapped model would have (tied parameters under every name, non-persistent buffers absent).
-
-    Collective: every rank of the model's groups calls it. With ``rank0_only`` other ranks get ``{}``;
-    with ``cpu_offload`` values are on the CPU. Values are copies, never views of the model."""
-    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
-    with _unsharded_params(model):
-        raw = model.state_dict()
-        out = {}
-        for key, value in raw.items():
-            if keep:
-                value = value.detach()
-                out[clean_fqn(key)] = value.cpu().clone() if cpu_offload else value.clone()
-    return out
-
-
-def _param_placements(unit: FullyShardedDataParallel, ndim: int) -> tuple[Any, tuple[Any, ...]]:
-    """``(mesh, placements)`` of a sharded-state-dict DTensor of a ``ndim``-dim parameter of ``unit``."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Replicate, Shard
-
-    mesh = unit._device_mesh
-    if mesh is None:
-        mesh = DeviceMesh.from_group(unit.process_group, unit.device.type)
-        unit._device_mesh = mesh
-    shard = Shard(0) if ndim > 0 else Replicate()
-    if unit.sharding_strategy is ShardingStrategy.HYBRID_SHARD:
-        return mesh, (Replicate(), shard)
-    if unit.sharding_strategy is ShardingStrategy.NO_SHARD:
-        return mesh, (Replicate(),)
-    return mesh, (shard,)
-
-
-def to_dtensor(unit: FullyShardedDataParallel, full: torch.Tensor) -> Any:
-    """``full`` (identical on every rank) as a DTensor laid out like ``unit``'s parameters: this rank
-    keeps its ``torch.chunk`` piece along dim 0 of the shard axis. Local; no collective."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    mesh, placements = _param_placements(unit, full.dim())
-    local = full
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
-            pieces = torch.chunk(full, mesh.size(mesh_dim), dim=0)
-            coordinate = mesh.get_local_rank(mesh_dim)
-            # torch.chunk may return fewer pieces than ranks: the missing ones are empty.
-            local = pieces[coordinate] if coordinate < len(pieces) else full.new_empty((0, *full.shape[1:]))
-    return DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
-
-
-def _units(model: nn.Module) -> list[tuple[str, FullyShardedDataParallel]]:
+def units(model: nn.Module) -> list[tuple[str, FullyShardedDataParallel]]:
     """``(raw prefix of the unit's wrapped module, unit)`` for every unit under ``model`` owning parameters."""
     out = []
     for prefix, unit in model.named_modules():
-        if isinstance(unit, FullyShardedDataParallel) and unit._handle is not None:
+        if isinstance(unit, FullyShardedDataParallel) and unit.handle is not None:
             out.append(((prefix + "." if prefix else "") + FSDP_WRAPPED_MODULE + ".", unit))
     return out
-
-
-def _slot_names(base: str, handle: FlatParamHandle) -> list[list[str]]:
-    """Per slot of ``handle``, its clean FQNs under ``model``: the first name, then tied aliases."""
-    names = [[clean_fqn(base + slot.fqn)] for slot in handle.slots]
-    for alias in handle.aliases:
-        names[alias.slot_index].append(clean_fqn(base + alias.fqn))
-    return names
-
-
-def _param_owner_units(model: nn.Module) -> dict[str, FullyShardedDataParallel]:
-    """Clean FQN of every flattened parameter (aliases included) -> its unit."""
-    return {name: unit for base, unit in _units(model) for names in _slot_names(base, unit._handle) for name in names}
-
-
-def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
-    """The model state dict under clean FQNs with parameters as DTensors (layout in the module
-    docstring) and buffers as plain tensors. Collective: every rank of the model's groups calls it."""
-    owners = _param_owner_units(model)
-    full = full_state_dict(model)
-    return {key: to_dtensor(owners[key], value) if key in owners else value for key, value in full.items()}
-
-
-def load_sharded_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
-    """Load what :func:`sharded_state_dict` returns (DTensors of any layout over this world, or plain
-    tensors). Collective. Checked like :func:`load_full_state_dict` before anything is gathered."""
-    from torch.distributed.tensor import DTensor
-
-    _checked_on_every_rank(model, state_dict, strict=strict, expected=state_dict_layout(model))
-    full = {}
-    for key in sorted(state_dict):  # one order on every rank: full_tensor() is a collective
-        value = state_dict[key]
-        full[key] = value.full_tensor() if isinstance(value, DTensor) else value
-    load_full_state_dict(model, full, strict=strict)
-
-
-def state_dict_layout(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Clean FQN -> (shape, dtype) of every parameter entry of the full state dict, computed locally
-    (no collective), so any rank can describe a sharded model without gathering it."""
-    shapes = {}
-    for base, unit in _units(model):
-        handle = unit._handle
-        for slot, names in zip(handle.slots, _slot_names(base, handle)):
-            for name in names:
-                shapes[name] = (slot.shape, handle.flat_param.dtype)
-    out = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        name = clean_fqn(key)
-        # Flattened parameters show as 1-D shards (or not at all) here; their real shapes are above.
-        if key.split(".")[-1] == FLAT_PARAM or name in shapes:
-            continue
-        out[name] = (value.shape, value.dtype)
-    out.update(shapes)
-    return out
-
-
-def _check_state_dict(
-    model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool, expected: dict[str, tuple[torch.Size, torch.dtype]]
-) -> None:
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    if strict and (missing or unexpected):
-        raise RuntimeError(
-            f"state dict does not match the model: missing keys {missing}, unexpected keys {unexpected} "
-            f"(the model expects {len(expected)} clean FQNs)"
-        )
-    for key, value in state_dict.items():
-        if key not in expected:
-            continue
-        shape, _ = expected[key]
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"state dict entry {key!r}: expected a tensor, got {type(value).__name__}")
-        if tuple(value.shape) != tuple(shape):
-            raise ValueError(f"state dict entry {key!r}: shape {tuple(value.shape)} in the state dict, {tuple(shape)} in the model")
-
-
-def _checked_on_every_rank(
-    model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool, expected: dict[str, tuple[torch.Size, torch.dtype]]
-) -> None:
-    """:func:`_check_state_dict` on every rank of the model's groups, agreed: if any rank's dict is bad,
-    every rank raises that rank's error. Collective."""
-    units = FullyShardedDataParallel.fsdp_modules(model)
-    error = None
-    try:
-        _check_state_dict(model, state_dict, strict=strict, expected=expected)
-    except (RuntimeError, ValueError, TypeError) as exc:
-        error = exc
-    C.raise_if_any_rank_failed(error, units[0].process_group if units else None)
-
-
-def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
-    """Load unsharded tensors under clean FQNs (what :func:`full_state_dict` returns, on every rank).
-
-    Every entry is checked first (missing/unexpected keys under ``strict``, shapes), on every rank: if
-    any rank's dict is bad, every rank raises that error naming the key, and no model changes.
-    Collective (the check's outcome is agreed on); each rank then copies its own shard.
-    A tied parameter is written from the first of its names present."""
-    expected = state_dict_layout(model)
-    _checked_on_every_rank(model, state_dict, strict=strict, expected=expected)
-    _reshard_all(model)
-    with torch.no_grad():
-        done: set[str] = set()
-        for base, unit in _units(model):
-            handle = unit._handle
-            for slot, slot_names in zip(handle.slots, _slot_names(base, handle)):
-                done.update(slot_names)
-                key = next((n for n in slot_names if n in state_dict), None)
-                if key is None:
-                    continue
-                r = handle.slot_shard(slot)
-                source = state_dict[key].detach().reshape(-1)[r.start : r.end]
-                handle.local_shard[r.shard_offset : r.shard_offset + r.numel].copy_(source)
-        # Everything else (buffers, parameters outside any unit) is plain: load it as torch would.
-        rest = {k: v for k, v in state_dict.items() if k not in done}
-        for key, tensor in _plain_entries(model).items():
-            if key in rest:
-                tensor.copy_(rest[key])
-
-
-def _plain_entries(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Clean FQN -> the live tensor of every state-dict entry not flattened into a unit."""
-    out = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        if value is None or key.split(".")[-1] == FLAT_PARAM:
-            continue
-        out.setdefault(clean_fqn(key), value)
-    owners = _param_owner_units(model)
-    return {k: v for k, v in out.items() if k not in owners}

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from reference import _collectives as C
-from reference.flat_param import FlatParameter, even_shard_range
+from reference import comm
+from reference.flat_param.wrapper import FlatParameter, ParamRange, ShardRange, even_shard_range
 
 __all__ = ["ParamSlot", "AliasSlot", "SlotShard", "FlatParamHandle"]
 
@@ -49,8 +49,7 @@ class ParamSlot(NamedTuple):
     module: nn.Module  #: the module that registers it
     name: str  #: its attribute name on ``module``
     shape: torch.Size  #: original shape
-    offset: int  #: first element in the (unsharded, unpadded) flat parameter
-    numel: int
+    flat: ParamRange  #: the flat indices it occupies (``FlatParameter.param_offsets``, inclusive)
 
 
 class AliasSlot(NamedTuple):
@@ -63,29 +62,33 @@ class AliasSlot(NamedTuple):
 
 
 class SlotShard(NamedTuple):
-    """The part of one slot held by one shard; empty when ``start == end``.
+    """The part of one slot held by one shard, in the ranges of :mod:`reference.flat_param`.
 
-    ``start``/``end`` index the slot's flattened elements; ``shard_offset`` is where ``start`` lies in
-    the shard."""
+    ``part`` are the param indices held (inclusive; empty when ``part.end == part.start - 1``);
+    ``shard_offset`` is where ``part.start`` lies in the shard (for an empty part: the nearest
+    position, so that views stay in bounds)."""
 
-    start: int
-    end: int
+    part: ParamRange
     shard_offset: int
 
     @property
     def numel(self) -> int:
-        return self.end - self.start
+        return self.part.numel
+
+    @property
+    def in_shard(self) -> slice:
+        """Where the part lies in the shard, as a slice of the local shard."""
+        return slice(self.shard_offset, self.shard_offset + self.numel)
 
 
-def slot_shard(slot_offset: int, slot_numel: int, shard_start: int, shard_numel: int) -> SlotShard:
-    """The elements of a slot at ``[slot_offset, slot_offset + slot_numel)`` inside the shard
-    ``[shard_start, shard_start + shard_numel)`` of the flat parameter."""
-    lo = max(slot_offset, shard_start)
-    hi = min(slot_offset + slot_numel, shard_start + shard_numel)
-    if hi <= lo:  # no overlap: an empty range at the nearest position, so views stay in bounds
-        lo = hi = min(max(slot_offset, shard_start), shard_start + shard_numel)
-        return SlotShard(0, 0, lo - shard_start)
-    return SlotShard(lo - slot_offset, hi - slot_offset, lo - shard_start)
+def slot_shard(flat: ParamRange, part: ParamRange | None, shard: ShardRange) -> SlotShard:
+    """The :class:`SlotShard` of a slot at flat indices ``flat`` whose held param indices the flat
+    parameter's :meth:`~reference.flat_param.FlatParameter.shard_metadata` gives as ``part`` (None if
+    the shard ``shard`` holds none of it)."""
+    if part is None:
+        nearest = min(max(flat.start, shard.start), shard.end + 1)
+        return SlotShard(ParamRange(0, -1), nearest - shard.start)
+    return SlotShard(part, flat.start + part.start - shard.start)
 
 
 def _module_param_names(module: nn.Module, exclude: set[nn.Module]) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
@@ -131,9 +134,11 @@ class FlatParamHandle:
     orig_params: list[nn.Parameter] = field(default_factory=list)
     #: the gathered padded flat tensor; its storage is freed while sharded
     _full: torch.Tensor | None = None
-    _unsharded: bool = False
+    _is_unsharded: bool = False
     _saved_grad: torch.Tensor | None = None
     _used: set[int] = field(default_factory=set)
+    #: slot name -> the param indices this rank's shard holds (from ``flat_param.shard_metadata()``)
+    _parts: dict[str, ParamRange] | None = None
     #: True between the pre-backward all-gather and the post-backward reshard
     in_backward: bool = False
 
@@ -158,11 +163,10 @@ class FlatParamHandle:
         registrations = _module_param_names(module, exclude)
         if not registrations:
             return None
-        slots: list[ParamSlot] = []
+        primaries: list[tuple[str, nn.Module, str]] = []
         aliases: list[AliasSlot] = []
         index_of: dict[nn.Parameter, int] = {}
         params: list[nn.Parameter] = []
-        offset = 0
         for fqn, owner, name, param in registrations:
             # Invariant: a parameter lives in exactly one flat parameter, or its gradient would be
             # reduced twice and its optimizer state split between two units.
@@ -175,14 +179,13 @@ class FlatParamHandle:
             if param in index_of:
                 aliases.append(AliasSlot(fqn, owner, name, index_of[param]))
                 continue
-            index_of[param] = len(slots)
-            slots.append(ParamSlot(fqn, owner, name, param.shape, offset, param.numel()))
+            index_of[param] = len(primaries)
+            primaries.append((fqn, owner, name))
             params.append(param)
-            offset += param.numel()
         requires_grad = [p.requires_grad for p in params]
         if not use_orig_params and any(requires_grad) and not all(requires_grad):
-            frozen = [s.fqn for s, r in zip(slots, requires_grad) if not r]
-            trainable = [s.fqn for s, r in zip(slots, requires_grad) if r]
+            frozen = [s[0] for s, r in zip(primaries, requires_grad) if not r]
+            trainable = [s[0] for s, r in zip(primaries, requires_grad) if r]
             raise ValueError(
                 "use_orig_params=False needs one requires_grad for all parameters of a unit: "
                 f"frozen {frozen} and trainable {trainable} would share a flat parameter "
@@ -190,16 +193,19 @@ class FlatParamHandle:
             )
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
-            raise ValueError(f"parameters of one unit must share a dtype, got {sorted(map(str, dtypes))} in {[s.fqn for s in slots]}")
+            raise ValueError(f"parameters of one unit must share a dtype, got {sorted(map(str, dtypes))} in {[s[0] for s in primaries]}")
 
-        shard_world, shard_rank = C.group_size(shard_group), C.group_rank(shard_group)
+        shard_world, shard_rank = comm.group_size(shard_group), comm.group_rank(shard_group)
         with torch.no_grad():
             flat_param = FlatParameter(
-                [p.detach().to(device) for p in params], requires_grad=any(requires_grad), names=[s.fqn for s in slots]
+                [p.detach().to(device) for p in params], requires_grad=any(requires_grad), names=[s[0] for s in primaries]
             )
+        # The layout is the FlatParameter's own: each slot's flat indices, and below its shard's parts.
+        slots = [
+            ParamSlot(fqn, owner, name, shape, flat)
+            for (fqn, owner, name), shape, flat in zip(primaries, flat_param.param_shapes, flat_param.param_offsets)
+        ]
         numel = flat_param.full_numel
-        # Invariant: our slots and the FlatParameter's metadata describe the same layout.
-        assert [r.start for r in flat_param.param_offsets] == [s.offset for s in slots], "flat layout mismatch"
         shard = even_shard_range(numel, shard_rank, shard_world)
         chunk = shard.end - shard.start + 1
         padded = chunk * shard_world
@@ -241,17 +247,24 @@ class FlatParamHandle:
         handle.use_sharded_params()
         return handle
 
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether the gathered flat parameter is live (between :meth:`unshard` and :meth:`reshard`)."""
+        return self._is_unsharded
+
     # -- views ---------------------------------------------------------------------------------------
 
     def slot_shard(self, slot: ParamSlot) -> SlotShard:
-        """The part of ``slot`` in this rank's shard."""
-        return slot_shard(slot.offset, slot.numel, self.shard_rank * self.shard_numel, self.shard_numel)
+        """The part of ``slot`` in this rank's shard, from the flat parameter's shard metadata."""
+        if self._parts is None:
+            held = self.flat_param.shard_metadata()
+            self._parts = dict(zip(held.param_names, held.param_offsets))
+        return slot_shard(slot.flat, self._parts.get(slot.fqn), self.flat_param.shard_range)
 
     def local_view(self, slot: ParamSlot) -> torch.Tensor:
         """The view of ``local_shard`` holding this rank's part of ``slot``: the original shape when the
         shard axis is trivial (the whole parameter is local), else 1-D."""
-        r = self.slot_shard(slot)
-        view = self.local_shard[r.shard_offset : r.shard_offset + r.numel]
+        view = self.local_shard[self.slot_shard(slot).in_shard]
         return view.view(slot.shape) if self.shard_world == 1 else view
 
     def use_sharded_params(self) -> None:
@@ -269,7 +282,7 @@ class FlatParamHandle:
             frozen = self.use_orig_params and not self.orig_params[i].requires_grad
             # A frozen parameter's view is detached so no gradient reaches its part of the flat one.
             source = flat.detach() if frozen or not flat.requires_grad else flat
-            view = source[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            view = source[slot.flat.as_slice()].view(slot.shape)
             if view.requires_grad and torch.is_grad_enabled():
                 # Record which parameters took part, so unused ones keep grad None as in eager.
                 view.register_hook(lambda g, i=i: self._used.add(i))
@@ -280,9 +293,9 @@ class FlatParamHandle:
 
     def full_param_views(self) -> list[torch.Tensor]:
         """Detached views of every slot in the unsharded flat parameter (only while unsharded)."""
-        assert self._unsharded or self.shard_world == 1, "full_param_views needs the handle unsharded"
+        assert self._is_unsharded or self.shard_world == 1, "full_param_views needs the handle unsharded"
         full = self._full if self.shard_world > 1 else self.local_shard
-        return [full[s.offset : s.offset + s.numel].view(s.shape).detach() for s in self.slots]
+        return [full[s.flat.as_slice()].view(s.shape).detach() for s in self.slots]
 
     # -- unshard / reshard ---------------------------------------------------------------------------
 
@@ -290,21 +303,21 @@ class FlatParamHandle:
         """All-gather the shards into the padded flat tensor (collective over the shard axis; no-op when
         already unsharded) and make it the flat parameter's data."""
         if self.shard_world == 1:
-            self._unsharded = True
+            self._is_unsharded = True
             return
-        if not self._unsharded:
+        if not self._is_unsharded:
             self._full.untyped_storage().resize_(self._full.numel() * self._full.element_size())
             with torch.no_grad():
-                C.all_gather_flat(self._full, self.local_shard, self.shard_group)
-            self._unsharded = True
+                comm.all_gather_flat(self._full, self.local_shard, self.shard_group)
+            self._is_unsharded = True
         self.flat_param.data = self._full
 
     def reshard(self) -> None:
         """Free the gathered tensor and return to the sharded state (local; no collective)."""
         self.flat_param.data = self.local_shard
-        if self.shard_world > 1 and self._unsharded:
+        if self.shard_world > 1 and self._is_unsharded:
             self._full.untyped_storage().resize_(0)
-        self._unsharded = False
+        self._is_unsharded = False
         self.in_backward = False
         self.use_sharded_params()
 
@@ -342,16 +355,15 @@ class FlatParamHandle:
         if full_grad.numel() != self.padded_numel:
             raise RuntimeError(f"post_backward: gradient of {full_grad.numel()} elements, expected {self.padded_numel}")
         with torch.no_grad():
-            grad = C.reduce_scatter_mean(full_grad.detach().reshape(-1), self.shard_group)
-            C.all_reduce_mean(grad, self.replicate_group)
+            grad = comm.reduce_scatter_mean(full_grad.detach().reshape(-1), self.shard_group)
+            comm.all_reduce_mean(grad, self.replicate_group)
         used, self._used = self._used, set()
         self.reshard()
         if self.use_orig_params:
             for i, (slot, param) in enumerate(zip(self.slots, self.orig_params)):
                 if not param.requires_grad or i not in used:
                     continue
-                r = self.slot_shard(slot)
-                part = grad[r.shard_offset : r.shard_offset + r.numel].view_as(param)
+                part = grad[self.slot_shard(slot).in_shard].view_as(param)
                 param.grad = part.clone() if param.grad is None else param.grad.add_(part)
             self._saved_grad = None
         else:

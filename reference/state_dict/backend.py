@@ -17,20 +17,21 @@ parameters (gathering them for ``full_state_dict``) and in :func:`broadcast_from
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from reference import state_dict_optim as _optim
+from reference import comm
+from reference.state_dict import optim_fqn as _optim
 from reference.fqn import FQNResolver, named_parameter_fqns
 
 if TYPE_CHECKING:
-    from reference.state_dict import StateDictOptions
+    from reference.state_dict.options import StateDictOptions
 
-__all__ = ["ModelBackend", "PlainBackend", "ShardedBackend", "for_model", "broadcast_from_rank0", "is_collective", "agreed"]
+__all__ = ["ModelBackend", "PlainBackend", "ShardedBackend", "for_model", "broadcast_from_rank0", "collective_group"]
 
 
 class ModelBackend(Protocol):
@@ -124,11 +125,12 @@ def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 def _full_and_offloaded(tree: dict[str, Any], options: StateDictOptions) -> dict[str, Any]:
     """``full_state_dict``: DTensors become full plain tensors (collective if there are any).
-    ``cpu_offload``: tensors move to CPU; with ``full_state_dict`` in a group, ranks > 0 get ``{}``."""
+    ``cpu_offload``: tensors move to CPU; with ``full_state_dict`` in a group, only the coordinator (the
+    default group's first rank) keeps them, the others get ``{}``."""
     if options.full_state_dict:
         tree = _map_tensors(tree, lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
     if options.cpu_offload:
-        if options.full_state_dict and _in_group() and dist.get_rank() != 0:
+        if options.full_state_dict and not comm.is_coordinator(comm.default_group()):
             return {}
         tree = _map_tensors(tree, lambda t: t.cpu())
     return tree
@@ -210,28 +212,28 @@ class ShardedBackend(PlainBackend):
     take canonical FQNs."""
 
     def model_state_dict(self, model: nn.Module, options: StateDictOptions) -> dict[str, Any]:
-        from reference import fsdp
+        from reference.fsdp import model_state
 
         if options.full_state_dict:
             # rank0_only with cpu_offload: N ranks must not hold N CPU copies (torch's contract).
-            return fsdp.full_state_dict(model, rank0_only=options.cpu_offload, cpu_offload=options.cpu_offload)
-        return fsdp.sharded_state_dict(model)
+            return model_state.full_state_dict(model, rank0_only=options.cpu_offload, cpu_offload=options.cpu_offload)
+        return model_state.sharded_state_dict(model)
 
     def local_state(self, model: nn.Module) -> Mapping[str, Any]:
         # Shapes without a collective: meta tensors of each entry's full shape.
-        from reference.fsdp import state_dict_layout
+        from reference.fsdp.model_state import state_dict_layout
 
         return {key: torch.empty(shape, dtype=dtype, device="meta") for key, (shape, dtype) in state_dict_layout(model).items()}
 
     def load_model_state_dict(self, model: nn.Module, state_dict: dict[str, Any], options: StateDictOptions) -> None:
-        from reference import fsdp
+        from reference.fsdp import model_state
 
         # Invariant: every rank holds the same keys (all ranks got them from one get, or from the
         # broadcast), so the all-gathers inside load_sharded_state_dict line up.
         if any(isinstance(v, DTensor) for v in state_dict.values()):
-            fsdp.load_sharded_state_dict(model, state_dict, strict=False)
+            model_state.load_sharded_state_dict(model, state_dict, strict=False)
         else:
-            fsdp.load_full_state_dict(model, state_dict, strict=False)
+            model_state.load_full_state_dict(model, state_dict, strict=False)
 
     def frozen_fqns(self, model: nn.Module, resolver: FQNResolver) -> set[str]:
         # With use_orig_params=False a flat parameter is frozen exactly when all its parameters are
@@ -239,20 +241,20 @@ class ShardedBackend(PlainBackend):
         return {fqn for p, fqns in self.param_fqns(model).items() if not p.requires_grad for fqn in fqns}
 
     def param_fqns(self, model: nn.Module) -> dict[torch.Tensor, list[str]]:
-        from reference.optim_state import get_param_to_fqns
+        from reference.fsdp.optim_keys import get_param_to_fqns
 
         return get_param_to_fqns(model)
 
     def optim_state_dict(
         self, model: nn.Module, optims: tuple[torch.optim.Optimizer, ...], options: StateDictOptions
     ) -> dict[str, Any]:
-        from reference.fsdp import FullyShardedDataParallel as FSDP
+        from reference.fsdp import optim_keys
 
         merged: dict[str, Any] = {_optim.STATE: {}, _optim.PG: []}
         rank0_only = options.full_state_dict and options.cpu_offload
         for optim in optims:
             _optim.init_state(optim)
-            osd = FSDP.optim_state_dict(
+            osd = optim_keys.optim_state_dict(
                 model, optim, rank0_only=rank0_only, cpu_offload=options.cpu_offload, sharded=not options.full_state_dict
             )
             if not osd:  # rank0_only, on a rank > 0
@@ -268,7 +270,7 @@ class ShardedBackend(PlainBackend):
         osd: dict[str, Any],
         options: StateDictOptions,
     ) -> None:
-        from reference.optim_state import get_fqn_to_fsdp_param_info
+        from reference.fsdp.optim_keys import get_fqn_to_fsdp_param_info
 
         param_fqns = self.param_fqns(model)
         # A flat parameter stands for several parameters: each needs state, under any of its names.
@@ -286,13 +288,13 @@ class ShardedBackend(PlainBackend):
         osd: dict[str, Any],
         options: StateDictOptions,
     ) -> Callable[[], None]:
-        from reference.fsdp import FullyShardedDataParallel as FSDP
+        from reference.fsdp import optim_keys
 
         param_fqns = self.param_fqns(model)
         to_load = []
         for optim in optims:
             part = _optim.part_of(optim, osd, param_fqns)
-            to_load.append(FSDP.optim_state_dict_to_load(model, optim, part))
+            to_load.append(optim_keys.optim_state_dict_to_load(model, optim, part))
 
         def apply() -> None:
             for optim, sd in zip(optims, to_load):
@@ -318,7 +320,7 @@ def for_model(model: nn.Module) -> ModelBackend:
             f"{type(model).__name__} contains torch.distributed.fsdp.FullyShardedDataParallel; the reference "
             "get/set_state_dict handles the reference FullyShardedDataParallel, plain and DTensor models"
         )
-    from reference.fsdp import FullyShardedDataParallel
+    from reference.fsdp.unit import FullyShardedDataParallel
 
     if FullyShardedDataParallel.fsdp_modules(model):
         return ShardedBackend()
@@ -326,63 +328,47 @@ def for_model(model: nn.Module) -> ModelBackend:
 
 
 # ---------------------------------------------------------------------------------------------------
-# errors every rank agrees on
-
-#: The errors a check raises for a wrong input; others (a bug, an interrupt) are not shared.
-_INPUT_ERRORS = (RuntimeError, ValueError, TypeError)
+# which ranks take part
 
 
-def is_collective(model: nn.Module, backend: ModelBackend, broadcast: bool) -> bool:
-    """Whether a set on ``model`` is collective (every rank calls it, and a rank that raised alone
-    would leave the others waiting): a sharded model, DTensor parameters, or ``broadcast_from_rank0``."""
-    if not _in_group() or dist.get_world_size() == 1:
-        return False
-    return broadcast or isinstance(backend, ShardedBackend) or any(isinstance(p, DTensor) for p in model.parameters())
+def collective_group(model: nn.Module, backend: ModelBackend, broadcast: bool) -> dist.ProcessGroup | None:
+    """The group a get or set on ``model`` is collective over, or None when each rank may call it
+    alone: a sharded model's group; the default group for DTensor parameters or ``broadcast_from_rank0``.
+    Every check that may raise before a collective of such a call is agreed on over this group
+    (:func:`reference.comm.agree`), so that a rank that fails alone does not leave the others waiting."""
+    if isinstance(backend, ShardedBackend):
+        from reference.fsdp.unit import model_group
 
-
-def agreed(collective: bool, check: Callable[[], Any]) -> Any:
-    """``check()`` (local: it raises before anything is changed or gathered); in a ``collective`` call
-    every rank then learns whether any rank's check failed, and every rank raises the error of the
-    first rank that failed, same type and message, so that no rank goes on into a collective that the
-    others never enter. Collective when ``collective``."""
-    if not collective:
-        return check()
-    result, failure = None, None
-    try:
-        result = check()
-    except _INPUT_ERRORS as exc:
-        failure = exc
-    outcomes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, None if failure is None else (type(failure), str(failure)))
-    for rank, outcome in enumerate(outcomes):
-        if outcome is not None:
-            kind, message = outcome
-            raise kind(f"{message} (rank {rank}'s input; every rank raises this)") from failure
-    return result
+        group = model_group(model)
+    elif broadcast or any(isinstance(p, DTensor) for p in model.parameters()):
+        group = comm.default_group()
+    else:
+        return None
+    return group if comm.group_size(group) > 1 else None
 
 
 # ---------------------------------------------------------------------------------------------------
 # broadcast_from_rank0
 
 
-class _TensorSlot:
+class _TensorSlot(NamedTuple):
     """Placeholder for the i-th tensor of a broadcast tree (what is pickled instead of the data)."""
 
-    __slots__ = ("index", "shape", "dtype")
+    index: int
+    shape: torch.Size
+    dtype: torch.dtype
 
-    def __init__(self, index: int, shape: torch.Size, dtype: torch.dtype) -> None:
-        self.index, self.shape, self.dtype = index, shape, dtype
 
+def broadcast_from_rank0(tree: Any, device: torch.device, group: dist.ProcessGroup | None) -> Any:
+    """The coordinator's ``tree`` (dicts/lists of tensors and small values) on every rank of ``group``.
+    Collective; with no group (None) this returns ``tree``.
 
-def broadcast_from_rank0(tree: Any, device: torch.device) -> Any:
-    """Rank 0's ``tree`` (dicts/lists of tensors and small values) on every rank. Collective.
-
-    The structure and tensor metadata travel as one pickled object; each tensor then travels by
-    ``dist.broadcast`` on ``device``. Received tensors stay on ``device``. Values on ranks > 0 are
-    ignored. Without a process group this returns ``tree``."""
-    if not _in_group() or dist.get_world_size() == 1:
+    The structure and tensor metadata travel as one pickled object; each tensor then travels by a
+    broadcast on ``device``. Received tensors stay on ``device``; the coordinator keeps its own. Values
+    on other ranks are ignored. A tree the coordinator cannot send (a DTensor in it) raises the same
+    ``TypeError`` on every rank, before any tensor moves."""
+    if comm.group_size(group) == 1:
         return tree
-    rank = dist.get_rank()
     tensors: list[torch.Tensor] = []
 
     def to_slot(t: torch.Tensor) -> _TensorSlot:
@@ -391,16 +377,14 @@ def broadcast_from_rank0(tree: Any, device: torch.device) -> Any:
         tensors.append(t)
         return _TensorSlot(len(tensors) - 1, t.shape, t.dtype)
 
-    box: list[Any] = [_map_tensors(tree, to_slot) if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    skeleton = comm.broadcast_from_coordinator(group, lambda: _map_tensors(tree, to_slot))
+    sender = comm.is_coordinator(group)
 
     def receive(slot: _TensorSlot) -> torch.Tensor:
-        if rank == 0:
-            buf = tensors[slot.index].detach().to(device)
-        else:
-            buf = torch.empty(slot.shape, dtype=slot.dtype, device=device)
-        dist.broadcast(buf, src=0)
-        return buf if rank != 0 else tensors[slot.index]
+        if sender:
+            comm.broadcast_tensor(tensors[slot.index].detach().to(device), group)
+            return tensors[slot.index]
+        return comm.broadcast_tensor(torch.empty(slot.shape, dtype=slot.dtype, device=device), group)
 
     # Every rank walks the same skeleton, so the broadcasts pair up.
-    return _map_leaves(box[0], _TensorSlot, receive)
+    return _map_leaves(skeleton, _TensorSlot, receive)

@@ -1,4 +1,4 @@
-"""The checkpoint inspector (``python -m tools.inspect``): ML-16 (what it lists), ML-17 (it runs no code)."""
+"""The checkpoint inspector (``python -m tools.ckpt_inspect``): ML-16 (what it lists), ML-17 (it runs no code)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from reference import checkpoint
 from reference.checkpoint.metadata_io import StorageInfo
-from tools import inspect as inspector
+from tools import ckpt_inspect as inspector
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,7 +109,7 @@ def test_inspector_runs_as_a_module(tmp_path: Path) -> None:
     checkpoint.save(_state_dict(), checkpoint_id=tmp_path)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run(
-        [sys.executable, "-m", "tools.inspect", str(tmp_path), "--json"],
+        [sys.executable, "-m", "tools.ckpt_inspect", str(tmp_path), "--json"],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 0, done.stderr

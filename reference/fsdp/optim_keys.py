@@ -12,7 +12,7 @@ its tensors the parameter's (possibly empty) part of the shard. This module turn
 * an FSDP-managed key is resolved through one map from every clean FQN to its :class:`FSDPParamInfo`
   (the unit, its flat parameter and each FQN's index in it), built by walking the module tree from the
   module passed in, so the FQNs are global from there and free of wrapper segments;
-* ranks agree on one order of keys (rank 0's, then keys only other ranks have), because the
+* ranks agree on one order of keys (the coordinator's, then keys only other ranks have), because the
   all-gathers that unshard state must be issued in the same order everywhere.
 
 State conventions (as torch's FSDP): a tensor state of positive dimension is *positional*: it has the
@@ -34,9 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from reference import _collectives as C
-from reference.fsdp import FSDP_WRAPPED_MODULE, FullyShardedDataParallel, _reshard_all, clean_fqn, to_dtensor
-from reference.sharding import FlatParamHandle, ParamSlot
+from reference import comm
+from reference.fqn import FQNResolver
+from reference.fsdp.model_state import to_dtensor
+from reference.fsdp.sharding import FlatParamHandle, ParamSlot
+from reference.fsdp.unit import FSDP_WRAPPED_MODULE, FullyShardedDataParallel, model_group, reshard_all
 
 __all__ = [
     "_OptimStateKey",
@@ -70,7 +72,7 @@ class FSDPParamInfo:
 
     @property
     def handle(self) -> FlatParamHandle:
-        return self.state._handle
+        return self.state.handle
 
 
 def _unit_base(prefix: str) -> str:
@@ -82,14 +84,15 @@ def get_fqn_to_fsdp_param_info(model: nn.Module) -> dict[str, FSDPParamInfo]:
 
     ``model`` may be any module of the tree (a submodule too): FQNs are relative to it. Local."""
     out: dict[str, FSDPParamInfo] = {}
+    resolver = FQNResolver(model)
     for prefix, unit in model.named_modules():
-        if not isinstance(unit, FullyShardedDataParallel) or unit._handle is None:
+        if not isinstance(unit, FullyShardedDataParallel) or unit.handle is None:
             continue
-        handle = unit._handle
+        handle = unit.handle
         info = FSDPParamInfo(unit, handle.flat_param)
         names = [(s.fqn, i) for i, s in enumerate(handle.slots)] + [(a.fqn, a.slot_index) for a in handle.aliases]
         for local_fqn, index in names:
-            fqn = clean_fqn(_unit_base(prefix) + local_fqn)
+            fqn = resolver.clean_key(_unit_base(prefix) + local_fqn)
             # Invariant: one parameter, one unit (enforced at construction).
             assert fqn not in out, f"{fqn} is flattened by two units"
             out[fqn] = info
@@ -103,26 +106,22 @@ def get_param_to_fqns(model: nn.Module) -> dict[nn.Parameter, list[str]]:
     A flat parameter stands for the first FQN of each of its slots (in flat order); an original or
     plain parameter for all its names, the first being the one state is keyed by. Local."""
     out: dict[nn.Parameter, list[str]] = {}
+    resolver = FQNResolver(model)
     units = {id(u): u for u in FullyShardedDataParallel.fsdp_modules(model)}
     for prefix, module in model.named_modules():
-        if id(module) in units and module._handle is not None and not module.use_orig_params:
+        if id(module) in units and module.handle is not None and not module.use_orig_params:
             base = _unit_base(prefix)
-            out[module._handle.flat_param] = [clean_fqn(base + s.fqn) for s in module._handle.slots]
+            out[module.handle.flat_param] = [resolver.clean_key(base + s.fqn) for s in module.handle.slots]
     for name, param in model.named_parameters(remove_duplicate=False):
         if param in out and name.rsplit(".", 1)[-1] == "_flat_param":
             continue
-        out.setdefault(param, []).append(clean_fqn(name))
+        out.setdefault(param, []).append(resolver.clean_key(name))
     return out
 
 
 def _optimizer_params(optim: torch.optim.Optimizer) -> list[nn.Parameter]:
     """The optimizer's parameters in state-dict id order (as ``Optimizer.state_dict`` numbers them)."""
     return [p for group in optim.param_groups for p in group["params"]]
-
-
-def _world_group(model: nn.Module) -> dist.ProcessGroup | None:
-    units = FullyShardedDataParallel.fsdp_modules(model)
-    return units[0].process_group if units else None
 
 
 _MISSING = object()  # placeholder for a scalar state whose value this rank has not seen yet
@@ -147,6 +146,46 @@ def _slot_of(info: FSDPParamInfo, fqn: str) -> ParamSlot:
     return info.handle.slots[info.param_indices[fqn]]
 
 
+def _local_shape(info: FSDPParamInfo, key: _OptimStateKey) -> torch.Size:
+    """The shape this rank's positional state of ``key`` has: the flat shard's, or its parameter's part."""
+    if not info.state.use_orig_params:
+        return info.handle.local_shard.shape
+    return info.handle.local_view(_slot_of(info, key.unflat_param_names[0])).shape
+
+
+def _local_optim_state(
+    model: nn.Module, optim: torch.optim.Optimizer, infos: Mapping[str, FSDPParamInfo]
+) -> tuple[list[_OptimStateKey], dict[_OptimStateKey, dict[str, Any]], list[tuple[dict[str, Any], list[_OptimStateKey]]]]:
+    """``(keys, local state by key, param groups as (hyperparameters, keys))`` of ``optim`` on this rank,
+    after checking, locally, that every parameter belongs to the model and every positional state of an
+    FSDP-managed parameter has its local shape (ValueError / RuntimeError naming the FQN)."""
+    param_to_fqns = get_param_to_fqns(model)
+    local_osd = optim.state_dict()
+    keys: list[_OptimStateKey] = []
+    local_state: dict[_OptimStateKey, dict[str, Any]] = {}
+    for param_id, param in enumerate(_optimizer_params(optim)):
+        if param not in param_to_fqns:
+            raise ValueError(f"optimizer parameter #{param_id} (shape {tuple(param.shape)}) is not a parameter of the model")
+        key = _key_of(param, param_to_fqns[param], infos)
+        keys.append(key)
+        if param_id not in local_osd["state"]:
+            continue
+        local_state[key] = local_osd["state"][param_id]
+        if not key.is_fsdp_managed:
+            continue
+        info = infos[key.unflat_param_names[0]]
+        for name, value in local_state[key].items():
+            if _is_positional(value) and value.shape != _local_shape(info, key):
+                raise RuntimeError(
+                    f"optimizer state {name!r} of {key.unflat_param_names[0]!r}: local tensor of shape "
+                    f"{tuple(value.shape)}, expected the parameter's local shape {tuple(_local_shape(info, key))}"
+                )
+    groups = [
+        ({k: v for k, v in g.items() if k != "params"}, [keys[i] for i in g["params"]]) for g in local_osd["param_groups"]
+    ]
+    return keys, local_state, groups
+
+
 def _gather_positional(
     info: FSDPParamInfo, state_name: str, items: list[tuple[_OptimStateKey, torch.Tensor | None]]
 ) -> dict[_OptimStateKey, list[torch.Tensor]]:
@@ -166,20 +205,15 @@ def _gather_positional(
     for key, local in items:
         if local is None:
             continue
-        expected = handle.local_shard.shape if flat_mode else handle.local_view(slots_of[key][0]).shape
-        if local.shape != expected:
-            raise RuntimeError(
-                f"optimizer state {state_name!r} of {key.unflat_param_names[0]!r}: local tensor of shape "
-                f"{tuple(local.shape)}, expected the parameter's local shape {tuple(expected)}"
-            )
+        # Invariant: the shapes were checked, and agreed on, by _local_optim_state.
+        assert local.shape == _local_shape(info, key), (key, state_name)
         if flat_mode:
             shard.copy_(local.detach())
         else:
-            r = handle.slot_shard(slots_of[key][0])
-            shard[r.shard_offset : r.shard_offset + r.numel].copy_(local.detach().reshape(-1))
+            shard[handle.slot_shard(slots_of[key][0]).in_shard].copy_(local.detach().reshape(-1))
     full = torch.empty(handle.padded_numel, dtype=dtype, device=shard.device)
-    C.all_gather_flat(full, shard, handle.shard_group)
-    return {key: [full[s.offset : s.offset + s.numel].view(s.shape).clone() for s in slots] for key, slots in slots_of.items()}
+    comm.all_gather_flat(full, shard, handle.shard_group)
+    return {key: [full[s.flat.as_slice()].view(s.shape).clone() for s in slots] for key, slots in slots_of.items()}
 
 
 def optim_state_dict(
@@ -196,34 +230,27 @@ def optim_state_dict(
     scalars as is); FQNs without state (frozen, never stepped) are absent. ``param_groups`` keep every
     hyperparameter and extra key, with ``params`` listing FQNs. With ``sharded``, positional states of
     FSDP-managed parameters are DTensors laid out like :func:`reference.fsdp.sharded_state_dict`'s
-    parameters (their ``full_tensor()`` is the full value). With ``rank0_only`` every rank but 0 gets
-    ``{}``; with ``cpu_offload`` tensors are on the CPU.
+    parameters (their ``full_tensor()`` is the full value). With ``rank0_only`` every rank but the
+    coordinator (the first rank of the model's group) gets ``{}``; with ``cpu_offload`` tensors are on
+    the CPU.
 
     Collective over the model's groups: every rank calls it, with optimizers over the same parameters
     (their order within groups, and the order of states, may differ by rank)."""
-    _reshard_all(model)
+    group = model_group(model)
+    reshard_all(model)
     infos = get_fqn_to_fsdp_param_info(model)
-    param_to_fqns = get_param_to_fqns(model)
-    local_osd = optim.state_dict()
-    params = _optimizer_params(optim)
-    keys: list[_OptimStateKey] = []
     local_state: dict[_OptimStateKey, dict[str, Any]] = {}
-    for param_id, param in enumerate(params):
-        if param not in param_to_fqns:
-            raise ValueError(f"optimizer parameter #{param_id} (shape {tuple(param.shape)}) is not a parameter of the model")
-        key = _key_of(param, param_to_fqns[param], infos)
-        keys.append(key)
-        if param_id in local_osd["state"]:
-            local_state[key] = local_osd["state"][param_id]
-    groups = [
-        ({k: v for k, v in g.items() if k != "params"}, [keys[i] for i in g["params"]]) for g in local_osd["param_groups"]
-    ]
 
-    # One order for every rank: rank 0's, then what only other ranks hold. Only structure travels
-    # (which states each key has, and which are positional); values are exchanged below only for keys
-    # some rank holds no state for.
-    summary = [(key, {n: _is_positional(v) for n, v in local_state[key].items()}) for key in keys if key in local_state]
-    gathered = C.all_gather_objects((summary, groups), _world_group(model))
+    def describe() -> tuple[list[tuple[_OptimStateKey, dict[str, bool]]], list[tuple[dict[str, Any], list[_OptimStateKey]]]]:
+        # One order for every rank: the coordinator's, then what only other ranks hold. Only structure travels
+        # (which states each key has, and which are positional); values are exchanged below only for
+        # keys some rank holds no state for.
+        keys, state, groups = _local_optim_state(model, optim, infos)
+        local_state.update(state)
+        return [(key, {n: _is_positional(v) for n, v in state[key].items()}) for key in keys if key in state], groups
+
+    # Agreed: a rank whose optimizer does not fit the model must not leave the others in the gathers.
+    gathered = comm.gather_agreed(group, describe)
     order: dict[_OptimStateKey, dict[str, Any]] = {}
     holders: dict[_OptimStateKey, int] = {}
     for rank_summary, _ in gathered:
@@ -236,12 +263,12 @@ def optim_state_dict(
     if lacking:
         # Scalar state of a key this rank may lack: every holder sends it, the first one counts.
         offers = {k: {n: v for n, v in local_state[k].items() if not _is_positional(v)} for k in lacking if k in local_state}
-        for rank_offers in C.all_gather_objects(offers, _world_group(model)):
+        for rank_offers in comm.all_gather_objects(offers, group):
             for key, values in rank_offers.items():
                 for name, value in values.items():
                     if order[key].get(name) is _MISSING:
                         order[key][name] = value
-    keep = not rank0_only or C.group_rank(_world_group(model)) == 0
+    keep = not rank0_only or comm.is_coordinator(group)
 
     # Positional states of FSDP-managed keys travel one (unit, state name) at a time: one all-gather of
     # the unit's flat layout carries that state of all its parameters. Batches are formed in the agreed
@@ -281,7 +308,7 @@ def optim_state_dict(
     if cpu_offload:
         state = {fqn: {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in entry.items()} for fqn, entry in state.items()}
     param_groups = []
-    for hyper, group_keys in gathered[0][1]:  # rank 0's groups
+    for hyper, group_keys in gathered[0][1]:  # the coordinator's groups
         group = copy.deepcopy(hyper)
         group["params"] = [fqn for key in group_keys for fqn in key.unflat_param_names]
         param_groups.append(group)
@@ -353,17 +380,16 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
     parameter's, a saved param group that a local group would straddle, or a different number of
     groups raises ``ValueError`` naming the FQN, on every rank alike when only some ranks' dicts are
     bad. Collective over the model's groups: every rank calls it."""
-    group = _world_group(model)
-    # Before _to_full, whose gathers (one per DTensor state) every rank must issue alike: agree that
-    # every rank's dict is well formed and holds the same DTensor states, of the parameters' shapes.
-    error, sharded_keys = None, []
-    try:
+    group = model_group(model)
+
+    def check() -> list[tuple[str, str]]:
         _check_osd_shape(osd)
         _check_entries(osd)
-        sharded_keys = _check_sharded_states(model, osd)
-    except ValueError as exc:
-        error = exc
-    every = C.agree(error, sharded_keys, group)
+        return _check_sharded_states(model, osd)
+
+    # Before _to_full, whose gathers (one per DTensor state) every rank must issue alike: agree that
+    # every rank's dict is well formed and holds the same DTensor states, of the parameters' shapes.
+    every = comm.gather_agreed(group, check)
     for rank, keys in enumerate(every):
         if keys != every[0]:
             odd = sorted(set(keys) ^ set(every[0]))[0]
@@ -372,13 +398,7 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
                 "every rank must load the same sharded optimizer state dict"
             )
     saved = _to_full(osd)
-    loaded = None
-    try:
-        loaded = _optim_state_dict_to_load(model, optim, osd, saved)
-    except ValueError as exc:
-        error = exc
-    C.raise_if_any_rank_failed(error, group)
-    return loaded
+    return comm.agree(group, lambda: _optim_state_dict_to_load(model, optim, osd, saved))
 
 
 def _optim_state_dict_to_load(
@@ -449,14 +469,13 @@ def _optim_state_dict_to_load(
                     if name in entry:
                         slot = _slot_of(info, fqn)
                         value = checked(fqn, name, entry[name])
-                        flat[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
+                        flat[slot.flat.as_slice()].copy_(value.reshape(-1))
                 start = handle.shard_rank * handle.shard_numel
                 local[name] = flat[start : start + handle.shard_numel].clone()
             else:
                 fqn = key.unflat_param_names[0]
                 slot = _slot_of(info, fqn)
-                r = handle.slot_shard(slot)
-                value = checked(fqn, name, first).reshape(-1)[r.start : r.end]
+                value = checked(fqn, name, first).reshape(-1)[handle.slot_shard(slot).part.as_slice()]
                 local[name] = value.clone().view(handle.local_view(slot).shape)
         state[param_id] = local
 

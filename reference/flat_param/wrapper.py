@@ -21,7 +21,7 @@ views (they are rebuilt at every forward, ``.to()`` and ``unflatten_params()``; 
 module), and do not tie a listed parameter to a module outside the wrapped one (the wrapper cannot
 see it; see :class:`FlattenParamsWrapper`).
 
-Helpers for other wrappers: :mod:`reference._prefix_hooks` (hide a wrapper's path segment from
+Helpers for other wrappers: :mod:`reference.flat_param.prefix_hooks` (hide a wrapper's path segment from
 state_dict keys; clean FQNs of a model with wrappers).
 """
 
@@ -37,7 +37,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from reference._prefix_hooks import clean_named_modules, register_prefix_hooks
+from reference.flat_param.prefix_hooks import clean_named_modules, register_prefix_hooks
+from reference.fqn import register_wrapper
 
 __all__ = [
     "FlatParameter",
@@ -63,6 +64,15 @@ class ParamRange(NamedTuple):
 
     start: int
     end: int
+
+    @property
+    def numel(self) -> int:
+        """How many indices the range holds."""
+        return self.end - self.start + 1
+
+    def as_slice(self) -> slice:
+        """The range as a Python slice (``[start, end + 1)``), to index a 1-D tensor with."""
+        return slice(self.start, self.end + 1)
 
 
 class FlatParamMetadata(NamedTuple):
@@ -408,7 +418,7 @@ class FlattenParamsWrapper(nn.Module):
     avoid (wrap the common parent instead).
 
     ``state_dict()``/``load_state_dict()`` use the unwrapped module's keys, also when the wrapper sits
-    inside a larger model (see :mod:`reference._prefix_hooks`); there is no ``flat_param`` key.
+    inside a larger model (see :mod:`reference.flat_param.prefix_hooks`); there is no ``flat_param`` key.
     For the call, the wrapped modules are unflattened (their parameters registered again, as
     ``nn.Parameter``s over ``flat_param``), so their own state_dict code runs as unwrapped; this
     costs a few dict operations per parameter, no copy.
@@ -756,6 +766,10 @@ class FlattenParamsWrapper(nn.Module):
         super().__setstate__(state)
         if self._flattened:
             self._set_views()
+
+
+# The canonical-FQN rule (reference.fqn) skips the wrapper's segment.
+register_wrapper(FlattenParamsWrapper, FPW_MODULE)
 
 
 def _checked_param_list(param_list: Iterable[nn.Parameter]) -> list[nn.Parameter]:
