@@ -63,4 +63,4 @@ def test_write_puts_pins_between_pattern_and_reason(tmp_path: Path, capsys: pyte
     (a, _, _) = parse_xfails(xfails)
     assert a.pin.match == "keys differ: missing 'net\\.0\\.weight'" and a.reason == "keys differ"
     out = capsys.readouterr().out
-    assert f"{xfails}:3: left as it is: flagged hangs (not run)" in out and f"{xfails}:4: no pin: it marked no test" in out
+    assert f"{xfails}:3: left as it is: flagged hangs (not run: --run-known-hangs runs it)" in out and f"{xfails}:4: no pin: it marked no test" in out

@@ -6,8 +6,9 @@ For each entry of the file that marked tests in the run (``--report-json``; its 
 failures), the pin that every one of those failures satisfies (:mod:`conformance.harness.xfails`):
 ``raises=`` when every failing rank raised one exception class, ``match=`` the longest text every
 failing rank's message shares (escaped, at least :data:`MIN_MATCH` characters), ``ranks=all`` or
-``ranks=last`` when every test failed on exactly those ranks. Entries that are already pinned,
-flagged ``hangs`` (not run), inactive or that marked nothing are left as they are and listed. Prints
+``ranks=last`` when every test failed on exactly those ranks. Entries that are already pinned
+(unless ``--repin``), flagged ``hangs`` in a run without ``--run-known-hangs``, removals, inactive or
+that marked nothing are left as they are and listed. Prints
 the proposals; ``--write`` rewrites the file in place with the pins between the pattern and the
 reason. Review the result: a pin states what the deviation *is*, so it should be as narrow as the
 deviation and no narrower.
@@ -170,11 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     pins: dict[int, Pin] = {}
     for entry in entries:
         lineno = int(entry.source.rsplit(":", 1)[1])
-        if (entry.pin and not args.repin) or entry.hangs or entry.removes:
-            why = "pinned already" if entry.pin else "flagged hangs (not run)" if entry.hangs else "a removal"
+        tests = marked.get(lineno, {})
+        ran = any(test.get("failures") for test in tests.values())  # a hangs entry runs with --run-known-hangs only
+        if (entry.pin and not args.repin) or (entry.hangs and not ran) or entry.removes:
+            why = "pinned already" if entry.pin else "flagged hangs (not run: --run-known-hangs runs it)" if entry.hangs else "a removal"
             print(f"{entry.source}: left as it is: {why}")
             continue
-        tests = marked.get(lineno, {})
         pin = propose(entry, tests) if tests else None
         if pin is None:
             print(f"{entry.source}: no pin: {'it marked no test that failed in this run' if not tests else 'no failure recorded'}")
