@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -167,12 +167,13 @@ class FileSystemReader(StorageReader):
         super().__init__()
         self.path = Path(path) if path is not None else None
         self.storage_data: dict[MetadataIndex, Any] = {}
+        self._metadata: Metadata | None = None
         self._layouts: dict[MetadataIndex, TensorLayout | None] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.path = Path(checkpoint_id)
-        self.storage_data, self._layouts = {}, {}
+        self.storage_data, self._layouts, self._metadata = {}, {}, None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.path is None:
@@ -181,6 +182,28 @@ class FileSystemReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
+        self._metadata = metadata
+
+    def _geometry_problem(self, index: MetadataIndex, layout: TensorLayout) -> str | None:
+        """What the record's own header says against what the metadata says of that chunk, if they
+        disagree. Records carry no CRC32 (see ``records.write_record``): this is what catches a record
+        overwritten by another tensor's, or a damaged header that still parses."""
+        saved = self._metadata.state_dict_metadata.get(index.fqn) if self._metadata is not None else None
+        if not isinstance(saved, TensorStorageMetadata):
+            return None
+        chunks = saved.chunks
+        hinted = chunks[index.index] if index.index is not None and 0 <= index.index < len(chunks) else None
+        chunk = hinted if hinted is not None and tuple(hinted.offsets) == tuple(index.offset or ()) else next(
+            (c for c in chunks if tuple(c.offsets) == tuple(index.offset or ())), None
+        )
+        if chunk is None:
+            return None
+        if tuple(chunk.sizes) != tuple(layout.size) or saved.properties.dtype != layout.dtype:
+            return (
+                f"the record holds a {layout.dtype} tensor of shape {list(layout.size)}, but the metadata says "
+                f"{saved.properties.dtype} of shape {list(chunk.sizes)}"
+            )
+        return None
 
     def _info(self, item: ReadItem) -> StorageInfo:
         info = self.storage_data.get(item.storage_index)
@@ -227,11 +250,15 @@ class FileSystemReader(StorageReader):
                     if item.type != LoadItemType.TENSOR or item.storage_index in self._layouts:
                         continue
                     try:
-                        self._layouts[item.storage_index] = parse_tensor_record(file, info.offset, info.length)
+                        layout = parse_tensor_record(file, info.offset, info.length)
+                        problem = None if layout is None else self._geometry_problem(item.storage_index, layout)
+                        if problem is not None:
+                            raise ValueError(f"corrupt record: {problem}")
                     except ValueError as exc:
                         raise CheckpointFormatError(
                             f"{path}: key {item.storage_index.fqn!r} at bytes {info.offset}..{info.offset + info.length}: {exc}"
                         ) from None
+                    self._layouts[item.storage_index] = layout
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
