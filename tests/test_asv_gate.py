@@ -65,35 +65,98 @@ def test_every_gated_class_takes_enough_samples_for_asvs_test() -> None:
         assert getattr(cls, "rounds", 1) >= 2, f"{cls.__name__}: interleaving needs at least 2 rounds"
 
 
-def test_main_returns_asvs_verdict_and_ignores_the_baselines_outcome() -> None:
-    for gate_status, baseline_status in [(0, 1), (1, 0), (2, 2)]:
-        commands: list[list[str]] = []
+# What `asv continuous` printed here (abridged): one benchmark worse, one better.
+TABLE = """
+| Change   | Before [772b6ae3] <main~3>   | After [4e240a55] <perf~1>   |   Ratio | Benchmark (Parameter)               |
+|----------|------------------------------|-----------------------------|---------|-------------------------------------|
+| +        | 70.6±9ms                     | 226±60ms                    |    3.2  | bench_gate.GateCheckpoint.time_save |
+| -        | 81.5±50ms                    | 37.1±8ms                    |    0.46 | bench_gate.GateOptimState.time_optim_state_dict_to_load |
+|          | 10.7±1ms                     | 10.9±1ms                    |    1.02 | bench_gate.GateCheckpoint.time_load |
+| !        | 10.7±1ms                     | failed                      |     n/a | bench_gate.GateFlatten.time_flatten |
 
-        def run(cmd: list[str]) -> int:
-            commands.append(cmd)
-            if "continuous" in cmd:
-                return gate_status
-            if "run" in cmd:
-                return baseline_status
-            return 0
+SOME BENCHMARKS HAVE CHANGED SIGNIFICANTLY.
+"""
 
-        assert asv_gate.main(["--base", "abc", "--tip", "def"], run=run) == gate_status
-        continuous = next(c for c in commands if "continuous" in c)
-        assert "--interleave-rounds" in continuous
-        assert continuous[-2:] == ["abc", "def"]
-        assert continuous[continuous.index("--factor") + 1] == str(asv_gate.DEFAULT_FACTOR)
-        assert continuous[continuous.index("--bench") + 1] == asv_gate.selection_pattern(bench_gate.GATED)
-        baseline = next(c for c in commands if "run" in c)
-        assert baseline[baseline.index("--bench") + 1] == asv_gate.selection_pattern(bench_gate.BASELINES)
-        assert baseline[-1] == "def^!"
+
+def test_worsened_benchmarks_are_read_from_asvs_table() -> None:
+    assert asv_gate.worsened_benchmarks(TABLE) == ["bench_gate.GateCheckpoint.time_save",
+                                                   "bench_gate.GateFlatten.time_flatten"]
+    assert asv_gate.worsened_benchmarks("BENCHMARKS NOT SIGNIFICANTLY CHANGED.") == []
+
+
+def test_names_pattern_selects_exactly_the_named_benchmarks() -> None:
+    pattern = asv_gate.names_pattern(["bench_gate.GateStateDict.time_get_state_dict"])
+    assert _selected(pattern, GATED_NAMES) == ["bench_gate.GateStateDict.time_get_state_dict"]
+
+
+def _fake(results: list[tuple[int, str]], baseline_status: int = 0):
+    """A runner whose asv continuous calls return ``results`` in turn; records every command."""
+    commands: list[list[str]] = []
+    pending = list(results)
+
+    def run(cmd: list[str]) -> tuple[int, str]:
+        commands.append(cmd)
+        if "continuous" in cmd:
+            return pending.pop(0)
+        if "run" in cmd:
+            return baseline_status, ""
+        return 0, ""
+
+    return run, commands
+
+
+def _flag(name: str) -> str:
+    return f"| +        | 10ms | 20ms | 2.0 | {name} |"
+
+
+GET = "bench_gate.GateStateDict.time_get_state_dict"
+SAVE = "bench_gate.GateCheckpoint.time_save"
+
+
+def test_a_clean_run_passes_and_ignores_the_baselines_outcome() -> None:
+    run, commands = _fake([(0, "BENCHMARKS NOT SIGNIFICANTLY CHANGED.")], baseline_status=1)
+    assert asv_gate.main(["--base", "abc", "--tip", "def"], run=run) == 0
+    continuous = [c for c in commands if "continuous" in c]
+    assert len(continuous) == 1
+    assert "--interleave-rounds" in continuous[0] and continuous[0][-2:] == ["abc", "def"]
+    assert continuous[0][continuous[0].index("--factor") + 1] == str(asv_gate.DEFAULT_FACTOR)
+    assert continuous[0][continuous[0].index("--bench") + 1] == asv_gate.selection_pattern(bench_gate.GATED)
+    baseline = next(c for c in commands if "run" in c)
+    assert baseline[baseline.index("--bench") + 1] == asv_gate.selection_pattern(bench_gate.BASELINES)
+    assert baseline[-1] == "def^!"
+
+
+def test_a_slowdown_confirmed_by_the_second_run_fails() -> None:
+    run, commands = _fake([(1, _flag(GET) + "\n" + _flag(SAVE)), (1, _flag(GET))], baseline_status=0)
+    assert asv_gate.main(["--base", "abc", "--tip", "def"], run=run) == 1
+    second = [c for c in commands if "continuous" in c][1]
+    # The second run measures only what the first flagged.
+    assert second[second.index("--bench") + 1] == asv_gate.names_pattern([GET, SAVE])
+
+
+def test_a_slowdown_not_confirmed_passes() -> None:
+    run, _ = _fake([(1, _flag(SAVE)), (0, "BENCHMARKS NOT SIGNIFICANTLY CHANGED.")])
+    assert asv_gate.main(["--base", "abc", "--tip", "def", "--no-baselines"], run=run) == 0
+
+
+def test_without_confirmation_the_first_flag_fails() -> None:
+    run, commands = _fake([(1, _flag(SAVE))])
+    assert asv_gate.main(["--no-confirm", "--no-baselines"], run=run) == 1
+    assert len([c for c in commands if "continuous" in c]) == 1
+
+
+def test_asv_failing_without_a_table_is_passed_on() -> None:
+    run, commands = _fake([(2, "asv: error: unknown commit")])
+    assert asv_gate.main(["--no-baselines"], run=run) == 2
+    assert len([c for c in commands if "continuous" in c]) == 1
 
 
 def test_main_without_baselines_runs_only_the_gate() -> None:
-    commands: list[list[str]] = []
-    assert asv_gate.main(["--no-baselines"], run=lambda cmd: commands.append(cmd) or 0) == 0
+    run, commands = _fake([(0, "")])
+    assert asv_gate.main(["--no-baselines"], run=run) == 0
     assert not any("run" in c for c in commands)
 
 
 def test_factor_must_be_above_one() -> None:
     with pytest.raises(SystemExit):
-        asv_gate.main(["--factor", "1.0"], run=lambda cmd: 0)
+        asv_gate.main(["--factor", "1.0"], run=lambda cmd: (0, ""))

@@ -18,6 +18,11 @@ to 10 per round in 4 rounds. Interleaving the rounds (base, tip, tip, base, ...)
 load over both commits alike, so a busy minute does not land on one of them. The factor (1.5) is
 what load swings on a shared 2-core machine still produced between identical commits; a 2x slowdown
 clears it.
+
+A benchmark flagged slower is measured again, alone, by a second interleaved run (``--no-confirm``
+skips it): the gate fails only for benchmarks flagged by both. A burst of load from another job that
+made one benchmark look slower once is unlikely to do it again, minutes later, to the same one; a
+real slowdown is there every time.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 
 __all__ = [
-    "BENCH_MODULE", "benchmark_names", "selection_pattern", "min_samples_for_significance", "samples_per_commit",
-    "gate_command", "baseline_command", "main",
+    "BENCH_MODULE", "benchmark_names", "selection_pattern", "names_pattern", "min_samples_for_significance",
+    "samples_per_commit", "worsened_benchmarks", "gate_command", "baseline_command", "main",
 ]
 
 #: The asv module (file ``bench/<name>.py``) that holds the gate's benchmarks.
@@ -61,6 +66,27 @@ def selection_pattern(classes: Iterable[type], module: str = BENCH_MODULE) -> st
     if not names:
         raise ValueError("no benchmark classes to select")
     return rf"^{re.escape(module)}\.(?:{'|'.join(map(re.escape, names))})\."
+
+
+def names_pattern(names: Iterable[str]) -> str:
+    """The ``asv -b`` regular expression that selects exactly the benchmarks named ``names``."""
+    names = sorted(set(names))
+    if not names:
+        raise ValueError("no benchmark names to select")
+    return rf"^(?:{'|'.join(map(re.escape, names))})$"
+
+
+def worsened_benchmarks(asv_output: str) -> list[str]:
+    """The benchmarks that ``asv continuous``'s table marks as worse: ``+`` (slower by more than the
+    factor, and significantly) or ``!`` (fails on the tip, not on the base)."""
+    names = []
+    for line in asv_output.splitlines():
+        if not line.lstrip().startswith("|"):
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) >= 5 and cells[0] in ("+", "!"):
+            names.append(cells[-1].split(" ")[0])
+    return names
 
 
 def min_samples_for_significance(p_threshold: float = P_THRESHOLD) -> int:
@@ -95,8 +121,24 @@ def _asv_executable() -> list[str]:
     return [sys.executable, "-m", "asv"]
 
 
-def main(argv: Sequence[str] | None = None, run: Callable[[list[str]], int] | None = None) -> int:
-    """Run the gate; return its exit status (asv continuous's). ``run`` executes a command (tests pass a fake)."""
+def _run_echoed(cmd: list[str]) -> tuple[int, str]:
+    """Run ``cmd``, echoing its output as it comes; (exit status, the output)."""
+    lines = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            lines.append(line)
+    return proc.returncode, "".join(lines)
+
+
+Runner = Callable[[list[str]], "tuple[int, str]"]
+
+
+def main(argv: Sequence[str] | None = None, run: Runner | None = None) -> int:
+    """Run the gate; return its exit status: 0, or 1 when a gated benchmark got slower (confirmed), or
+    asv's own status when it failed otherwise. ``run`` executes a command and returns (status, output)
+    (tests pass a fake)."""
     from bench import bench_gate
 
     parser = argparse.ArgumentParser(prog="python -m tools.asv_gate", description=__doc__.split("\n\n")[0])
@@ -105,6 +147,8 @@ def main(argv: Sequence[str] | None = None, run: Callable[[list[str]], int] | No
     parser.add_argument("--factor", type=float, default=DEFAULT_FACTOR,
                         help=f"slowdown needed before a change can be flagged (default: {DEFAULT_FACTOR})")
     parser.add_argument("--no-baselines", action="store_true", help="do not record torch/raw baselines afterwards")
+    parser.add_argument("--no-confirm", action="store_true",
+                        help="fail on the first run's flags, without measuring flagged benchmarks again")
     parser.add_argument("--list", action="store_true", help="print the gated benchmarks and the baselines, run nothing")
     args = parser.parse_args(argv)
     if args.factor <= 1.0:
@@ -123,14 +167,30 @@ def main(argv: Sequence[str] | None = None, run: Callable[[list[str]], int] | No
         print("\n".join(f"  {name}" for name in benchmark_names(bench_gate.BASELINES)))
         return 0
 
-    run = run or (lambda cmd: subprocess.call(cmd))
+    run = run or _run_echoed
     asv = _asv_executable()
     run([*asv, "machine", "--yes"])
-    status = run(gate_command(asv, args.base, args.tip, gated, args.factor))
-    verdict = "no significant slowdown" if status == 0 else "a gated benchmark got slower (or failed)"
+    status, output = run(gate_command(asv, args.base, args.tip, gated, args.factor))
+    flagged = worsened_benchmarks(output)
+    if status != 0 and flagged and not args.no_confirm:
+        print(f"asv-gate: flagged {', '.join(flagged)}; measuring them again to confirm", flush=True)
+        again, output = run(gate_command(asv, args.base, args.tip, names_pattern(flagged), args.factor))
+        confirmed = sorted(set(flagged) & set(worsened_benchmarks(output)))
+        if confirmed:
+            status, flagged = 1, confirmed
+        else:
+            status = again if again != 1 else 0  # 1 is asv's "worse": here only for unflagged noise
+            print(f"asv-gate: not confirmed by the second run: {', '.join(flagged)}", flush=True)
+            flagged = []
+    if status == 0:
+        verdict = "no significant slowdown"
+    elif flagged:
+        verdict = f"slower: {', '.join(flagged)}"
+    else:
+        verdict = "asv failed"
     print(f"asv-gate: {args.base} -> {args.tip}: {verdict} (exit {status})", flush=True)
     if not args.no_baselines:
-        baseline_status = run(baseline_command(asv, args.tip, baselines))
+        baseline_status, _ = run(baseline_command(asv, args.tip, baselines))
         if baseline_status != 0:
             print(f"asv-gate: recording the baselines failed (exit {baseline_status}); the verdict stands", flush=True)
     return status
