@@ -268,3 +268,24 @@ def test_top_level_values_are_replaced_in_the_callers_dict(tmp_path) -> None:
     sd = {"counter": _Counter(0), "w": torch.empty(2, device="meta"), "name": ""}
     checkpoint.load(sd, checkpoint_id=tmp_path)
     assert sd["w"].device.type == "cpu" and torch.equal(sd["w"], torch.ones(2)) and sd["name"] == "x"
+
+
+# -- the writer's staging, one ahead (on the CPU: values pass through; on a GPU the next copy runs) --
+
+
+def test_values_are_resolved_one_ahead_of_the_write_and_in_order() -> None:
+    from reference.checkpoint.storage import _on_host_one_ahead
+
+    produced: list[int] = []
+
+    def values():
+        for k in range(5):
+            produced.append(k)
+            yield torch.full((2,), float(k)) if k % 2 else io.BytesIO(bytes([k]))
+
+    for k, value in enumerate(_on_host_one_ahead(values())):
+        # When value k is handed out, value k + 1 (and no further one) has been resolved.
+        assert produced == list(range(min(k + 2, 5))), f"at value {k}"
+        got = value.getvalue()[0] if isinstance(value, io.BytesIO) else int(value[0])
+        assert got == k
+    assert list(_on_host_one_ahead(iter(()))) == []

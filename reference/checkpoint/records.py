@@ -364,7 +364,8 @@ def read_region(
     dest: torch.Tensor,
 ) -> None:
     """Copy the box ``saved_offsets``/``lengths`` of the tensor record at ``[offset, offset + length)``
-    into ``dest`` (a tensor of shape ``lengths``, any device and layout).
+    into ``dest`` (a tensor of shape ``lengths``, any device and layout). A copy to a CUDA ``dest`` may
+    still be running on return (the current stream orders it before later work on that device).
 
     Reads straight into ``dest`` when the box is contiguous in the file and ``dest`` is a contiguous
     CPU tensor of the saved dtype; otherwise through one temporary of the box's (or record's) size."""
@@ -384,6 +385,13 @@ def read_region(
         position = layout.data_offset + box.storage_offset() * itemsize
         if dest.device.type == "cpu" and dest.dtype == layout.dtype and dest.is_contiguous():
             _readinto(file, position, dest)
+        elif dest.device.type == "cuda":
+            # Pinned, and the copy to the GPU left running while the caller reads the next region:
+            # torch's caching host allocator keeps this block until the copy is done. The caller
+            # synchronizes before the load returns (FileSystemReader.read_data).
+            staging = torch.empty(lengths, dtype=layout.dtype, pin_memory=True)
+            _readinto(file, position, staging)
+            dest.copy_(staging, non_blocking=True)
         else:
             staging = torch.empty(lengths, dtype=layout.dtype)
             _readinto(file, position, staging)
