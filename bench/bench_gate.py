@@ -156,15 +156,13 @@ class GateBaselineStateDict(_Baseline):
 # -- capability 3: FSDP optimizer-state keying ----------------------------------------------------
 
 
-def _one_rank_group() -> str:
-    """A one-rank gloo process group for this benchmark process (FSDP needs one); its store's directory."""
+def _one_rank_group() -> bool:
+    """A one-rank gloo process group for this benchmark process (FSDP needs one), rendezvous in memory."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        return ""
-    directory = tempfile.mkdtemp(prefix="bench-gate-pg-")
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(directory, "store"), 1), rank=0, world_size=1)
-    return directory
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return True
 
 
 def _optim_state_setup(self: Any, impl: str) -> None:
