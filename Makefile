@@ -13,12 +13,16 @@ MUTATION_SAMPLE   ?= 40
 MUTATION_SECTIONS ?= FP,SD,OS,ML
 MUTATION_JOBS     ?= 1
 MUTATION_ARGS     ?=
+# `make asv-gate`: the commit to compare HEAD (TIP) against, and extra tools.asv_gate options.
+BASE      ?= main
+TIP       ?= HEAD
+GATE_ARGS ?=
 
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 IMPL_ARG := $(if $(IMPL),--impl $(IMPL),)
 
-.PHONY: setup conformance test bench asv mutation clean
+.PHONY: setup conformance test bench asv asv-gate mutation clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +55,11 @@ bench: setup
 asv: setup
 	$(VENV)/bin/asv machine --yes
 	BENCH_QUICK=1 $(VENV)/bin/asv run --quick --show-stderr HEAD^!
+
+# The regression gate: reference-only benchmarks of bench/bench_gate.py, BASE vs TIP, rounds interleaved;
+# exits non-zero when one got significantly slower. Baselines (torch, raw) are recorded for TIP after it.
+asv-gate: setup
+	$(PY) -m tools.asv_gate --base $(BASE) --tip $(TIP) $(GATE_ARGS)
 
 # The suite's power: mutants of reference/ run against each section's tests (--impl reference); a
 # sample of MUTATION_SAMPLE per section by default (1-1.5 h here), MUTATION_SAMPLE=all for every one

@@ -7,7 +7,9 @@ throughput (MB/s), the load into meta (seconds, and peak memory as a multiple of
 and the reference's speed relative to torch and to raw (``*_speedup``, >= 1 means the reference is
 at least as fast).
 
-``BENCH_QUICK=1`` restricts the grid to the smallest size (see ``bench/config.py``).
+``BENCH_QUICK=1`` restricts the grid to the smallest size; ``BENCH_DEVICE=cuda`` measures state dicts
+on the GPUs (world size 4 too where 4 are visible), and without CUDA every figure is a skip saying why
+(see ``bench/config.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from bench.workloads import checkpoint as ck
 
 SIZES: list[int] = config.grid(config.CHECKPOINT_SIZES)
 SIZE_LABELS: list[str] = [config.size_label(n) for n in SIZES]
-WORLD_SIZES: list[int] = config.CHECKPOINT_WORLD_SIZES
+DEVICE: str = config.DEVICE
+WORLD_SIZES: list[int] = config.checkpoint_world_sizes(DEVICE)
 LAYOUTS: list[str] = list(ck.LAYOUTS)
 
 Key = tuple[str, str, int, str]  # (impl, size label, world size, layout)
@@ -39,14 +42,16 @@ def _measure_grid(self: Any) -> dict[Key, dict[str, Any]]:
     impls = [impl for impl in ck.IMPLS if ck.available(impl) is None]
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp:
         for world_size in WORLD_SIZES:
-            with RankGroup(world_size) as group:
+            if config.device_unavailable(DEVICE, world_size) is not None:
+                continue  # each figure's setup skips with the reason
+            with RankGroup(world_size, backend=config.backend(DEVICE)) as group:
                 for nbytes, label in zip(SIZES, SIZE_LABELS):
                     for layout in LAYOUTS:
                         for impl in impls:
                             key = (impl, label, world_size, layout)
                             try:
                                 fig = ck.measure(group, impl, nbytes, layout, os.path.join(tmp, "ckpt"),
-                                                 repeats=_repeats(nbytes))
+                                                 repeats=_repeats(nbytes), device=DEVICE)
                                 grid[key] = {"save_mbps": fig.save_mbps, "load_mbps": fig.load_mbps,
                                              "meta_load_s": fig.meta_load_s, "meta_peak": fig.meta_peak_ratio,
                                              "meta_error": fig.meta_error, "error": None}
@@ -72,8 +77,8 @@ def _figure(grid: dict[Key, dict[str, Any]], key: Key, name: str) -> float:
     return float(value)
 
 
-def _skip_unavailable(impl: str) -> None:
-    reason = ck.available(impl)
+def _skip_unavailable(impl: str, world_size: int) -> None:
+    reason = ck.available(impl) or config.device_unavailable(DEVICE, world_size)
     if reason is not None:
         raise NotImplementedError(reason)
 
@@ -86,7 +91,7 @@ class CheckpointThroughput:
     setup_cache = _measure_grid
 
     def setup(self, grid: dict, impl: str, size: str, world_size: int, layout: str) -> None:
-        _skip_unavailable(impl)
+        _skip_unavailable(impl, world_size)
 
     def track_save(self, grid: dict, impl: str, size: str, world_size: int, layout: str) -> float:
         return _figure(grid, (impl, size, world_size, layout), "save_mbps")
@@ -107,7 +112,7 @@ class CheckpointMetaLoad:
     setup_cache = _measure_grid
 
     def setup(self, grid: dict, impl: str, size: str, world_size: int, layout: str) -> None:
-        _skip_unavailable(impl)
+        _skip_unavailable(impl, world_size)
 
     def track_meta_load_time(self, grid: dict, impl: str, size: str, world_size: int, layout: str) -> float:
         return _figure(grid, (impl, size, world_size, layout), "meta_load_s")
@@ -131,7 +136,7 @@ class CheckpointSpeedup:
     setup_cache = _measure_grid
 
     def setup(self, grid: dict, baseline: str, size: str, world_size: int, layout: str) -> None:
-        _skip_unavailable("reference")
+        _skip_unavailable("reference", world_size)
 
     def _ratio(self, grid: dict, baseline: str, rest: tuple[str, int, str], name: str, higher_is_faster: bool) -> float:
         ref = _figure(grid, ("reference", *rest), name)

@@ -21,15 +21,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def rank_group() -> Iterator[Callable[[int], object]]:
-    """``rank_group(world_size)``: that world size's :class:`bench.ranks.RankGroup`, started on first use."""
+    """``rank_group(world_size, backend="gloo")``: that world size's :class:`bench.ranks.RankGroup`,
+    started on first use."""
     from bench.ranks import RankGroup
 
-    groups: dict[int, RankGroup] = {}
+    groups: dict[tuple[int, str], RankGroup] = {}
 
-    def get(world_size: int) -> RankGroup:
-        if world_size not in groups:
-            groups[world_size] = RankGroup(world_size)
-        return groups[world_size]
+    def get(world_size: int, backend: str = "gloo") -> RankGroup:
+        if (world_size, backend) not in groups:
+            groups[world_size, backend] = RankGroup(world_size, backend=backend)
+        return groups[world_size, backend]
 
     yield get
     for group in groups.values():

@@ -57,15 +57,26 @@ class RankError(RuntimeError):
 
 
 class RankGroup:
-    """``world_size`` rank processes in one gloo process group, reused by every :meth:`run`.
+    """``world_size`` rank processes in one process group, reused by every :meth:`run`.
 
+    ``backend`` is ``gloo`` (CPU) or ``nccl``, where rank ``r`` uses ``cuda:r`` (one GPU per rank).
     Use as a context manager; :meth:`close` is idempotent and kills ranks that do not exit.
     """
 
-    def __init__(self, world_size: int, *, start_timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        start_timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
         self.world_size = world_size
+        self.backend = backend
         self._tmp = tempfile.mkdtemp(prefix="bench-ranks-")
         self._procs: list[subprocess.Popen[bytes]] = []
         self._conns: list[Connection] = []
@@ -75,7 +86,7 @@ class RankGroup:
             store = os.path.join(self._tmp, "store")
             for rank in range(world_size):
                 args = [sys.executable, "-c", _BOOTSTRAP, _BENCH_DIR, listener.address, authkey.hex(),
-                        str(rank), str(world_size), store]
+                        str(rank), str(world_size), store, backend]
                 self._procs.append(subprocess.Popen(args, env={**os.environ, **(env or {})}))
             deadline = time.monotonic() + start_timeout
             conns: dict[int, Connection] = {}
@@ -156,7 +167,7 @@ class RankGroup:
 
 
 def _worker_main(argv: list[str]) -> None:
-    address, authkey_hex, rank_s, world_size_s, store_path = argv
+    address, authkey_hex, rank_s, world_size_s, store_path, backend = argv
     rank, world_size = int(rank_s), int(world_size_s)
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(authkey_hex))
     conn.send(rank)
@@ -175,8 +186,12 @@ def _worker_main(argv: list[str]) -> None:
     try:
         import torch.distributed as dist
 
+        if backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(rank)  # one GPU per rank
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         send("ok", None)
     except BaseException:
         send("error", traceback.format_exc())
@@ -204,12 +219,16 @@ def _worker_main(argv: list[str]) -> None:
 
 
 def timed(fn: Callable[[], Any]) -> float:
-    """Seconds of ``fn()`` as the slowest rank sees it: barrier, run, barrier. Call on every rank."""
+    """Seconds of ``fn()`` as the slowest rank sees it: barrier, run, (wait for this rank's GPU work),
+    barrier. Call on every rank."""
+    import torch
     import torch.distributed as dist
 
     dist.barrier()
     start = time.perf_counter()
     fn()
+    if torch.cuda.is_initialized():  # a copy to the device may still be in flight
+        torch.cuda.synchronize()
     dist.barrier()
     return time.perf_counter() - start
 

@@ -1,7 +1,8 @@
 """pytest-benchmark: checkpoint save, load and load into meta (see bench.workloads.checkpoint).
 
-Groups are workloads (``save 64MB ws2 sharded``); within a group, one benchmark per implementation.
-``extra_info["bytes"]`` lets ``tools.bench_table`` turn seconds into MB/s.
+Groups are workloads (``save 64MB ws2 sharded``, ``... cuda`` for CUDA state dicts); within a group, one
+benchmark per implementation. ``extra_info["bytes"]`` lets ``tools.bench_table`` turn seconds into MB/s.
+``BENCH_DEVICE=cuda`` measures state dicts on the GPUs; without CUDA those cases skip, saying why.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from bench.workloads import checkpoint as ck
 
 # make bench stays in minutes: the 2 GB case is asv's (bench_checkpoint.py).
 SIZES = config.grid(config.CHECKPOINT_SIZES[:2])
+DEVICE = config.DEVICE
+_SUFFIX = "" if DEVICE == "cpu" else f"-{DEVICE}"
 CASES = [
-    pytest.param(nbytes, world_size, layout, impl, id=f"{config.size_label(nbytes)}-ws{world_size}-{layout}-{impl}")
-    for world_size in config.CHECKPOINT_WORLD_SIZES
+    pytest.param(nbytes, world_size, layout, impl,
+                 id=f"{config.size_label(nbytes)}-ws{world_size}-{layout}-{impl}{_SUFFIX}")
+    for world_size in config.checkpoint_world_sizes(DEVICE)
     for nbytes in SIZES
     for layout in ck.LAYOUTS
     for impl in ck.IMPLS
@@ -25,20 +29,24 @@ ROUNDS = 1 if config.QUICK else 3
 
 
 def _workload(op: str, nbytes: int, world_size: int, layout: str) -> str:
-    return f"{op} {config.size_label(nbytes)} ws{world_size} {layout}"
+    return f"{op} {config.size_label(nbytes)} ws{world_size} {layout}" + ("" if DEVICE == "cpu" else f" {DEVICE}")
 
 
-def _skip_unavailable(impl: str) -> None:
-    reason = ck.available(impl)
+def _skip_unavailable(impl: str, world_size: int) -> None:
+    reason = ck.available(impl) or config.device_unavailable(DEVICE, world_size)
     if reason is not None:
         pytest.skip(reason)
 
 
+def _group(rank_group, world_size: int) -> RankGroup:
+    return rank_group(world_size, config.backend(DEVICE))
+
+
 @pytest.mark.parametrize(("nbytes", "world_size", "layout", "impl"), CASES)
 def test_save(benchmark, rank_group, tmp_path, nbytes: int, world_size: int, layout: str, impl: str) -> None:
-    _skip_unavailable(impl)
-    group = rank_group(world_size)
-    total = group.run(ck.prepare, nbytes, layout)[0]
+    _skip_unavailable(impl, world_size)
+    group = _group(rank_group, world_size)
+    total = group.run(ck.prepare, nbytes, layout, DEVICE)[0]
     benchmark.group = _workload("save", nbytes, world_size, layout)
     benchmark.extra_info.update(impl=impl, bytes=total)
     benchmark.pedantic(group.run, args=(ck.save_once, impl, str(tmp_path / "ckpt")), rounds=ROUNDS, iterations=1)
@@ -46,9 +54,9 @@ def test_save(benchmark, rank_group, tmp_path, nbytes: int, world_size: int, lay
 
 @pytest.mark.parametrize(("nbytes", "world_size", "layout", "impl"), CASES)
 def test_load(benchmark, rank_group, tmp_path, nbytes: int, world_size: int, layout: str, impl: str) -> None:
-    _skip_unavailable(impl)
-    group = rank_group(world_size)
-    total = group.run(ck.prepare, nbytes, layout)[0]
+    _skip_unavailable(impl, world_size)
+    group = _group(rank_group, world_size)
+    total = group.run(ck.prepare, nbytes, layout, DEVICE)[0]
     directory = str(tmp_path / "ckpt")
     group.run(ck.save_once, impl, directory)
     benchmark.group = _workload("load", nbytes, world_size, layout)
@@ -66,9 +74,9 @@ def test_meta_load(benchmark, rank_group, tmp_path, nbytes: int, world_size: int
 
     In quick mode the session's ranks load instead: the code path is the same, the peak is not judged,
     and a dozen rank start-ups are saved."""
-    _skip_unavailable(impl)
-    group = rank_group(world_size)
-    total = group.run(ck.prepare, nbytes, layout)[0]
+    _skip_unavailable(impl, world_size)
+    group = _group(rank_group, world_size)
+    total = group.run(ck.prepare, nbytes, layout, DEVICE)[0]
     directory = str(tmp_path / "ckpt")
     group.run(ck.save_once, impl, directory)
     fresh: dict[str, RankGroup] = {}
@@ -76,7 +84,7 @@ def test_meta_load(benchmark, rank_group, tmp_path, nbytes: int, world_size: int
 
     def start_ranks() -> None:
         if not config.QUICK:
-            fresh["group"] = RankGroup(world_size)
+            fresh["group"] = RankGroup(world_size, backend=config.backend(DEVICE))
 
     def load() -> None:
         results[:] = fresh.get("group", group).run(ck.meta_load_once, impl, directory, nbytes, layout)

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import io
 import itertools
+import pickle
+import zipfile
 
 import pytest
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict as dcp_flatten  # the oracle
 
-from reference.checkpoint import StateDictError
+from reference.checkpoint import CheckpointFormatError, StateDictError, load, save
 from reference.checkpoint.flatten import flatten_state_dict, set_value
 from reference.checkpoint.layout import Chunk, check_tiling, overlaps
 from reference.checkpoint.planner import ReferenceLoadPlanner, ReferenceSavePlanner
-from reference.checkpoint.records import parse_tensor_record, read_region
+from reference.checkpoint.records import parse_tensor_record, read_region, write_record
 
 
 # -- flatten ----------------------------------------------------------------------------------
@@ -186,6 +188,54 @@ def test_a_record_that_is_not_a_zip_is_an_error() -> None:
         parse_tensor_record(io.BytesIO(b"\x00" * 100), 0, 100)
 
 
+def _record(tensor: torch.Tensor) -> bytes:
+    stream = io.BytesIO()
+    write_record(stream, tensor)
+    return stream.getvalue()
+
+
+def test_records_are_written_without_crc32_and_torch_reads_them() -> None:
+    tensor = torch.arange(12.0).reshape(3, 4)
+    record = _record(tensor)
+    assert torch.equal(torch.load(io.BytesIO(record), weights_only=True), tensor)
+    if hasattr(torch.serialization, "set_crc32_options"):
+        with zipfile.ZipFile(io.BytesIO(record)) as archive:
+            assert {info.CRC for info in archive.infolist()} == {0}
+        assert torch.serialization.get_crc32_options()  # the global option is restored
+
+
+@pytest.mark.parametrize("cut", [1, 30, 200])
+def test_a_record_cut_short_is_an_error(cut: int) -> None:
+    # Cut from the end (the zip directory is there) or the data runs past the given length.
+    record = _record(torch.arange(64.0))
+    with pytest.raises(ValueError, match="torch.save record"):
+        parse_tensor_record(io.BytesIO(record[:-cut]), 0, len(record) - cut)
+
+
+def test_a_record_damaged_in_its_directory_is_an_error() -> None:
+    record = bytearray(_record(torch.arange(8.0)))
+    record[record.rfind(b"PK\x01\x02")] = 0  # the last central directory entry's signature
+    with pytest.raises(ValueError, match="corrupt torch.save record"):
+        parse_tensor_record(io.BytesIO(bytes(record)), 0, len(record))
+
+
+def test_a_record_that_disagrees_with_the_metadata_is_an_error(tmp_path) -> None:
+    # Two records of the same length swapped in the metadata: each parses, but holds the other tensor.
+    path = tmp_path / "ckpt"
+    save({"a": torch.zeros(2, 3), "b": torch.ones(3, 2)}, checkpoint_id=path)
+    with open(path / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # our own file, written a moment ago
+    index = {i.fqn: i for i in metadata.storage_data}
+    metadata.storage_data[index["a"]], metadata.storage_data[index["b"]] = (
+        metadata.storage_data[index["b"]], metadata.storage_data[index["a"]])
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    target = {"a": torch.full((2, 3), 7.0), "b": torch.full((3, 2), 7.0)}
+    with pytest.raises(CheckpointFormatError, match=r"key '(a|b)'.*metadata says torch.float32 of shape \[(2, 3|3, 2)\]"):
+        load(target, checkpoint_id=path)
+    assert all(bool((t == 7.0).all()) for t in target.values())  # found before anything was read
+
+
 # -- Stateful values (DCP's convention), one process ------------------------------------------------
 
 
@@ -245,3 +295,24 @@ def test_an_io_error_while_reading_names_the_file_and_key(tmp_path, monkeypatch:
     text = str(info.value)
     assert str(tmp_path) in text and ".distcp" in text and ("'w'" in text or "'b'" in text) and "Input/output error" in text, text
     assert torch.equal(target["w"], torch.zeros(2, 3)) and torch.equal(target["b"], torch.zeros(2)), "a failed load changed the state dict"
+
+
+# -- the writer's staging, one ahead (on the CPU: values pass through; on a GPU the next copy runs) --
+
+
+def test_values_are_resolved_one_ahead_of_the_write_and_in_order() -> None:
+    from reference.checkpoint.storage import _on_host_one_ahead
+
+    produced: list[int] = []
+
+    def values():
+        for k in range(5):
+            produced.append(k)
+            yield torch.full((2,), float(k)) if k % 2 else io.BytesIO(bytes([k]))
+
+    for k, value in enumerate(_on_host_one_ahead(values())):
+        # When value k is handed out, value k + 1 (and no further one) has been resolved.
+        assert produced == list(range(min(k + 2, 5))), f"at value {k}"
+        got = value.getvalue()[0] if isinstance(value, io.BytesIO) else int(value[0])
+        assert got == k
+    assert list(_on_host_one_ahead(iter(()))) == []

@@ -17,6 +17,12 @@ Implementations (``IMPLS``): ``reference`` (``reference.checkpoint``), ``torch``
 ranks: ``raw`` (one plain file per rank, ``write`` + ``fsync`` as DCP's file writer does, and
 ``readinto`` the destination tensors) and ``memcpy`` (``Tensor.copy_`` of the same bytes).
 
+Devices: the state dicts live on the CPU (gloo ranks), or with ``device="cuda"`` on ``cuda:<rank>``
+(nccl ranks; ``BENCH_DEVICE=cuda``, see ``bench/config.py``). For CUDA state dicts the raw limit
+stages every tensor through two reusable pinned host buffers (:class:`HostStaging`): the
+device-to-host copy of the next tensor runs while the current one is written, and on load the
+host-to-device copy of one tensor while the next is read, as a careful checkpointer would.
+
 Figures are throughputs in MB/s of the state dict's global bytes (``size / seconds``, 1 MB = 2**20 B),
 so every implementation and layout is on one scale. The files live in the page cache when read back
 (24 GB of RAM here), for every implementation alike: the figures are software overhead against the
@@ -42,8 +48,8 @@ import torch
 from bench.ranks import RankGroup, peak_rss_bytes, peak_rss_reset, rss_bytes, timed
 
 __all__ = [
-    "IMPLS", "META_IMPLS", "LAYOUTS", "available", "train_state", "state_bytes", "prepare", "save_once",
-    "load_once", "meta_load_once", "release", "Figures", "measure",
+    "IMPLS", "META_IMPLS", "LAYOUTS", "available", "train_state", "state_bytes", "HostStaging", "prepare",
+    "save_once", "load_once", "meta_load_once", "release", "Figures", "measure",
 ]
 
 IMPLS: tuple[str, ...] = ("reference", "torch", "raw", "memcpy")
@@ -69,29 +75,43 @@ def _layer_count(nbytes: int) -> int:
     return max(1, round(nbytes / per_layer))
 
 
+def _rank_device(device: str) -> torch.device:
+    """``cpu``, ``meta``, or this rank's GPU for ``cuda``."""
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device)
+
+
+def _mesh_device_type() -> str:
+    """The device type of this process group's meshes: ``cuda`` under nccl, else ``cpu``."""
+    return "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+
+
 def train_state(nbytes: int, layout: str, *, device: str = "cpu", fill: bool = True) -> dict[str, Any]:
-    """Model + Adam state of about ``nbytes`` (global), in ``layout``; meta tensors when ``device="meta"``.
+    """Model + Adam state of about ``nbytes`` (global), in ``layout``, on ``device`` (``cpu``, ``cuda``:
+    this rank's GPU, or ``meta``).
 
     Call on every rank of the default process group (``sharded`` builds a mesh over all of them).
     Values are cheap to make and differ per tensor, so a load that skips or swaps tensors is caught."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    where = _rank_device(device)
     mesh = None
     if layout == "sharded":
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        mesh = init_device_mesh(_mesh_device_type(), (torch.distributed.get_world_size(),))
 
     def make(value: float, shape: tuple[int, ...]) -> torch.Tensor:
         if mesh is None:
-            local = torch.empty(shape, device=device)
+            local = torch.empty(shape, device=where)
         else:
             # torch.chunk's split, as DTensor's Shard(0) places rows.
             rank, world = mesh.get_local_rank(), mesh.size()
             rows = math.ceil(shape[0] / world)
             start = min(rank * rows, shape[0])
-            local = torch.empty((min(rows, shape[0] - start),) + shape[1:], device=device)
-        if device != "meta":
+            local = torch.empty((min(rows, shape[0] - start),) + shape[1:], device=where)
+        if where.type != "meta":
             local.fill_(value if fill else 0.0)  # also touches every page before anything is timed
         if mesh is None:
             return local
@@ -164,25 +184,124 @@ def _raw_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"raw_rank{rank}.bin")
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 view of a contiguous tensor's memory (any device)."""
+    if not tensor.is_contiguous():
+        raise ValueError("HostStaging needs contiguous tensors")
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _copy_done(device: torch.device) -> Any:
+    """An event marking the copies issued so far on ``device``'s current stream (None on the CPU,
+    where a copy is done when it returns)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+class HostStaging:
+    """Two reusable host buffers through which tensors of another device pass to and from files.
+
+    Copies are issued with ``non_blocking=True`` and alternate between the buffers, so that the copy
+    of one tensor overlaps the file I/O of the other; buffers are pinned (page-locked) for CUDA,
+    which is what makes a device-to-host copy asynchronous. ``pin=False`` gives plain buffers (CPU
+    tensors, tests). Each buffer holds ``nbytes``: at least the largest tensor staged."""
+
+    def __init__(self, nbytes: int, *, pin: bool) -> None:
+        self.buffers = [torch.empty(max(1, nbytes), dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+
+    def _slot(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        n = _nbytes(tensor)
+        if n > self.buffers[0].numel():
+            raise ValueError(f"tensor #{index} has {n} bytes, the staging buffers {self.buffers[0].numel()}")
+        return self.buffers[index % 2][:n]
+
+    def to_host(self, tensors: list[torch.Tensor]) -> Iterator[memoryview]:
+        """Each tensor's bytes, in order, as a host memoryview valid until the next one is asked for.
+
+        The copy of tensor ``k + 1`` is issued before tensor ``k``'s bytes are handed out (it goes to
+        the other buffer, whose bytes were consumed already), so it runs while the caller writes."""
+
+        def issue(k: int) -> tuple[torch.Tensor, Any]:
+            slot = self._slot(k, tensors[k])
+            slot.copy_(_as_bytes(tensors[k]), non_blocking=True)
+            return slot, _copy_done(tensors[k].device)
+
+        if not tensors:
+            return
+        upcoming = issue(0)
+        for k in range(len(tensors)):
+            slot, done = upcoming
+            if k + 1 < len(tensors):
+                upcoming = issue(k + 1)
+            if done is not None:
+                done.synchronize()
+            yield memoryview(slot.numpy()).cast("B")
+
+    def from_host(self, tensors: list[torch.Tensor], read_into: Callable[[int, memoryview], None]) -> None:
+        """Fill each tensor from a host buffer that ``read_into(k, view)`` fills with tensor ``k``'s
+        bytes. The copy of tensor ``k`` to its device runs while tensor ``k + 1`` is read; a buffer
+        is reused only once its previous copy has finished. Returns when every copy has finished."""
+        done: list[Any] = [None, None]
+        for k, tensor in enumerate(tensors):
+            if done[k % 2] is not None:
+                done[k % 2].synchronize()
+            slot = self._slot(k, tensor)
+            read_into(k, memoryview(slot.numpy()).cast("B"))
+            _as_bytes(tensor).copy_(slot, non_blocking=True)
+            done[k % 2] = _copy_done(tensor.device)
+        for event in done:
+            if event is not None:
+                event.synchronize()
+
+
+def _staging_for(tensors: list[torch.Tensor]) -> HostStaging | None:
+    """Pinned staging for tensors on a GPU; None when every tensor is on the CPU already."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return None
+    return HostStaging(max((_nbytes(t) for t in tensors), default=1), pin=True)
+
+
 def _raw_save(sd: dict[str, Any], layout: str, directory: str) -> None:
     rank = torch.distributed.get_rank()
+    mine = [tensor for writer, tensor in _raw_assignment(sd, layout) if writer == rank]
+    staging = _staging_for(mine)
     with open(_raw_path(directory, rank), "wb") as f:
-        for writer, tensor in _raw_assignment(sd, layout):
-            if writer == rank:
+        if staging is None:
+            for tensor in mine:
                 f.write(memoryview(tensor.numpy()).cast("B"))
+        else:
+            for view in staging.to_host(mine):
+                f.write(view)
         f.flush()
         os.fsync(f.fileno())
 
 
 def _raw_load(sd: dict[str, Any], layout: str, directory: str) -> None:
     files: dict[int, Any] = {}
+    assignment = _raw_assignment(sd, layout)
+
+    def read_into(k: int, view: memoryview) -> None:
+        writer = assignment[k][0]
+        if writer not in files:
+            files[writer] = open(_raw_path(directory, writer), "rb")
+        if files[writer].readinto(view) != len(view):
+            raise RuntimeError(f"raw checkpoint in {directory}: file of rank {writer} is short")
+
     try:
-        for writer, tensor in _raw_assignment(sd, layout):
-            if writer not in files:
-                files[writer] = open(_raw_path(directory, writer), "rb")
-            view = memoryview(tensor.numpy()).cast("B")
-            if files[writer].readinto(view) != len(view):
-                raise RuntimeError(f"raw checkpoint in {directory}: file of rank {writer} is short")
+        tensors = [tensor for _, tensor in assignment]
+        staging = _staging_for(tensors)
+        if staging is None:
+            for k, tensor in enumerate(tensors):
+                read_into(k, memoryview(tensor.numpy()).cast("B"))
+        else:
+            staging.from_host(tensors, read_into)
     finally:
         for f in files.values():
             f.close()
@@ -192,12 +311,14 @@ def _raw_meta_load(meta_sd: dict[str, Any], layout: str, directory: str) -> None
     """Allocate every local tensor and read its bytes: what a load into meta cannot do better than."""
     from torch.distributed.tensor import DTensor
 
+    device = _rank_device(_mesh_device_type())  # where a load into meta puts values: the group's device
+
     def materialize(value: torch.Tensor) -> torch.Tensor:
         if isinstance(value, DTensor):
-            local = torch.empty_like(value.to_local(), device="cpu")
+            local = torch.empty_like(value.to_local(), device=device)
             return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
                                       shape=value.shape, stride=value.stride())
-        return torch.empty_like(value, device="cpu")
+        return torch.empty_like(value, device=device)
 
     for name in list(meta_sd["model"]):
         meta_sd["model"][name] = materialize(meta_sd["model"][name])
@@ -236,13 +357,14 @@ def _dcp_ops(impl: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
 _CACHE: dict[str, Any] = {}
 
 
-def prepare(nbytes: int, layout: str) -> int:
-    """Build this rank's source and destination state dicts; return the global bytes. Every rank calls."""
-    if _CACHE.get("key") != (nbytes, layout):
+def prepare(nbytes: int, layout: str, device: str = "cpu") -> int:
+    """Build this rank's source and destination state dicts on ``device`` (``cpu`` or ``cuda``); return
+    the global bytes. Every rank calls."""
+    if _CACHE.get("key") != (nbytes, layout, device):
         release()
-        source = train_state(nbytes, layout)
-        dest = train_state(nbytes, layout, fill=False)
-        _CACHE.update(key=(nbytes, layout), source=source, dest=dest, layout=layout)
+        source = train_state(nbytes, layout, device=device)
+        dest = train_state(nbytes, layout, device=device, fill=False)
+        _CACHE.update(key=(nbytes, layout, device), source=source, dest=dest, layout=layout)
     return state_bytes(_CACHE["source"])
 
 
@@ -305,7 +427,8 @@ def load_once(impl: str, directory: str) -> float:
 def meta_load_once(impl: str, directory: str, nbytes: int, layout: str) -> tuple[float, int, int]:
     """Load ``directory`` (saved from ``train_state(nbytes, layout)``) into a state dict of meta tensors.
 
-    Returns (seconds, peak RSS growth, local bytes). Run it on fresh ranks: the peak is this process's
+    Values are built on the process group's device (a GPU under nccl). Returns (seconds, peak host
+    RSS growth, local bytes). Run it on fresh ranks: the peak is this process's
     high-water mark (reset just before the load) minus its resident size before the load, which is
     the memory the load allocates at once, temporaries included, only when no freed memory is lying
     around resident in the allocator to be reused unseen."""
@@ -350,14 +473,16 @@ class Figures:
         return self.nbytes / 2**20 / self.load_s
 
 
-def measure(group: RankGroup, impl: str, nbytes: int, layout: str, directory: str, *, repeats: int = 1) -> Figures:
+def measure(
+    group: RankGroup, impl: str, nbytes: int, layout: str, directory: str, *, repeats: int = 1, device: str = "cpu"
+) -> Figures:
     """Save and load with ``impl`` on ``group`` ``repeats`` times (best of), then load into meta once
     on fresh ranks (so that their peak memory is the load's own).
 
     ``directory`` is emptied before each save and removed at the end."""
     from bench.ranks import RankError
 
-    total = group.run(prepare, nbytes, layout)[0]
+    total = group.run(prepare, nbytes, layout, device)[0]
     try:
         save_s = load_s = math.inf
         for _ in range(repeats):
@@ -366,7 +491,7 @@ def measure(group: RankGroup, impl: str, nbytes: int, layout: str, directory: st
         meta_s = meta_ratio = meta_error = None
         if impl in META_IMPLS:
             try:
-                with RankGroup(group.world_size) as fresh:
+                with RankGroup(group.world_size, backend=group.backend) as fresh:
                     results = fresh.run(meta_load_once, impl, directory, nbytes, layout)
                 meta_s = results[0][0]
                 meta_ratio = max(peak / local for _, peak, local in results)

@@ -192,15 +192,16 @@ class ReferenceSavePlanner(SavePlanner):
         return new_plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        """The CPU tensor (or serialized object) to write for ``write_item``. Called once per item,
-        lazily, by the storage writer, so at most one chunk is staged on the host at a time."""
+        """The tensor (or serialized object) to write for ``write_item``. Called once per item,
+        lazily, by the storage writer. A CPU tensor owns exactly its bytes; a tensor on another device
+        is returned as it is, and the storage writer copies it to the host (as upstream's does)."""
         key = write_item.index.fqn
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(self._objects[key])
         value = self._tensors[key]
         local = (value.to_local() if isinstance(value, DTensor) else value).detach()
         if local.device.type != "cpu":
-            return local.cpu()
+            return local
         if local.untyped_storage().nbytes() != local.numel() * local.element_size():
             # torch.save writes a view's whole storage: write only this tensor's bytes.
             return local.clone()

@@ -18,11 +18,12 @@ import dataclasses
 import io
 import os
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -67,6 +68,41 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _to_host_async(value: Any) -> tuple[Any, Any]:
+    """Start copying a device tensor to a new host tensor that owns exactly its bytes; (host value,
+    an event to wait for, or None). Anything else is returned as it is."""
+    if not isinstance(value, torch.Tensor) or value.device.type == "cpu":
+        return value, None
+    if value.device.type != "cuda":  # no pinned memory or events of ours for other devices
+        return value.cpu(), None
+    # Pinned, so that the copy is asynchronous; torch's caching host allocator reuses the blocks.
+    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+    host.copy_(value, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()  # on the current stream, after the copy
+    return host, done
+
+
+def _on_host_one_ahead(values: Iterable[Any]) -> Iterator[Any]:
+    """``values`` with every GPU tensor replaced by a host copy. The copy of the next value is started
+    before the current one is handed out, so it runs while the caller writes the current one."""
+    upcoming = None
+    for value in values:
+        started = _to_host_async(value)
+        if upcoming is not None:
+            yield _wait(upcoming)
+        upcoming = started
+    if upcoming is not None:
+        yield _wait(upcoming)
+
+
+def _wait(started: tuple[Any, Any]) -> Any:
+    value, done = started
+    if done is not None:
+        done.synchronize()
+    return value
+
+
 class FileSystemWriter(StorageWriter):
     """Writes a checkpoint directory (see the module docstring).
 
@@ -109,8 +145,9 @@ class FileSystemWriter(StorageWriter):
         return [dataclasses.replace(plan, storage_data=f"__{rank}_") for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's items to one file, objects first, as large sequential writes; each
-        chunk is resolved (staged on the host) only when its turn comes."""
+        """Write this rank's items to one file, objects first, as large sequential writes. Each chunk
+        is resolved only when the one before it is being written; a chunk on a GPU is copied to pinned
+        host memory meanwhile (see :func:`_on_host_one_ahead`), so at most two are staged at a time."""
         assert self.path is not None
         if not plan.items:
             return _done([])
@@ -118,8 +155,7 @@ class FileSystemWriter(StorageWriter):
         results: list[WriteResult] = []
         ordered = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
         with open(self.path / name, "wb") as stream:
-            for item in ordered:
-                data = planner.resolve_data(item)
+            for item, data in zip(ordered, _on_host_one_ahead(planner.resolve_data(item) for item in ordered)):
                 offset = stream.tell()
                 length = write_record(stream, data.getbuffer() if isinstance(data, io.BytesIO) else data)
                 results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=StorageInfo(name, offset, length)))
@@ -167,12 +203,13 @@ class FileSystemReader(StorageReader):
         super().__init__()
         self.path = Path(path) if path is not None else None
         self.storage_data: dict[MetadataIndex, Any] = {}
+        self._metadata: Metadata | None = None
         self._layouts: dict[MetadataIndex, TensorLayout | None] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.path = Path(checkpoint_id)
-        self.storage_data, self._layouts = {}, {}
+        self.storage_data, self._layouts, self._metadata = {}, {}, None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.path is None:
@@ -181,6 +218,28 @@ class FileSystemReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
+        self._metadata = metadata
+
+    def _geometry_problem(self, index: MetadataIndex, layout: TensorLayout) -> str | None:
+        """What the record's own header says against what the metadata says of that chunk, if they
+        disagree. Records carry no CRC32 (see ``records.write_record``): this is what catches a record
+        overwritten by another tensor's, or a damaged header that still parses."""
+        saved = self._metadata.state_dict_metadata.get(index.fqn) if self._metadata is not None else None
+        if not isinstance(saved, TensorStorageMetadata):
+            return None
+        chunks = saved.chunks
+        hinted = chunks[index.index] if index.index is not None and 0 <= index.index < len(chunks) else None
+        chunk = hinted if hinted is not None and tuple(hinted.offsets) == tuple(index.offset or ()) else next(
+            (c for c in chunks if tuple(c.offsets) == tuple(index.offset or ())), None
+        )
+        if chunk is None:
+            return None
+        if tuple(chunk.sizes) != tuple(layout.size) or saved.properties.dtype != layout.dtype:
+            return (
+                f"the record holds a {layout.dtype} tensor of shape {list(layout.size)}, but the metadata says "
+                f"{saved.properties.dtype} of shape {list(chunk.sizes)}"
+            )
+        return None
 
     def _info(self, item: ReadItem) -> StorageInfo:
         info = self.storage_data.get(item.storage_index)
@@ -227,11 +286,15 @@ class FileSystemReader(StorageReader):
                     if item.type != LoadItemType.TENSOR or item.storage_index in self._layouts:
                         continue
                     try:
-                        self._layouts[item.storage_index] = parse_tensor_record(file, info.offset, info.length)
+                        layout = parse_tensor_record(file, info.offset, info.length)
+                        problem = None if layout is None else self._geometry_problem(item.storage_index, layout)
+                        if problem is not None:
+                            raise ValueError(f"corrupt record: {problem}")
                     except ValueError as exc:
                         raise CheckpointFormatError(
                             f"{path}: key {item.storage_index.fqn!r} at bytes {info.offset}..{info.offset + info.length}: {exc}"
                         ) from None
+                    self._layouts[item.storage_index] = layout
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -254,6 +317,8 @@ class FileSystemReader(StorageReader):
                             f"{path}: key {item.storage_index.fqn!r} at bytes {info.offset}..{info.offset + info.length}: "
                             f"{type(exc).__name__}: {exc}"
                         ) from exc
+        if torch.cuda.is_initialized():  # copies to GPUs that read_region left running
+            torch.cuda.synchronize()
         return _done(None)
 
     def _read_item(self, file: BinaryIO, item: ReadItem, info: StorageInfo, planner: LoadPlanner) -> None:
