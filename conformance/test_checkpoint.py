@@ -23,10 +23,10 @@ import math
 import pickle
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -36,20 +36,20 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from conformance import models
 from conformance.adapters.base import Unsupported
 from conformance.asserts import (
-    check_each,
-    reraise,
     assert_bitwise_equal,
     assert_local_shard,
     assert_same_error_on_every_rank,
     assert_same_state,
     assert_unchanged,
+    check_each,
     expect_error,
     expected_local_chunk,
     fail,
     raised,
+    reraise,
     snapshot,
 )
-from conformance.compare import fqn_keyed_optim, full_on_cpu, full_tensor
+from conformance.compare import fqn_keyed_optim, full_on_cpu
 from conformance.values import EDGE_DTYPES, different_like, edge_tensors, perturb_hyperparameters
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -452,8 +452,9 @@ def test_checkpoint_loads_across_implementations(dist, impl, reference_impl, sav
 def test_replicated_data_is_written_once(dist, impl) -> None:
     """Save a plain tensor, a replicated DTensor and a DTensor replicated along one mesh dim of a 2-D
     mesh; the metadata lists each chunk once, stores each once, and the chunks tile each tensor."""
-    from reference.checkpoint import read_metadata_file
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from reference.checkpoint import read_metadata_file
 
     ops = _ops(impl)
     path = dist.tmp_dir / "ckpt"

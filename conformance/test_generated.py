@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, reject, settings

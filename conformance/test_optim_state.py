@@ -22,8 +22,9 @@ How the tests are built (issue 10's habits):
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -32,22 +33,24 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conformance import models
 from conformance.adapters.optim_state import STRATEGIES, hybrid_mesh_shape
-from conformance.fqn import canonical_fqn
 from conformance.asserts import (
-    check_each,
     assert_bitwise_equal,
     assert_local_shard,
     assert_names_key,
     assert_same_error_on_every_rank,
     assert_same_state,
     assert_unchanged,
-    bits as bits_of,
+    check_each,
     expected_local_chunk,
     fail,
     raised,
     snapshot,
 )
+from conformance.asserts import (
+    bits as bits_of,
+)
 from conformance.compare import fqn_keyed_optim
+from conformance.fqn import canonical_fqn
 from conformance.values import EDGE_DTYPES, edge_values, perturb_hyperparameters
 
 GLOBAL_BATCH = 8  # divisible by every world size the suite is run at (1, 2, 4, 8)
@@ -1193,7 +1196,8 @@ def test_state_dict_settings_survive_a_failure(dist, impl, call: str) -> None:
     arm(run)
     exc = raised(lambda: failing(run, before))
     if not isinstance(exc, InjectedFault):
-        fail(f"{call}: what the failing call raised", f"{type(exc).__name__}: {exc}" if exc else "nothing", "the InjectedFault raised inside it", f"rank {dist.rank}")
+        fail(f"{call}: what the failing call raised", f"{type(exc).__name__}: {exc}" if exc else "nothing",
+             "the InjectedFault raised inside it", f"rank {dist.rank}")
     after = _state_dict_calls(run)
     for name in before:
         assert_same_state(after[name], before[name], what=f"{name} after a failed {call}", where=f"rank {dist.rank}")

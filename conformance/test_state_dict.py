@@ -43,15 +43,15 @@ from conformance import models as zoo
 from conformance.adapters.base import Unsupported, load_adapter
 from conformance.adapters.state_dict import SHARDING_STRATEGIES, StateDictOps
 from conformance.asserts import (
-    check_each,
     WRAPPER_SEGMENTS,
+    assert_bitwise_equal,
     assert_local_shard,
     assert_names_key,
     assert_same_error_on_every_rank,
-    assert_bitwise_equal,
     assert_same_state,
     assert_unchanged,
     bits,
+    check_each,
     expect_error,
     expected_local_chunk,
     fail,

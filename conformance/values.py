@@ -11,6 +11,7 @@ gives (b). Compare with :func:`conformance.asserts.assert_bitwise_equal`.
 from __future__ import annotations
 
 import struct
+
 import torch
 
 __all__ = ["EDGE_DTYPES", "edge_values", "edge_tensors", "different_like", "perturb_hyperparameters", "HYPERPARAMETER_EXTRAS"]

@@ -36,11 +36,11 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from tools.mutants import Mutant, mutants_of_file
 

@@ -8,7 +8,8 @@ root is always a unit). Every method is called on every rank of the pool, in the
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -201,7 +202,6 @@ class TorchFSDP1OptimStateOps:
         return out
 
     def _state_dict_type(self, model, *, rank0_only=False, cpu_offload=False, sharded=False):
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import (
             FullOptimStateDictConfig,
             FullStateDictConfig,
@@ -209,10 +209,12 @@ class TorchFSDP1OptimStateOps:
             ShardedStateDictConfig,
             StateDictType,
         )
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         if sharded:
             return FSDP.state_dict_type(
-                model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=cpu_offload), ShardedOptimStateDictConfig(offload_to_cpu=cpu_offload)
+                model, StateDictType.SHARDED_STATE_DICT,
+                ShardedStateDictConfig(offload_to_cpu=cpu_offload), ShardedOptimStateDictConfig(offload_to_cpu=cpu_offload)
             )
         return FSDP.state_dict_type(
             model,

@@ -17,9 +17,10 @@ import sys
 import tempfile
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 import pytest
 

@@ -15,10 +15,11 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from conformance.harness.worker import RankOutcome, Task, rank_main, recv_message, send_message
 

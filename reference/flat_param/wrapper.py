@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple, SupportsIndex, cast
 
 import torch
 import torch.nn as nn
@@ -344,14 +345,14 @@ class FlatParameter(nn.Parameter):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FlatParameter:
         if id(self) in memo:
-            return memo[id(self)]
+            return cast(FlatParameter, memo[id(self)])
         result = _rebuild_flat_param(
             self.data.clone(memory_format=torch.preserve_format), self.requires_grad, self._layout, self._shard_range
         )
         memo[id(self)] = result
         return result
 
-    def __reduce_ex__(self, proto: int) -> tuple[Any, ...]:
+    def __reduce_ex__(self, proto: SupportsIndex) -> tuple[Any, ...]:
         # nn.Parameter's reduce would call FlatParameter(data, requires_grad), which means "flatten
         # [data]"; rebuild from data plus metadata instead. Hooks are not pickled, as for Parameter.
         return (_rebuild_flat_param, (self.data, self.requires_grad, self._layout, self._shard_range))
@@ -492,7 +493,8 @@ class FlattenParamsWrapper(nn.Module):
 
     def __getitem__(self, key: Any) -> Any:
         """Indexing falls through to the wrapped module (an ``nn.Sequential``, ``nn.ModuleList``)."""
-        return self._fpw_module[key]
+        module: Any = self._fpw_module  # nn.Module declares no __getitem__; its subclasses here do
+        return module[key]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._finish_interrupted_load()
@@ -611,7 +613,7 @@ class FlattenParamsWrapper(nn.Module):
         # views[0] starts at flat index 0, so equal pointers mean the same memory (the views keep
         # their storage alive, so a replaced flat_param.data cannot reuse the address).
         if len(views) == len(self._slots) and views and views[0].data_ptr() == flat.data_ptr():
-            return views
+            return cast(tuple[Tensor, ...], views)
         return None
 
     def _flatten(self) -> None:
@@ -826,8 +828,8 @@ def _check_uniform(primaries: list[_Slot], tensors: list[Tensor]) -> None:
 def _byte_span(t: Tensor) -> tuple[int, int, int]:
     """(storage pointer, first byte, one past the last byte) of the memory ``t`` can touch."""
     size = t.element_size()
-    first = t.storage_offset()
-    last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    first = int(t.storage_offset())
+    last = first + sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride()))
     return t.untyped_storage().data_ptr(), first * size, (last + 1) * size
 
 

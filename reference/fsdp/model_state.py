@@ -8,7 +8,8 @@ Every function is collective over the model's group (every rank calls it, in the
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -148,7 +149,7 @@ def load_sharded_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, 
 
     # The gathers below are issued per DTensor entry: every rank must hold the same ones.
     every = comm.gather_agreed(model_group(model), check)
-    for rank, keys in enumerate(every):
+    for keys in every:
         if keys != every[0]:
             odd = sorted(set(keys) ^ set(every[0]))[0]
             forms = ", ".join(f"rank {r}: {'DTensor' if odd in k else 'no DTensor'}" for r, k in enumerate(every))

@@ -27,11 +27,11 @@ over the model's groups (every rank, same order); :func:`get_fqn_to_fsdp_param_i
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from reference import comm

@@ -2,8 +2,9 @@
 
 ``FullyShardedDataParallel`` mirrors the names of ``torch.distributed.fsdp.FullyShardedDataParallel``
 (constructor arguments, ``ShardingStrategy``, ``fsdp_modules``, and ``optim_state_dict`` /
-``optim_state_dict_to_load``, attached by :mod:`reference.fsdp` from :mod:`reference.fsdp.optim_keys`) so that a torch user reads it without a glossary. It exists to produce
-real sharded parameters and optimizer state for the conformance suite; it is not a training framework
+``optim_state_dict_to_load``, attached by :mod:`reference.fsdp` from :mod:`reference.fsdp.optim_keys`)
+so that a torch user reads it without a glossary. It exists to produce real sharded parameters and
+optimizer state for the conformance suite; it is not a training framework
 (no prefetching, no mixed precision, no CPU offload of parameters).
 
 Each *unit* (an instance of the class) flattens the parameters of its module that no nested unit owns
@@ -33,9 +34,9 @@ every rank of the model's groups calls them, in the same order):
 
 from __future__ import annotations
 
-import contextlib
 import enum
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -29,7 +29,7 @@ import contextlib
 import gc
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ ValueType = Any
 ModelStateDict = dict[str, ValueType]
 OptimizerStateDict = dict[str, ValueType]
 ModuleKeyedStateDict = Mapping[nn.Module, Mapping[str, ValueType]]
-Optimizers = Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer]]
+Optimizers = torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
 
 #: The key suffix under which nn.Module stores get_extra_state(): its value may be any object.
 _EXTRA_STATE_SUFFIX = "_extra_state"

@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from reference import comm
-from reference.state_dict import optim_fqn as _optim
 from reference.fqn import FQNResolver, named_parameter_fqns
+from reference.state_dict import optim_fqn as _optim
 
 if TYPE_CHECKING:
     from reference.state_dict.options import StateDictOptions
