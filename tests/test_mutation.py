@@ -335,6 +335,7 @@ def test_mutants_reach_the_rank_processes(tmp_path: Path) -> None:
     section = Section("XX", ("reference/comm.py",), ("conformance/test_mutation_canary.py",))
     source = (scratch / "reference" / "comm.py").read_text()
     gather = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "all_gather_flat")
+    assert gather.end_lineno is not None
     [mutant] = [
         m
         for m in mutants_of_file(scratch, "reference/comm.py")

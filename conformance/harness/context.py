@@ -43,7 +43,9 @@ class RankContext:
     @property
     def group(self) -> dist.ProcessGroup:
         """The default process group of the pool."""
-        return dist.group.WORLD
+        group = dist.group.WORLD
+        assert group is not None, "a pool's rank runs in an initialized default group"
+        return group
 
     @property
     def is_coordinator(self) -> bool:

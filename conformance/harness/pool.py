@@ -186,7 +186,7 @@ class RankPool:
             waitables = {self._conns[r]: r for r in pending}
             sentinels = {self._procs[r].sentinel: r for r in pending}
             ready = wait(list(waitables) + list(sentinels), timeout=limit - now)
-            for rank in sorted({waitables.get(obj, sentinels.get(obj)) for obj in ready}):
+            for rank in sorted({waitables[obj] if obj in waitables else sentinels[obj] for obj in ready}):
                 if rank not in pending:
                     continue
                 outcome = self._try_recv(rank)

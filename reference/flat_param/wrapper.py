@@ -357,10 +357,11 @@ class FlatParameter(nn.Parameter):
         # [data]"; rebuild from data plus metadata instead. Hooks are not pickled, as for Parameter.
         return (_rebuild_flat_param, (self.data, self.requires_grad, self._layout, self._shard_range))
 
-    def __repr__(self) -> str:
-        return f"FlatParameter({len(self._layout.names)} params, {self.full_numel} elements) containing:\n" + (
-            Tensor.__repr__(self)
-        )
+    # torch declares Tensor.__repr__ through a decorator that mypy reads as untyped, with a keyword it
+    # cannot name: neither the override nor the call can be checked.
+    def __repr__(self) -> str:  # type: ignore[override]
+        contents = Tensor.__repr__(self)  # type: ignore[no-untyped-call]
+        return f"FlatParameter({len(self._layout.names)} params, {self.full_numel} elements) containing:\n{contents}"
 
 
 def _rebuild_flat_param(data: Tensor, requires_grad: bool, layout: _Layout, shard_range: ShardRange) -> FlatParameter:
@@ -730,7 +731,7 @@ class FlattenParamsWrapper(nn.Module):
         # .to()/.cuda()/.double() may replace flat_param by a plain Parameter (on a device change, or
         # with swap_module_params_on_conversion), and always leave the views on the old memory.
         flat = self._flat
-        super()._apply(fn, *args, **kwargs)
+        nn.Module._apply(self, fn, *args, **kwargs)  # not super(): mypy checks the call only this way
         if flat is None:
             return self
         if self._flattened:
@@ -759,13 +760,13 @@ class FlattenParamsWrapper(nn.Module):
         if self._flattened:
             with torch.no_grad():
                 self._set_views()
-        state = dict(super().__getstate__())
+        state = dict(nn.Module.__getstate__(self))
         state["_views"] = ()  # the views are the modules' attributes; __setstate__ rebuilds them
         state["_params"] = ()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
+        nn.Module.__setstate__(self, state)
         if self._flattened:
             self._set_views()
 

@@ -109,6 +109,8 @@ class FullyShardedDataParallel(nn.Module):
     checks are agreed on (one all-gather): when one rank's module is bad, every rank raises its error.
     """
 
+    _is_root: bool  #: False once an enclosing unit is built around this one
+
     def __init__(
         self,
         module: nn.Module,
@@ -135,7 +137,7 @@ class FullyShardedDataParallel(nn.Module):
         self.device = _compute_device(module, device_id)
         # Checked before anything is wrapped, so that a bad layout leaves the model untouched, and agreed
         # on by every rank, so that one rank's bad model (a layer frozen there only) fails every rank.
-        def check() -> tuple[Any, dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup, AutoWrapPolicy | None]:
+        def check() -> tuple[Any, dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup | None, AutoWrapPolicy | None]:
             groups = _resolve_groups(sharding_strategy, process_group, device_mesh)
             policy = _as_policy(auto_wrap_policy)
             if policy is not None:
@@ -187,7 +189,9 @@ class FullyShardedDataParallel(nn.Module):
     @property
     def module(self) -> nn.Module:
         """The wrapped module."""
-        return self._modules[FSDP_WRAPPED_MODULE]
+        module = self._modules[FSDP_WRAPPED_MODULE]
+        assert module is not None  # added in __init__, never removed
+        return module
 
     @property
     def handle(self) -> FlatParamHandle | None:
@@ -202,6 +206,8 @@ class FullyShardedDataParallel(nn.Module):
         if self._device_mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
 
+            if self.process_group is None:
+                raise RuntimeError("device_mesh: the unit has no process group (torch.distributed was not initialized)")
             self._device_mesh = DeviceMesh.from_group(self.process_group, self.device.type)
         return self._device_mesh
 
@@ -258,7 +264,7 @@ def _compute_device(module: nn.Module, device_id: torch.device | int | None) -> 
 
 def _resolve_groups(
     strategy: ShardingStrategy, process_group: dist.ProcessGroup | None, device_mesh: Any | None
-) -> tuple[Any | None, dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup]:
+) -> tuple[Any | None, dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """``(mesh, shard_group, replicate_group, world_group)``: the two axes (None when trivial) and the
     group spanning both, over which ranks agree on optimizer-state keys."""
     if process_group is not None and device_mesh is not None:
@@ -299,7 +305,8 @@ def _construction_group(process_group: dist.ProcessGroup | None, device_mesh: An
     if process_group is not None:
         return process_group
     if device_mesh is not None and device_mesh.ndim == 1:
-        return device_mesh.get_group()
+        group: dist.ProcessGroup = device_mesh.get_group()
+        return group
     return dist.group.WORLD  # a 2-D mesh covers the world (checked by _resolve_groups)
 
 
