@@ -40,6 +40,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from conformance.adapters.base import Unsupported
+from conformance.adapters.sharding import ShardingPlan, child_units
 from conformance.asserts import assert_same_state, bits, expected_local_chunk, fail
 from conformance.fqn import canonical_fqn
 from conformance.values import EDGE_DTYPES, edge_values, perturb_hyperparameters
@@ -1182,7 +1183,8 @@ def _os_run(ctx: Any, impl: Any, case: Case, sharding: Sharding, seed: int, plan
     ops = impl.require("optim_state")
     model = build(case.model, seed, ctx.device)
     unit_ids = {id(model.get_submodule(path)) for path in sharding.units}
-    wrapped = ops.wrap(model, strategy=sharding.strategy, use_orig_params=sharding.use_orig_params, units=lambda m: id(m) in unit_ids, device=ctx.device)
+    sharding_plan = ShardingPlan(sharding.strategy, sharding.use_orig_params, units=lambda m: id(m) in unit_ids, device=ctx.device)
+    wrapped = impl.require("sharding").shard(model, sharding_plan)
     optim = make_optimizer(case.optimizer, plan, [(tuple(canonical_fqn(f) for f in fqns), p) for fqns, p in ops.optimizer_params(wrapped)], perturb=perturb)
     return ops, wrapped, optim
 
@@ -1289,7 +1291,8 @@ def optim_state_both(ctx: Any, impl: Any, case: Case) -> Any:
 
 def _ml_run(ctx: Any, impl: Any, case: Case, seed: int, plan: OptimPlan, *, perturb: bool) -> tuple[Any, nn.Module, torch.optim.Optimizer]:
     ops = impl.require("checkpoint")
-    model = ops.shard(build(case.model, seed, ctx.device), ctx.mesh())
+    sharding_plan = ShardingPlan(use_orig_params=True, device=ctx.device, mesh=ctx.mesh())
+    model = impl.require("sharding").shard(build(case.model, seed, ctx.device), sharding_plan)
     optim = make_optimizer(case.optimizer, plan, [((canonical_fqn(n),), p) for n, p in model.named_parameters()], perturb=perturb)
     return ops, model, optim
 
@@ -1593,8 +1596,10 @@ def sd_named_params(spec: ModelSpec, units: Sequence[str], model: nn.Module) -> 
     return out
 
 
-def _sd_shard(ops: Any, case: Case, sharding: Sharding, seed: int, device: torch.device) -> nn.Module:
-    return ops.shard(build(case.model, seed, device), device, strategy=sharding.strategy)
+def _sd_shard(impl: Any, case: Case, sharding: Sharding, seed: int, device: torch.device) -> nn.Module:
+    """The SD tests' sharding (see conformance.test_state_dict.sd_shard); Unsupported if the adapter lacks it."""
+    model = build(case.model, seed, device)
+    return impl.sharding().shard(model, ShardingPlan(strategy=sharding.strategy, units=child_units(model), device=device))
 
 
 @_single_threaded
@@ -1610,8 +1615,8 @@ def sharded_state_dict_round_trip(ctx: Any, impl: Any, case: Case) -> Any:
     full_options = ops.options(full_state_dict=True)
     spec, keys = case.model, case.model.trainable()
     try:
-        source = _sd_shard(ops, case, case.save, 0, ctx.device)
-        target = _sd_shard(ops, case, case.load, 1, ctx.device)
+        source = _sd_shard(impl, case, case.save, 0, ctx.device)
+        target = _sd_shard(impl, case, case.load, 1, ctx.device)
     except Unsupported as exc:
         return Refused(str(exc))
     optim = make_optimizer(case.optimizer, case.source, sd_named_params(spec, case.save.units, source))

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conformance import models
 from conformance.adapters.base import Unsupported
+from conformance.adapters.sharding import ShardingPlan
 from conformance.asserts import (
     assert_bitwise_equal,
     assert_local_shard,
@@ -57,6 +58,11 @@ from conformance.values import EDGE_DTYPES, different_like, edge_tensors, pertur
 
 def _ops(impl: Any) -> Any:
     return impl.require("checkpoint")
+
+
+def _shard(impl: Any, model: nn.Module, dist: Any) -> nn.Module:
+    """``model`` sharded by ``impl`` over the pool's 1-D mesh (FULL_SHARD, original parameters, one unit)."""
+    return impl.require("sharding").shard(model, ShardingPlan(use_orig_params=True, device=dist.device, mesh=dist.mesh()))
 
 
 def _call(fn: Callable[[], Any]) -> Any:
@@ -783,7 +789,7 @@ def _hyperparameters(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _save_training(dist: Any, impl: Any, name: str, path: str, saved_path: str) -> None:
     ops = _ops(impl)
-    model = ops.shard(models.build(name, seed=11, device=dist.device), dist.mesh())
+    model = _shard(impl, models.build(name, seed=11, device=dist.device), dist)
     optimizer = _optimizer(model)
     _train(model, optimizer, name, range(_TRAIN_STEPS), dist.device)
     model_sd, optim_sd = ops.get_state_dicts(model, optimizer)
@@ -815,7 +821,7 @@ def _assert_matches_full(dist: Any, got: Any, full: Any, where: str) -> None:
 
 def _load_training(dist: Any, impl: Any, name: str, path: str, saved_path: str) -> None:
     ops = _ops(impl)
-    model = ops.shard(models.build(name, seed=99, device=dist.device), dist.mesh())
+    model = _shard(impl, models.build(name, seed=99, device=dist.device), dist)
     optimizer = _optimizer(model, reverse=True)
     perturb_hyperparameters(optimizer)
     _train(model, optimizer, name, range(50, 51), dist.device)  # optimizer state to load into, from another batch
