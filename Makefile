@@ -22,7 +22,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 IMPL_ARG := $(if $(IMPL),--impl $(IMPL),)
 
-.PHONY: setup conformance test bench asv asv-gate mutation clean
+.PHONY: setup conformance lint test bench asv asv-gate mutation clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,7 @@ $(PY):
 # Re-run only when the dependency declarations change: a second `make test` adds no set-up time.
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(if $(strip $(TORCH_SPEC)),$(PY) -m pip install -q "$(TORCH_SPEC)")
-	$(PY) -m pip install -q -c constraints.txt -e ".[bench,fairscale]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[bench,fairscale,dev]"
 	@touch $@
 
 setup: $(STAMP)
@@ -39,10 +39,16 @@ setup: $(STAMP)
 conformance: setup
 	$(PY) -m tools.report run --world-size $(WORLD_SIZE) $(IMPL_ARG) -- $(PYTEST_ARGS)
 
-# Everything CI runs: harness and tool self-tests, the conformance suite, every benchmark once.
-test: setup
+# Everything CI runs: lint and types first (fail fast; configured in pyproject.toml), then harness and
+# tool self-tests, the conformance suite, every benchmark once.
+test: setup lint
 	$(PY) -m pytest tests conformance --world-size $(WORLD_SIZE) $(IMPL_ARG) $(PYTEST_ARGS)
 	$(PY) -m pytest bench --benchmark-disable -q -p no:cacheprovider
+
+# ruff (lint and import order) and mypy (strict on reference/, checked elsewhere), a few seconds each.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 # Side-by-side pytest-benchmark tables (reference vs torch vs raw), a few minutes.
 bench: setup

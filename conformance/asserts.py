@@ -35,7 +35,7 @@ import re
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import torch
@@ -69,7 +69,7 @@ __all__ = [
 WRAPPER_SEGMENTS: tuple[str, ...] = (*(segment + "." for segment in fqn.WRAPPER_SEGMENTS), "flat_param_0", "_flat_param")
 
 
-def fail(what: str, got: Any, expected: Any, where: str = "") -> None:
+def fail(what: str, got: Any, expected: Any, where: str = "") -> NoReturn:
     """Fail the test with the suite's one message shape."""
     __tracebackhide__ = True
     lines = [what, f"  got:      {got}", f"  expected: {expected}"]
@@ -131,8 +131,8 @@ def _first_difference(got: torch.Tensor, expected: torch.Tensor) -> str:
     g = got.detach().cpu().reshape(-1)[flat].item()
     e = expected.detach().cpu().reshape(-1)[flat].item()
     if repr(g) == repr(e):  # NaNs with different payloads, or values the dtype prints alike: show the bits
-        g, e = (f"{v!r} (bits {int(bits(t).reshape(-1)[flat]):#x})" for v, t in ((g, got), (e, expected)))
-        return f"{diff.numel()} of {expected.numel()} elements differ; first at index {index}: {g} vs {e}"
+        g_bits, e_bits = (f"{v!r} (bits {int(bits(t).reshape(-1)[flat]):#x})" for v, t in ((g, got), (e, expected)))
+        return f"{diff.numel()} of {expected.numel()} elements differ; first at index {index}: {g_bits} vs {e_bits}"
     return f"{diff.numel()} of {expected.numel()} elements differ; first at index {index}: {g!r} vs {e!r}"
 
 
@@ -152,7 +152,7 @@ def assert_bitwise_equal(got: Any, expected: torch.Tensor, *, what: str = "tenso
         if got.device.type != expected.device.type:
             fail(f"{what}: device differs", got.device, expected.device, where)
         return
-    if isinstance(got, DTensor):
+    if isinstance(got, DTensor) and isinstance(expected, DTensor):  # both or neither (checked above)
         assert_local_shard(got, expected.full_tensor(), what=what, where=where)
         return
     if not torch.equal(bits(got), bits(expected)):
@@ -334,9 +334,9 @@ def _state_of(obj: Any) -> Any:
     if isinstance(obj, torch.optim.Optimizer):
         index = {id(p): i for i, p in enumerate(p for g in obj.param_groups for p in g["params"])}
         groups = [{k: (list(range(len(v))) if k == "params" else _state_of(v)) for k, v in g.items()} for g in obj.param_groups]
-        params = [[index[id(p)] for p in g["params"]] for g in obj.param_groups]
+        order = [[index[id(p)] for p in g["params"]] for g in obj.param_groups]
         state = {index.get(id(p), repr(p.shape)): _state_of(s) for p, s in obj.state.items()}
-        return {"param_groups": groups, "param_order": params, "state": state}
+        return {"param_groups": groups, "param_order": order, "state": state}
     if isinstance(obj, Mapping):
         return {"__type__": type(obj).__name__, "items": [(k, id(v), _state_of(v)) for k, v in obj.items()]}
     if isinstance(obj, (list, tuple)):

@@ -31,7 +31,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from conformance.adapters.base import Unsupported
+from conformance.adapters.sharding import ShardingPlan, child_units
 from conformance.asserts import assert_same_state, bits, expected_local_chunk, fail
 from conformance.fqn import canonical_fqn
 from conformance.values import EDGE_DTYPES, edge_values, perturb_hyperparameters
@@ -178,7 +179,7 @@ class Module:
     """A module whose output is its children's outputs (and its ties' ``tanh(x @ w.T)``) concatenated."""
 
     name: str
-    children: tuple[Union[Linear, "Module"], ...] = ()
+    children: tuple[Linear | Module, ...] = ()
     buffers: tuple[Buffer, ...] = ()
     ties: tuple[Tie, ...] = ()
 
@@ -186,7 +187,7 @@ class Module:
         return f"{self.name}:"
 
 
-Node = Union[Linear, Module]
+Node = Linear | Module
 
 
 def _join(prefix: str, name: str) -> str:
@@ -578,7 +579,9 @@ KNOWN_DEVIATIONS: tuple[Deviation, ...] = (
             "copying into the third name ('aten.copy_.default got mixed torch.Tensor and DTensor' at world size 1, "
             "'in-place operations that require placement changes are not supported' at 2; OS-10, OS-19, SD-13; "
             "found by this test)",
-            (lambda c: _max_names(c.model) >= 3) if capability == "optim_state" else (lambda c: _max_names(c.model) >= 3 and c.option("state dicts", "").startswith("full")),
+            (lambda c: _max_names(c.model) >= 3)
+            if capability == "optim_state"
+            else (lambda c: _max_names(c.model) >= 3 and c.option("state dicts", "").startswith("full")),
         )
         for capability in ("optim_state", "sharded_state_dict")
     ),
@@ -1041,12 +1044,15 @@ def fqn_keyed(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     }
 
 
-def assert_optimizer_matches(got: Mapping[str, Any], expected: Mapping[str, Any], keys: Sequence[str], *, what: str, where: str, atol: float | None = None, rtol: float = 0.0) -> None:
+def assert_optimizer_matches(got: Mapping[str, Any], expected: Mapping[str, Any], keys: Sequence[str], *, what: str, where: str,
+        atol: float | None = None, rtol: float = 0.0) -> None:
     """Parameter by parameter: the same hyperparameters (exactly) and state (bitwise, or within ``atol``)."""
     __tracebackhide__ = True
     g, e = by_parameter(got, keys), by_parameter(expected, keys)
-    assert_same_state({k: v["hyperparameters"] for k, v in g.items()}, {k: v["hyperparameters"] for k, v in e.items()}, what=f"{what}: hyperparameters", where=where)
-    assert_same_state({k: v["state"] for k, v in g.items()}, {k: v["state"] for k, v in e.items()}, what=f"{what}: state", where=where, atol=atol, rtol=rtol, check_order=False)
+    assert_same_state({k: v["hyperparameters"] for k, v in g.items()}, {k: v["hyperparameters"] for k, v in e.items()},
+        what=f"{what}: hyperparameters", where=where)
+    assert_same_state({k: v["state"] for k, v in g.items()}, {k: v["state"] for k, v in e.items()}, what=f"{what}: state", where=where, atol=atol,
+        rtol=rtol, check_order=False)
 
 
 def assert_local_shards(got: Any, expected: Any, *, what: str, where: str, atol: float | None = None, rtol: float = 0.0) -> None:
@@ -1068,7 +1074,8 @@ def assert_local_shards(got: Any, expected: Any, *, what: str, where: str, atol:
         return
     piece, offsets = expected_local_chunk(expected.detach().cpu(), got.placements, tuple(got.device_mesh.shape), tuple(coordinate))
     assert_same_state(
-        got.to_local().detach().cpu(), piece, what=f"{what}: local shard", where=f"{where} (mesh coordinate {tuple(coordinate)}, {got.placements}, offsets {offsets})", atol=atol, rtol=rtol
+        got.to_local().detach().cpu(), piece, what=f"{what}: local shard",
+        where=f"{where} (mesh coordinate {tuple(coordinate)}, {got.placements}, offsets {offsets})", atol=atol, rtol=rtol
     )
 
 
@@ -1079,7 +1086,8 @@ def split_state(spec: ModelSpec, state: Mapping[str, Any]) -> tuple[dict[str, An
 
 
 def assert_model_matches(
-    spec: ModelSpec, got: Mapping[str, Any], expected: Mapping[str, Any], *, what: str, where: str, atol: float | None = None, rtol: float = 0.0, check_order: bool = True
+    spec: ModelSpec, got: Mapping[str, Any], expected: Mapping[str, Any], *, what: str, where: str,
+    atol: float | None = None, rtol: float = 0.0, check_order: bool = True
 ) -> None:
     """The same keys (in the same order, where the requirement says so: SD-1, FP-12); buffers bitwise
     (never computed), parameters bitwise or within ``atol``."""
@@ -1152,7 +1160,8 @@ def oracle_run(case: Case, steps: int, device: torch.device | str = "cpu") -> tu
     return model, optim
 
 
-def warm_target(case: Case, model: nn.Module, optim: torch.optim.Optimizer, device: torch.device | str, rank_slice: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> None:
+def warm_target(case: Case, model: nn.Module, optim: torch.optim.Optimizer, device: torch.device | str,
+        rank_slice: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> None:
     """One step on a batch no source sees, so the target has optimizer state of its own to overwrite."""
     train_step(model, optim, rank_slice(batch(case.model, 999, device)))
 
@@ -1174,7 +1183,8 @@ def _os_run(ctx: Any, impl: Any, case: Case, sharding: Sharding, seed: int, plan
     ops = impl.require("optim_state")
     model = build(case.model, seed, ctx.device)
     unit_ids = {id(model.get_submodule(path)) for path in sharding.units}
-    wrapped = ops.wrap(model, strategy=sharding.strategy, use_orig_params=sharding.use_orig_params, units=lambda m: id(m) in unit_ids, device=ctx.device)
+    sharding_plan = ShardingPlan(sharding.strategy, sharding.use_orig_params, units=lambda m: id(m) in unit_ids, device=ctx.device)
+    wrapped = impl.require("sharding").shard(model, sharding_plan)
     optim = make_optimizer(case.optimizer, plan, [(tuple(canonical_fqn(f) for f in fqns), p) for fqns, p in ops.optimizer_params(wrapped)], perturb=perturb)
     return ops, wrapped, optim
 
@@ -1201,10 +1211,12 @@ def optim_state_save(ctx: Any, impl: Any, case: Case, *, keep: bool = False) -> 
     atol, rtol = tolerance(case.model)
     where = f"rank {ctx.rank}, saving side ({case.save.describe()}), after {case.steps} steps"
     model_sd = to_cpu(ops.full_state_dict(model))
-    assert_model_matches(case.model, model_sd, to_cpu(oracle.state_dict()), what="full model state dict vs the unwrapped model", where=where, atol=atol, rtol=rtol, check_order=False)
+    assert_model_matches(case.model, model_sd, to_cpu(oracle.state_dict()), what="full model state dict vs the unwrapped model", where=where,
+        atol=atol, rtol=rtol, check_order=False)
     full_osd = to_cpu(ops.optim_state_dict(model, optim))
     keys = case.model.trainable()
-    assert_optimizer_matches(full_osd, to_cpu(fqn_keyed(oracle, oracle_optim)), keys, what="full optimizer state dict vs the unwrapped model", where=where, atol=atol, rtol=rtol)
+    assert_optimizer_matches(full_osd, to_cpu(fqn_keyed(oracle, oracle_optim)), keys, what="full optimizer state dict vs the unwrapped model",
+        where=where, atol=atol, rtol=rtol)
     if keep:
         return ops, model, optim, model_sd, full_osd
     return model_sd, full_osd
@@ -1225,8 +1237,10 @@ def _continue_and_compare(
     atol, rtol = tolerance(case.model)
     got_model, got_optim = read_state()
     where = f"{where}, {case.more_steps} more step(s) after the load"
-    assert_model_matches(case.model, got_model, to_cpu(oracle.state_dict()), what="model vs the unwrapped run that never stopped", where=where, atol=atol, rtol=rtol, check_order=False)
-    assert_optimizer_matches(got_optim, to_cpu(fqn_keyed(oracle, oracle_optim)), keys, what="optimizer vs the unwrapped run that never stopped", where=where, atol=atol, rtol=rtol)
+    assert_model_matches(case.model, got_model, to_cpu(oracle.state_dict()), what="model vs the unwrapped run that never stopped", where=where,
+        atol=atol, rtol=rtol, check_order=False)
+    assert_optimizer_matches(got_optim, to_cpu(fqn_keyed(oracle, oracle_optim)), keys, what="optimizer vs the unwrapped run that never stopped",
+        where=where, atol=atol, rtol=rtol)
 
 
 def optim_state_load(ctx: Any, impl: Any, case: Case, saved: Any) -> Any:
@@ -1245,8 +1259,10 @@ def optim_state_load(ctx: Any, impl: Any, case: Case, saved: Any) -> Any:
     ops.load_full_state_dict(model, {k: v.to(ctx.device) for k, v in model_sd.items()})
     ops.load_optim_state_dict(model, optim, to_load)
     keys = case.model.trainable()
-    assert_model_matches(case.model, to_cpu(ops.full_state_dict(model)), model_sd, what="full model state dict right after the load vs the saved one", where=where, check_order=False)
-    assert_optimizer_matches(to_cpu(ops.optim_state_dict(model, optim)), osd, keys, what="optimizer state dict right after the load vs the saved one", where=where)
+    assert_model_matches(case.model, to_cpu(ops.full_state_dict(model)), model_sd, what="full model state dict right after the load vs the saved one",
+        where=where, check_order=False)
+    assert_optimizer_matches(to_cpu(ops.optim_state_dict(model, optim)), osd, keys, what="optimizer state dict right after the load vs the saved one",
+        where=where)
     assert_same_state(non_persistent_buffers(case.model, model), before, what="non-persistent buffers changed by a load", where=where)
     _continue_and_compare(
         case, ctx, model, optim, lambda: (to_cpu(ops.full_state_dict(model)), to_cpu(ops.optim_state_dict(model, optim))), where
@@ -1275,7 +1291,8 @@ def optim_state_both(ctx: Any, impl: Any, case: Case) -> Any:
 
 def _ml_run(ctx: Any, impl: Any, case: Case, seed: int, plan: OptimPlan, *, perturb: bool) -> tuple[Any, nn.Module, torch.optim.Optimizer]:
     ops = impl.require("checkpoint")
-    model = ops.shard(build(case.model, seed, ctx.device), ctx.mesh())
+    sharding_plan = ShardingPlan(use_orig_params=True, device=ctx.device, mesh=ctx.mesh())
+    model = impl.require("sharding").shard(build(case.model, seed, ctx.device), sharding_plan)
     optim = make_optimizer(case.optimizer, plan, [((canonical_fqn(n),), p) for n, p in model.named_parameters()], perturb=perturb)
     return ops, model, optim
 
@@ -1299,8 +1316,10 @@ def checkpoint_save(ctx: Any, impl: Any, case: Case, path: str) -> Any:
     where = f"rank {ctx.rank}, saving side at world size {ctx.world_size}, after {case.steps} steps"
     assert_local_shards(model_sd, to_cpu(oracle.state_dict()), what="sharded model state dict", where=where, atol=atol, rtol=rtol)
     assert_local_shards(optim_sd, to_cpu(fqn_keyed(oracle, oracle_optim)), what="sharded optimizer state dict", where=where, atol=atol, rtol=rtol)
-    assert_model_matches(case.model, full_model, to_cpu(oracle.state_dict()), what="sharded model state dict vs the unwrapped model", where=where, atol=atol, rtol=rtol, check_order=False)
-    assert_optimizer_matches(full_optim, to_cpu(fqn_keyed(oracle, oracle_optim)), case.model.trainable(), what="sharded optimizer state dict vs the unwrapped model", where=where, atol=atol, rtol=rtol)
+    assert_model_matches(case.model, full_model, to_cpu(oracle.state_dict()), what="sharded model state dict vs the unwrapped model", where=where,
+        atol=atol, rtol=rtol, check_order=False)
+    assert_optimizer_matches(full_optim, to_cpu(fqn_keyed(oracle, oracle_optim)), case.model.trainable(),
+        what="sharded optimizer state dict vs the unwrapped model", where=where, atol=atol, rtol=rtol)
     return (full_model, full_optim) if ctx.rank == 0 else None
 
 
@@ -1362,7 +1381,8 @@ def state_dict_round_trip(ops: Any, case: Case) -> None:
     model_sd, optim_sd = ops.get_state_dict(wrap_for_state_dict(source, how), source_optim, options=options)
     assert_model_matches(spec, model_sd, oracle.state_dict(), what="get_state_dict: model state dict vs nn.Module.state_dict()", where=f"wrapper {how}")
     if not flatten:
-        assert_optimizer_matches(optim_sd, fqn_keyed(oracle, oracle_optim), keys, what="get_state_dict: optimizer state dict vs Optimizer.state_dict() by FQN", where=f"wrapper {how}")
+        assert_optimizer_matches(optim_sd, fqn_keyed(oracle, oracle_optim), keys,
+            what="get_state_dict: optimizer state dict vs Optimizer.state_dict() by FQN", where=f"wrapper {how}")
     saved = copy.deepcopy((model_sd, optim_sd))  # as through a file: the target must not share tensors with the source
 
     target = build(spec, 1)
@@ -1374,7 +1394,8 @@ def state_dict_round_trip(ops: Any, case: Case) -> None:
     again_model, again_optim = ops.get_state_dict(target, target_optim, options=options)
     assert_model_matches(spec, again_model, saved[0], what="get after set: model state dict vs the saved one", where=f"wrapper {how}")
     if flatten:
-        assert_same_state(again_optim, saved[1], what="get after set: flattened optimizer state dict vs the saved one", where=f"wrapper {how}", check_order=False)
+        assert_same_state(again_optim, saved[1], what="get after set: flattened optimizer state dict vs the saved one", where=f"wrapper {how}",
+            check_order=False)
     else:
         assert_optimizer_matches(again_optim, saved[1], keys, what="get after set: optimizer state dict vs the saved one", where=f"wrapper {how}")
     assert_same_state(non_persistent_buffers(spec, target), before, what="non-persistent buffers changed by set_state_dict", where=f"wrapper {how}")
@@ -1385,7 +1406,8 @@ def state_dict_round_trip(ops: Any, case: Case) -> None:
         train_step(target, target_optim, x)
     where = f"wrapper {how}, {case.more_steps} more step(s) after the load"
     assert_model_matches(spec, target.state_dict(), oracle.state_dict(), what="model vs the unwrapped run that never stopped", where=where)
-    assert_optimizer_matches(fqn_keyed(target, target_optim), fqn_keyed(oracle, oracle_optim), keys, what="optimizer vs the unwrapped run that never stopped", where=where)
+    assert_optimizer_matches(fqn_keyed(target, target_optim), fqn_keyed(oracle, oracle_optim), keys,
+        what="optimizer vs the unwrapped run that never stopped", where=where)
 
 
 # -- controller-side runners: flat_param -------------------------------------------------------------------------
@@ -1472,7 +1494,8 @@ def flat_param_round_trip(ops: Any, case: Case) -> None:
         train_step(source, source_optim, batch(spec, step))
     where = f"after {case.steps} steps"
     assert_model_matches(spec, source.state_dict(), oracle.state_dict(), what="wrapped state_dict() vs the unwrapped model trained identically", where=where)
-    assert_optimizer_matches(flat_fqn_keyed(ops, source_named, source_optim, spec), fqn_keyed(oracle, oracle_optim), keys, what="flat optimizer state vs the unwrapped model's", where=where)
+    assert_optimizer_matches(flat_fqn_keyed(ops, source_named, source_optim, spec), fqn_keyed(oracle, oracle_optim), keys,
+        what="flat optimizer state vs the unwrapped model's", where=where)
     saved = copy.deepcopy((source.state_dict(), source_optim.state_dict()))
 
     target, target_wrappers = wrap_flat(ops, spec, build(spec, 1), case.option("_target_lists"))
@@ -1492,10 +1515,12 @@ def flat_param_round_trip(ops: Any, case: Case) -> None:
         train_step(target, target_optim, x)
     where = f"{case.more_steps} more step(s) after the load"
     assert_model_matches(spec, target.state_dict(), oracle.state_dict(), what="model vs the unwrapped run that never stopped", where=where)
-    assert_optimizer_matches(flat_fqn_keyed(ops, target_named, target_optim, spec), fqn_keyed(oracle, oracle_optim), keys, what="flat optimizer state vs the unwrapped run that never stopped", where=where)
+    assert_optimizer_matches(flat_fqn_keyed(ops, target_named, target_optim, spec), fqn_keyed(oracle, oracle_optim), keys,
+        what="flat optimizer state vs the unwrapped run that never stopped", where=where)
     plain = build(spec, 2)
     plain.load_state_dict(target.state_dict())
-    assert_model_matches(spec, plain.state_dict(), target.state_dict(), what="the unwrapped model after loading the wrapped model's state_dict()", where="FP-13, wrapped to unwrapped")
+    assert_model_matches(spec, plain.state_dict(), target.state_dict(), what="the unwrapped model after loading the wrapped model's state_dict()",
+        where="FP-13, wrapped to unwrapped")
 
 
 # -- sharded state_dict (SD-12, SD-13 with SD-11) ------------------------------------------------------------------
@@ -1571,8 +1596,10 @@ def sd_named_params(spec: ModelSpec, units: Sequence[str], model: nn.Module) -> 
     return out
 
 
-def _sd_shard(ops: Any, case: Case, sharding: Sharding, seed: int, device: torch.device) -> nn.Module:
-    return ops.shard(build(case.model, seed, device), device, strategy=sharding.strategy)
+def _sd_shard(impl: Any, case: Case, sharding: Sharding, seed: int, device: torch.device) -> nn.Module:
+    """The SD tests' sharding (see conformance.test_state_dict.sd_shard); Unsupported if the adapter lacks it."""
+    model = build(case.model, seed, device)
+    return impl.sharding().shard(model, ShardingPlan(strategy=sharding.strategy, units=child_units(model), device=device))
 
 
 @_single_threaded
@@ -1588,8 +1615,8 @@ def sharded_state_dict_round_trip(ctx: Any, impl: Any, case: Case) -> Any:
     full_options = ops.options(full_state_dict=True)
     spec, keys = case.model, case.model.trainable()
     try:
-        source = _sd_shard(ops, case, case.save, 0, ctx.device)
-        target = _sd_shard(ops, case, case.load, 1, ctx.device)
+        source = _sd_shard(impl, case, case.save, 0, ctx.device)
+        target = _sd_shard(impl, case, case.load, 1, ctx.device)
     except Unsupported as exc:
         return Refused(str(exc))
     optim = make_optimizer(case.optimizer, case.source, sd_named_params(spec, case.save.units, source))
@@ -1606,7 +1633,8 @@ def sharded_state_dict_round_trip(ctx: Any, impl: Any, case: Case) -> Any:
     assert_local_shards(model_sd, to_cpu(oracle.state_dict()), what="get_state_dict: model", where=where, atol=atol, rtol=rtol)
     assert_local_shards(optim_sd, oracle_osd, what="get_state_dict: optimizer", where=where, atol=atol, rtol=rtol)
     saved = (to_cpu(model_sd), to_cpu(optim_sd))
-    assert_model_matches(spec, saved[0], to_cpu(oracle.state_dict()), what="get_state_dict: model vs the unwrapped model", where=where, atol=atol, rtol=rtol, check_order=False)
+    assert_model_matches(spec, saved[0], to_cpu(oracle.state_dict()), what="get_state_dict: model vs the unwrapped model", where=where, atol=atol,
+        rtol=rtol, check_order=False)
     assert_optimizer_matches(saved[1], oracle_osd, keys, what="get_state_dict: optimizer vs the unwrapped model", where=where, atol=atol, rtol=rtol)
 
     target_optim = make_optimizer(case.optimizer, case.target, sd_named_params(spec, case.load.units, target), perturb=True)
@@ -1627,6 +1655,8 @@ def sharded_state_dict_round_trip(ctx: Any, impl: Any, case: Case) -> Any:
         train_step(target, target_optim, _slice(ctx)(x))
     where = f"rank {ctx.rank}, world size {ctx.world_size}, target {case.load.strategy}, {case.more_steps} more step(s)"
     got = [to_cpu(sd) for sd in ops.get_state_dict(target, target_optim, options=full_options)]
-    assert_model_matches(spec, got[0], to_cpu(oracle.state_dict()), what="model vs the unwrapped run that never stopped", where=where, atol=atol, rtol=rtol, check_order=False)
-    assert_optimizer_matches(got[1], to_cpu(fqn_keyed(oracle, oracle_optim)), keys, what="optimizer vs the unwrapped run that never stopped", where=where, atol=atol, rtol=rtol)
+    assert_model_matches(spec, got[0], to_cpu(oracle.state_dict()), what="model vs the unwrapped run that never stopped", where=where, atol=atol,
+        rtol=rtol, check_order=False)
+    assert_optimizer_matches(got[1], to_cpu(fqn_keyed(oracle, oracle_optim)), keys, what="optimizer vs the unwrapped run that never stopped",
+        where=where, atol=atol, rtol=rtol)
     return None

@@ -21,7 +21,7 @@ dtypes     float64 parameters (values float32 cannot hold) and one persistent bu
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn

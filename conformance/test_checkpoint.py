@@ -23,10 +23,10 @@ import math
 import pickle
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -35,21 +35,22 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conformance import models
 from conformance.adapters.base import Unsupported
+from conformance.adapters.sharding import ShardingPlan
 from conformance.asserts import (
-    check_each,
-    reraise,
     assert_bitwise_equal,
     assert_local_shard,
     assert_same_error_on_every_rank,
     assert_same_state,
     assert_unchanged,
+    check_each,
     expect_error,
     expected_local_chunk,
     fail,
     raised,
+    reraise,
     snapshot,
 )
-from conformance.compare import fqn_keyed_optim, full_on_cpu, full_tensor
+from conformance.compare import fqn_keyed_optim, full_on_cpu
 from conformance.values import EDGE_DTYPES, different_like, edge_tensors, perturb_hyperparameters
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -57,6 +58,11 @@ from conformance.values import EDGE_DTYPES, different_like, edge_tensors, pertur
 
 def _ops(impl: Any) -> Any:
     return impl.require("checkpoint")
+
+
+def _shard(impl: Any, model: nn.Module, dist: Any) -> nn.Module:
+    """``model`` sharded by ``impl`` over the pool's 1-D mesh (FULL_SHARD, original parameters, one unit)."""
+    return impl.require("sharding").shard(model, ShardingPlan(use_orig_params=True, device=dist.device, mesh=dist.mesh()))
 
 
 def _call(fn: Callable[[], Any]) -> Any:
@@ -452,8 +458,9 @@ def test_checkpoint_loads_across_implementations(dist, impl, reference_impl, sav
 def test_replicated_data_is_written_once(dist, impl) -> None:
     """Save a plain tensor, a replicated DTensor and a DTensor replicated along one mesh dim of a 2-D
     mesh; the metadata lists each chunk once, stores each once, and the chunks tile each tensor."""
-    from reference.checkpoint import read_metadata_file
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from reference.checkpoint import read_metadata_file
 
     ops = _ops(impl)
     path = dist.tmp_dir / "ckpt"
@@ -782,7 +789,7 @@ def _hyperparameters(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _save_training(dist: Any, impl: Any, name: str, path: str, saved_path: str) -> None:
     ops = _ops(impl)
-    model = ops.shard(models.build(name, seed=11, device=dist.device), dist.mesh())
+    model = _shard(impl, models.build(name, seed=11, device=dist.device), dist)
     optimizer = _optimizer(model)
     _train(model, optimizer, name, range(_TRAIN_STEPS), dist.device)
     model_sd, optim_sd = ops.get_state_dicts(model, optimizer)
@@ -814,7 +821,7 @@ def _assert_matches_full(dist: Any, got: Any, full: Any, where: str) -> None:
 
 def _load_training(dist: Any, impl: Any, name: str, path: str, saved_path: str) -> None:
     ops = _ops(impl)
-    model = ops.shard(models.build(name, seed=99, device=dist.device), dist.mesh())
+    model = _shard(impl, models.build(name, seed=99, device=dist.device), dist)
     optimizer = _optimizer(model, reverse=True)
     perturb_hyperparameters(optimizer)
     _train(model, optimizer, name, range(50, 51), dist.device)  # optimizer state to load into, from another batch

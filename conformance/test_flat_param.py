@@ -23,7 +23,8 @@ import copy
 import math
 import pickle
 import re
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -34,17 +35,17 @@ from conformance import models
 from conformance.adapters.base import Unsupported
 from conformance.adapters.flat_param import FlatParamInfo, FlatParamOps, ShardInfo
 from conformance.asserts import (
-    check_each,
-    reraise,
     WRAPPER_SEGMENTS,
     assert_bitwise_equal,
     assert_names_key,
     assert_same_state,
     assert_unchanged,
     bits,
+    check_each,
     expect_error,
     fail,
     raised,
+    reraise,
     snapshot,
 )
 from conformance.values import EDGE_DTYPES, different_like, edge_tensors

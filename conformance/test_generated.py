@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 from conformance import generated as gen
+from conformance.adapters.sharding import ShardingPlan
 
 # The pools fixture is function-scoped, which hypothesis warns about because it is not reset between
 # examples. It holds no per-example state (a handle on the session's rank pools; each pools.run gets a
@@ -113,9 +115,10 @@ def test_generated_optim_state_reload(impl: Any, pools: Any, pytestconfig: pytes
     state dict and full model state dict load into another seed's model sharded another way, maybe at
     another world size, whose optimizer lists its groups and parameters in another order with
     perturbed hyperparameters; the load is bitwise, and training on matches the unwrapped run."""
-    ops = impl.require("optim_state")
+    impl.require("optim_state")
     sizes = _world_sizes(pytestconfig)
-    choices = [(s, o) for s in gen.STRATEGIES for o in (False, True) if ops.unsupported(s, o) is None]
+    sharding = impl.require("sharding")
+    choices = [(s, o) for s in gen.STRATEGIES for o in (False, True) if sharding.unsupported(ShardingPlan(s, o)) is None]
     case = data.draw(gen.optim_state_cases(sizes, choices, gen.deviations_for(impl.name, "optim_state")), label="case")
     _run_optim_state(impl, pools, case, _accept)
 
@@ -249,7 +252,7 @@ def test_generated_deviation_witness(impl: Any, pools: Any, pytestconfig: pytest
         ws = min(_world_sizes(pytestconfig))
         assert case.save is not None and case.load is not None
         for sharding in (case.save, case.load):
-            reason = ops.unsupported(sharding.strategy, sharding.use_orig_params)
+            reason = impl.require("sharding").unsupported(ShardingPlan(sharding.strategy, sharding.use_orig_params))
             if reason:
                 pytest.skip(f"{impl.name} cannot shard this witness: {reason}")
         case = replace(case, save=replace(case.save, world_size=ws), load=replace(case.load, world_size=ws))

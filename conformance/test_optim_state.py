@@ -22,8 +22,9 @@ How the tests are built (issue 10's habits):
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -31,23 +32,25 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conformance import models
-from conformance.adapters.optim_state import STRATEGIES, hybrid_mesh_shape
-from conformance.fqn import canonical_fqn
+from conformance.adapters.sharding import STRATEGIES, ShardingPlan, hybrid_mesh_shape
 from conformance.asserts import (
-    check_each,
     assert_bitwise_equal,
     assert_local_shard,
     assert_names_key,
     assert_same_error_on_every_rank,
     assert_same_state,
     assert_unchanged,
-    bits as bits_of,
+    check_each,
     expected_local_chunk,
     fail,
     raised,
     snapshot,
 )
+from conformance.asserts import (
+    bits as bits_of,
+)
 from conformance.compare import fqn_keyed_optim
+from conformance.fqn import canonical_fqn
 from conformance.values import EDGE_DTYPES, edge_values, perturb_hyperparameters
 
 GLOBAL_BATCH = 8  # divisible by every world size the suite is run at (1, 2, 4, 8)
@@ -162,10 +165,11 @@ class Run:
     Built on every rank; ``train`` steps both (the oracle on the whole batch, the model on this rank's
     slice). Skips when the implementation cannot run ``setup``."""
 
-    def __init__(self, dist: Any, ops: Any, setup: Setup) -> None:
+    def __init__(self, dist: Any, impl: Any, setup: Setup) -> None:
         if GLOBAL_BATCH % dist.world_size:
             pytest.skip(f"the global batch of {GLOBAL_BATCH} does not split evenly over {dist.world_size} ranks")
-        reason = ops.unsupported(setup.strategy, setup.use_orig_params)
+        ops, sharding = impl.require("optim_state"), impl.require("sharding")
+        reason = sharding.unsupported(ShardingPlan(setup.strategy, setup.use_orig_params))
         if reason:
             pytest.skip(reason)
         self.dist, self.ops, self.setup, self.steps = dist, ops, setup, 0
@@ -176,9 +180,8 @@ class Run:
         unit_names = set(UNITS[setup.model][setup.use_orig_params])
         unit_ids = {id(m) for n, m in model.named_modules() if n in unit_names}
         assert len(unit_ids) == len(unit_names), f"test layout error: units {unit_names} of {setup.model}"
-        self.model = ops.wrap(
-            model, strategy=setup.strategy, use_orig_params=setup.use_orig_params, units=lambda m: id(m) in unit_ids, device=dist.device
-        )
+        plan = ShardingPlan(setup.strategy, setup.use_orig_params, units=lambda m: id(m) in unit_ids, device=dist.device)
+        self.model = sharding.shard(model, plan)
         self.optim = _make_optimizer(setup, groups, ops.optimizer_params(self.model))
 
     def train(self, steps: int) -> None:
@@ -199,12 +202,12 @@ class Run:
         return next(m for n, m in self.model.named_modules() if canonical_fqn(n) == fqn)
 
 
-def load_target(dist: Any, ops: Any, setup: Setup) -> Run:
+def load_target(dist: Any, impl: Any, setup: Setup) -> Run:
     """A run to load into that differs from any source of ``setup`` in every respect a load must
     change: built from another seed; its optimizer (and its oracle's) over the parameters in reverse
     order, param groups reversed too; stepped once, so it holds state and a step count of its own;
     then every hyperparameter perturbed (lr, betas, eps, weight_decay, ``initial_lr``, ``sdc_custom``)."""
-    run = Run(dist, ops, replace(setup, seed=setup.seed + 1, order="reversed"))
+    run = Run(dist, impl, replace(setup, seed=setup.seed + 1, order="reversed"))
     run.train(1)
     perturb_hyperparameters(run.optim)
     perturb_hyperparameters(run.oracle_optim)
@@ -469,14 +472,14 @@ def test_parity_and_optim_state_dict(dist, impl, strategy: str, use_orig_params:
     ops = impl.require("optim_state")
     for optimizer in OPTIMIZERS:
         setup = Setup(strategy=strategy, use_orig_params=use_orig_params, optimizer=optimizer)
-        run = Run(dist, ops, setup)
+        run = Run(dist, impl, setup)
         run.train(3)
         assert_model_matches(ops, run, f"{setup} after 3 steps")
         assert_osd_matches(ops.optim_state_dict(run.model, run.optim), run.oracle_osd(), f"{setup} full")
         sharded = ops.optim_state_dict(run.model, run.optim, sharded=True)
         assert_osd_matches(sharded, run.oracle_osd(), f"{setup} sharded on rank {dist.rank}", sharded=True, strategy=strategy)
         if optimizer == "adamw":  # one load per strategy and mode (SGD's loads: test_zoo_model's tiny case)
-            assert_continues(load_target(dist, ops, setup), run, sharded, where=f"{setup}: loaded the sharded state dict")
+            assert_continues(load_target(dist, impl, setup), run, sharded, where=f"{setup}: loaded the sharded state dict")
 
 
 @pytest.mark.req("OS-4")
@@ -484,7 +487,7 @@ def test_parity_and_optim_state_dict(dist, impl, strategy: str, use_orig_params:
 def test_rank0_only_and_cpu_offload(dist, impl, use_orig_params: bool) -> None:
     """``rank0_only`` leaves every other rank an empty dict; ``cpu_offload`` puts every tensor on the CPU."""
     ops = impl.require("optim_state")
-    run = Run(dist, ops, Setup(use_orig_params=use_orig_params))
+    run = Run(dist, impl, Setup(use_orig_params=use_orig_params))
     run.train(2)
     options = ((True, False), (False, True), (True, True))
     # Every call first (collectives), then the checks, so a failing check leaves no rank waiting.
@@ -599,7 +602,7 @@ def test_state_values_are_carried_bit_exactly(dist, impl, model: str, kind: str,
     checked gathered and sharded. A fork that routes state through float32 or a common dtype,
     canonicalises NaNs or drops -0.0 fails here."""
     ops = impl.require("optim_state")
-    source = Run(dist, ops, Setup(model=model, use_orig_params=use_orig_params))
+    source = Run(dist, impl, Setup(model=model, use_orig_params=use_orig_params))
     _write_state(source, _edge_state(source, kind))
     expected = source.oracle_osd()
     full = ops.optim_state_dict(source.model, source.optim)
@@ -615,7 +618,7 @@ def test_state_values_are_carried_bit_exactly(dist, impl, model: str, kind: str,
             continue
         loadable = {"state": {f: {n: v for n, v in e.items() if n == "step" or v.dtype == dtype} for f, e in osd["state"].items()},
                     "param_groups": osd["param_groups"]}
-        assert_continues(load_target(dist, ops, source.setup), source, loadable, where=f"{source.setup} {kind}: {name} state dict loaded")
+        assert_continues(load_target(dist, impl, source.setup), source, loadable, where=f"{source.setup} {kind}: {name} state dict loaded")
 
 
 # -- OS-6, OS-7, OS-8: loading into a differently sharded model ----------------------------------------
@@ -639,26 +642,25 @@ def test_load_into_other_strategy(dist, impl, trip) -> None:
     """A full optimizer state dict saved under one strategy and use_orig_params loads under another,
     into a differing target (groups and parameters in reverse order, own state, perturbed
     hyperparameters); bitwise equal to the oracle right after, and after one more step to tolerance."""
-    ops = impl.require("optim_state")
+    impl.require("optim_state")
     (s1, u1), (s2, u2) = trip
-    source = Run(dist, ops, Setup(strategy=s1, use_orig_params=u1, optimizer="adamw"))
+    source = Run(dist, impl, Setup(strategy=s1, use_orig_params=u1, optimizer="adamw"))
     source.train(2)
-    target = load_target(dist, ops, Setup(strategy=s2, use_orig_params=u2, optimizer="adamw"))
+    target = load_target(dist, impl, Setup(strategy=s2, use_orig_params=u2, optimizer="adamw"))
     assert_continues(target, source, where=_trip_id(trip))
 
 
 def _save_phase(ctx: Any, impl: Any, setup: Setup, steps: int) -> tuple[dict, dict] | None:
     ops = impl.require("optim_state")
-    run = Run(ctx, ops, setup)
+    run = Run(ctx, impl, setup)
     run.train(steps)
     saved = _to_cpu((ops.full_state_dict(run.model), ops.optim_state_dict(run.model, run.optim)))
     return saved if ctx.rank == 0 else None
 
 
 def _load_phase(ctx: Any, impl: Any, setup: Setup, steps: int, saved: tuple[dict, dict]) -> None:
-    ops = impl.require("optim_state")
     model_sd, osd = saved
-    target = load_target(ctx, ops, setup)
+    target = load_target(ctx, impl, setup)
     model_sd = {k: v.to(ctx.device) for k, v in model_sd.items()}
     continue_from(target, model_sd, osd, steps, where=f"{setup} at world size {ctx.world_size}, loaded after {steps} steps")
 
@@ -682,10 +684,10 @@ def test_load_across_implementations(dist, impl, reference_impl, direction: str,
     """A full optimizer and model state dict of the reference loads into the implementation under test
     and back, into a differing target; bitwise equal to the oracle right after, and one more step
     matches it."""
-    ops, ref = impl.require("optim_state"), reference_impl.require("optim_state")
+    impl.require("optim_state"), reference_impl.require("optim_state")
     if impl.name == reference_impl.name:
         pytest.skip("a differential check needs an implementation other than the reference")
-    saver, loader = (ref, ops) if direction == "from-reference" else (ops, ref)
+    saver, loader = (reference_impl, impl) if direction == "from-reference" else (impl, reference_impl)
     source = Run(dist, saver, Setup(strategy="FULL_SHARD", use_orig_params=use_orig_params))
     source.train(2)
     target = load_target(dist, loader, Setup(strategy="SHARD_GRAD_OP", use_orig_params=use_orig_params))
@@ -702,7 +704,7 @@ def test_ranks_agree_on_key_order(dist, impl, use_orig_params: bool) -> None:
     """Odd ranks build their optimizer over the parameters in reverse order: every rank still returns
     the same state dict, in rank 0's order, and it loads back."""
     ops = impl.require("optim_state")
-    run = Run(dist, ops, Setup(model="nested", use_orig_params=use_orig_params))
+    run = Run(dist, impl, Setup(model="nested", use_orig_params=use_orig_params))
     if dist.rank % 2:
         named = list(reversed(ops.optimizer_params(run.model)))
         run.optim = _make_optimizer(run.setup, _fqn_groups(run.setup, run.oracle), named)
@@ -743,12 +745,12 @@ def test_zoo_model(dist, impl, case: Setup, use_orig_params: bool) -> None:
     checkpointing) change nothing."""
     ops = impl.require("optim_state")
     setup = replace(case, use_orig_params=use_orig_params)
-    run = Run(dist, ops, setup)
+    run = Run(dist, impl, setup)
     run.train(2)
     assert_model_matches(ops, run, str(setup))
     osd = ops.optim_state_dict(run.model, run.optim)
     assert_osd_matches(osd, run.oracle_osd(), str(setup))
-    assert_continues(load_target(dist, ops, setup), run, osd, where=f"{setup} reloaded")
+    assert_continues(load_target(dist, impl, setup), run, osd, where=f"{setup} reloaded")
 
 
 @pytest.mark.req("OS-13")
@@ -765,7 +767,7 @@ def test_no_state_where_a_parameters_part_is_empty(dist, impl, setup: Setup) -> 
     ``tiny`` in reverse order leaves rank 0 without ``b.bias`` and ``b.weight`` before ``a.weight``,
     and ``groups`` leaves the last rank without ``inp.weight`` before the parameters it holds."""
     ops = impl.require("optim_state")
-    run = Run(dist, ops, setup)
+    run = Run(dist, impl, setup)
     run.train(2)
     empty = []
     for fqns, param in ops.optimizer_params(run.model):
@@ -790,7 +792,7 @@ def test_what_the_optimizer_sees(dist, impl, strategy: str, use_orig_params: boo
     of that chunk (1-D, possibly empty), a DTensor its ``torch.chunk`` piece."""
     ops = impl.require("optim_state")
     # mlp at world size 2: the root unit's 165 elements pad to 166, and net.2.bias has no element on rank 0
-    run = Run(dist, ops, Setup(model="mlp", strategy=strategy, use_orig_params=use_orig_params))
+    run = Run(dist, impl, Setup(model="mlp", strategy=strategy, use_orig_params=use_orig_params))
     oracle = dict(run.oracle.named_parameters())
     layout = Layout(run.setup, run.oracle, dist.world_size, dist.rank)
     named = ops.optimizer_params(run.model)
@@ -823,7 +825,7 @@ def test_fqn_to_param_info_from_any_module(dist, impl, use_orig_params: bool) ->
     """From the root: every clean FQN with its unit's flat parameter and its index there. From the
     submodule ``net``: only the units below it, with FQNs relative to ``net``."""
     ops = impl.require("optim_state")
-    run = Run(dist, ops, Setup(model="mlp", use_orig_params=use_orig_params))
+    run = Run(dist, impl, Setup(model="mlp", use_orig_params=use_orig_params))
     try:
         from_root = ops.fqn_to_param_info(run.model)
     except Exception as exc:  # noqa: BLE001 - Unsupported is the adapter's way to say "no flat parameters"
@@ -911,7 +913,7 @@ def test_bad_optimizer_state_dict_is_a_clear_error(dist, impl, kind: str, use_or
     were. "extra-group": one more saved param group than the optimizer has, listing parameters of the
     model the optimizer does not hold (frozen ones)."""
     ops = impl.require("optim_state")
-    run = Run(dist, ops, Setup(model="frozen" if kind == "extra-group" else "mlp", use_orig_params=use_orig_params))
+    run = Run(dist, impl, Setup(model="frozen" if kind == "extra-group" else "mlp", use_orig_params=use_orig_params))
     run.train(1)
     good = ops.optim_state_dict(run.model, run.optim, sharded=form == "sharded")
     bad, fqn = _bad_osd(kind, good)
@@ -975,14 +977,16 @@ def test_bad_layout_is_a_clear_error(dist, impl, kind: str, where: str, strategy
     two units (also units whose names end alike): every rank raises the same ValueError naming the
     parameters whole, and every rank's module is as it was. HYBRID_SHARD's 2-D mesh spans the world
     too: the ranks agree on the error over all of it."""
-    ops = impl.require("optim_state")
+    impl.require("optim_state")
     model, units, names, orig = _bad_layout(kind, _bad_here(dist, where), dist.device)
-    reason = ops.unsupported(strategy, orig)
+    sharding = impl.require("sharding")
+    ids = {id(m) for n, m in model.named_modules() if n in units}
+    plan = ShardingPlan(strategy, orig, units=lambda m: id(m) in ids, device=dist.device)
+    reason = sharding.unsupported(plan)
     if reason:
         pytest.skip(reason)
-    ids = {id(m) for n, m in model.named_modules() if n in units}
     before = snapshot(model=model)
-    exc = raised(lambda: ops.wrap(model, strategy=strategy, use_orig_params=orig, units=lambda m: id(m) in ids, device=dist.device))
+    exc = raised(lambda: sharding.shard(model, plan))
 
     def unwrapped() -> None:
         assert_unchanged(before, where=f"{kind} on {where}: rank {dist.rank}", model=model)
@@ -1022,7 +1026,7 @@ def test_optim_state_dict_structure_golden(dist, impl) -> None:
     from expecttest import assert_expected_inline
 
     ops = impl.require("optim_state")
-    run = Run(dist, ops, Setup(model="groups", groups=True))
+    run = Run(dist, impl, Setup(model="groups", groups=True))
     run.train(1)
     structure = _structure(ops.optim_state_dict(run.model, run.optim))
     assert structure == _structure(run.oracle_osd()), f"structure differs from the unwrapped model's:\n{structure}"
@@ -1051,14 +1055,14 @@ def test_full_model_state_dict(dist, impl, model: str, use_orig_params: bool) ->
     after wrapping, bit for bit); it loads into a model built from another seed, whose full state dict
     then equals it bit for bit."""
     ops = impl.require("optim_state")
-    run = Run(dist, ops, Setup(model=model, use_orig_params=use_orig_params))
+    run = Run(dist, impl, Setup(model=model, use_orig_params=use_orig_params))
     trained = model != "dtypes"
     if trained:
         run.train(1)
     assert_model_matches(ops, run, f"{run.setup}: full state dict", atol=ATOL if trained else None)
     full = ops.full_state_dict(run.model)
     expected = {k: v.detach().clone() for k, v in full.items()}  # a load may rewrite the dict it is given
-    target = Run(dist, ops, replace(run.setup, seed=1))
+    target = Run(dist, impl, replace(run.setup, seed=1))
     ops.load_full_state_dict(target.model, full)
     assert_same_state(ops.full_state_dict(target.model), expected, what="full model state dict after the load", where=str(run.setup))
 
@@ -1072,7 +1076,7 @@ def test_sharded_model_state_dict(dist, impl, strategy: str, use_orig_params: bo
     buffers are as in the full one; it loads into a model built from another seed, which then has the
     same full state dict bit for bit."""
     ops = impl.require("optim_state")
-    run = Run(dist, ops, Setup(model="tiny", strategy=strategy, use_orig_params=use_orig_params))
+    run = Run(dist, impl, Setup(model="tiny", strategy=strategy, use_orig_params=use_orig_params))
     run.train(1)
     full = ops.full_state_dict(run.model)
     sharded = ops.sharded_state_dict(run.model)
@@ -1088,7 +1092,7 @@ def test_sharded_model_state_dict(dist, impl, strategy: str, use_orig_params: bo
         else:
             assert_same_state(value, full[key], what="sharded model state dict: a buffer", where=where)
     full = {k: v.detach().clone() for k, v in full.items()}
-    target = Run(dist, ops, replace(run.setup, seed=1))
+    target = Run(dist, impl, replace(run.setup, seed=1))
     ops.load_sharded_state_dict(target.model, sharded)
     assert_same_state(ops.full_state_dict(target.model), full, what="full model state dict after loading the sharded one", where=str(run.setup))
 
@@ -1103,7 +1107,7 @@ def test_bad_model_state_dict_is_a_clear_error(dist, impl, kind: str, use_orig_p
     rank only): every rank raises the same ValueError/RuntimeError naming the key whole, and every
     rank's model is as it was."""
     ops = impl.require("optim_state")
-    run = Run(dist, ops, Setup(model="tied", use_orig_params=use_orig_params))
+    run = Run(dist, impl, Setup(model="tied", use_orig_params=use_orig_params))
     good = ops.full_state_dict(run.model)
     key = "body.weight" if kind == "wrong-shape" else "body.bias"
     bad = {**good, key: torch.zeros(2, 3)} if kind == "wrong-shape" else {k: v for k, v in good.items() if k != key}
@@ -1186,14 +1190,15 @@ def test_state_dict_settings_survive_a_failure(dist, impl, call: str) -> None:
     full and sharded optimizer state dicts) returns exactly what it returned before, and training goes
     on matching the unwrapped model: no state-dict type, option or unsharded parameter is left behind."""
     ops = impl.require("optim_state")
-    run = Run(dist, ops, Setup(model="mlp"))
+    run = Run(dist, impl, Setup(model="mlp"))
     run.train(1)
     before = _state_dict_calls(run)
     arm, failing = FAILING_CALLS[call]
     arm(run)
     exc = raised(lambda: failing(run, before))
     if not isinstance(exc, InjectedFault):
-        fail(f"{call}: what the failing call raised", f"{type(exc).__name__}: {exc}" if exc else "nothing", "the InjectedFault raised inside it", f"rank {dist.rank}")
+        fail(f"{call}: what the failing call raised", f"{type(exc).__name__}: {exc}" if exc else "nothing",
+             "the InjectedFault raised inside it", f"rank {dist.rank}")
     after = _state_dict_calls(run)
     for name in before:
         assert_same_state(after[name], before[name], what=f"{name} after a failed {call}", where=f"rank {dist.rank}")

@@ -41,17 +41,18 @@ from torch.distributed.tensor import DTensor
 
 from conformance import models as zoo
 from conformance.adapters.base import Unsupported, load_adapter
+from conformance.adapters.sharding import ShardingPlan, child_units
 from conformance.adapters.state_dict import SHARDING_STRATEGIES, StateDictOps
 from conformance.asserts import (
-    check_each,
     WRAPPER_SEGMENTS,
+    assert_bitwise_equal,
     assert_local_shard,
     assert_names_key,
     assert_same_error_on_every_rank,
-    assert_bitwise_equal,
     assert_same_state,
     assert_unchanged,
     bits,
+    check_each,
     expect_error,
     expected_local_chunk,
     fail,
@@ -81,6 +82,12 @@ PROMPTLY_S = 30
 
 def sd_ops(impl: Any) -> StateDictOps:
     return impl.require("state_dict")
+
+
+def sd_shard(impl: Any, model: nn.Module, device: torch.device, strategy: str = "FULL_SHARD") -> nn.Module:
+    """``model`` sharded by ``impl`` as the SD tests shard: ``strategy``, each parameter-holding child
+    a unit (:func:`child_units`), the implementation's own ``use_orig_params``."""
+    return impl.require("sharding").shard(model, ShardingPlan(strategy=strategy, units=child_units(model), device=device))
 
 
 def wrap(model: nn.Module, how: str) -> nn.Module:
@@ -616,7 +623,7 @@ def test_sharded_submodule_keyed_load(dist: Any, impl: Any, path: str) -> None:
     model = zoo.build("nested", seed=1, device=dist.device)
     sub = model.get_submodule(path)
     try:
-        sharded = ops.shard(model, dist.device, strategy="FULL_SHARD")
+        sharded = sd_shard(impl, model, dist.device, "FULL_SHARD")
     except Unsupported as exc:
         pytest.skip(str(exc))
     sub_sd = copy.deepcopy(source.get_submodule(path).state_dict())
@@ -948,12 +955,12 @@ class Sharded:
             zoo.train_step(self.model, self.optim, batch)
 
 
-def sharded_pair(ops: StateDictOps, dist: Any, name: str, strategy: str = "FULL_SHARD", steps: int = 2) -> Sharded:
+def sharded_pair(impl: Any, dist: Any, name: str, strategy: str = "FULL_SHARD", steps: int = 2) -> Sharded:
     """Zoo ``name`` (seed 0) sharded with ``strategy`` and unwrapped, ``steps`` steps each; a skip if
     the implementation lacks the strategy."""
     oracle = zoo.build(name, seed=0, device=dist.device)
     try:
-        model = ops.shard(zoo.build(name, seed=0, device=dist.device), dist.device, strategy=strategy)
+        model = sd_shard(impl, zoo.build(name, seed=0, device=dist.device), dist.device, strategy)
     except Unsupported as exc:
         pytest.skip(f"sharding {strategy}: {exc}")
     pair = Sharded(model, single_group_adam(model), oracle, single_group_adam(oracle))
@@ -968,14 +975,14 @@ def _clean(name: str) -> str:
 
 
 @torch.no_grad()
-def sharded_target(ops: StateDictOps, dist: Any, name: str, source_state: Mapping[str, torch.Tensor],
+def sharded_target(impl: Any, dist: Any, name: str, source_state: Mapping[str, torch.Tensor],
                    strategy: str = "FULL_SHARD", *, extra_key: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Zoo ``name`` from seed 1, sharded, with a perturbed optimizer over its parameters in reverse
     order, trained one step on another batch; its persistent buffers (plain on every rank) set to
     :func:`different_like` of the source's (``source_state``: the unwrapped source's state dict). The
     FSDP optimizer-state load matches param groups one to one, so a sharded target keeps one group."""
     try:
-        model = ops.shard(zoo.build(name, seed=1, device=dist.device), dist.device, strategy=strategy)
+        model = sd_shard(impl, zoo.build(name, seed=1, device=dist.device), dist.device, strategy)
     except Unsupported as exc:
         pytest.skip(f"sharding {strategy}: {exc}")
     optim = target_optimizer([[p for p in model.parameters() if p.requires_grad]], "reversed", extra_key=extra_key)
@@ -1023,7 +1030,7 @@ def test_sharded_round_trip(dist: Any, impl: Any, name: str, form: str, api: str
     target's get equal the source's bit for bit, and one more step keeps them equal."""
     ops = sd_ops(impl)
     options = ops.options(full_state_dict=form != "sharded", flatten_optimizer_state_dict=form == "full+flat")
-    source = sharded_pair(ops, dist, name, steps=0)
+    source = sharded_pair(impl, dist, name, steps=0)
     initial = copy.deepcopy(source.oracle.state_dict())
     if form == "sharded":
         untrained = ops.get_model_state_dict(source.model)
@@ -1041,7 +1048,7 @@ def test_sharded_round_trip(dist: Any, impl: Any, name: str, form: str, api: str
     assert_matches_oracle(per_parameter(optim_sd), per_parameter(fqn_keyed_optim(source.oracle, source.oracle_optim)),
                           f"{form} optimizer state dict", rank=dist.rank, check_order=False)
 
-    target, target_optim = sharded_target(ops, dist, name, source.oracle.state_dict())
+    target, target_optim = sharded_target(impl, dist, name, source.oracle.state_dict())
     saved = copy.deepcopy((model_sd, optim_sd))
     load(ops, api, target, target_optim, *copy.deepcopy(saved), options=options)
     got_model, got_optim = ops.get_state_dict(target, target_optim, options=options)
@@ -1064,7 +1071,7 @@ def test_sharded_full_state_dict(dist: Any, impl: Any, name: str, strategy: str)
     """Every strategy: full_state_dict gives plain tensors equal to the oracle on every rank (the zoo
     under FULL_SHARD is covered by test_sharded_round_trip)."""
     ops = sd_ops(impl)
-    pair = sharded_pair(ops, dist, name, strategy)
+    pair = sharded_pair(impl, dist, name, strategy)
     model_sd, optim_sd = ops.get_state_dict(pair.model, pair.optim, options=ops.options(full_state_dict=True))
     dtensors = [k for k, v in model_sd.items() if isinstance(v, DTensor)]
     if dtensors:
@@ -1080,7 +1087,7 @@ def test_sharded_full_state_dict(dist: Any, impl: Any, name: str, strategy: str)
 def test_sharded_full_state_dict_cpu_offload(dist: Any, impl: Any, part: str) -> None:
     """full_state_dict + cpu_offload: rank 0 holds the full dict on CPU, the other ranks {}."""
     ops = sd_ops(impl)
-    pair = sharded_pair(ops, dist, "nested")
+    pair = sharded_pair(impl, dist, "nested")
     options = ops.options(full_state_dict=True, cpu_offload=True)
     if part == "model":
         got, expected = ops.get_model_state_dict(pair.model, options=options), pair.oracle.state_dict()
@@ -1167,7 +1174,7 @@ def test_sharded_submodule_selection(dist: Any, impl: Any, path: str, keep: bool
     model = zoo.build("nested", seed=0, device=dist.device)
     sub = model.get_submodule(path)  # the user's handle, taken before sharding
     try:
-        sharded = ops.shard(model, dist.device, strategy="FULL_SHARD")
+        sharded = sd_shard(impl, model, dist.device, "FULL_SHARD")
     except Unsupported as exc:
         pytest.skip(str(exc))
     options = ops.options(full_state_dict=True, keep_submodule_prefixes=keep)
@@ -1182,7 +1189,7 @@ def test_sharded_submodule_selection(dist: Any, impl: Any, path: str, keep: bool
 @pytest.mark.req("SD-3")
 def test_sharded_ignore_frozen_params(dist: Any, impl: Any) -> None:
     ops = sd_ops(impl)
-    pair = sharded_pair(ops, dist, "frozen")
+    pair = sharded_pair(impl, dist, "frozen")
     frozen = {n for n, p in pair.oracle.named_parameters() if not p.requires_grad}
     got = ops.get_model_state_dict(pair.model, options=ops.options(full_state_dict=True, ignore_frozen_params=True))
     assert_same_state(got, {k: v for k, v in pair.oracle.state_dict().items() if k not in frozen}, what="trainable entries",
@@ -1197,12 +1204,12 @@ def _oracle_state(name: str, device: Any) -> tuple[dict[str, Any], dict[str, Any
     return copy.deepcopy(oracle.state_dict()), copy.deepcopy(fqn_keyed_optim(oracle, oracle_optim))
 
 
-def _broadcast_target(ops: StateDictOps, dist: Any, name: str, sharded: bool, expected_model: Mapping[str, Any]
+def _broadcast_target(impl: Any, dist: Any, name: str, sharded: bool, expected_model: Mapping[str, Any]
                       ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A target for rank 0's state: sharded, or plain and differing everywhere; one param group, like
     the source (a split target is test_round_trip's)."""
     if sharded:
-        return sharded_target(ops, dist, name, expected_model)
+        return sharded_target(impl, dist, name, expected_model)
     pair = plain_pair(name, device=dist.device)
     optim = target_optimizer([[p for p in pair.target.parameters() if p.requires_grad]], "reversed")
     train(pair.target, optim, name, range(5, 6), dist.device)
@@ -1226,7 +1233,7 @@ def test_broadcast_from_rank0(dist: Any, impl: Any, name: str, sharded: bool) ->
     hyperparameters included, in a target that differed everywhere."""
     ops = sd_ops(impl)
     expected_model, expected_optim = _oracle_state(name, dist.device)
-    target, target_optim = _broadcast_target(ops, dist, name, sharded, expected_model)
+    target, target_optim = _broadcast_target(impl, dist, name, sharded, expected_model)
     options = ops.options(full_state_dict=True, broadcast_from_rank0=True)
     model_sd, optim_sd = copy.deepcopy((expected_model, expected_optim)) if dist.rank == 0 else ({}, {})
     ops.set_model_state_dict(target, model_sd, options=options)
@@ -1242,7 +1249,7 @@ def test_set_state_dict_broadcast_with_empty_dicts_on_other_ranks(dist: Any, imp
     rank, bit for bit). (Sharded only: a wrong implementation hangs here, and each hang costs the timeout.)"""
     ops = sd_ops(impl)
     expected_model, expected_optim = _oracle_state("buffers", dist.device)
-    target, target_optim = _broadcast_target(ops, dist, "buffers", True, expected_model)
+    target, target_optim = _broadcast_target(impl, dist, "buffers", True, expected_model)
     options = ops.options(full_state_dict=True, broadcast_from_rank0=True)
     model_sd, optim_sd = copy.deepcopy((expected_model, expected_optim)) if dist.rank == 0 else ({}, {})
     ops.set_state_dict(target, target_optim, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
@@ -1265,10 +1272,10 @@ def sharded_error_run(dist: Any, impl: Any, kind: str, bad_ranks: set[int]) -> N
     (naming the canonical key) and keeps its model and optimizer exactly as they were."""
     ops = sd_ops(impl)
     case = ERROR_CASES[kind]
-    source = sharded_pair(ops, dist, case.model)
+    source = sharded_pair(impl, dist, case.model)
     full = kind != "shape-dtensor"
     model_sd, optim_sd = copy.deepcopy(ops.get_state_dict(source.model, source.optim, options=ops.options(full_state_dict=full)))
-    target, target_optim = sharded_target(ops, dist, case.model, source.oracle.state_dict())
+    target, target_optim = sharded_target(impl, dist, case.model, source.oracle.state_dict())
     bad = dist.rank in bad_ranks
     if bad:
         model_sd_in, optim_sd_in = break_input(case, model_sd, optim_sd)
@@ -1334,7 +1341,7 @@ def test_failed_set_restores_state_dict_config(dist: Any, impl: Any, kind: str) 
     changed anything (SD-8, SD-9) does not matter here."""
     ops = sd_ops(impl)
     case = ERROR_CASES[kind]
-    pair = sharded_pair(ops, dist, "nested")
+    pair = sharded_pair(impl, dist, "nested")
     before = form_of(ops.get_state_dict(pair.model, pair.optim))
     full_model, full_optim = copy.deepcopy(ops.get_state_dict(pair.model, pair.optim, options=ops.options(full_state_dict=True)))
     bad_model, bad_optim = break_input(case, full_model, full_optim)
@@ -1345,7 +1352,7 @@ def test_failed_set_restores_state_dict_config(dist: Any, impl: Any, kind: str) 
 
     assert_same_state(form_of(ops.get_state_dict(pair.model, pair.optim)), before,
                       what="form of the default get after the failed set", where=f"rank {dist.rank}")
-    other, other_optim = sharded_target(ops, dist, "nested", pair.oracle.state_dict())
+    other, other_optim = sharded_target(impl, dist, "nested", pair.oracle.state_dict())
     other_sd = copy.deepcopy(ops.get_state_dict(other, other_optim))
     ops.set_state_dict(pair.model, pair.optim, model_state_dict=copy.deepcopy(other_sd[0]),
                        optim_state_dict=copy.deepcopy(other_sd[1]))
@@ -1374,9 +1381,9 @@ def test_load_replaces_param_groups_whole(dist: Any, impl: Any, path: str) -> No
     set_options = ops.options(full_state_dict=path.endswith(("full", "broadcast")), broadcast_from_rank0=broadcast,
                               flatten_optimizer_state_dict=path.endswith("flat"))
     if path.startswith("sharded"):
-        source = sharded_pair(ops, dist, "nested")
+        source = sharded_pair(impl, dist, "nested")
         model, optim = source.model, source.optim
-        target, target_optim = sharded_target(ops, dist, "nested", source.oracle.state_dict(), extra_key=True)
+        target, target_optim = sharded_target(impl, dist, "nested", source.oracle.state_dict(), extra_key=True)
     else:
         pair = plain_pair("nested", device=dist.device, extra_key=True)
         model, optim, target, target_optim = pair.source, pair.source_optim, pair.target, pair.target_optim
@@ -1415,10 +1422,11 @@ def test_cross_implementation_sharded(dist: Any, impl: Any, name: str, direction
     """Sharded by one implementation, loaded by the other into a differing sharded target: the
     consumer's full get equals the oracle on every rank."""
     # reference_impl is a controller-side fixture; on the ranks the adapter is loaded by name.
-    ops, ref = sd_ops(impl), sd_ops(load_adapter("reference"))
-    producer, consumer = (ref, ops) if direction == "reference-to-impl" else (ops, ref)
-    source = sharded_pair(producer, dist, name)
-    target, target_optim = sharded_target(consumer, dist, name, source.oracle.state_dict())
+    reference = load_adapter("reference")
+    producer_impl, consumer_impl = (reference, impl) if direction == "reference-to-impl" else (impl, reference)
+    producer, consumer = sd_ops(producer_impl), sd_ops(consumer_impl)
+    source = sharded_pair(producer_impl, dist, name)
+    target, target_optim = sharded_target(consumer_impl, dist, name, source.oracle.state_dict())
     model_sd, optim_sd = producer.get_state_dict(source.model, source.optim, options=producer.options(full_state_dict=full_state_dict))
     consumer.set_state_dict(
         target, target_optim, model_state_dict=model_sd, optim_state_dict=optim_sd,

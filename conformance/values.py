@@ -11,6 +11,7 @@ gives (b). Compare with :func:`conformance.asserts.assert_bitwise_equal`.
 from __future__ import annotations
 
 import struct
+
 import torch
 
 __all__ = ["EDGE_DTYPES", "edge_values", "edge_tensors", "different_like", "perturb_hyperparameters", "HYPERPARAMETER_EXTRAS"]
@@ -58,11 +59,11 @@ def edge_values(dtype: torch.dtype) -> torch.Tensor:
         if dtype == torch.float32:
             extra.append(torch.tensor([16777217.0, 1.0 + 2.0**-23, 1e-45], dtype=dtype))  # 2**24 + 1 rounds; a subnormal
         return torch.cat(extra)
-    info = torch.iinfo(dtype)
-    values = [0, 1, -1, info.max, info.min, info.max - 1]
+    bounds = torch.iinfo(dtype)
+    values = [0, 1, -1, bounds.max, bounds.min, bounds.max - 1]
     if dtype == torch.int64:
         values += [2**24 + 1, 2**53 + 1, -(2**53) - 3, 2**62 + 12345]  # not representable in float32 / float64
-    return torch.tensor([v for v in values if info.min <= v <= info.max], dtype=dtype)
+    return torch.tensor([v for v in values if bounds.min <= v <= bounds.max], dtype=dtype)
 
 
 def edge_tensors(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -202,10 +202,10 @@ def agree(group: dist.ProcessGroup | None, step: Callable[[], T]) -> T:
     if world == 1:
         if local is not None:
             raise local
-        return result
+        return cast(T, result)
     outcomes = all_gather_objects(None if local is None else _failure(local), group)
     _raise_agreed(outcomes, local, world)
-    return result
+    return cast(T, result)
 
 
 def broadcast_from_coordinator(group: dist.ProcessGroup | None, step: Callable[[], T]) -> T:
@@ -222,4 +222,4 @@ def broadcast_from_coordinator(group: dist.ProcessGroup | None, step: Callable[[
             local, box[0] = exc, _failure(exc)
     dist.broadcast_object_list(box, group=group, group_src=0)
     _raise_agreed([box[0]], local, group_size(group))
-    return box[0]
+    return cast(T, box[0])

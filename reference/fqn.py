@@ -61,13 +61,12 @@ def _builtin_wrappers() -> dict[type, str]:
     global _BUILTINS_LOADED
     if _BUILTINS_LOADED:
         return _WRAPPERS
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
-    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-    from torch.nn.parallel import DistributedDataParallel
-
     # torch.compile returns an OptimizedModule; it has no public import path, so the class is taken
     # from torch._dynamo (the same one torch.distributed.checkpoint.state_dict uses).
     from torch._dynamo.eval_frame import OptimizedModule
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.nn.parallel import DistributedDataParallel
 
     _WRAPPERS.setdefault(DistributedDataParallel, "module")
     _WRAPPERS.setdefault(OptimizedModule, "_orig_mod")

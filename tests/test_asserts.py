@@ -15,16 +15,16 @@ from torch.distributed.tensor import Replicate, Shard
 
 from conformance import asserts
 from conformance.asserts import (
-    check_each,
-    fail,
     assert_bitwise_equal,
     assert_names_key,
     assert_same_error_on_every_rank,
     assert_same_state,
     assert_unchanged,
     bits,
+    check_each,
     expect_error,
     expected_local_chunk,
+    fail,
     raised,
     snapshot,
 )

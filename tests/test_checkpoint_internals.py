@@ -20,7 +20,6 @@ from reference.checkpoint.layout import Chunk, check_tiling, overlaps
 from reference.checkpoint.planner import ReferenceLoadPlanner, ReferenceSavePlanner
 from reference.checkpoint.records import parse_tensor_record, read_region, write_record
 
-
 # -- flatten ----------------------------------------------------------------------------------
 
 
@@ -280,8 +279,7 @@ def test_non_strided_tensors_cannot_be_saved() -> None:
 def test_an_io_error_while_reading_names_the_file_and_key(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An error the reader did not foresee (an I/O error mid-read) is a CheckpointFormatError naming the
     data file and the key, and the state dict is left as it was."""
-    from reference.checkpoint import CheckpointFormatError, load, save
-    from reference.checkpoint import storage
+    from reference.checkpoint import CheckpointFormatError, load, save, storage
 
     save({"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2)}, checkpoint_id=tmp_path)
     target = {"w": torch.zeros(2, 3), "b": torch.zeros(2)}

@@ -33,7 +33,7 @@ def test_fqn_keyed_optim_hides_the_checkpoint_wrapper_segment() -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     model = models.build("mlp")
-    model.net = checkpoint_wrapper(model.net)
+    model.net = checkpoint_wrapper(model.get_submodule("net"))
     model, optim = _trained("mlp", model)
     osd = fqn_keyed_optim(model, optim)
     assert sorted(osd["state"]) == sorted(model.state_dict()), sorted(osd["state"])

@@ -160,7 +160,7 @@ def test_every_operator_on_reference_yields_valid_changed_code() -> None:
     assert len({m.key for m in mutants}) == len(mutants), "keys must be unique"
     sources = {f: (REPO_ROOT / f).read_bytes() for f in files}
     originals = {f: ast.dump(ast.parse(s)) for f, s in sources.items()}
-    for op, ms in by_op.items():
+    for ms in by_op.values():
         for m in sample(ms, 10, "self-test"):
             mutated = ast.parse(m.apply(sources[m.path]))
             assert ast.dump(mutated) != originals[m.path], f"{m.key} changes nothing"
@@ -335,6 +335,7 @@ def test_mutants_reach_the_rank_processes(tmp_path: Path) -> None:
     section = Section("XX", ("reference/comm.py",), ("conformance/test_mutation_canary.py",))
     source = (scratch / "reference" / "comm.py").read_text()
     gather = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "all_gather_flat")
+    assert gather.end_lineno is not None
     [mutant] = [
         m
         for m in mutants_of_file(scratch, "reference/comm.py")

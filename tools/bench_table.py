@@ -170,7 +170,7 @@ def from_asv(result: dict[str, Any], benchmarks: dict[str, Any]) -> Table:
     machine = result.get("params") or {}
     when = datetime.datetime.fromtimestamp((result.get("date") or 0) / 1000, datetime.timezone.utc)
     ram = machine.get("ram")
-    ram_text = f", {int(ram) / 2**30:.0f} GB RAM" if str(ram or "").isdigit() else ""
+    ram_text = f", {int(str(ram)) / 2**30:.0f} GB RAM" if str(ram or "").isdigit() else ""
     caption = (
         f"asv, {when:%Y-%m-%d %H:%M} UTC on {machine.get('machine', 'unknown')} ({machine.get('cpu', 'unknown CPU')}, "
         f"{machine.get('num_cpu', '?')} CPUs{ram_text}), commit {str(result.get('commit_hash', ''))[:8]}, "

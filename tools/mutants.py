@@ -422,9 +422,9 @@ class _Collector:
                 pattern = r"\s+".join(rf"\b{w}\b" if w.isalpha() else re.escape(w) for w in old_text.split())
                 self.add_token("cmp", f"`{old_text}` -> `{new_text}`", [gap], pattern, new_text)
         elif isinstance(node, ast.BoolOp):
-            old, new = ("and", "or") if isinstance(node.op, ast.And) else ("or", "and")
+            old_word, new_word = ("and", "or") if isinstance(node.op, ast.And) else ("or", "and")
             gaps = [(self.span(a)[1], self.span(b)[0]) for a, b in zip(node.values, node.values[1:])]
-            self.add_token("bool", f"`{old}` -> `{new}`", gaps, rf"\b{old}\b", new)
+            self.add_token("bool", f"`{old_word}` -> `{new_word}`", gaps, rf"\b{old_word}\b", new_word)
         elif isinstance(node, ast.BinOp):
             self.binop("arith", node.op, [(self.span(node.left)[1], self.span(node.right)[0])], node)
         elif isinstance(node, ast.UnaryOp):
@@ -450,8 +450,8 @@ class _Collector:
             self.expr(node.body)
             return
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "cast" and node.args:
-            for child in node.args[1:]:
-                self.expr(child)
+            for arg in node.args[1:]:
+                self.expr(arg)
             return
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.expr_context, ast.operator, ast.boolop, ast.unaryop, ast.cmpop)):

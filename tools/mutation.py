@@ -36,11 +36,11 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from tools.mutants import Mutant, mutants_of_file
 
@@ -629,11 +629,11 @@ def _run(
         f"# Mutation testing of reference/\n\n{scope}; {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"{jobs} job(s), {time.monotonic() - started:.0f}s. Kill rate = (killed + timed out) / (mutants - equivalent)."
     )
-    for s in ordered:
-        ran = s.counts["killed"] + s.counts["survived"] + s.counts["timeout"] + s.counts["error"]
+    for summary in ordered:
+        ran = sum(summary.counts[k] for k in ("killed", "survived", "timeout", "error"))
         if ran:
-            baseline = f"unmutated run {s.baseline_s:.1f}s, " if s.baseline_s is not None else ""
-            notes.append(f"{s.name}: {s.total} mutants in all; {baseline}{s.seconds / ran:.1f}s per mutant run")
+            baseline = f"unmutated run {summary.baseline_s:.1f}s, " if summary.baseline_s is not None else ""
+            notes.append(f"{summary.name}: {summary.total} mutants in all; {baseline}{summary.seconds / ran:.1f}s per mutant run")
     stale = equivalents.stale(m.key for ms in everything.values() for m in ms)
     in_scope = [k for k in stale if any(k.startswith(p + "::") for s in sections for p in s.source_files(root))]
     if in_scope:

@@ -3,8 +3,10 @@
 An adapter is a small class with a ``name`` and one method per capability of ``conformance/SPEC.md``.
 Each method returns an *ops* object for that capability, typed by its ``Protocol`` (``FlatParamOps``,
 ``StateDictOps``, ``OptimStateOps``, ``CheckpointOps``, next to the shipped ops in
-``conformance/adapters/<capability>.py``, so that a type checker checks a fork's adapter), or raises :class:`Unsupported` with the reason the
-implementation does not provide it. The harness turns ``Unsupported`` into a skip that names the
+``conformance/adapters/<capability>.py``, so that a type checker checks a fork's adapter), or raises
+:class:`Unsupported` with the reason the implementation does not provide it. One more method,
+:meth:`Adapter.sharding`, returns the one way this implementation shards a model
+(:class:`~conformance.adapters.sharding.ShardingOps`), which the SD, OS and ML tests all use. The harness turns ``Unsupported`` into a skip that names the
 adapter, the capability and the reason, never into a pass.
 
 A downstream project writes::
@@ -33,6 +35,7 @@ if TYPE_CHECKING:  # the capability modules import Unsupported from here
     from conformance.adapters.checkpoint import CheckpointOps
     from conformance.adapters.flat_param import FlatParamOps
     from conformance.adapters.optim_state import OptimStateOps
+    from conformance.adapters.sharding import ShardingOps
     from conformance.adapters.state_dict import StateDictOps
 
 __all__ = ["Adapter", "Unsupported", "CAPABILITIES", "SHIPPED", "load_adapter", "capability_of"]
@@ -95,6 +98,11 @@ class Adapter:
 
     def checkpoint(self) -> CheckpointOps:
         """Ops for distributed checkpoint save/load and meta-tensor loading (ML-*)."""
+        raise Unsupported("not provided by this adapter")
+
+    def sharding(self) -> ShardingOps:
+        """How this implementation shards a model (:class:`~conformance.adapters.sharding.ShardingPlan`):
+        the SD, OS and ML tests of sharded models all shard through it."""
         raise Unsupported("not provided by this adapter")
 
     # -- used by the harness -------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Ops for distributed checkpoints (SPEC.md ML-*): the protocol and the shipped implementations.
 
 An implementation provides checkpoint I/O (``save``/``load`` of a state dict, on every rank) and,
-for the sharded-model requirements, its way of sharding a model and getting/setting the sharded
-model and optimizer state dicts. The suite compares what comes back with the unsharded model (the
+for the sharded-model requirements (models sharded by the adapter's ``sharding()``), getting/setting
+the sharded model and optimizer state dicts. The suite compares what comes back with the unsharded model (the
 oracle) and with the reference. Every method is called by every rank of the process group.
 
 Errors: an implementation may raise any exception type; the suite checks the type separately
@@ -54,11 +54,8 @@ class CheckpointOps(Protocol):
         skips keys missing from the checkpoint; ``allow_unexpected=False`` makes checkpoint keys the state
         dict does not ask for an error. Raise :class:`Unsupported` for an option not provided."""
 
-    def shard(self, model: nn.Module, mesh: Any) -> nn.Module:
-        """``model`` sharded over the 1-D ``mesh`` (data-parallel sharding), ready to train."""
-
     def get_state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        """The sharded model and optimizer state dicts of a model returned by :meth:`shard`, keyed by
+        """The sharded model and optimizer state dicts of a model the adapter's ``sharding()`` sharded, keyed by
         parameter FQNs, their sharded values as DTensors, ready to :meth:`save`."""
 
     def set_state_dicts(
@@ -83,15 +80,10 @@ class _TorchStateDicts:
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
-def _fully_shard(model: nn.Module, mesh: Any) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    return fully_shard(model, mesh=mesh)
-
 
 class ReferenceCheckpointOps:
-    """``reference.checkpoint.save/load``; sharded models are ``reference.fsdp.FullyShardedDataParallel``
-    (``use_orig_params=True``) with its DTensor-valued sharded model and optimizer state dicts."""
+    """``reference.checkpoint.save/load``; the DTensor-valued sharded model and optimizer state dicts of
+    ``reference.fsdp.FullyShardedDataParallel``."""
 
     name = "reference"
 
@@ -119,11 +111,6 @@ class ReferenceCheckpointOps:
             allow_unexpected=allow_unexpected,
         )
 
-    def shard(self, model: nn.Module, mesh: Any) -> nn.Module:
-        from reference.fsdp import FullyShardedDataParallel
-
-        return FullyShardedDataParallel(model, device_mesh=mesh, use_orig_params=True)
-
     def get_state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         from reference.fsdp import FullyShardedDataParallel, sharded_state_dict
 
@@ -140,7 +127,7 @@ class ReferenceCheckpointOps:
 
 class TorchCheckpointOps(_TorchStateDicts):
     """``torch.distributed.checkpoint.save/load`` with the default planners; sharded models are FSDP1
-    (``FullyShardedDataParallel`` with a device mesh, so its sharded state dicts hold DTensors)."""
+    (on a device mesh, so its sharded state dicts hold DTensors)."""
 
     name = "torch"
 
@@ -174,19 +161,9 @@ class TorchCheckpointOps(_TorchStateDicts):
                 planner=DefaultLoadPlanner(allow_partial_load=not strict),
             )
 
-    def shard(self, model: nn.Module, mesh: Any) -> nn.Module:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device(mesh.device_type, torch.cuda.current_device())
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # FSDP1 is deprecated upstream; it is what this adapter checks
-            return FullyShardedDataParallel(model, device_mesh=mesh, use_orig_params=True, device_id=device)
-
 
 class TorchFSDP2CheckpointOps(TorchCheckpointOps):
     """``torch.distributed.checkpoint.save/load``; sharded models are ``fully_shard`` (FSDP2)."""
 
     name = "torch-fsdp2"
 
-    def shard(self, model: nn.Module, mesh: Any) -> nn.Module:
-        return _fully_shard(model, mesh)

@@ -12,7 +12,9 @@ implementation's own metadata classes. A feature an implementation lacks raises
 
 from __future__ import annotations
 
-from typing import Any, ContextManager, NamedTuple, Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -77,7 +79,7 @@ class FlatParamOps(Protocol):
         """The wrapper's flat parameter while flattened; None when it flattened nothing."""
         ...
 
-    def unflatten_params(self, wrapper: nn.Module) -> ContextManager[None]:
+    def unflatten_params(self, wrapper: nn.Module) -> AbstractContextManager[None]:
         """The wrapper's ``unflatten_params()`` context manager."""
         ...
 
@@ -127,7 +129,7 @@ class ReferenceFlatParamOps:
     def flat_param(self, wrapper: nn.Module) -> nn.Parameter | None:
         return wrapper.flat_param  # type: ignore[return-value]
 
-    def unflatten_params(self, wrapper: nn.Module) -> ContextManager[None]:
+    def unflatten_params(self, wrapper: nn.Module) -> AbstractContextManager[None]:
         return wrapper.unflatten_params()  # type: ignore[operator]
 
 
@@ -181,5 +183,5 @@ class FairscaleFlatParamOps:
         flat_params = wrapper.flat_params  # type: ignore[attr-defined]
         return flat_params[0] if flat_params else None
 
-    def unflatten_params(self, wrapper: nn.Module) -> ContextManager[None]:
+    def unflatten_params(self, wrapper: nn.Module) -> AbstractContextManager[None]:
         return wrapper.unflatten_params()  # type: ignore[operator]

@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # the ops modules are imported only when a capability is aske
     from conformance.adapters.checkpoint import CheckpointOps
     from conformance.adapters.flat_param import FlatParamOps
     from conformance.adapters.optim_state import OptimStateOps
+    from conformance.adapters.sharding import ShardingOps
     from conformance.adapters.state_dict import StateDictOps
 
 
@@ -40,6 +41,11 @@ class ReferenceAdapter(Adapter):
 
         return ReferenceCheckpointOps()
 
+    def sharding(self) -> ShardingOps:
+        from conformance.adapters.sharding import ReferenceShardingOps
+
+        return ReferenceShardingOps()
+
 
 class TorchAdapter(Adapter):
     """Upstream torch as installed (FSDP1, DCP, ``torch.distributed.checkpoint.state_dict``).
@@ -67,6 +73,11 @@ class TorchAdapter(Adapter):
 
         return TorchCheckpointOps()
 
+    def sharding(self) -> ShardingOps:
+        from conformance.adapters.sharding import TorchFSDP1ShardingOps
+
+        return TorchFSDP1ShardingOps()
+
 
 class TorchFSDP2Adapter(Adapter):
     """Upstream torch's per-parameter sharding (``fully_shard``) with the DCP state_dict APIs."""
@@ -92,6 +103,11 @@ class TorchFSDP2Adapter(Adapter):
 
         return TorchFSDP2CheckpointOps()
 
+    def sharding(self) -> ShardingOps:
+        from conformance.adapters.sharding import TorchFSDP2ShardingOps
+
+        return TorchFSDP2ShardingOps()
+
 
 class FairscaleAdapter(Adapter):
     """fairscale's ``FlattenParamsWrapper``: checked for the flat-parameter section only."""
@@ -115,4 +131,7 @@ class FairscaleAdapter(Adapter):
         raise Unsupported("fairscale is checked for FlatParameter wrapping only")
 
     def checkpoint(self) -> CheckpointOps:
+        raise Unsupported("fairscale is checked for FlatParameter wrapping only")
+
+    def sharding(self) -> ShardingOps:
         raise Unsupported("fairscale is checked for FlatParameter wrapping only")

@@ -1,14 +1,12 @@
-"""Ops for the OS section: shard a model, and save/load its model and optimizer state dicts by clean FQN.
+"""Ops for the OS section: save/load the model and optimizer state dicts of a sharded model by clean FQN.
 
-Strategies are named as torch's ``ShardingStrategy`` members (``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``,
-``"NO_SHARD"``, ``"HYBRID_SHARD"``). HYBRID_SHARD runs on a 2-D mesh ``(replicate, shard)`` of
-:func:`hybrid_mesh_shape`. Units are chosen by a predicate on modules, applied below the root (the
-root is always a unit). Every method is called on every rank of the pool, in the same order.
+Models are sharded by the adapter's one sharding method (``Adapter.sharding()``, see
+:mod:`conformance.adapters.sharding`). Every method is called on every rank of the pool, in the same order.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -17,55 +15,16 @@ from conformance.adapters.base import Unsupported
 from conformance.fqn import canonical_fqn
 
 __all__ = [
-    "STRATEGIES",
     "OptimStateOps",
     "ReferenceOptimStateOps",
     "TorchFSDP1OptimStateOps",
     "TorchFSDP2OptimStateOps",
-    "hybrid_mesh_shape",
 ]
-
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
-UnitPredicate = Callable[[nn.Module], bool]
-
-def hybrid_mesh_shape(world_size: int) -> tuple[int, int]:
-    """``(replicate, shard)`` for HYBRID_SHARD: two replicas when the world splits in two, else one."""
-    replicate = 2 if world_size % 2 == 0 else 1
-    return replicate, world_size // replicate
-
-
-_MESHES: dict[tuple[str, tuple[int, ...]], Any] = {}
-
-
-def _mesh(device: torch.device, shape: tuple[int, ...]) -> Any:
-    """One DeviceMesh per (device type, shape) per process: creating one makes new process groups."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    key = (device.type, shape)
-    if key not in _MESHES:
-        # fully_shard reads a 2-D mesh as (replicate, shard) only when its dimensions are named.
-        names = ("replicate", "shard") if len(shape) == 2 else None
-        _MESHES[key] = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    return _MESHES[key]
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size()
-
 
 @runtime_checkable
 class OptimStateOps(Protocol):
-    """What the OS tests need of an implementation of sharded data parallel."""
-
-    def unsupported(self, strategy: str, use_orig_params: bool) -> str | None:
-        """None if this combination can be wrapped here, else the reason it cannot."""
-
-    def wrap(
-        self, model: nn.Module, *, strategy: str, use_orig_params: bool, units: UnitPredicate | None, device: torch.device
-    ) -> nn.Module:
-        """``model`` sharded with ``strategy``; modules matching ``units`` (below the root) are nested units."""
+    """What the OS tests need of an implementation of sharded data parallel, for a model sharded by the
+    adapter's ``sharding()``."""
 
     def optimizer_params(self, model: nn.Module) -> list[tuple[tuple[str, ...], nn.Parameter]]:
         """Every parameter an optimizer of the wrapped model holds, with the clean FQNs it stands for."""
@@ -101,17 +60,6 @@ class OptimStateOps(Protocol):
 
 class ReferenceOptimStateOps:
     """``reference.fsdp`` (the wrapper, its model state dicts and its optimizer-state keying)."""
-
-    def unsupported(self, strategy: str, use_orig_params: bool) -> str | None:
-        return None
-
-    def wrap(self, model, *, strategy, use_orig_params, units, device):
-        from reference.fsdp import FullyShardedDataParallel
-
-        mesh = _mesh(device, hybrid_mesh_shape(_world_size())) if strategy == "HYBRID_SHARD" else None
-        return FullyShardedDataParallel(
-            model, device_mesh=mesh, sharding_strategy=strategy, use_orig_params=use_orig_params, auto_wrap_policy=units, device_id=device
-        )
 
     def optimizer_params(self, model):
         from reference.fsdp import get_param_to_fqns
@@ -166,27 +114,6 @@ def _number_flat_params(raw: dict[str, tuple[Any, int]]) -> dict[str, tuple[int,
 class TorchFSDP1OptimStateOps:
     """``torch.distributed.fsdp.FullyShardedDataParallel`` on CPU/gloo, its optim_state_dict APIs."""
 
-    def unsupported(self, strategy: str, use_orig_params: bool) -> str | None:
-        return None
-
-    def wrap(self, model, *, strategy, use_orig_params, units, device):
-        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-        from torch.distributed.fsdp.wrap import CustomPolicy
-
-        # Always a mesh: with one, FSDP1's sharded state dicts hold DTensors (else ShardedTensors).
-        ws = _world_size()
-        mesh = _mesh(device, hybrid_mesh_shape(ws) if strategy == "HYBRID_SHARD" else (ws,))
-        root = model
-        policy = CustomPolicy(lambda m: m is not root and bool(units(m))) if units is not None else None
-        return FullyShardedDataParallel(
-            model,
-            sharding_strategy=ShardingStrategy[strategy],
-            use_orig_params=use_orig_params,
-            auto_wrap_policy=policy,
-            device_id=device,
-            device_mesh=mesh,
-        )
-
     def optimizer_params(self, model):
         out = []
         for name, param in model.named_parameters():
@@ -201,7 +128,6 @@ class TorchFSDP1OptimStateOps:
         return out
 
     def _state_dict_type(self, model, *, rank0_only=False, cpu_offload=False, sharded=False):
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import (
             FullOptimStateDictConfig,
             FullStateDictConfig,
@@ -209,10 +135,12 @@ class TorchFSDP1OptimStateOps:
             ShardedStateDictConfig,
             StateDictType,
         )
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         if sharded:
             return FSDP.state_dict_type(
-                model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=cpu_offload), ShardedOptimStateDictConfig(offload_to_cpu=cpu_offload)
+                model, StateDictType.SHARDED_STATE_DICT,
+                ShardedStateDictConfig(offload_to_cpu=cpu_offload), ShardedOptimStateDictConfig(offload_to_cpu=cpu_offload)
             )
         return FSDP.state_dict_type(
             model,
@@ -265,30 +193,6 @@ class TorchFSDP1OptimStateOps:
 class TorchFSDP2OptimStateOps(TorchFSDP1OptimStateOps):
     """``torch.distributed.fsdp.fully_shard`` (per-parameter DTensor sharding) with
     ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``."""
-
-    def unsupported(self, strategy: str, use_orig_params: bool) -> str | None:
-        if not use_orig_params:
-            return "fully_shard shards each parameter as a DTensor: there is no flat parameter (use_orig_params=False)"
-        return None
-
-    def wrap(self, model, *, strategy, use_orig_params, units, device):
-        from torch.distributed.fsdp import fully_shard
-
-        reason = self.unsupported(strategy, use_orig_params)
-        if reason:
-            raise Unsupported(reason)
-        ws = _world_size()
-        shape = {"HYBRID_SHARD": hybrid_mesh_shape(ws), "NO_SHARD": (ws, 1)}.get(strategy, (ws,))
-        mesh = _mesh(device, shape)
-        reshard = strategy in ("FULL_SHARD", "HYBRID_SHARD")
-        model.to(device)
-        if units is not None:
-            # Innermost first, as auto-wrapping does: a unit never takes a nested unit's parameters.
-            for module in reversed(list(model.modules())):
-                if module is not model and units(module):
-                    fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-        return model
 
     def optimizer_params(self, model):
         return [((canonical_fqn(name),), param) for name, param in model.named_parameters()]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,9 @@ class RankContext:
     @property
     def group(self) -> dist.ProcessGroup:
         """The default process group of the pool."""
-        return dist.group.WORLD
+        group = dist.group.WORLD
+        assert group is not None, "a pool's rank runs in an initialized default group"
+        return group
 
     @property
     def is_coordinator(self) -> bool:

@@ -17,9 +17,10 @@ import sys
 import tempfile
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 import pytest
 
@@ -192,10 +193,21 @@ def _allowed_sizes(metafunc: pytest.Metafunc, sizes: list[int]) -> tuple[list[in
     return allowed, need
 
 
+def _parametrized_by_the_test(metafunc: pytest.Metafunc, name: str) -> bool:
+    """Whether the test parametrizes ``name`` itself (then the plugin leaves that axis alone: its
+    name is the test's own, e.g. a benchmark's ``impl``, not the suite's)."""
+    for marker in metafunc.definition.iter_markers("parametrize"):
+        argnames = marker.args[0] if marker.args else marker.kwargs.get("argnames", ())
+        names = [n.strip() for n in argnames.split(",")] if isinstance(argnames, str) else list(argnames)
+        if name in names:
+            return True
+    return False
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     config = metafunc.config
     sizes = _world_sizes(config)
-    if "dist" in metafunc.fixturenames:
+    if "dist" in metafunc.fixturenames and not _parametrized_by_the_test(metafunc, "dist"):
         allowed, need = _allowed_sizes(metafunc, sizes)
         if allowed:
             specs = [DistSpec(ws, _backend_for(config, ws)) for ws in allowed]
@@ -203,7 +215,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         else:
             reason = f"needs {need}; selected --world-size {','.join(map(str, sizes))}"
             metafunc.parametrize("dist", [pytest.param(None, marks=pytest.mark.skip(reason=reason))], ids=["ws-none"])
-    if "world_size_pair" in metafunc.fixturenames:
+    if "world_size_pair" in metafunc.fixturenames and not _parametrized_by_the_test(metafunc, "world_size_pair"):
         allowed, need = _allowed_sizes(metafunc, sizes)
         pairs = list(itertools.permutations(allowed, 2))
         if pairs:
@@ -211,7 +223,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         else:
             reason = "needs two distinct world sizes" + (f" ({need})" if need else "") + f"; selected --world-size {','.join(map(str, sizes))}"
             metafunc.parametrize("world_size_pair", [pytest.param(None, marks=pytest.mark.skip(reason=reason))], ids=["ws-none"])
-    if "impl" in metafunc.fixturenames:
+    if "impl" in metafunc.fixturenames and not _parametrized_by_the_test(metafunc, "impl"):
         adapters = []
         for spec in _impl_specs(config):
             try:

@@ -15,10 +15,11 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from conformance.harness.worker import RankOutcome, Task, rank_main, recv_message, send_message
 
@@ -185,7 +186,7 @@ class RankPool:
             waitables = {self._conns[r]: r for r in pending}
             sentinels = {self._procs[r].sentinel: r for r in pending}
             ready = wait(list(waitables) + list(sentinels), timeout=limit - now)
-            for rank in sorted({waitables.get(obj, sentinels.get(obj)) for obj in ready}):
+            for rank in sorted({waitables[obj] if obj in waitables else sentinels[obj] for obj in ready}):
                 if rank not in pending:
                     continue
                 outcome = self._try_recv(rank)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 __all__ = ["SPEC_PATH", "REQ_ID", "load_spec", "ids_named_by_tests", "sort_key"]
 

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple, SupportsIndex, cast
 
 import torch
 import torch.nn as nn
@@ -344,22 +345,23 @@ class FlatParameter(nn.Parameter):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FlatParameter:
         if id(self) in memo:
-            return memo[id(self)]
+            return cast(FlatParameter, memo[id(self)])
         result = _rebuild_flat_param(
             self.data.clone(memory_format=torch.preserve_format), self.requires_grad, self._layout, self._shard_range
         )
         memo[id(self)] = result
         return result
 
-    def __reduce_ex__(self, proto: int) -> tuple[Any, ...]:
+    def __reduce_ex__(self, proto: SupportsIndex) -> tuple[Any, ...]:
         # nn.Parameter's reduce would call FlatParameter(data, requires_grad), which means "flatten
         # [data]"; rebuild from data plus metadata instead. Hooks are not pickled, as for Parameter.
         return (_rebuild_flat_param, (self.data, self.requires_grad, self._layout, self._shard_range))
 
-    def __repr__(self) -> str:
-        return f"FlatParameter({len(self._layout.names)} params, {self.full_numel} elements) containing:\n" + (
-            Tensor.__repr__(self)
-        )
+    # torch declares Tensor.__repr__ through a decorator that mypy reads as untyped, with a keyword it
+    # cannot name: neither the override nor the call can be checked.
+    def __repr__(self) -> str:  # type: ignore[override]
+        contents = Tensor.__repr__(self)  # type: ignore[no-untyped-call]
+        return f"FlatParameter({len(self._layout.names)} params, {self.full_numel} elements) containing:\n{contents}"
 
 
 def _rebuild_flat_param(data: Tensor, requires_grad: bool, layout: _Layout, shard_range: ShardRange) -> FlatParameter:
@@ -492,7 +494,8 @@ class FlattenParamsWrapper(nn.Module):
 
     def __getitem__(self, key: Any) -> Any:
         """Indexing falls through to the wrapped module (an ``nn.Sequential``, ``nn.ModuleList``)."""
-        return self._fpw_module[key]
+        module: Any = self._fpw_module  # nn.Module declares no __getitem__; its subclasses here do
+        return module[key]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._finish_interrupted_load()
@@ -611,7 +614,7 @@ class FlattenParamsWrapper(nn.Module):
         # views[0] starts at flat index 0, so equal pointers mean the same memory (the views keep
         # their storage alive, so a replaced flat_param.data cannot reuse the address).
         if len(views) == len(self._slots) and views and views[0].data_ptr() == flat.data_ptr():
-            return views
+            return cast(tuple[Tensor, ...], views)
         return None
 
     def _flatten(self) -> None:
@@ -728,7 +731,7 @@ class FlattenParamsWrapper(nn.Module):
         # .to()/.cuda()/.double() may replace flat_param by a plain Parameter (on a device change, or
         # with swap_module_params_on_conversion), and always leave the views on the old memory.
         flat = self._flat
-        super()._apply(fn, *args, **kwargs)
+        nn.Module._apply(self, fn, *args, **kwargs)  # not super(): mypy checks the call only this way
         if flat is None:
             return self
         if self._flattened:
@@ -757,13 +760,13 @@ class FlattenParamsWrapper(nn.Module):
         if self._flattened:
             with torch.no_grad():
                 self._set_views()
-        state = dict(super().__getstate__())
+        state = dict(nn.Module.__getstate__(self))
         state["_views"] = ()  # the views are the modules' attributes; __setstate__ rebuilds them
         state["_params"] = ()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
+        nn.Module.__setstate__(self, state)
         if self._flattened:
             self._set_views()
 
@@ -826,8 +829,8 @@ def _check_uniform(primaries: list[_Slot], tensors: list[Tensor]) -> None:
 def _byte_span(t: Tensor) -> tuple[int, int, int]:
     """(storage pointer, first byte, one past the last byte) of the memory ``t`` can touch."""
     size = t.element_size()
-    first = t.storage_offset()
-    last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    first = int(t.storage_offset())
+    last = first + sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride()))
     return t.untyped_storage().data_ptr(), first * size, (last + 1) * size
 
 

@@ -8,7 +8,8 @@ Every function is collective over the model's group (every rank calls it, in the
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -35,6 +36,13 @@ __all__ = [
 ]
 
 
+def _owned_handle(unit: FullyShardedDataParallel) -> FlatParamHandle:
+    """The handle of a unit that owns parameters (as every unit :func:`units` lists does)."""
+    handle = unit.handle
+    assert handle is not None, "a unit without parameters was listed as owning some"
+    return handle
+
+
 @contextlib.contextmanager
 def _unsharded_params(model: nn.Module) -> Iterator[None]:
     """Inside: every original parameter name of every unit under ``model`` holds its full value (a
@@ -46,15 +54,16 @@ def _unsharded_params(model: nn.Module) -> Iterator[None]:
     hidden = []
     try:
         for unit in owning:
-            handle = unit.handle
+            handle = _owned_handle(unit)
             handle.unshard()
             views = handle.full_param_views()
             # nn.Module has no public way to put a plain tensor under a parameter's name:
-            # _parameters is written directly, as torch's FSDP does (and restored below).
+            # _parameters is written directly, as torch's FSDP does (and restored below); it is typed
+            # as holding Parameters only, hence the ignores.
             for slot, view in zip(handle.slots, views):
-                slot.module._parameters[slot.name] = view
+                slot.module._parameters[slot.name] = view  # type: ignore[assignment]
             for alias in handle.aliases:
-                alias.module._parameters[alias.name] = views[alias.slot_index]
+                alias.module._parameters[alias.name] = views[alias.slot_index]  # type: ignore[assignment]
             if FLAT_PARAM in unit._parameters:
                 hidden.append((unit, unit._parameters[FLAT_PARAM]))
                 unit._parameters[FLAT_PARAM] = None
@@ -124,7 +133,7 @@ def _slot_names(resolver: FQNResolver, base: str, handle: FlatParamHandle) -> li
 def _param_owner_units(model: nn.Module) -> dict[str, FullyShardedDataParallel]:
     """Clean FQN of every flattened parameter (aliases included) -> its unit."""
     resolver = FQNResolver(model)
-    return {name: unit for base, unit in units(model) for names in _slot_names(resolver, base, unit.handle) for name in names}
+    return {name: unit for base, unit in units(model) for names in _slot_names(resolver, base, _owned_handle(unit)) for name in names}
 
 
 def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
@@ -148,7 +157,7 @@ def load_sharded_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, 
 
     # The gathers below are issued per DTensor entry: every rank must hold the same ones.
     every = comm.gather_agreed(model_group(model), check)
-    for rank, keys in enumerate(every):
+    for keys in every:
         if keys != every[0]:
             odd = sorted(set(keys) ^ set(every[0]))[0]
             forms = ", ".join(f"rank {r}: {'DTensor' if odd in k else 'no DTensor'}" for r, k in enumerate(every))
@@ -169,7 +178,7 @@ def state_dict_layout(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dty
     shapes = {}
     resolver = FQNResolver(model)
     for base, unit in units(model):
-        handle = unit.handle
+        handle = _owned_handle(unit)
         for slot, names in zip(handle.slots, _slot_names(resolver, base, handle)):
             for name in names:
                 shapes[name] = (slot.shape, handle.flat_param.dtype)
@@ -226,7 +235,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
         done: set[str] = set()
         resolver = FQNResolver(model)
         for base, unit in units(model):
-            handle = unit.handle
+            handle = _owned_handle(unit)
             for slot, slot_names in zip(handle.slots, _slot_names(resolver, base, handle)):
                 done.update(slot_names)
                 key = next((n for n in slot_names if n in state_dict), None)
@@ -245,7 +254,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
 def _plain_entries(model: nn.Module) -> dict[str, torch.Tensor]:
     """Clean FQN -> the live tensor of every state-dict entry not flattened into a unit."""
     resolver = FQNResolver(model)
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         if value is None or key.split(".")[-1] == FLAT_PARAM:
             continue

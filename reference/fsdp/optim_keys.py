@@ -27,11 +27,11 @@ over the model's groups (every rank, same order); :func:`get_fqn_to_fsdp_param_i
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from reference import comm
@@ -72,7 +72,9 @@ class FSDPParamInfo:
 
     @property
     def handle(self) -> FlatParamHandle:
-        return self.state.handle
+        handle = self.state.handle
+        assert handle is not None, "FSDPParamInfo is built for units that own parameters only"
+        return handle
 
 
 def _unit_base(prefix: str) -> str:
@@ -301,6 +303,7 @@ def optim_state_dict(
                 if replicated is None:
                     batches.setdefault((flat_id, name), []).append(key)
     gathered_full: dict[tuple[_OptimStateKey, str], list[torch.Tensor]] = {}
+    info: FSDPParamInfo | None
     for (_, name), batch in batches.items():
         info = infos[batch[0].unflat_param_names[0]]
         items = [(key, local_state.get(key, {}).get(name)) for key in batch]
@@ -314,6 +317,7 @@ def optim_state_dict(
         per_fqn: list[dict[str, Any]] = [{} for _ in key.unflat_param_names]
         for name, replicated in names.items():
             if (key, name) in gathered_full:
+                assert info is not None, "only the positional state of a unit's parameters is gathered"
                 for entry, full in zip(per_fqn, gathered_full[key, name]):
                     entry[name] = to_dtensor(info.state, full) if sharded else full
                 continue
@@ -329,9 +333,9 @@ def optim_state_dict(
         state = {fqn: {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in entry.items()} for fqn, entry in state.items()}
     param_groups = []
     for hyper, group_keys in gathered[0][1]:  # the coordinator's groups
-        group = copy.deepcopy(hyper)
-        group["params"] = [fqn for key in group_keys for fqn in key.unflat_param_names]
-        param_groups.append(group)
+        param_group = copy.deepcopy(hyper)
+        param_group["params"] = [fqn for key in group_keys for fqn in key.unflat_param_names]
+        param_groups.append(param_group)
     return {"state": state, "param_groups": param_groups}
 
 
@@ -439,8 +443,8 @@ def _optim_state_dict_to_load(
 
     # Every name of each flattened parameter (tied aliases included), built once.
     names_by_slot: dict[tuple[int, int], list[str]] = {}
-    for fqn, info in infos.items():
-        names_by_slot.setdefault((id(info.flat_param), info.param_indices[fqn]), []).append(fqn)
+    for fqn, unit_info in infos.items():
+        names_by_slot.setdefault((id(unit_info.flat_param), unit_info.param_indices[fqn]), []).append(fqn)
 
     def names_of(fqn: str) -> list[str]:
         """Every name of the parameter ``fqn``, ``fqn`` first."""

@@ -131,9 +131,10 @@ class FlatParamHandle:
     shard_rank: int
     shard_world: int  #: number of ranks on the shard axis
     local_shard: torch.Tensor
+    #: the gathered padded flat tensor, its storage freed while sharded (``local_shard`` itself when
+    #: the shard axis has one rank)
+    _full: torch.Tensor
     orig_params: list[nn.Parameter] = field(default_factory=list)
-    #: the gathered padded flat tensor; its storage is freed while sharded
-    _full: torch.Tensor | None = None
     _is_unsharded: bool = False
     _saved_grad: torch.Tensor | None = None
     _used: set[int] = field(default_factory=set)
@@ -215,6 +216,11 @@ class FlatParamHandle:
             real = max(0, min(numel, shard.end + 1) - shard.start)
             local_shard[:real].copy_(flat_param.detach()[shard.start : shard.start + real])
         flat_param.data = local_shard
+        if shard_world > 1:
+            full = torch.empty(padded, dtype=local_shard.dtype, device=device)
+            full.untyped_storage().resize_(0)
+        else:
+            full = local_shard
         handle = cls(
             module=module,
             slots=slots,
@@ -230,12 +236,8 @@ class FlatParamHandle:
             shard_rank=shard_rank,
             shard_world=shard_world,
             local_shard=local_shard,
+            _full=full,
         )
-        if shard_world > 1:
-            handle._full = torch.empty(padded, dtype=local_shard.dtype, device=device)
-            handle._full.untyped_storage().resize_(0)
-        else:
-            handle._full = local_shard
         for param, slot in zip(params, slots):
             # Keep the user's Parameter objects, as views of their part of the shard: with
             # use_orig_params they are what the module registers (optimizers built on them stay valid);
@@ -287,9 +289,11 @@ class FlatParamHandle:
                 # Record which parameters took part, so unused ones keep grad None as in eager.
                 view.register_hook(lambda g, i=i: self._used.add(i))
             views.append(view)
-            slot.module._parameters[slot.name] = view
+            # A plain tensor under the parameter's name, as torch's FSDP does: _parameters is typed as
+            # holding Parameters only, hence the ignores.
+            slot.module._parameters[slot.name] = view  # type: ignore[assignment]
         for alias in self.aliases:
-            alias.module._parameters[alias.name] = views[alias.slot_index]
+            alias.module._parameters[alias.name] = views[alias.slot_index]  # type: ignore[assignment]
 
     def full_param_views(self) -> list[torch.Tensor]:
         """Detached views of every slot in the unsharded flat parameter (only while unsharded)."""
@@ -351,6 +355,7 @@ class FlatParamHandle:
         all-reduce over the replicate axis) and reshard. Runs from the flat parameter's
         post-accumulate-grad hook, on every rank in the same order."""
         full_grad = self.flat_param.grad
+        assert full_grad is not None, "the post-accumulate-grad hook runs once a gradient exists"
         self.flat_param.grad = None
         if full_grad.numel() != self.padded_numel:
             raise RuntimeError(f"post_backward: gradient of {full_grad.numel()} elements, expected {self.padded_numel}")

@@ -2,8 +2,9 @@
 
 ``FullyShardedDataParallel`` mirrors the names of ``torch.distributed.fsdp.FullyShardedDataParallel``
 (constructor arguments, ``ShardingStrategy``, ``fsdp_modules``, and ``optim_state_dict`` /
-``optim_state_dict_to_load``, attached by :mod:`reference.fsdp` from :mod:`reference.fsdp.optim_keys`) so that a torch user reads it without a glossary. It exists to produce
-real sharded parameters and optimizer state for the conformance suite; it is not a training framework
+``optim_state_dict_to_load``, attached by :mod:`reference.fsdp` from :mod:`reference.fsdp.optim_keys`)
+so that a torch user reads it without a glossary. It exists to produce real sharded parameters and
+optimizer state for the conformance suite; it is not a training framework
 (no prefetching, no mixed precision, no CPU offload of parameters).
 
 Each *unit* (an instance of the class) flattens the parameters of its module that no nested unit owns
@@ -33,9 +34,9 @@ every rank of the model's groups calls them, in the same order):
 
 from __future__ import annotations
 
-import contextlib
 import enum
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,8 @@ class FullyShardedDataParallel(nn.Module):
     checks are agreed on (one all-gather): when one rank's module is bad, every rank raises its error.
     """
 
+    _is_root: bool  #: False once an enclosing unit is built around this one
+
     def __init__(
         self,
         module: nn.Module,
@@ -134,7 +137,7 @@ class FullyShardedDataParallel(nn.Module):
         self.device = _compute_device(module, device_id)
         # Checked before anything is wrapped, so that a bad layout leaves the model untouched, and agreed
         # on by every rank, so that one rank's bad model (a layer frozen there only) fails every rank.
-        def check() -> tuple[Any, dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup, AutoWrapPolicy | None]:
+        def check() -> tuple[Any, dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup | None, AutoWrapPolicy | None]:
             groups = _resolve_groups(sharding_strategy, process_group, device_mesh)
             policy = _as_policy(auto_wrap_policy)
             if policy is not None:
@@ -186,7 +189,9 @@ class FullyShardedDataParallel(nn.Module):
     @property
     def module(self) -> nn.Module:
         """The wrapped module."""
-        return self._modules[FSDP_WRAPPED_MODULE]
+        module = self._modules[FSDP_WRAPPED_MODULE]
+        assert module is not None  # added in __init__, never removed
+        return module
 
     @property
     def handle(self) -> FlatParamHandle | None:
@@ -201,6 +206,8 @@ class FullyShardedDataParallel(nn.Module):
         if self._device_mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
 
+            if self.process_group is None:
+                raise RuntimeError("device_mesh: the unit has no process group (torch.distributed was not initialized)")
             self._device_mesh = DeviceMesh.from_group(self.process_group, self.device.type)
         return self._device_mesh
 
@@ -257,7 +264,7 @@ def _compute_device(module: nn.Module, device_id: torch.device | int | None) -> 
 
 def _resolve_groups(
     strategy: ShardingStrategy, process_group: dist.ProcessGroup | None, device_mesh: Any | None
-) -> tuple[Any | None, dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup]:
+) -> tuple[Any | None, dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """``(mesh, shard_group, replicate_group, world_group)``: the two axes (None when trivial) and the
     group spanning both, over which ranks agree on optimizer-state keys."""
     if process_group is not None and device_mesh is not None:
@@ -298,7 +305,8 @@ def _construction_group(process_group: dist.ProcessGroup | None, device_mesh: An
     if process_group is not None:
         return process_group
     if device_mesh is not None and device_mesh.ndim == 1:
-        return device_mesh.get_group()
+        group: dist.ProcessGroup = device_mesh.get_group()
+        return group
     return dist.group.WORLD  # a 2-D mesh covers the world (checked by _resolve_groups)
 
 

@@ -29,7 +29,7 @@ import contextlib
 import gc
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ ValueType = Any
 ModelStateDict = dict[str, ValueType]
 OptimizerStateDict = dict[str, ValueType]
 ModuleKeyedStateDict = Mapping[nn.Module, Mapping[str, ValueType]]
-Optimizers = Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer]]
+Optimizers = torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
 
 #: The key suffix under which nn.Module stores get_extra_state(): its value may be any object.
 _EXTRA_STATE_SUFFIX = "_extra_state"
@@ -148,6 +148,7 @@ def _select(
         resolved = resolver.resolve_key(raw_key)
         if resolved is None:
             resolver.clean_key(raw_key)  # raises the error that names the key
+        assert resolved is not None, f"clean_key accepted {raw_key!r}, which resolve_key could not resolve"
         fqn, owner = resolved
         if fqn in frozen:
             continue
@@ -296,9 +297,10 @@ def _plan_model_load(
     expected: dict[str, str] = {}  # canonical FQN -> backend key
     in_scope: set[str] = set()
     for key in local:
-        fqn, owner = resolver.resolve_key(key) or (None, None)
-        if fqn is None:
+        resolved = resolver.resolve_key(key)
+        if resolved is None:
             raise RuntimeError(f"model key {key!r} names no module of {type(model).__name__}")
+        fqn, owner = resolved
         expected[fqn] = key
         if scope is None or owner.selected:
             in_scope.add(fqn)
@@ -325,10 +327,10 @@ def _plan_model_load(
 
     mismatched = []
     for fqn, value in state_dict.items():
-        key = expected.get(fqn)
-        if key is None or not isinstance(value, torch.Tensor):
+        model_key = expected.get(fqn)
+        if model_key is None or not isinstance(value, torch.Tensor):
             continue
-        want = tuple(local[key].shape)
+        want = tuple(local[model_key].shape)
         if tuple(value.shape) != want:
             mismatched.append(f"{fqn!r}: got shape {tuple(value.shape)}, expected {want}")
     if mismatched:

@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from reference import comm
-from reference.state_dict import optim_fqn as _optim
 from reference.fqn import FQNResolver, named_parameter_fqns
+from reference.state_dict import optim_fqn as _optim
 
 if TYPE_CHECKING:
     from reference.state_dict.options import StateDictOptions
@@ -243,7 +243,7 @@ class ShardedBackend(PlainBackend):
     def param_fqns(self, model: nn.Module) -> dict[torch.Tensor, list[str]]:
         from reference.fsdp.optim_keys import get_param_to_fqns
 
-        return get_param_to_fqns(model)
+        return {param: fqns for param, fqns in get_param_to_fqns(model).items()}
 
     def optim_state_dict(
         self, model: nn.Module, optims: tuple[torch.optim.Optimizer, ...], options: StateDictOptions
@@ -306,7 +306,8 @@ class ShardedBackend(PlainBackend):
         # full_state_dict and its cpu_offload were applied by reference.fsdp; a sharded dict's local
         # shards still go to CPU when asked.
         if options.cpu_offload and not options.full_state_dict:
-            return _map_tensors(state_dict, lambda t: t.cpu())
+            offloaded: dict[str, Any] = _map_tensors(state_dict, lambda t: t.cpu())
+            return offloaded
         return state_dict
 
 
@@ -354,7 +355,7 @@ def collective_group(model: nn.Module, backend: ModelBackend, broadcast: bool) -
 class _TensorSlot(NamedTuple):
     """Placeholder for the i-th tensor of a broadcast tree (what is pickled instead of the data)."""
 
-    index: int
+    position: int  #: in the coordinator's list of tensors, in tree order
     shape: torch.Size
     dtype: torch.dtype
 
@@ -382,8 +383,8 @@ def broadcast_from_rank0(tree: Any, device: torch.device, group: dist.ProcessGro
 
     def receive(slot: _TensorSlot) -> torch.Tensor:
         if sender:
-            comm.broadcast_tensor(tensors[slot.index].detach().to(device), group)
-            return tensors[slot.index]
+            comm.broadcast_tensor(tensors[slot.position].detach().to(device), group)
+            return tensors[slot.position]
         return comm.broadcast_tensor(torch.empty(slot.shape, dtype=slot.dtype, device=device), group)
 
     # Every rank walks the same skeleton, so the broadcasts pair up.

@@ -138,18 +138,18 @@ def plan_load(
             for p in group[PARAMS]:
                 fqn = _key_of(p, param_fqns, f"optimizers[{oi}]")
                 held.add(fqn)
-                gi = group_of.get(fqn)
-                if gi is None:
+                loaded_gi = group_of.get(fqn)
+                if loaded_gi is None:
                     if strict:
                         raise RuntimeError(
                             f"optimizer state dict: parameter {fqn!r} of optimizers[{oi}] is in no loaded param group; "
                             "nothing was loaded"
                         )
                 elif chosen is None:
-                    chosen = gi
-                elif chosen != gi:
+                    chosen = loaded_gi
+                elif chosen != loaded_gi:
                     raise RuntimeError(
-                        f"optimizer state dict: parameter {fqn!r} is in loaded param group {gi}, but the other parameters "
+                        f"optimizer state dict: parameter {fqn!r} is in loaded param group {loaded_gi}, but the other parameters "
                         f"of its group in optimizers[{oi}] are in group {chosen}; nothing was loaded"
                     )
                 if fqn in state_of:

@@ -6,7 +6,8 @@ left waiting in a collective is cut by the rank timeout and fails the test."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -15,8 +16,7 @@ from torch import nn
 from conformance import models
 from conformance.asserts import assert_same_error_on_every_rank, assert_unchanged, raised, snapshot
 from reference import comm
-from reference.fsdp import FullyShardedDataParallel, load_sharded_state_dict, sharded_state_dict
-from reference.fsdp import optim_state_dict
+from reference.fsdp import FullyShardedDataParallel, load_sharded_state_dict, optim_state_dict, sharded_state_dict
 from reference.state_dict import (
     StateDictOptions,
     get_model_state_dict,

@@ -8,7 +8,8 @@ give rank 2 nothing (and rank 0 two groups' worth), or broadcast from a rank out
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -16,8 +17,7 @@ import torch.distributed as c10d
 
 from conformance import models
 from conformance.asserts import assert_same_state, fail
-from reference.fsdp import FullyShardedDataParallel, full_state_dict
-from reference.fsdp import optim_state_dict
+from reference.fsdp import FullyShardedDataParallel, full_state_dict, optim_state_dict
 from reference.state_dict import StateDictOptions, get_optimizer_state_dict, get_state_dict, set_state_dict
 
 #: The two groups of the test, by their global ranks.

@@ -17,8 +17,6 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from conformance import models
-# The frame stacks are the hooks' private hand-over state: these tests check that nothing is left in them.
-from reference.flat_param.prefix_hooks import _LOAD_FRAMES, _save_frames, clean_named_modules, hidden_child, register_prefix_hooks
 from reference.flat_param import (
     FlatParameter,
     FlattenParamsWrapper,
@@ -26,6 +24,9 @@ from reference.flat_param import (
     ShardRange,
     even_shard_range,
 )
+
+# The frame stacks are the hooks' private hand-over state: these tests check that nothing is left in them.
+from reference.flat_param.prefix_hooks import _LOAD_FRAMES, _save_frames, clean_named_modules, hidden_child, register_prefix_hooks
 
 
 class CheckpointLike(nn.Module):

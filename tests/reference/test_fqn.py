@@ -15,8 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from conformance import models
 from reference.fqn import FQNResolver
-from reference.fsdp import FullyShardedDataParallel
-from reference.fsdp import get_fqn_to_fsdp_param_info, get_param_to_fqns, optim_state_dict
+from reference.fsdp import FullyShardedDataParallel, get_fqn_to_fsdp_param_info, get_param_to_fqns, optim_state_dict
 from reference.state_dict import StateDictOptions, get_state_dict
 
 

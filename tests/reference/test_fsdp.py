@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conformance import models
-from conformance.adapters.optim_state import STRATEGIES, _mesh, hybrid_mesh_shape
+from conformance.adapters.sharding import STRATEGIES, _mesh, hybrid_mesh_shape
 from conformance.asserts import assert_local_shard, assert_same_error_on_every_rank, assert_same_state, assert_unchanged, expect_error, fail, snapshot
 from reference.fsdp import FullyShardedDataParallel, full_state_dict, load_sharded_state_dict, sharded_state_dict
 

@@ -37,7 +37,7 @@ def _modules() -> dict[str, Path]:
 
 def _imports(module: str, path: Path, known: set[str]) -> set[str]:
     """The modules of ``reference`` that ``module`` imports, at any depth of its code."""
-    out = set()
+    out: set[str] = set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):

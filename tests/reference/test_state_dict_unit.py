@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from reference.state_dict import optim_fqn as optim_sd
 from reference.fqn import FQNResolver, named_parameter_fqns, submodule_paths
+from reference.state_dict import optim_fqn as optim_sd
 
 
 def _nested() -> nn.Module:
