@@ -9,7 +9,7 @@ no process group (one process, ``torch.distributed`` not initialized) the same s
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -125,7 +125,7 @@ class Collective:
         result, failures = self._gather_and_decide(local_fn, global_fn)
         outgoing: list[Any] = []
         if self.is_coordinator:
-            outgoing = [failures] * self.world_size if failures else list(result)
+            outgoing = [failures] * self.world_size if failures else list(result or ())
         if self.use_dist:
             received: list[Any] = [None]
             dist.scatter_object_list(received, outgoing if self.is_coordinator else None, group=self.group, group_src=0)
@@ -134,7 +134,7 @@ class Collective:
             mine = outgoing[0]
         if isinstance(mine, dict):
             self._raise(step, mine)
-        return mine
+        return cast(R, mine)
 
     def all_reduce(self, step: str, local_fn: Callable[[], T], reduce_fn: Callable[[list[T]], R]) -> R:
         """``local_fn`` on every rank; ``reduce_fn`` on the coordinator with all results; every rank
@@ -148,7 +148,7 @@ class Collective:
         status, value = outcome[0]
         if status == "failed":
             self._raise(step, value)
-        return value
+        return cast(R, value)
 
     def all_succeed(self, step: str, local_fn: Callable[[], T]) -> T:
         """``local_fn`` on every rank; returns its value only if it succeeded on every rank."""
@@ -170,7 +170,7 @@ def _ranges(ranks: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
     parts: list[str] = []
     start = prev = ranks[0]
-    for r in ranks[1:] + [None]:  # type: ignore[list-item]
+    for r in [*ranks[1:], None]:
         if r is not None and r == prev + 1:
             prev = r
             continue

@@ -11,19 +11,19 @@ The checkpoint inspector (``tools/inspect.py``) reads metadata through this modu
 from __future__ import annotations
 
 import io
-from collections import OrderedDict
 import os
 import pickle
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.metadata import Metadata
 
 # Private, unavoidable: upstream's FileSystemReader looks up every item's file, offset and length in
 # this exact class inside Metadata.storage_data, so a checkpoint that torch can read must pickle it.
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata
 
 from reference.checkpoint.errors import CheckpointFormatError, UnsafeCheckpointError
 

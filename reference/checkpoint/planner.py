@@ -217,7 +217,7 @@ def _signature(item: WriteItem) -> tuple[Any, ...]:
 
 def _describe(signature: tuple[Any, ...]) -> str:
     if len(signature) == 1:
-        return signature[0]
+        return str(signature[0])
     return f"a {signature[1]} tensor of shape {list(signature[2])}"
 
 

@@ -29,17 +29,25 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import torch
 
 __all__ = ["TensorLayout", "write_record", "parse_tensor_record", "read_region", "FileWindow"]
 
 
+class ReadableFile(Protocol):
+    """What the readers here need of an open data file (``open(path, "rb", buffering=0)`` has it)."""
+
+    def seek(self, offset: int, whence: int = ..., /) -> int: ...
+    def read(self, size: int = ..., /) -> bytes: ...
+    def readinto(self, buffer: Any, /) -> int | None: ...
+
+
 class FileWindow(io.RawIOBase):
     """A read-only, seekable view of bytes ``[offset, offset + length)`` of an open file."""
 
-    def __init__(self, file: BinaryIO, offset: int, length: int) -> None:
+    def __init__(self, file: ReadableFile, offset: int, length: int) -> None:
         super().__init__()
         self._file, self._start, self._length, self._pos = file, offset, length, 0
 
@@ -205,7 +213,7 @@ class _Member:
     header_offset: int  #: of its local header, from the record's start
 
 
-def _read_at(file: BinaryIO, position: int, n: int) -> bytes:
+def _read_at(file: ReadableFile, position: int, n: int) -> bytes:
     file.seek(position)
     return file.read(n)
 
@@ -225,7 +233,7 @@ def _zip64_extra(extra: bytes, size: int, csize: int, offset: int) -> tuple[int,
     return size, csize, offset
 
 
-def _members(file: BinaryIO, offset: int, length: int) -> dict[str, _Member]:
+def _members(file: ReadableFile, offset: int, length: int) -> dict[str, _Member]:
     """The record's members by name (the archive folder stripped); ValueError if it is not a zip."""
     tail_start = max(0, length - _TAIL_READ)
     tail = _read_at(file, offset + tail_start, length - tail_start)
@@ -265,7 +273,7 @@ def _members(file: BinaryIO, offset: int, length: int) -> dict[str, _Member]:
     return members
 
 
-def _member_data_start(file: BinaryIO, offset: int, length: int, member: _Member, head: bytes) -> int:
+def _member_data_start(file: ReadableFile, offset: int, length: int, member: _Member, head: bytes) -> int:
     """Where the member's bytes start, from the record's start, checked against its local header."""
     local = head[member.header_offset:member.header_offset + _LOCAL.size]
     if len(local) != _LOCAL.size:
@@ -273,13 +281,13 @@ def _member_data_start(file: BinaryIO, offset: int, length: int, member: _Member
     if len(local) != _LOCAL.size or local[:4] != b"PK\x03\x04":
         raise ValueError(f"corrupt torch.save record (bad local header of {member.name})")
     name_len, extra_len = _LOCAL.unpack(local)[9:11]
-    start = member.header_offset + _LOCAL.size + name_len + extra_len
+    start: int = member.header_offset + _LOCAL.size + name_len + extra_len
     if start + member.compressed_size > length:
         raise ValueError(f"truncated torch.save record ({member.name} runs past its end)")
     return start
 
 
-def _member_bytes(file: BinaryIO, offset: int, length: int, member: _Member, head: bytes) -> bytes:
+def _member_bytes(file: ReadableFile, offset: int, length: int, member: _Member, head: bytes) -> bytes:
     if member.method != zipfile.ZIP_STORED:
         raise _NotUnderstood(f"{member.name} is compressed")
     start = _member_data_start(file, offset, length, member, head)
@@ -291,7 +299,7 @@ def _member_bytes(file: BinaryIO, offset: int, length: int, member: _Member, hea
     return data
 
 
-def parse_tensor_record(file: BinaryIO, offset: int, length: int) -> TensorLayout | None:
+def parse_tensor_record(file: ReadableFile, offset: int, length: int) -> TensorLayout | None:
     """The layout of the tensor record at ``[offset, offset + length)`` of ``file``, or None when the
     record is not a little-endian plain tensor with one uncompressed storage (read it with torch.load).
 
@@ -331,7 +339,7 @@ def parse_tensor_record(file: BinaryIO, offset: int, length: int) -> TensorLayou
 # -- reading ----------------------------------------------------------------------------------
 
 
-def _readinto(file: BinaryIO, position: int, tensor: torch.Tensor) -> None:
+def _readinto(file: ReadableFile, position: int, tensor: torch.Tensor) -> None:
     """Fill the contiguous CPU ``tensor`` with the bytes at ``position`` of ``file``."""
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
@@ -355,7 +363,7 @@ def _narrow(tensor: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, 
 
 
 def read_region(
-    file: BinaryIO,
+    file: ReadableFile,
     offset: int,
     length: int,
     layout: TensorLayout | None,
@@ -372,7 +380,7 @@ def read_region(
     if math.prod(lengths) == 0:
         return
     if layout is None:
-        saved = torch.load(FileWindow(file, offset, length), map_location="cpu", weights_only=True)
+        saved = torch.load(FileWindow(file, offset, length), map_location="cpu", weights_only=True)  # type: ignore[arg-type]  # a RawIOBase is a binary file; torch's stub lists IO[bytes] only
         dest.copy_(_narrow(saved, saved_offsets, lengths))
         return
     # Work out the box's place in the file on a meta tensor: same geometry, no memory.
@@ -382,7 +390,7 @@ def read_region(
     box = _narrow(geometry, saved_offsets, lengths)
     itemsize = geometry.element_size()
     if box.is_contiguous():
-        position = layout.data_offset + box.storage_offset() * itemsize
+        position = layout.data_offset + int(box.storage_offset()) * itemsize
         if dest.device.type == "cpu" and dest.dtype == layout.dtype and dest.is_contiguous():
             _readinto(file, position, dest)
         elif dest.device.type == "cuda":

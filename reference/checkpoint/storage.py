@@ -20,7 +20,7 @@ import os
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
@@ -44,15 +44,15 @@ from reference.checkpoint.metadata_io import (
     dump_metadata,
     read_metadata_file,
 )
-from reference.checkpoint.records import TensorLayout, parse_tensor_record, read_region, write_record
+from reference.checkpoint.records import ReadableFile, TensorLayout, parse_tensor_record, read_region, write_record
 
 __all__ = ["FileSystemWriter", "FileSystemReader", "DATA_SUFFIX"]
 
 DATA_SUFFIX = ".distcp"
 
 
-def _done(value: Any) -> Future:
-    future: Future = Future()
+def _done(value: Any) -> Future[Any]:
+    future: Future[Any] = Future()
     future.set_result(value)
     return future
 
@@ -248,7 +248,7 @@ class FileSystemReader(StorageReader):
             raise CheckpointFormatError(
                 f"{self.path}: key {item.storage_index.fqn!r}{where}: the metadata has no storage record for it"
             )
-        return info
+        return cast(StorageInfo, info)
 
     def _by_file(self, items: Iterable[ReadItem]) -> dict[str, list[tuple[ReadItem, StorageInfo]]]:
         per_file: dict[str, list[tuple[ReadItem, StorageInfo]]] = {}
@@ -256,7 +256,7 @@ class FileSystemReader(StorageReader):
             info = self._info(item)
             if getattr(info, "transform_descriptors", None):
                 raise CheckpointFormatError(
-                    f"{self.path / info.relative_path}: key {item.storage_index.fqn!r} was written with stream "
+                    f"{self.path}/{info.relative_path}: key {item.storage_index.fqn!r} was written with stream "
                     f"transforms {info.transform_descriptors}, which this reader does not support"
                 )
             per_file.setdefault(info.relative_path, []).append((item, info))
@@ -321,7 +321,7 @@ class FileSystemReader(StorageReader):
             torch.cuda.synchronize()
         return _done(None)
 
-    def _read_item(self, file: BinaryIO, item: ReadItem, info: StorageInfo, planner: LoadPlanner) -> None:
+    def _read_item(self, file: ReadableFile, item: ReadItem, info: StorageInfo, planner: LoadPlanner) -> None:
         if item.type == LoadItemType.BYTE_IO:
             file.seek(info.offset)
             data = file.read(info.length)
