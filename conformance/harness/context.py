@@ -47,10 +47,6 @@ class RankContext:
         assert group is not None, "a pool's rank runs in an initialized default group"
         return group
 
-    @property
-    def is_coordinator(self) -> bool:
-        return self.rank == 0
-
     def mesh(self, *shape: int, names: Sequence[str] | None = None) -> Any:
         """A DeviceMesh of ``shape`` (default: 1-D over all ranks) on this rank's device type."""
         from torch.distributed.device_mesh import init_device_mesh

@@ -34,7 +34,6 @@ from conformance.harness.xfails import XfailEntry, as_run_by, matches_at_any_wor
 __all__ = ["DistSpec", "Pools", "StaleXfailWarning"]
 
 _CONFORMANCE_DIR = Path(__file__).resolve().parent.parent
-_REPO_ROOT = _CONFORMANCE_DIR.parent
 _MANAGER = pytest.StashKey[PoolManager]()
 #: The expected-failures entries of the session (loaded once, at configure).
 _ENTRIES = pytest.StashKey[list[XfailEntry]]()

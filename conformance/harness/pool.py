@@ -46,7 +46,6 @@ class PoolRun:
     died: dict[int, int | None] = field(default_factory=dict)
     #: ranks that neither answered nor died by the deadline (their stacks are in ``output``)
     hung: list[int] = field(default_factory=list)
-    timed_out: bool = False
 
     @property
     def healthy(self) -> bool:
@@ -63,7 +62,6 @@ class RankPool:
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._dir: Path | None = None
-        self.starts = 0
 
     @property
     def alive(self) -> bool:
@@ -99,7 +97,6 @@ class RankPool:
             child_conn.close()
             self._procs.append(proc)
             self._conns.append(parent_conn)
-        self.starts += 1
         run = self._collect(time.monotonic() + timeout_s, offsets={r: 0 for r in range(self.world_size)})
         failed = {r: o for r, o in run.outcomes.items() if o.status != "ok"}
         if failed or not run.healthy or len(run.outcomes) != self.world_size:
@@ -181,7 +178,6 @@ class RankPool:
             now = time.monotonic()
             limit = deadline if first_failure_at is None else min(deadline, first_failure_at + FAILURE_GRACE_S)
             if now >= limit:
-                run.timed_out = now >= deadline
                 break
             waitables = {self._conns[r]: r for r in pending}
             sentinels = {self._procs[r].sentinel: r for r in pending}
@@ -255,9 +251,6 @@ class PoolManager:
                 "module level so that every rank can import it"
             )
         return self.get(world_size, backend).run(task, timeout_s)
-
-    def all_pids(self) -> list[int]:
-        return [pid for pool in self._pools.values() for pid in pool.pids()]
 
     def stop_all(self) -> None:
         for pool in self._pools.values():

@@ -75,9 +75,7 @@ class RankOutcome:
     status: str
     value: Any = None
     error: str = ""  # the formatted traceback for fail; the reason for skip/xfail
-    seconds: float = 0.0
     failures: list[Failure] = field(default_factory=list)  # for fail: what failed, as data (one per property)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -147,7 +145,6 @@ def _run(task: Task, rank: int, world_size: int, backend: str) -> RankOutcome:
         device=device_for_rank(backend, rank),
         tmp_dir=Path(task.tmp_dir),
     )
-    start = time.perf_counter()
     failures: list[Failure] = []
     try:
         fn = _resolve(task)
@@ -166,7 +163,7 @@ def _run(task: Task, rank: int, world_size: int, backend: str) -> RankOutcome:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-    outcome = RankOutcome(rank=rank, status=status, value=value, error=error, seconds=time.perf_counter() - start, failures=failures)
+    outcome = RankOutcome(rank=rank, status=status, value=value, error=error, failures=failures)
     return outcome
 
 
@@ -232,7 +229,6 @@ def rank_main(
                     rank=rank,
                     status="fail",
                     error=f"the test body's return value could not be sent to the controller:\n{traceback.format_exc()}",
-                    seconds=outcome.seconds,
                 ),
             )
     try:
