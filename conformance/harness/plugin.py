@@ -8,7 +8,6 @@ How tests use it is in :mod:`conformance.harness`.
 from __future__ import annotations
 
 import atexit
-import functools
 import inspect
 import itertools
 import json
@@ -251,11 +250,17 @@ def _item_impl(item: pytest.Item) -> Adapter | None:
     return value if isinstance(value, Adapter) else None
 
 
+#: adapter class -> its expected-failures files (resolved once: the plugin asks for every test).
+_XFAIL_FILES: dict[type, tuple[tuple[str, Path], ...]] = {}
+
+
 def adapter_xfail_files(adapter: Adapter) -> list[tuple[str, Path]]:
-    return list(_xfail_files_of(type(adapter), adapter.name))
+    adapter_cls = type(adapter)
+    if adapter_cls not in _XFAIL_FILES:
+        _XFAIL_FILES[adapter_cls] = _xfail_files_of(adapter_cls, adapter.name)
+    return list(_XFAIL_FILES[adapter_cls])
 
 
-@functools.cache
 def _xfail_files_of(adapter_cls: type, adapter_name: str) -> tuple[tuple[str, Path], ...]:
     """The expected-failures files that apply to ``adapter``, its own first: for each class in its MRO
     that sets ``xfails_file``, (that class's ``name``, the file). A relative path is resolved against
@@ -527,7 +532,7 @@ def _rank_timeout(config: pytest.Config, node: pytest.Item | None) -> float:
     marker says so (a test that may leave ranks waiting fails in seconds, not minutes)."""
     limit = float(config.getoption("--rank-timeout"))
     marker = node.get_closest_marker("rank_timeout") if node is not None else None
-    if marker is None:
+    if marker is None or node is None:
         return limit
     if len(marker.args) != 1 or not isinstance(marker.args[0], (int, float)) or marker.args[0] <= 0:
         raise pytest.UsageError(f"{node.nodeid}: rank_timeout takes one positive number of seconds; got {marker.args}")
