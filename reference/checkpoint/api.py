@@ -68,7 +68,7 @@ def save(
         metadata_box.append(metadata)
         return writer.prepare_global_plan(plans)
 
-    plan = collective.reduce_scatter("planning", local_plan, global_plan)
+    plan = collective.gather_decide_scatter("planning", local_plan, global_plan)
 
     def write() -> list[WriteResult]:
         future = writer.write_data(planner.finish_plan(plan), planner)
@@ -79,7 +79,7 @@ def save(
         writer.finish(metadata_box[0], results)
         return metadata_box[0]
 
-    return collective.all_reduce("writing", write, finish)
+    return collective.gather_decide_broadcast("writing", write, finish)
 
 
 def load(
@@ -142,7 +142,7 @@ def load(
     def global_plan(plans: list[LoadPlan]) -> list[LoadPlan]:
         return reader.prepare_global_plan(planner.create_global_plan(plans))
 
-    plan = collective.reduce_scatter("planning", local_plan, global_plan)
+    plan = collective.gather_decide_scatter("planning", local_plan, global_plan)
 
     def read() -> None:
         reader.read_data(planner.finish_plan(plan), planner).wait()

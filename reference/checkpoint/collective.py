@@ -4,6 +4,14 @@ Each step runs a local function on every rank, catches what it raises, and excha
 that a failure on one rank becomes the same :class:`~reference.checkpoint.errors.CheckpointError` on
 every rank (naming each failing rank and its message) instead of a hang in the next collective. With
 no process group (one process, ``torch.distributed`` not initialized) the same steps run locally.
+
+The steps are named for what they do, not after c10d primitives: :meth:`Collective.gather_decide_scatter`
+gathers every rank's local result to the coordinator, which decides one value per rank (DCP's global
+plan) and scatters them; :meth:`Collective.gather_decide_broadcast` decides one value for all. This is
+the checkpoint's own protocol on top of c10d, kept beside its errors (a
+:class:`~reference.checkpoint.errors.CheckpointError` that names every failing rank and its message);
+:mod:`reference.comm` is the same agreement for the sharded wrapper and the state-dict API, where an
+error keeps its own type.
 """
 
 from __future__ import annotations
@@ -117,7 +125,7 @@ class Collective:
             return None, {self.rank: result}
         return result, None
 
-    def reduce_scatter(
+    def gather_decide_scatter(
         self, step: str, local_fn: Callable[[], T], global_fn: Callable[[list[T]], list[R]]
     ) -> R:
         """``local_fn`` on every rank; ``global_fn`` on the coordinator with all results (rank order),
@@ -136,10 +144,10 @@ class Collective:
             self._raise(step, mine)
         return cast(R, mine)
 
-    def all_reduce(self, step: str, local_fn: Callable[[], T], reduce_fn: Callable[[list[T]], R]) -> R:
-        """``local_fn`` on every rank; ``reduce_fn`` on the coordinator with all results; every rank
+    def gather_decide_broadcast(self, step: str, local_fn: Callable[[], T], decide_fn: Callable[[list[T]], R]) -> R:
+        """``local_fn`` on every rank; ``decide_fn`` on the coordinator with all results; every rank
         gets its return value. Any failure raises on every rank."""
-        result, failures = self._gather_and_decide(local_fn, reduce_fn)
+        result, failures = self._gather_and_decide(local_fn, decide_fn)
         outcome: list[Any] = [None]
         if self.is_coordinator:
             outcome = [("failed", failures)] if failures else [("ok", result)]
