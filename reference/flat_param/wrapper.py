@@ -688,7 +688,8 @@ class FlattenParamsWrapper(nn.Module):
         base, itemsize = flat.data_ptr(), flat.element_size()
         params, layout = self._params, flat._layout
         with torch.no_grad():
-            for param, slot, shape, start, numel in zip(params, self._slots, layout.shapes, layout.starts, layout.numels):
+            per_param = zip(params, self._slots, layout.shapes, layout.starts, layout.numels)
+            for param, slot, shape, start, numel in per_param:
                 value = slot.module._parameters.get(slot.attr)
                 if value is not param:
                     keep_params = False  # replaced (load with assign=True) or removed
@@ -796,7 +797,9 @@ def _checked_param_list(param_list: Iterable[nn.Parameter]) -> list[nn.Parameter
         # isinstance check, a cost per parameter, so only other types are checked.
         if type(p) is not nn.Parameter:
             if not isinstance(p, nn.Parameter):
-                raise TypeError(f"FlattenParamsWrapper: param_list[{i}] must be an nn.Parameter, got {type(p).__name__}")
+                raise TypeError(
+                    f"FlattenParamsWrapper: param_list[{i}] must be an nn.Parameter, got {type(p).__name__}"
+                )
             if isinstance(p, FlatParameter):
                 raise ValueError(
                     f"FlattenParamsWrapper: param_list[{i}] is a FlatParameter (of a wrapper inside this module); "
