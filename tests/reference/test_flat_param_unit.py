@@ -473,3 +473,16 @@ def test_state_dict_follows_flat_param_changes(change: str) -> None:
     assert torch.equal(torch.cat([v.reshape(-1) for v in sd.values()]), flat.detach())
     assert all(v.requires_grad == flat.requires_grad and v.dtype == flat.dtype for v in sd.values())
     assert all(v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for v in sd.values())
+
+
+def test_parameters_and_buffers_registered_as_none_are_skipped_and_keep_their_place() -> None:
+    """A name registered as None is no tensor to flatten or to check for ties, and keeps its place."""
+    module = nn.Linear(2, 2)
+    module.register_parameter("absent", None)
+    module.register_buffer("no_buffer", None)
+    expected = list(module.state_dict())
+    order = list(module._parameters)
+    wrapped = FlattenParamsWrapper(module, list(module.parameters()))
+    assert list(wrapped.state_dict()) == expected
+    with wrapped.unflatten_params():
+        assert list(module._parameters) == order
