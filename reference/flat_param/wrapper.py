@@ -824,9 +824,9 @@ def _find_registrations(module: nn.Module, params: list[nn.Parameter]) -> _Regis
     flat_index: dict[int, int] = {}  # id of a listed parameter -> its flat index
     found = _Registrations([], [], [], [])
     # Names as the state_dict uses them: without the segments of wrappers nested inside `module`.
-    # `_parameters`/`_buffers` rather than named_parameters()/named_buffers(recurse=False), which
-    # read the same dicts through two generators per module: with wrappers nested n deep the walks
-    # visit O(n^2) modules, and those generators were a fifth of a deep wrapping's time.
+    # `_parameters` rather than named_parameters(recurse=False), which reads the same dict through
+    # two generators per module: with wrappers nested n deep the walks visit O(n^2) modules, and
+    # those generators were a tenth of a deep wrapping's time.
     for module_name, submodule in clean_named_modules(module):
         prefix = f"{module_name}." if module_name else ""
         for attr, p in submodule._parameters.items():
@@ -840,7 +840,8 @@ def _find_registrations(module: nn.Module, params: list[nn.Parameter]) -> _Regis
                 flat_index[id(p)] = len(found.slots)
                 found.slots.append(_Slot(prefix + attr, submodule, attr))
                 found.tensors.append(p)
-        found.unlisted.extend((prefix + attr, b) for attr, b in submodule._buffers.items() if b is not None)
+        buffers = submodule.named_buffers(recurse=False, remove_duplicate=False)
+        found.unlisted.extend((prefix + attr, b) for attr, b in buffers)
     for i, p in enumerate(params):
         if id(p) not in flat_index:
             raise ValueError(
