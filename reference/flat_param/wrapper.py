@@ -28,10 +28,12 @@ state_dict keys; clean FQNs of a model with wrappers).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, chain
 from typing import Any, NamedTuple, SupportsIndex, cast
 
 import torch
@@ -135,19 +137,21 @@ class _Layout:
     names: tuple[str, ...]
     shapes: tuple[torch.Size, ...]
     numels: tuple[int, ...]
-    offsets: tuple[ParamRange, ...]
+    starts: tuple[int, ...]  # the flat index of each parameter's first element
+    full_numel: int
 
-    @property
-    def full_numel(self) -> int:
-        return sum(self.numels)
+    # The ParamRanges are made on first use: a wrapper of n parameters needs only `starts`, and n
+    # more objects that live as long as the model make every full garbage collection longer.
+    @functools.cached_property
+    def offsets(self) -> tuple[ParamRange, ...]:
+        return tuple(ParamRange(start, start + n - 1) for start, n in zip(self.starts, self.numels))
 
     @classmethod
     def build(cls, names: Sequence[str], shapes: Sequence[torch.Size]) -> _Layout:
         sizes = tuple(s if isinstance(s, torch.Size) else torch.Size(s) for s in shapes)
         numels = tuple(math.prod(s) for s in sizes)
-        ends = list(accumulate(numels))
-        offsets = tuple(ParamRange(end - n, end - 1) for end, n in zip(ends, numels))
-        return cls(tuple(names), sizes, numels, offsets)
+        starts = tuple(accumulate(numels, initial=0))[:-1]
+        return cls(tuple(names), sizes, numels, starts, sum(numels))
 
     def shard(self, start: int, end: int, num_padded: int) -> ShardMetadata:
         """Metadata of the shard ``[start, end]`` (flat indices, padding included); inputs validated."""
@@ -198,7 +202,7 @@ class FlatParameter(nn.Parameter):
     """
 
     _layout: _Layout
-    _shard: ShardMetadata
+    _shard: ShardMetadata | None  # metadata of _shard_range, made on first use (see shard_metadata)
     _shard_range: ShardRange
 
     def __new__(
@@ -213,7 +217,9 @@ class FlatParameter(nn.Parameter):
                 raise TypeError(f"FlatParameter: params[{i}] must be a tensor, got {type(p).__name__}")
             # Flattening makes both the tensor and the module hierarchy flat; a FlatParameter inside
             # another would bring the hierarchy back, so it is refused rather than absorbed.
-            if isinstance(p, FlatParameter):
+            # (issubclass of the type: isinstance would run nn.Parameter's Python-level metaclass
+            # check, a cost per parameter.)
+            if issubclass(type(p), FlatParameter):
                 raise ValueError(f"FlatParameter: params[{i}] is already a FlatParameter; nesting is not supported")
         # Invariant: one dtype and one device, so that torch.cat neither promotes nor moves data.
         for attr in ("dtype", "device"):
@@ -224,8 +230,9 @@ class FlatParameter(nn.Parameter):
                         f"FlatParameter: all params must have one {attr}: params[0] has {first}, params[{i}] has "
                         f"{getattr(p, attr)}"
                     )
+        # Under no_grad the copy records no history (no detach needed); 1-D tensors go in as they are.
         with torch.no_grad():
-            data = torch.cat([p.detach().reshape(-1) for p in params])
+            data = torch.cat([p if p.ndim == 1 else p.reshape(-1) for p in params])
         return super().__new__(cls, data, requires_grad=requires_grad)
 
     def __init__(
@@ -244,7 +251,7 @@ class FlatParameter(nn.Parameter):
     def _set_layout(self, layout: _Layout) -> None:
         self._layout = layout
         self._shard_range = ShardRange(0, layout.full_numel - 1, 0)
-        self._shard = layout.shard(0, layout.full_numel - 1, 0)
+        self._shard = None
 
     # -- metadata -----------------------------------------------------------------------------
 
@@ -291,8 +298,10 @@ class FlatParameter(nn.Parameter):
                 f"get_param_views: data has {data.numel()} elements, expected full_numel={self.full_numel}"
                 + (" (this FlatParameter is sharded; pass the unsharded data)" if external_data is None else "")
             )
-        flat = data.reshape(-1)
-        return (t.view(s) for t, s in zip(flat.split(list(self._layout.numels)), self._layout.shapes))
+        layout = self._layout
+        pieces = data.reshape(-1).split_with_sizes(layout.numels)
+        # A piece of a 1-D parameter already has its shape: a view of it would only cost time.
+        return (t if len(s) == 1 else t.view(s) for t, s in zip(pieces, layout.shapes))
 
     # -- sharding -----------------------------------------------------------------------------
 
@@ -330,7 +339,7 @@ class FlatParameter(nn.Parameter):
                 f"{expected} padding elements (padding follows the last element), got num_padded={num_padded}"
             )
         self._shard_range = ShardRange(start, end, num_padded)
-        self._shard = self._layout.shard(start, end, num_padded)
+        self._shard = None
 
     @property
     def shard_range(self) -> ShardRange:
@@ -339,6 +348,8 @@ class FlatParameter(nn.Parameter):
 
     def shard_metadata(self) -> ShardMetadata:
         """Which parameters, and which param indices of each, the recorded shard holds."""
+        if self._shard is None:  # made on first use: a wrapper that never shards does not need it
+            self._shard = self._layout.shard(*self._shard_range)
         return self._shard
 
     # -- copying ------------------------------------------------------------------------------
@@ -369,7 +380,6 @@ def _rebuild_flat_param(data: Tensor, requires_grad: bool, layout: _Layout, shar
     flat = torch.Tensor._make_subclass(FlatParameter, data, requires_grad)
     flat._set_layout(layout)
     flat._shard_range = ShardRange(*shard_range)
-    flat._shard = layout.shard(*shard_range)
     return flat
 
 
@@ -389,12 +399,14 @@ class _Owner(NamedTuple):
     flattened: tuple[str, ...]  # the names with a flat index
 
 
-def _owners(groups: Sequence[Sequence[_Slot]]) -> tuple[_Owner, ...]:
-    """The owner of every registration in ``groups`` (one group per flat index), each listed once."""
+def _owners(slots: Sequence[_Slot], ties: Sequence[tuple[int, _Slot]]) -> tuple[_Owner, ...]:
+    """The owner of every registration (``slots[i]`` and the ties of flat index i), each listed once."""
     index: dict[nn.Module, dict[str, int]] = {}
-    for i, group in enumerate(groups):
-        for slot in group:
-            index.setdefault(slot.module, {})[slot.attr] = i
+    for i, slot in chain(enumerate(slots), ties):
+        attrs = index.get(slot.module)
+        if attrs is None:
+            attrs = index[slot.module] = {}
+        attrs[slot.attr] = i
     owners = []
     for module, flat_index in index.items():
         # `_parameters` rather than named_parameters(): names registered as None keep their place.
@@ -443,26 +455,26 @@ class FlattenParamsWrapper(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"FlattenParamsWrapper: module must be an nn.Module, got {type(module).__name__}")
         params = _checked_param_list(param_list)
-        slots = _find_slots(module, params) if params else {}
+        found = _find_registrations(module, params) if params else None
         super().__init__()
         self._fpw_module = module
         # `self.flat_param` is the registered parameter while flattened, this stash otherwise.
         self.__dict__["_flat"] = None  # FlatParameter | None; __dict__ so nn.Module does not register it
-        self._slots: tuple[tuple[_Slot, ...], ...] = ()  # per flattened parameter: its registrations
+        self._slots: tuple[_Slot, ...] = ()  # per flattened parameter, in flat order: its first registration
+        self._ties: tuple[tuple[int, _Slot], ...] = ()  # every further registration, with its flat index
         self._flattened = False
         self._loading = False  # unflattened by the load pre-hook, awaiting the post-hook
         self._owners: tuple[_Owner, ...] = ()  # modules that register flattened parameters
         self.__dict__["_views"] = ()  # the installed views, in flat order (see _set_views)
         self.__dict__["_params"] = ()  # Parameters registered while unflattened (see _unflatten)
 
-        if slots:
-            primaries = [group[0] for group in slots.values()]
-            tensors = [getattr(s.module, s.attr) for s in primaries]
-            _check_uniform(primaries, tensors)
-            _check_no_storage_ties(module, slots)
-            flat = FlatParameter(tensors, tensors[0].requires_grad, names=[s.name for s in primaries])
-            self._slots = tuple(tuple(group) for group in slots.values())
-            self._owners = _owners(self._slots)
+        if found is not None:
+            _check_uniform(found.slots, found.tensors)
+            _check_no_storage_ties(found)
+            flat = FlatParameter(found.tensors, found.tensors[0].requires_grad, names=[s.name for s in found.slots])
+            self._slots = tuple(found.slots)
+            self._ties = tuple(found.ties)
+            self._owners = _owners(self._slots, self._ties)
             self.__dict__["_flat"] = flat
             self._flatten()
 
@@ -597,14 +609,15 @@ class FlattenParamsWrapper(nn.Module):
         flat = self._flat
         assert flat is not None and self._flattened
         views = tuple(flat.get_param_views()) if views is None else tuple(views)
-        for group, view in zip(self._slots, views):
-            for slot in group:
-                # A plain attribute (not a parameter): the module reads it as before. Invariant:
-                # `attr` names no parameter, buffer or submodule of the module (flattening
-                # deregistered it, and nn.Module refuses to register a name that is an attribute),
-                # so this is what nn.Module.__setattr__ would store; writing __dict__ skips its
-                # checks, which would otherwise be paid at every forward.
-                slot.module.__dict__[slot.attr] = view
+        # A plain attribute (not a parameter): the module reads it as before. Invariant: `attr`
+        # names no parameter, buffer or submodule of the module (flattening deregistered it, and
+        # nn.Module refuses to register a name that is an attribute), so this is what
+        # nn.Module.__setattr__ would store; writing __dict__ skips its checks, which would
+        # otherwise be paid at every forward.
+        for slot, view in zip(self._slots, views):
+            slot.module.__dict__[slot.attr] = view
+        for index, slot in self._ties:  # every name of a tied parameter gets the same view
+            slot.module.__dict__[slot.attr] = views[index]
         self.__dict__["_views"] = views
 
     def _current_views(self) -> tuple[Tensor, ...] | None:
@@ -676,10 +689,10 @@ class FlattenParamsWrapper(nn.Module):
         assert flat is not None and not self._flattened
         problems = []
         base, itemsize = flat.data_ptr(), flat.element_size()
-        params = self._params
+        params, layout = self._params, flat._layout
         with torch.no_grad():
-            for param, group, shape, offset in zip(params, self._slots, flat.param_shapes, flat.param_offsets):
-                slot = group[0]
+            per_param = zip(params, self._slots, layout.shapes, layout.starts, layout.numels)
+            for param, slot, shape, start, numel in per_param:
                 value = slot.module._parameters.get(slot.attr)
                 if value is not param:
                     keep_params = False  # replaced (load with assign=True) or removed
@@ -688,10 +701,10 @@ class FlattenParamsWrapper(nn.Module):
                     problems.append(f"{slot.name!r} was removed (expected a tensor of shape {tuple(shape)})")
                 elif value.shape != shape:
                     problems.append(f"{slot.name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}")
-                elif value.data_ptr() != base + offset.start * itemsize or value.dtype != flat.dtype:
+                elif value.data_ptr() != base + start * itemsize or value.dtype != flat.dtype:
                     # Replaced inside the body (e.g. load with assign=True, or .data set by
                     # .to()): copy into the slice, and make new Parameters next time.
-                    flat.detach()[offset.start : offset.end + 1].copy_(value.reshape(-1))
+                    flat.detach()[start : start + numel].copy_(value.reshape(-1))
                     keep_params = False
         for owner in self._owners:
             for name in owner.flattened:
@@ -783,38 +796,66 @@ def _checked_param_list(param_list: Iterable[nn.Parameter]) -> list[nn.Parameter
         )
     seen: dict[int, nn.Parameter] = {}
     for i, p in enumerate(param_list):
-        if not isinstance(p, nn.Parameter):
-            raise TypeError(f"FlattenParamsWrapper: param_list[{i}] must be an nn.Parameter, got {type(p).__name__}")
-        if isinstance(p, FlatParameter):
-            raise ValueError(
-                f"FlattenParamsWrapper: param_list[{i}] is a FlatParameter (of a wrapper inside this module); "
-                f"nesting FlatParameters is not supported: list the inner module's other parameters only"
-            )
+        # A plain nn.Parameter passes both checks; each runs nn.Parameter's Python-level metaclass
+        # isinstance check, a cost per parameter, so only other types are checked.
+        if type(p) is not nn.Parameter:
+            if not isinstance(p, nn.Parameter):
+                raise TypeError(
+                    f"FlattenParamsWrapper: param_list[{i}] must be an nn.Parameter, got {type(p).__name__}"
+                )
+            if isinstance(p, FlatParameter):
+                raise ValueError(
+                    f"FlattenParamsWrapper: param_list[{i}] is a FlatParameter (of a wrapper inside this module); "
+                    f"nesting FlatParameters is not supported: list the inner module's other parameters only"
+                )
         seen.setdefault(id(p), p)
     return list(seen.values())
 
 
-def _find_slots(module: nn.Module, params: list[nn.Parameter]) -> dict[int, list[_Slot]]:
-    """Every registration of each listed parameter in ``module``, keyed by id, in module order."""
+class _Registrations(NamedTuple):
+    """Where the listed parameters are registered in a module, and what else it holds (see _find_registrations)."""
+
+    tensors: list[nn.Parameter]  # each listed parameter once, in module order: the flat order
+    slots: list[_Slot]  # the first registration of each, in the same order (its name is the parameter's)
+    ties: list[tuple[int, _Slot]]  # every further registration, with its parameter's flat index
+    unlisted: list[tuple[str, Tensor]]  # the other parameters and the buffers, for the storage-tie check
+
+
+def _find_registrations(module: nn.Module, params: list[nn.Parameter]) -> _Registrations:
+    """Every registration of each listed parameter in ``module`` in module order, and the other tensors."""
     listed = {id(p) for p in params}
-    slots: dict[int, list[_Slot]] = {}
+    flat_index: dict[int, int] = {}  # id of a listed parameter -> its flat index
+    found = _Registrations([], [], [], [])
     # Names as the state_dict uses them: without the segments of wrappers nested inside `module`.
+    # `_parameters` rather than named_parameters(recurse=False), which reads the same dict through
+    # two generators per module: with wrappers nested n deep the walks visit O(n^2) modules, and
+    # those generators were a tenth of a deep wrapping's time.
     for module_name, submodule in clean_named_modules(module):
-        for attr, p in submodule.named_parameters(recurse=False, remove_duplicate=False):
-            if id(p) in listed:
-                name = f"{module_name}.{attr}" if module_name else attr
-                slots.setdefault(id(p), []).append(_Slot(name, submodule, attr))
+        prefix = f"{module_name}." if module_name else ""
+        for attr, p in submodule._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in listed:
+                found.unlisted.append((prefix + attr, p))
+            elif id(p) in flat_index:
+                found.ties.append((flat_index[id(p)], _Slot(prefix + attr, submodule, attr)))
+            else:
+                flat_index[id(p)] = len(found.slots)
+                found.slots.append(_Slot(prefix + attr, submodule, attr))
+                found.tensors.append(p)
+        buffers = submodule.named_buffers(recurse=False, remove_duplicate=False)
+        found.unlisted.extend((prefix + attr, b) for attr, b in buffers)
     for i, p in enumerate(params):
-        if id(p) not in slots:
+        if id(p) not in flat_index:
             raise ValueError(
                 f"FlattenParamsWrapper: param_list holds a parameter that is not a parameter of the wrapped "
                 f"{type(module).__name__} (position {i} after removing duplicates, shape {tuple(p.shape)}, "
                 f"dtype {p.dtype})"
             )
-    return slots
+    return found
 
 
-def _check_uniform(primaries: list[_Slot], tensors: list[Tensor]) -> None:
+def _check_uniform(primaries: list[_Slot], tensors: Sequence[Tensor]) -> None:
     """Invariant: one dtype and one requires_grad per flat parameter (one tensor, one grad flag)."""
     for attr, hint in (("dtype", ""), ("requires_grad", "; wrap frozen and trainable parameters separately")):
         first = getattr(tensors[0], attr)
@@ -834,28 +875,35 @@ def _byte_span(t: Tensor) -> tuple[int, int, int]:
     return t.untyped_storage().data_ptr(), first * size, (last + 1) * size
 
 
-def _check_no_storage_ties(module: nn.Module, slots: dict[int, list[_Slot]]) -> None:
-    """Refuse a listed parameter whose memory overlaps an unlisted parameter or buffer of ``module``."""
-    unlisted: dict[int, list[tuple[str, int, int]]] = {}  # storage pointer -> (name, first byte, end byte)
-    named = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
-    for name, t in named:
-        if id(t) not in slots and t.numel() > 0 and t.device.type != "meta":
+def _check_no_storage_ties(found: _Registrations) -> None:
+    """Refuse a listed parameter whose memory overlaps an unlisted parameter or buffer of the module."""
+    spans: dict[int, list[tuple[int, int, str]]] = {}  # storage pointer -> (first byte, end byte, name)
+    for name, t in found.unlisted:
+        if t.numel() > 0 and t.device.type != "meta":
             ptr, lo, hi = _byte_span(t)
-            unlisted.setdefault(ptr, []).append((name, lo, hi))
-    if not unlisted:
+            spans.setdefault(ptr, []).append((lo, hi, name))
+    if not spans:
         return
-    for group in slots.values():
-        t = getattr(group[0].module, group[0].attr)
-        if t.numel() == 0 or t.device.type == "meta":
+    # Per storage, the unlisted spans sorted by first byte, and for each the furthest end byte of it
+    # and the spans before it (with that span's name): a listed span [lo, hi) meets an unlisted one
+    # iff, among those that start before hi, the furthest end lies past lo. One sort, then a binary
+    # search per listed parameter, however many tensors share a storage.
+    index: dict[int, tuple[list[int], list[tuple[int, str]]]] = {}
+    for ptr, group in spans.items():
+        group.sort()
+        index[ptr] = ([lo for lo, _, _ in group], list(accumulate(((hi, name) for _, hi, name in group), max)))
+    for slot, t in zip(found.slots, found.tensors):
+        if t.is_meta:
             continue
         # The storage's address without making a storage object (the full span only on a match).
-        if t.data_ptr() - t.storage_offset() * t.element_size() not in unlisted:
+        if t.data_ptr() - t.storage_offset() * t.element_size() not in index or t.numel() == 0:
             continue
         ptr, lo, hi = _byte_span(t)
-        for other_name, o_lo, o_hi in unlisted[ptr]:
-            if lo < o_hi and o_lo < hi:
-                name = group[0].name
-                raise ValueError(
-                    f"FlattenParamsWrapper: listed parameter {name!r} shares memory with {other_name!r}, which is "
-                    f"not listed; flattening copies {name!r} and would cut that tie. List both or neither"
-                )
+        starts, reach = index[ptr]
+        before = bisect_left(starts, hi)  # the unlisted spans that start before this one ends
+        if before and reach[before - 1][0] > lo:
+            other_name = reach[before - 1][1]
+            raise ValueError(
+                f"FlattenParamsWrapper: listed parameter {slot.name!r} shares memory with {other_name!r}, which is "
+                f"not listed; flattening copies {slot.name!r} and would cut that tie. List both or neither"
+            )

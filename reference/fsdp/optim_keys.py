@@ -496,24 +496,29 @@ def _optim_state_dict_to_load(
                 # The state laid out like the flat parameter, built by one torch.cat of the saved values
                 # and zeros for the gaps (padding, parameters without saved state), not a slice and a
                 # copy per parameter (at 10,000 parameters those were the cost).
-                device = handle.local_shard.device
-                slots = [(_slot_of(info, fqn), fqn, entry) for fqn, entry in present if name in entry]
+                device, dtype = handle.local_shard.device, first.dtype
                 placed = sorted(
-                    ((slot, checked(fqn, name, entry[name], copied=False, shape=slot.shape)) for slot, fqn, entry in slots),
+                    ((_slot_of(info, fqn), fqn, entry[name]) for fqn, entry in present if name in entry),
                     key=lambda placed_value: placed_value[0].flat.start,
                 )
                 pieces: list[torch.Tensor] = []
                 at = 0
-                for slot, value in placed:
-                    if slot.flat.start > at:
-                        pieces.append(torch.zeros(slot.flat.start - at, dtype=first.dtype, device=device))
-                    if value.dtype != first.dtype or value.device != device:
-                        value = value.to(device=device, dtype=first.dtype)
-                    pieces.append(value.reshape(-1))
-                    at = slot.flat.end + 1
-                if handle.padded_numel > at:
-                    pieces.append(torch.zeros(handle.padded_numel - at, dtype=first.dtype, device=device))
-                flat = torch.cat(pieces)
+                # No autograd history from the saved values (in place of a detach per value).
+                with torch.no_grad():
+                    for slot, fqn, value in placed:
+                        # The common case (a tensor of the slot's shape) is checked inline: checked()
+                        # per value was most of the time of this loop; it raises on a wrong shape.
+                        if not (isinstance(value, torch.Tensor) and value.shape == slot.shape):
+                            value = checked(fqn, name, value, copied=False, shape=slot.shape)
+                        if slot.flat.start > at:
+                            pieces.append(torch.zeros(slot.flat.start - at, dtype=dtype, device=device))
+                        if value.dtype != dtype or value.device != device:
+                            value = value.to(device=device, dtype=dtype)
+                        pieces.append(value if value.dim() == 1 else value.reshape(-1))
+                        at = slot.flat.end + 1
+                    if handle.padded_numel > at:
+                        pieces.append(torch.zeros(handle.padded_numel - at, dtype=dtype, device=device))
+                    flat = torch.cat(pieces)
                 start = handle.shard_rank * handle.shard_numel
                 local[name] = flat[start : start + handle.shard_numel].clone()
             else:

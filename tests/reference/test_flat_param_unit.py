@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 from typing import Any
 
 import pytest
@@ -287,6 +288,50 @@ def test_even_shard_range_checks_input() -> None:
         even_shard_range(10, 0, 2.0)  # type: ignore[arg-type]
 
 
+def _spans_module(spans: list[tuple[int, int]]) -> nn.Module:
+    """Parameters ``p0``, ``p1``, ... over the element ranges ``[a, b)`` of one 64-element storage."""
+    storage = torch.arange(64.0)
+    module = nn.Module()
+    for i, (a, b) in enumerate(spans):
+        module.register_parameter(f"p{i}", nn.Parameter(storage[a:b]))
+    return module
+
+
+def test_storage_tie_found_behind_a_nearer_unlisted_span() -> None:
+    """The listed ``p2`` over [40, 45) overlaps ``p0`` over [0, 50) only: ``p1`` over [10, 20) starts
+    nearer but ends before it."""
+    module = _spans_module([(0, 50), (10, 20), (40, 45)])
+    with pytest.raises(ValueError, match="'p2' shares memory with 'p0'"):
+        FlattenParamsWrapper(module, [module.p2])
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_storage_tie_check_matches_pairwise_overlap(seed: int) -> None:
+    """The tie check (sorted spans, one binary search per listed parameter) refuses exactly the
+    listings where some listed range overlaps some unlisted one, and names such a pair."""
+    gen = torch.Generator().manual_seed(seed)
+    spans = []
+    for _ in range(int(torch.randint(2, 9, (1,), generator=gen))):
+        a = int(torch.randint(0, 60, (1,), generator=gen))
+        spans.append((a, a + int(torch.randint(1, 64 - a + 1, (1,), generator=gen))))
+    listed = [i for i in range(len(spans)) if torch.rand(1, generator=gen) < 0.4] or [0]
+    overlapping = {
+        (f"p{i}", f"p{j}")
+        for i in listed
+        for j in range(len(spans))
+        if j not in listed and spans[i][0] < spans[j][1] and spans[j][0] < spans[i][1]
+    }
+    module = _spans_module(spans)
+    params = [getattr(module, f"p{i}") for i in listed]
+    if not overlapping:
+        FlattenParamsWrapper(module, params)
+        return
+    with pytest.raises(ValueError, match="shares memory") as info:
+        FlattenParamsWrapper(module, params)
+    named = re.search(r"listed parameter '(p\d+)' shares memory with '(p\d+)'", str(info.value))
+    assert named is not None and named.groups() in overlapping, f"{info.value} (spans {spans}, listed {listed})"
+
+
 # -- FlattenParamsWrapper recovery paths and details -----------------------------------------------------
 
 
@@ -429,3 +474,16 @@ def test_state_dict_follows_flat_param_changes(change: str) -> None:
     assert torch.equal(torch.cat([v.reshape(-1) for v in sd.values()]), flat.detach())
     assert all(v.requires_grad == flat.requires_grad and v.dtype == flat.dtype for v in sd.values())
     assert all(v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for v in sd.values())
+
+
+def test_parameters_and_buffers_registered_as_none_are_skipped_and_keep_their_place() -> None:
+    """A name registered as None is no tensor to flatten or to check for ties, and keeps its place."""
+    module = nn.Linear(2, 2)
+    module.register_parameter("absent", None)
+    module.register_buffer("no_buffer", None)
+    expected = list(module.state_dict())
+    order = list(module._parameters)
+    wrapped = FlattenParamsWrapper(module, list(module.parameters()))
+    assert list(wrapped.state_dict()) == expected
+    with wrapped.unflatten_params():
+        assert list(module._parameters) == order
