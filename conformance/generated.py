@@ -1170,6 +1170,22 @@ def iter_steps(case: Case) -> Iterator[int]:
     return iter(range(case.steps, case.steps + case.more_steps))
 
 
+def continue_alongside(
+    case: Case,
+    spec: ModelSpec,
+    oracle: tuple[nn.Module, torch.optim.Optimizer],
+    target: tuple[nn.Module, torch.optim.Optimizer],
+    device: torch.device | str = "cpu",
+    local: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+) -> None:
+    """``case.more_steps`` more training steps of the oracle and the loaded target on the same global
+    batches (the target sees ``local`` of each: its rank's rows when it is sharded)."""
+    for step in iter_steps(case):
+        x = batch(spec, step, device)
+        train_step(*oracle, x)
+        train_step(*target, local(x))
+
+
 # -- rank bodies: optim_state ------------------------------------------------------------------------------------
 
 
@@ -1230,10 +1246,7 @@ def _continue_and_compare(
     steps, then compare ``read_state()`` (model and optimizer state on the CPU) with the oracle's."""
     keys = case.model.trainable()
     oracle, oracle_optim = oracle_run(case, case.steps, ctx.device)
-    for step in iter_steps(case):
-        x = batch(case.model, step, ctx.device)
-        train_step(oracle, oracle_optim, x)
-        train_step(model, optim, _slice(ctx)(x))
+    continue_alongside(case, case.model, (oracle, oracle_optim), (model, optim), ctx.device, _slice(ctx))
     atol, rtol = tolerance(case.model)
     got_model, got_optim = read_state()
     where = f"{where}, {case.more_steps} more step(s) after the load"
@@ -1400,10 +1413,7 @@ def state_dict_round_trip(ops: Any, case: Case) -> None:
         assert_optimizer_matches(again_optim, saved[1], keys, what="get after set: optimizer state dict vs the saved one", where=f"wrapper {how}")
     assert_same_state(non_persistent_buffers(spec, target), before, what="non-persistent buffers changed by set_state_dict", where=f"wrapper {how}")
 
-    for step in iter_steps(case):
-        x = batch(spec, step)
-        train_step(oracle, oracle_optim, x)
-        train_step(target, target_optim, x)
+    continue_alongside(case, spec, (oracle, oracle_optim), (target, target_optim))
     where = f"wrapper {how}, {case.more_steps} more step(s) after the load"
     assert_model_matches(spec, target.state_dict(), oracle.state_dict(), what="model vs the unwrapped run that never stopped", where=where)
     assert_optimizer_matches(fqn_keyed(target, target_optim), fqn_keyed(oracle, oracle_optim), keys,
@@ -1509,10 +1519,7 @@ def flat_param_round_trip(ops: Any, case: Case) -> None:
     where = "target wrapped with the target param_list order, right after the load"
     assert_model_matches(spec, target.state_dict(), saved[0], what="state_dict() after load_state_dict vs the saved one", where=where)
     assert_same_state(non_persistent_buffers(spec, target), before, what="non-persistent buffers changed by load_state_dict", where=where)
-    for step in iter_steps(case):
-        x = batch(spec, step)
-        train_step(oracle, oracle_optim, x)
-        train_step(target, target_optim, x)
+    continue_alongside(case, spec, (oracle, oracle_optim), (target, target_optim))
     where = f"{case.more_steps} more step(s) after the load"
     assert_model_matches(spec, target.state_dict(), oracle.state_dict(), what="model vs the unwrapped run that never stopped", where=where)
     assert_optimizer_matches(flat_fqn_keyed(ops, target_named, target_optim, spec), fqn_keyed(oracle, oracle_optim), keys,
@@ -1649,10 +1656,7 @@ def sharded_state_dict_round_trip(ctx: Any, impl: Any, case: Case) -> Any:
     assert_model_matches(spec, again[0], saved[0], what="get after set: model vs the saved one", where=where, check_order=False)
     assert_optimizer_matches(again[1], saved[1], keys, what="get after set: optimizer vs the saved one", where=where)
     assert_same_state(non_persistent_buffers(spec, target), before, what="non-persistent buffers changed by set_state_dict", where=where)
-    for step in iter_steps(case):
-        x = batch(spec, step, ctx.device)
-        train_step(oracle, oracle_optim, x)
-        train_step(target, target_optim, _slice(ctx)(x))
+    continue_alongside(case, spec, (oracle, oracle_optim), (target, target_optim), ctx.device, _slice(ctx))
     where = f"rank {ctx.rank}, world size {ctx.world_size}, target {case.load.strategy}, {case.more_steps} more step(s)"
     got = [to_cpu(sd) for sd in ops.get_state_dict(target, target_optim, options=full_options)]
     assert_model_matches(spec, got[0], to_cpu(oracle.state_dict()), what="model vs the unwrapped run that never stopped", where=where, atol=atol,

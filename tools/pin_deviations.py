@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from conformance.harness.xfails import Pin, XfailEntry, parse_xfails
+from conformance.harness.xfails import Pin, XfailEntry, parse_xfails, split_reason
 
 __all__ = ["propose", "common_text", "rewrite", "main"]
 
@@ -116,36 +116,40 @@ def propose(entry: XfailEntry, tests: dict[str, dict[str, Any]]) -> Pin | None:
     return pin if pin else None
 
 
+def _shell_word(text: str, *, quote: bool = False) -> str:
+    """``text`` as one word of an entry line (shell quoting, as the parser reads it): bare when nothing
+    in it needs quoting and ``quote`` is not asked for; else in single quotes (which keep everything),
+    or double quotes (which keep a backslash unless it escapes \\ " $ or `), or shlex's own quoting."""
+    if not quote and re.fullmatch(r"[^\s'\"#\\]+", text):
+        return text
+    if "'" not in text:
+        return f"'{text}'"
+    if '"' not in text and not re.search(r'\\[\\"$`]', text):
+        return f'"{text}"'
+    return shlex.quote(text)
+
+
 def _pin_words(pin: Pin) -> str:
     words = []
     if pin.raises:
         words.append(f"raises={pin.raises}")
     if pin.match:
-        # Single quotes keep everything; double quotes keep a backslash unless it escapes \\ " $ or `.
-        double_ok = '"' not in pin.match and not re.search(r'\\[\\"$`]', pin.match)
-        quote = "'" if "'" not in pin.match else '"' if double_ok else None
-        words.append(f"match={quote}{pin.match}{quote}" if quote else "match=" + shlex.quote(pin.match))
+        words.append("match=" + _shell_word(pin.match, quote=True))
     if pin.ranks:
         words.append(f"ranks={pin.ranks}")
     return " ".join(words)
 
 
-def _word(text: str) -> str:
-    return text if re.fullmatch(r"[^\s'\"#\\]+", text) else shlex.quote(text)
-
-
 def rewrite(path: Path, pins: dict[int, Pin]) -> str:
     """The text of ``path`` with ``pins`` (by line number) in place of each line's pin words (any
     ``raises=``/``match=``/``ranks=`` it had), before its reason; its flags and conditions kept."""
-    from conformance.harness.xfails import _split_reason
-
     lines = path.read_text(encoding="utf-8").splitlines()
     for lineno, pin in pins.items():
         line = lines[lineno - 1]
-        head, _ = _split_reason(line)
+        head, _ = split_reason(line)
         tail = line[len(head):]
         words = shlex.split(head)
-        kept = [words[0]] + [_word(w) for w in words[1:] if not w.startswith(("raises=", "match=", "ranks="))]
+        kept = [words[0]] + [_shell_word(w) for w in words[1:] if not w.startswith(("raises=", "match=", "ranks="))]
         lines[lineno - 1] = f"{' '.join(kept[:1])}  {' '.join(kept[1:] + [_pin_words(pin)])}{'  ' + tail.lstrip() if tail else ''}"
     return "\n".join(lines) + "\n"
 

@@ -332,19 +332,22 @@ def suite_test_id(item: pytest.Item) -> str:
     return f"conformance/{path.relative_to(_CONFORMANCE_DIR).as_posix()}::{item.nodeid.split('::', 1)[1]}"
 
 
-def _entry_for(item: pytest.Item, entries: list[XfailEntry], torch_version: str) -> XfailEntry | None:
-    """The entry that marks ``item``: ``--xfails`` entries first, then the adapter's own file, then the
-    files of its base adapters; a removal (``!pattern``) stops the search. Entries whose conditions do
-    not hold for this test are skipped."""
+def _applicable(entries: list[XfailEntry], impl: Adapter | None) -> list[XfailEntry]:
+    """The entries that may mark a test of ``impl``, in the order they are tried: ``--xfails`` entries
+    first, then the adapter's own file, then the files of its base adapters."""
+    mro_names = [name for name, _ in adapter_xfail_files(impl)] if impl is not None else []
+    applicable = [e for e in entries if e.impl is None or e.impl in mro_names]
+    return sorted(applicable, key=lambda e: 0 if e.impl is None else 1 + mro_names.index(e.impl))
+
+
+def _entry_for(item: pytest.Item, test_id: str, candidates: list[XfailEntry], torch_version: str) -> XfailEntry | None:
+    """The first of ``candidates`` (:func:`_applicable`) whose conditions hold for ``item`` and whose
+    pattern matches its ``test_id``; a removal (``!pattern``) that matches first means none."""
     impl = _item_impl(item)
     backend = _item_backend(item)
-    mro_names = [name for name, _ in adapter_xfail_files(impl)] if impl is not None else []
-    candidates = [e for e in entries if e.impl is None or e.impl in mro_names]
-    candidates.sort(key=lambda e: (0 if e.impl is None else 1 + mro_names.index(e.impl)))
     for entry in candidates:
         if not entry.when.holds(torch_version, backend):
             continue
-        test_id = suite_test_id(item)
         nodeid = as_run_by(test_id, impl.name, entry.impl) if (impl is not None and entry.impl) else test_id
         if entry.matches(nodeid):
             return None if entry.removes else entry
@@ -356,6 +359,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     unknown: dict[str, list[str]] = {}
     untagged: list[str] = []
     without_impl: list[str] = []
+    test_ids = {item: suite_test_id(item) for item in items}  # the ids entries and reports use, once
     for item in items:
         reqs = _item_reqs(item)
         for req in reqs:
@@ -372,7 +376,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         impl = _item_impl(item)
         item.user_properties.append(("reqs", reqs))
         item.user_properties.append(("impl", impl.name if impl else None))
-        item.user_properties.append(("test_id", suite_test_id(item)))
+        item.user_properties.append(("test_id", test_ids[item]))
     if unknown:
         listing = "; ".join(f"{req} (named by {nodes[0]})" for req, nodes in sorted(unknown.items()))
         raise pytest.UsageError(f"requirement IDs not in conformance/SPEC.md: {listing}")
@@ -391,9 +395,14 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     import torch
 
     entries = config.stash.get(_ENTRIES, [])
+    candidates: dict[str | None, list[XfailEntry]] = {}
     used: set[XfailEntry] = set()
     for item in items:
-        entry = _entry_for(item, entries, torch.__version__)
+        impl = _item_impl(item)
+        key = impl.name if impl is not None else None
+        if key not in candidates:
+            candidates[key] = _applicable(entries, impl)
+        entry = _entry_for(item, test_ids[item], candidates[key], torch.__version__)
         if entry is None:
             continue
         used.add(entry)
@@ -404,21 +413,22 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             item.add_marker(pytest.mark.xfail(reason=reason, run=False))
         else:
             item.add_marker(pytest.mark.xfail(reason=f"{entry.reason} [{entry.source}{pinned}]", strict=False))
-    _warn_stale(entries, used, items, torch.__version__)
+    _warn_stale(entries, used, items, test_ids, torch.__version__)
 
 
-def _warn_stale(entries: list[XfailEntry], used: set[XfailEntry], items: list[pytest.Item], torch_version: str) -> None:
+def _warn_stale(
+    entries: list[XfailEntry], used: set[XfailEntry], items: list[pytest.Item], test_ids: dict[pytest.Item, str], torch_version: str
+) -> None:
     """Warn about each active entry of a collected test file that would match no collected test at
     any world size (a removal: that would remove nothing). Entries conditioned on a backend or device
     are not judged: the run may not use it."""
-    test_ids = [suite_test_id(item) for item in items]
-    collected_files = {test_id.split("::", 1)[0] for test_id in test_ids}
+    collected_files = {test_id.split("::", 1)[0] for test_id in test_ids.values()}
     for entry in entries:
         if entry in used or entry.file_part not in collected_files:
             continue
         if not entry.when.holds_for_torch(torch_version) or entry.when.backend or entry.when.device:
             continue
-        ids = [as_run_by(t, impl.name, entry.impl) if (impl := _item_impl(i)) and entry.impl else t for i, t in zip(items, test_ids)]
+        ids = [as_run_by(test_ids[i], impl.name, entry.impl) if (impl := _item_impl(i)) and entry.impl else test_ids[i] for i in items]
         if not any(matches_at_any_world_size(entry.pattern, nodeid) for nodeid in ids):
             warnings.warn(
                 StaleXfailWarning(f"expected-failures entry {entry.pattern!r} ({entry.source}) matches no collected test"),

@@ -54,7 +54,7 @@ from pathlib import Path
 
 from conformance.harness.failures import Failure
 
-__all__ = ["Pin", "Condition", "XfailEntry", "parse_xfails", "matches", "matches_at_any_world_size", "as_run_by"]
+__all__ = ["Pin", "Condition", "XfailEntry", "parse_xfails", "matches", "matches_at_any_world_size", "as_run_by", "split_reason"]
 
 #: Flags (words without ``=``) an entry may carry, with what each means (for the error on an unknown one).
 FLAGS = {"hangs": "the test leaves ranks waiting until the timeout; not run unless --run-known-hangs"}
@@ -222,7 +222,7 @@ def as_run_by(nodeid: str, run_name: str, entry_name: str) -> str:
     return f"{head}[{params[:start]}{entry_name}{params[found.end():]}"
 
 
-def _split_reason(line: str) -> tuple[str, str]:
+def split_reason(line: str) -> tuple[str, str]:
     """``line`` cut at its first ``#`` outside quotes: (words, reason)."""
     quote = None
     for index, char in enumerate(line):
@@ -289,7 +289,7 @@ def parse_xfails(path: Path, *, impl: str | None = None, depth: int = 0) -> list
         if not line or line.startswith("#"):
             continue
         where = f"{path}:{lineno}"
-        head, reason = _split_reason(line)
+        head, reason = split_reason(line)
         try:
             words = shlex.split(head)
         except ValueError as exc:
