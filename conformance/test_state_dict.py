@@ -397,41 +397,6 @@ def test_flattened_nested_state_round_trips(impl: Any) -> None:
     assert_same_optim(fqn_keyed_optim(target, target_optim), expected, what="optimizer state after a set of the flattened nested state")
 
 
-def _fresh_optimizer(kind: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.5)
-    return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=0.5)
-
-
-@pytest.mark.req("SD-20")
-@pytest.mark.parametrize("kind", ("adamw", "sgd"))
-def test_get_of_a_fresh_optimizer_changes_nothing(impl: Any, kind: str) -> None:
-    """An optimizer that never stepped has its state built for the get, as one step with zero grads at
-    lr 0 builds it, and the model is untouched: parameters bit for bit (weight decay would move them at
-    the real lr), grads still None, every hyperparameter as it was."""
-    ops = sd_ops(impl)
-    model = zoo.build("nested")
-    optim = _fresh_optimizer(kind, model, lr=0.5)
-    oracle_model = copy.deepcopy(model)
-    oracle = _fresh_optimizer(kind, oracle_model, lr=0.0)
-    for param in oracle_model.parameters():
-        param.grad = torch.zeros_like(param) if param.requires_grad else None
-    oracle.step()
-
-    def hyper(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [{k: v for k, v in g.items() if k != "params"} for g in groups]
-
-    groups_before = copy.deepcopy(hyper(optim.param_groups))
-    before = snapshot(model=model)
-    got = ops.get_optimizer_state_dict(model, optim)
-    assert_unchanged(before, model=model, where=f"after get_optimizer_state_dict of a fresh {kind}")
-    assert_same_state(hyper(optim.param_groups), groups_before, what="the optimizer's hyperparameters after the get")
-    assert_same_state(hyper(got["param_groups"]), groups_before, what="hyperparameters in the returned state dict")
-    assert_same_state(got["state"], fqn_keyed_optim(oracle_model, oracle)["state"],
-                      what="state built for the get", check_order=False)
-
-
 @pytest.mark.req("SD-1", "SD-2", "SD-11")
 @pytest.mark.parametrize("name", ("tied", "buffers", "nested"))
 def test_round_trip_through_ddp(dist: Any, impl: Any, name: str) -> None:
@@ -758,7 +723,9 @@ def break_input(case: ErrorCase, model_sd: dict[str, Any], optim_sd: dict[str, A
     elif case.kind == "empty":
         model_sd = {}
     elif case.kind == "optim-missing":
-        del optim_sd["state"][case.key]
+        # A parameter the saved dict does not list at all (a parameter listed without state is no error: SD-23).
+        optim_sd["state"].pop(case.key, None)
+        optim_sd["param_groups"] = [{**g, "params": [p for p in g["params"] if p != case.key]} for g in optim_sd["param_groups"]]
     elif case.kind == "optim-unexpected":
         optim_sd["state"][case.key] = copy.deepcopy(next(iter(optim_sd["state"].values())))
     elif case.kind != "broadcast-options":

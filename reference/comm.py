@@ -115,6 +115,14 @@ def all_reduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> to
     return tensor
 
 
+def all_reduce_any(mask: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Replace the integer ``mask`` in place by its element-wise maximum over the group (a logical or
+    of 0/1 flags); returns it."""
+    if group_size(group) > 1:
+        dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
+    return mask
+
+
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order (``[obj]`` for no group)."""
     world = group_size(group)

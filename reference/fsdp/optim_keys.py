@@ -539,9 +539,17 @@ def _optim_state_dict_to_load(
                 group_of.setdefault(name, index)
     param_groups = []
     param_id = 0
+    # A group without parameters cannot be matched by them: the k-th such local group takes the k-th
+    # saved one, so its hyperparameters survive the load (pytorch/pytorch#143828).
+    empty_saved = iter([g for g in saved_groups if not g.get("params")])
     for local_index, group in enumerate(optim.param_groups):
         ids = list(range(param_id, param_id + len(group["params"])))
         param_id += len(group["params"])
+        if not group["params"]:
+            match = next(empty_saved, None)
+            hyper = match if match is not None else group
+            param_groups.append({**copy.deepcopy({k: v for k, v in hyper.items() if k != "params"}), "params": []})
+            continue
         fqns = [f for p in group["params"] for f in _key_of(p, param_to_fqns[p], infos).unflat_param_names]
         homes = {fqn: group_of.get(fqn) for fqn in fqns}
         missing = [fqn for fqn, home in homes.items() if home is None]
@@ -552,7 +560,7 @@ def _optim_state_dict_to_load(
                 f"param group {local_index} of the optimizer holds parameters of several saved param groups: "
                 + ", ".join(f"{fqn!r} in saved group {home}" for fqn, home in homes.items())
             )
-        loaded = copy.deepcopy({k: v for k, v in saved_groups[next(iter(homes.values()))].items() if k != "params"} if fqns else {})
+        loaded = copy.deepcopy({k: v for k, v in saved_groups[next(iter(homes.values()))].items() if k != "params"})
         loaded["params"] = ids
         param_groups.append(loaded)
     # Checked after the per-group check above, whose message names the FQNs that moved.

@@ -142,6 +142,11 @@ class FlatParamHandle:
     _parts: dict[str, ParamRange] | None = None
     #: True between the pre-backward all-gather and the post-backward reshard
     in_backward: bool = False
+    #: True from the post-backward reduce-scatter until the next forward: a pre-backward hook that fires
+    #: later in the same backward (on an output whose gradient completes after this unit's parameter
+    #: gradient) must not gather again, or the unit would end the iteration unsharded with a sharded
+    #: gradient (torch's FSDP keeps the same flag, ``_ran_pre_backward_hook``, for the same reason).
+    _reduced_this_backward: bool = False
 
     # -- construction ------------------------------------------------------------------------------
 
@@ -325,6 +330,19 @@ class FlatParamHandle:
         self.in_backward = False
         self.use_sharded_params()
 
+    def _used_on_any_rank(self, used: set[int], device: torch.device) -> set[int]:
+        """The slots some data-parallel rank used in this backward. A parameter used on one rank only
+        (an MoE expert that only that rank's tokens were routed to) has a nonzero averaged gradient on
+        every rank, and every rank must apply it to its part, or the shards diverge; a parameter no
+        rank used keeps ``grad=None``, as in the unwrapped model on the whole batch. Collective over
+        both axes; every rank of the unit reaches it from the same post-backward hook."""
+        mask = torch.zeros(len(self.slots), dtype=torch.int32, device=device)
+        if used:
+            mask[sorted(used)] = 1
+        comm.all_reduce_any(mask, self.shard_group)
+        comm.all_reduce_any(mask, self.replicate_group)
+        return {i for i, flag in enumerate(mask.tolist()) if flag}
+
     # -- gradients -----------------------------------------------------------------------------------
 
     def pre_forward(self) -> None:
@@ -333,6 +351,7 @@ class FlatParamHandle:
         if self.flat_param.grad is not None and self.flat_param.grad.shape == self.local_shard.shape:
             self._saved_grad = self.flat_param.grad
             self.flat_param.grad = None
+        self._reduced_this_backward = False
         self.unshard()
         self.use_unsharded_views()
 
@@ -342,7 +361,7 @@ class FlatParamHandle:
 
     def pre_backward(self) -> None:
         """All-gather again what forward freed (FULL_SHARD), so the saved views are valid."""
-        if not self.in_backward:
+        if not self.in_backward and not self._reduced_this_backward:
             self.in_backward = True
             self.unshard()
             # Fresh views for a recomputation (activation checkpointing inside the unit), made with
@@ -364,7 +383,9 @@ class FlatParamHandle:
             comm.all_reduce_mean(grad, self.replicate_group)
         used, self._used = self._used, set()
         self.reshard()
+        self._reduced_this_backward = True
         if self.use_orig_params:
+            used = self._used_on_any_rank(used, grad.device)
             for i, (slot, param) in enumerate(zip(self.slots, self.orig_params)):
                 if not param.requires_grad or i not in used:
                     continue

@@ -227,8 +227,15 @@ class FullyShardedDataParallel(nn.Module):
         handle.pre_forward()
         output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
+            # The pre-backward all-gather hangs on the outputs this unit computed. An input handed back
+            # unchanged (the position bias a T5 block receives from block 0 and returns) is another
+            # unit's tensor: its gradient is complete only after every use of it, possibly after this
+            # unit's own backward, so a hook on it would gather the parameters again once they had
+            # been resharded. Outputs computed from inputs alone can fire late too; the handle ignores
+            # a pre-backward that comes after its post-backward (FlatParamHandle.pre_backward).
+            inputs = {id(t) for t in _tensors_in((args, kwargs))}
             for tensor in _tensors_in(output):
-                if tensor.requires_grad:
+                if tensor.requires_grad and id(tensor) not in inputs:
                     tensor.register_hook(lambda grad: handle.pre_backward())
         handle.post_forward()
         return output

@@ -272,14 +272,13 @@ class ShardedBackend(PlainBackend):
     ) -> None:
         from reference.fsdp.optim_keys import get_fqn_to_fsdp_param_info
 
-        param_fqns = self.param_fqns(model)
-        # A flat parameter stands for several parameters: each needs state, under any of its names.
+        # A flat parameter stands for several parameters: each is checked, under any of its names.
         slots: dict[torch.Tensor, dict[int, list[str]]] = {}
         for fqn, info in get_fqn_to_fsdp_param_info(model).items():  # slot names before tied aliases
             if not info.state.use_orig_params:
                 slots.setdefault(info.flat_param, {}).setdefault(info.param_indices[fqn], []).append(fqn)
         flat_slots = {p: list(by_index.values()) for p, by_index in slots.items()}
-        _optim.check_keys(optims, osd, param_fqns, strict=options.strict, flat_slots=flat_slots)
+        _optim.check_keys(optims, osd, self.param_fqns(model), strict=options.strict, flat_slots=flat_slots)
 
     def plan_optim_load(
         self,
@@ -292,8 +291,8 @@ class ShardedBackend(PlainBackend):
 
         param_fqns = self.param_fqns(model)
         to_load = []
-        for optim in optims:
-            part = _optim.part_of(optim, osd, param_fqns)
+        for index, optim in enumerate(optims):
+            part = _optim.part_of(optims, index, osd, param_fqns)
             to_load.append(optim_keys.optim_state_dict_to_load(model, optim, part))
 
         def apply() -> None:

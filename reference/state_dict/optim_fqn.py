@@ -27,6 +27,7 @@ __all__ = [
     "to_fqn_keyed",
     "plan_load",
     "check_keys",
+    "empty_group_matches",
     "part_of",
     "flatten",
     "unflatten",
@@ -39,31 +40,57 @@ PARAMS = "params"
 ParamFQNs = Mapping[torch.Tensor, list[str]]  # parameter -> its canonical FQNs, first one is the key
 
 
-def init_state(optim: torch.optim.Optimizer) -> None:
-    """Create the lazily-initialised state of ``optim`` (torch's ``_init_optim_state``).
+#: The hyperparameters zeroed while state is materialized: with a zero gradient, these are what would
+#: otherwise move a parameter or its moments (decoupled and coupled weight decay).
+_INERT_HYPERPARAMETERS = ("lr", "weight_decay")
+#: State entries that count steps: set back to zero after materializing, so the first real update is
+#: the optimizer's first (bias correction of Adam/AdamW at step 1).
+_STEP_COUNTERS = ("step",)
 
-    A step with zero gradients and zero learning rate, and only when the optimizer has no state and no
-    gradient yet: the parameters do not move, but e.g. Adam's ``step``/``exp_avg`` entries exist."""
-    if optim.state:
-        return
+
+def init_state(optim: torch.optim.Optimizer) -> None:
+    """Materialize the state of every trainable parameter of ``optim`` that has none, as the optimizer
+    creates it lazily, without changing what any later step computes.
+
+    Per parameter, not per optimizer: a parameter that has not received a gradient yet (an MoE expert
+    no token was routed to) gets its state even when the others have theirs. The state comes from one
+    ``step()`` in which only those parameters have a gradient, of zeros, with every group's learning
+    rate and weight decay at 0; the step counters it advanced are then set back to 0, so that for
+    Adam, AdamW and SGD (dampening 0) the materialized state computes exactly what no state would.
+    Everything else is as before: parameters with state keep it untouched (their ``grad`` is ``None``
+    during the step), every ``grad`` (accumulated gradients included) and hyperparameter is restored,
+    and an optimizer that keeps no state (SGD without momentum) is left with no entry at all."""
     params = [p for group in optim.param_groups for p in group[PARAMS]]
-    if any(p.grad is not None for p in params):
+    missing = [p for p in params if p.requires_grad and not optim.state.get(p)]
+    if not missing:
         return
-    for p in params:
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    lrs = []
-    for group in optim.param_groups:
-        lrs.append(group.get("lr"))
-        if "lr" in group:
-            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    grads = [p.grad for p in params]
+    saved_hyper = [{k: group[k] for k in _INERT_HYPERPARAMETERS if k in group} for group in optim.param_groups]
     try:
+        for p in params:
+            p.grad = None
+        for p in missing:
+            p.grad = torch.zeros_like(p)
+        for group, hyper in zip(optim.param_groups, saved_hyper):
+            for k, v in hyper.items():
+                group[k] = torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0.0
         optim.step()
     finally:
-        for group, lr in zip(optim.param_groups, lrs):
-            if lr is not None:
-                group["lr"] = lr
-        optim.zero_grad(set_to_none=True)
+        for group, hyper in zip(optim.param_groups, saved_hyper):
+            group.update(hyper)
+        for p, grad in zip(params, grads):
+            p.grad = grad
+    for p in missing:
+        entry = optim.state.get(p)
+        if not entry:
+            optim.state.pop(p, None)  # a stateless optimizer: no empty entry left behind
+            continue
+        for name in _STEP_COUNTERS:
+            counter = entry.get(name)
+            if isinstance(counter, torch.Tensor):
+                counter.zero_()
+            elif isinstance(counter, (int, float)):
+                entry[name] = type(counter)(0)
 
 
 def _key_of(param: torch.Tensor, param_fqns: ParamFQNs, where: str) -> str:
@@ -96,6 +123,22 @@ def to_fqn_keyed(optims: tuple[torch.optim.Optimizer, ...], param_fqns: ParamFQN
     return {STATE: state, PG: groups}
 
 
+def empty_group_matches(optims: tuple[torch.optim.Optimizer, ...], loaded_groups: list[Mapping[str, Any]], *, strict: bool) -> dict[tuple[int, int], int]:
+    """``(optimizer index, group index) -> loaded group index`` for the param groups that hold no
+    parameter: they cannot be matched by their parameters, so the k-th such group over the optimizers
+    in order takes the k-th loaded group without parameters (a group kept for a scheduler or a later
+    ``add_param_group`` has hyperparameters all the same). Under ``strict``, different numbers of such
+    groups are a ``RuntimeError``; otherwise the unmatched keep their own hyperparameters."""
+    local = [(oi, gi) for oi, optim in enumerate(optims) for gi, group in enumerate(optim.param_groups) if not group[PARAMS]]
+    saved = [i for i, group in enumerate(loaded_groups) if not group.get(PARAMS)]
+    if strict and len(local) != len(saved):
+        raise RuntimeError(
+            f"optimizer state dict: {len(saved)} saved param group(s) without parameters (at {saved}), but the optimizers have "
+            f"{len(local)} (at {[f'optimizers[{oi}] group {gi}' for oi, gi in local]}); nothing was loaded"
+        )
+    return dict(zip(local, saved))
+
+
 def plan_load(
     optims: tuple[torch.optim.Optimizer, ...],
     osd: Mapping[str, Any],
@@ -105,11 +148,17 @@ def plan_load(
 ) -> Callable[[], None]:
     """Check an FQN-keyed ``osd`` against ``optims`` and return the function that loads it.
 
+    A parameter listed in a loaded param group takes that group's hyperparameters and its saved state;
+    saved state of a frozen parameter is loaded like any other. Without saved state, under ``strict``
+    (the dict is the whole truth) it has no state after the load, as ``Optimizer.load_state_dict``
+    leaves it (a stateless optimizer); otherwise it keeps its own (a partial dict). Groups are matched by their parameters, not
+    by position, so the optimizers may be split differently than when the dict was saved; groups
+    without parameters by :func:`empty_group_matches`; a tied parameter may be keyed by any of its FQNs.
+
     Raises before returning (nothing is changed): ``RuntimeError`` naming the FQN for, under
-    ``strict``, a trainable parameter with no state or in no loaded group, and state for an FQN that
-    no optimizer holds; ``ValueError`` for a malformed dict. Groups are matched by their parameters,
-    not by position, so the optimizers may be split differently than when the dict was saved; a
-    tied parameter may be keyed by any of its FQNs."""
+    ``strict``, a parameter in no loaded group and state for an FQN that no optimizer holds (otherwise
+    the first keeps its current state and group, the second is ignored); ``ValueError`` for a
+    malformed dict."""
     if not isinstance(osd.get(STATE), Mapping) or not isinstance(osd.get(PG), list):
         raise ValueError(f"optimizer state dict: expected {STATE!r} (dict) and {PG!r} (list), got keys {sorted(osd)}")
     loaded_state: Mapping[str, Any] = osd[STATE]
@@ -123,6 +172,7 @@ def plan_load(
         for name in group.get(PARAMS, []):
             group_of[alias.get(name, name)] = gi
     state_of = {alias.get(name, name): value for name, value in loaded_state.items()}
+    empty_matches = empty_group_matches(optims, loaded_groups, strict=strict)
 
     held: set[str] = set()
     new_dicts: list[dict[str, Any]] = []
@@ -131,9 +181,9 @@ def plan_load(
         state: dict[int, Any] = {}
         groups: list[dict[str, Any]] = []
         pid = 0
-        for group, current_group in zip(optim.param_groups, current[PG]):
+        for gi, (group, current_group) in enumerate(zip(optim.param_groups, current[PG])):
             hyper = {k: v for k, v in current_group.items() if k != PARAMS}
-            chosen: int | None = None
+            chosen: int | None = empty_matches.get((oi, gi))
             ids = []
             for p in group[PARAMS]:
                 fqn = _key_of(p, param_fqns, f"optimizers[{oi}]")
@@ -152,15 +202,10 @@ def plan_load(
                         f"optimizer state dict: parameter {fqn!r} is in loaded param group {loaded_gi}, but the other parameters "
                         f"of its group in optimizers[{oi}] are in group {chosen}; nothing was loaded"
                     )
-                if fqn in state_of:
+                if loaded_gi is not None and fqn in state_of:
                     state[pid] = state_of[fqn]
-                elif p.requires_grad and strict:
-                    raise RuntimeError(
-                        f"optimizer state dict: no state for trainable parameter {fqn!r}; nothing was loaded "
-                        "(strict=False keeps its current state)"
-                    )
-                elif pid in current[STATE]:
-                    state[pid] = current[STATE][pid]
+                elif (loaded_gi is None or not strict) and pid in current[STATE]:
+                    state[pid] = current[STATE][pid]  # not given: left as it is (SD-7)
                 ids.append(pid)
                 pid += 1
             if chosen is not None:
@@ -192,14 +237,18 @@ def check_keys(
     strict: bool,
     flat_slots: Mapping[torch.Tensor, list[list[str]]] | None = None,
 ) -> None:
-    """The key checks of :func:`plan_load`, for backends that convert state themselves: under
-    ``strict``, a trainable parameter none of whose FQNs has state, or state for an FQN that no
-    optimizer holds, is a ``RuntimeError`` naming the FQN. ``flat_slots`` gives, for a flat parameter,
-    the names of each parameter it flattens (first name, then tied aliases): each needs state."""
+    """The key checks of :func:`plan_load`, for backends that convert state themselves: a malformed
+    dict is a ``ValueError``; under ``strict``, a parameter that no loaded param group lists (under any
+    of its names), state for an FQN that no optimizer holds, or groups without parameters that do not
+    pair up, a ``RuntimeError`` naming them. ``flat_slots`` gives, for a flat parameter, the names of
+    each parameter it flattens (first name, then tied aliases): each must be listed. A parameter listed
+    without saved state is not an error (it has none after the load)."""
     if not isinstance(osd.get(STATE), Mapping) or not isinstance(osd.get(PG), list):
         raise ValueError(f"optimizer state dict: expected {STATE!r} (dict) and {PG!r} (list), got keys {sorted(osd)}")
     if not strict:
         return
+    empty_group_matches(optims, osd[PG], strict=True)
+    listed = {name for group in osd[PG] for name in group.get(PARAMS, ())}
     held: set[str] = set()
     for oi, optim in enumerate(optims):
         for group in optim.param_groups:
@@ -207,10 +256,9 @@ def check_keys(
                 slots = (flat_slots or {}).get(p) or [param_fqns.get(p) or [_key_of(p, param_fqns, f"optimizers[{oi}]")]]
                 for names in slots:
                     held.update(names)
-                    if p.requires_grad and not any(n in osd[STATE] for n in names):
+                    if not any(n in listed for n in names):
                         raise RuntimeError(
-                            f"optimizer state dict: no state for trainable parameter {names[0]!r}; nothing was loaded "
-                            "(strict=False keeps its current state)"
+                            f"optimizer state dict: parameter {names[0]!r} of optimizers[{oi}] is in no loaded param group; nothing was loaded"
                         )
     unexpected = [name for name in osd[STATE] if name not in held]
     if unexpected:
@@ -220,13 +268,18 @@ def check_keys(
         )
 
 
-def part_of(optim: torch.optim.Optimizer, osd: Mapping[str, Any], param_fqns: ParamFQNs) -> dict[str, Any]:
-    """The part of a combined FQN-keyed ``osd`` that belongs to ``optim``: the state of its
-    parameters and the saved groups that hold any of them."""
+def part_of(
+    optims: tuple[torch.optim.Optimizer, ...], index: int, osd: Mapping[str, Any], param_fqns: ParamFQNs
+) -> dict[str, Any]:
+    """The part of a combined FQN-keyed ``osd`` that belongs to ``optims[index]``: the state of its
+    parameters, the saved groups that hold any of them, and the saved groups without parameters that
+    :func:`empty_group_matches` pairs with its own, in the order of the saved dict."""
+    optim = optims[index]
     names = {n for group in optim.param_groups for p in group[PARAMS] for n in param_fqns.get(p, ())}
+    empties = {saved for (oi, _), saved in empty_group_matches(optims, osd[PG], strict=False).items() if oi == index}
     return {
         STATE: {n: s for n, s in osd[STATE].items() if n in names},
-        PG: [g for g in osd[PG] if any(n in names for n in g.get(PARAMS, ()))],
+        PG: [g for i, g in enumerate(osd[PG]) if i in empties or any(n in names for n in g.get(PARAMS, ()))],
     }
 
 
