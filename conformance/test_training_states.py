@@ -72,6 +72,9 @@ def batch(step: int, device: Any = "cpu") -> torch.Tensor:
 #: it act would move the parameters.
 OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]]], torch.optim.Optimizer]] = {
     "adamw": lambda groups: torch.optim.AdamW(groups, lr=0.05, weight_decay=0.1),
+    # a tensor learning rate (as jobs that schedule it inside compiled steps use) must stay a tensor
+    "adamw-tensor-lr": lambda groups: torch.optim.AdamW([{**g, "lr": torch.tensor(g.get("lr", 0.05))} for g in groups], lr=torch.tensor(0.05),
+                                                       weight_decay=0.1),
     "adam": lambda groups: torch.optim.Adam(groups, lr=0.05, weight_decay=0.1),
     "sgd-momentum": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=0.1),
     "sgd": lambda groups: torch.optim.SGD(groups, lr=0.05),
@@ -193,7 +196,7 @@ def _future_after(impl: Any, kind: str, situation: str, take: bool) -> tuple[nn.
 
 @pytest.mark.req("SD-20")
 @pytest.mark.parametrize("situation", ("fresh", "partial", "accumulating"))
-@pytest.mark.parametrize("kind", ("adamw", "adam", "sgd-momentum"))
+@pytest.mark.parametrize("kind", ("adamw", "adam", "sgd-momentum", "adamw-tensor-lr"))
 def test_get_never_changes_the_optimizers_future(impl: Any, kind: str, situation: str) -> None:
     """A get of a never-stepped optimizer (``fresh``), of one with state for some parameters only
     (``partial``: the aux head has none), or between micro-batches (``accumulating``: every parameter
@@ -371,3 +374,65 @@ def test_param_group_without_parameters_round_trips(impl: Any, flatten: bool) ->
 def test_sharded_param_group_without_parameters_round_trips(dist: Any, impl: Any, use_orig_params: bool) -> None:
     """As the plain test, on a sharded model, on every rank."""
     _round_trip(impl, dist, "adamw", use_orig_params, flatten=False, empty_group_lr=0.125, aux_before_save=True)
+
+
+# -- SD-26: a set between micro-batches; SD-27: a loaded state is the optimizer's own ---------------------------
+
+
+def _trained_source(impl: Any, kind: str = "adamw") -> tuple[Run, dict[str, Any]]:
+    ops: StateDictOps = impl.require("state_dict")
+    source = make_run(impl, None, kind, 0, use_orig_params=None)
+    for step in range(2):
+        source.step(step, "cpu", use_aux=True)
+    return source, ops.get_optimizer_state_dict(source.model, source.optim)
+
+
+@pytest.mark.req("SD-26")
+def test_set_while_parameters_hold_gradients_loads_the_state(impl: Any) -> None:
+    """A set into an optimizer whose parameters hold gradients (a resume between micro-batches, or
+    after a forward/backward that warmed the model) loads the saved state all the same, and leaves
+    every gradient as it was (pytorch/pytorch#140898: the loaded state was silently empty)."""
+    ops: StateDictOps = impl.require("state_dict")
+    source, saved = _trained_source(impl)
+    expected = copy.deepcopy(fqn_keyed_optim(source.model, source.optim))
+    target = make_run(impl, None, "adamw", 1, use_orig_params=None)
+    target.model(batch(9), use_aux=True).pow(2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in target.model.named_parameters() if p.grad is not None}
+    ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(saved))
+    assert_same_state(fqn_keyed_optim(target.model, target.optim)["state"], expected["state"],
+                      what="optimizer state after a set while the parameters held gradients", check_order=False)
+    assert_same_state({n: p.grad for n, p in target.model.named_parameters() if p.grad is not None}, grads,
+                      what="gradients after the set")
+
+
+@pytest.mark.req("SD-27")
+def test_loaded_state_shares_no_tensor_with_the_given_dict(impl: Any) -> None:
+    """After a set, the optimizer's state tensors are its own: training the source on, or changing the
+    dict that was passed in, leaves the target's state as loaded (pytorch/pytorch#196083: the loaded
+    state aliased the source's tensors in one process, so two optimizers stepped one state)."""
+    ops: StateDictOps = impl.require("state_dict")
+    source, saved = _trained_source(impl)
+    expected = copy.deepcopy(fqn_keyed_optim(source.model, source.optim))
+    target = make_run(impl, None, "adamw", 1, use_orig_params=None)
+    ops.set_optimizer_state_dict(target.model, target.optim, saved)  # the get's own dict, not a copy
+    source.step(3, "cpu", use_aux=True)
+    for entry in saved["state"].values():
+        for value in entry.values():
+            if isinstance(value, torch.Tensor):
+                value.add_(1.0)
+    assert_same_state(fqn_keyed_optim(target.model, target.optim)["state"], expected["state"],
+                      what="the target's optimizer state after the source stepped and the given dict changed", check_order=False)
+
+
+@pytest.mark.req("SD-11")
+def test_saved_extra_keys_are_restored_into_groups_that_lack_them(impl: Any) -> None:
+    """The saved groups carry ``initial_lr`` (an LR scheduler's) and a key of the user's; a target whose
+    groups have neither (no scheduler built yet) gets both from the set (pytorch/pytorch#140900)."""
+    ops: StateDictOps = impl.require("state_dict")
+    source, saved = _trained_source(impl)
+    target_model = build(1)
+    target_optim = torch.optim.AdamW([{"params": g["params"]} for g in groups_of(target_model)], lr=0.3)
+    ops.set_optimizer_state_dict(target_model, target_optim, copy.deepcopy(saved))
+    got = [{k: v for k, v in g.items() if k != "params"} for g in ops.get_optimizer_state_dict(target_model, target_optim)["param_groups"]]
+    assert_same_state(got, [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]],
+                      what="param groups after a set into groups without initial_lr", check_order=False)

@@ -123,6 +123,17 @@ def to_fqn_keyed(optims: tuple[torch.optim.Optimizer, ...], param_fqns: ParamFQN
     return {STATE: state, PG: groups}
 
 
+def _copied(entry: Any) -> Any:
+    """``entry`` with every tensor cloned (detached), containers rebuilt, other values as they are."""
+    if isinstance(entry, torch.Tensor):
+        return entry.detach().clone()
+    if isinstance(entry, Mapping):
+        return {k: _copied(v) for k, v in entry.items()}
+    if isinstance(entry, (list, tuple)):
+        return type(entry)(_copied(v) for v in entry)
+    return entry
+
+
 def empty_group_matches(optims: tuple[torch.optim.Optimizer, ...], loaded_groups: list[Mapping[str, Any]], *, strict: bool) -> dict[tuple[int, int], int]:
     """``(optimizer index, group index) -> loaded group index`` for the param groups that hold no
     parameter: they cannot be matched by their parameters, so the k-th such group over the optimizers
@@ -203,7 +214,9 @@ def plan_load(
                         f"of its group in optimizers[{oi}] are in group {chosen}; nothing was loaded"
                     )
                 if loaded_gi is not None and fqn in state_of:
-                    state[pid] = state_of[fqn]
+                    # Copies: Optimizer.load_state_dict keeps tensors that need no cast, so the caller's
+                    # dict (or the source optimizer's own tensors) would be stepped by this one too.
+                    state[pid] = _copied(state_of[fqn])
                 elif (loaded_gi is None or not strict) and pid in current[STATE]:
                     state[pid] = current[STATE][pid]  # not given: left as it is (SD-7)
                 ids.append(pid)
