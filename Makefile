@@ -30,7 +30,7 @@ $(PY):
 # Re-run only when the dependency declarations change: a second `make test` adds no set-up time.
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(if $(strip $(TORCH_SPEC)),$(PY) -m pip install -q "$(TORCH_SPEC)")
-	$(PY) -m pip install -q -c constraints.txt -e ".[bench,fairscale,dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[bench,fairscale,dev,models]"
 	@touch $@
 
 setup: $(STAMP)
