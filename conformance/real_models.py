@@ -44,6 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from conformance import pattern_models as patterns
+
 __all__ = [
     "GLOBAL_BATCH",
     "DTYPE",
@@ -114,12 +116,19 @@ class RealModel:
     tied: tuple[tuple[str, ...], ...] = ()
     #: non-persistent buffers (in no state dict; a load must leave them alone)
     non_persistent: tuple[str, ...] = ()
+    #: False for the plain-torch patterns of :mod:`conformance.pattern_models`, which build without it
+    needs_transformers: bool = True
+
+    @property
+    def missing(self) -> str | None:
+        """Why this model cannot be built here (``transformers`` absent), or None."""
+        return MISSING if self.needs_transformers else None
 
     def build(self, seed: int, device: torch.device | str = "cpu") -> nn.Module:
         """The model in :data:`DTYPE`, its parameters depending only on ``seed`` (the global RNG is left
         as it was)."""
-        if MISSING is not None:
-            raise RuntimeError(f"cannot build real model {self.name!r}: {MISSING}")
+        if self.missing is not None:
+            raise RuntimeError(f"cannot build real model {self.name!r}: {self.missing}")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = self.make()
@@ -280,6 +289,18 @@ def _block(family: str, name: str) -> str:
     return f"transformers.models.{family}.modeling_{family}:{name}"
 
 
+def _pattern(name: str) -> str:
+    return f"conformance.pattern_models:{name}"
+
+
+def _pattern_batch(step: int, rows: int) -> Inputs:
+    return {k: v.to(DTYPE) if v.is_floating_point() else v for k, v in patterns.batch(step, rows).items()}
+
+
+def _routed_batch(step: int, rows: int) -> Inputs:
+    return {k: v.to(DTYPE) if v.is_floating_point() else v for k, v in patterns.batch(step, rows, routed=True).items()}
+
+
 def _on(inputs: Inputs, device: torch.device | str) -> Inputs:
     return {k: v.to(device) for k, v in inputs.items()}
 
@@ -315,6 +336,18 @@ REAL_MODELS: dict[str, RealModel] = {
             tied=(("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"),),
         ),
         RealModel("vit", _vit, (_block("vit", "ViTLayer"),), _image_batch, _own_loss),
+        # The patterns behind them, in plain torch (conformance/pattern_models.py): no transformers needed.
+        RealModel(
+            "passthrough", patterns.PassThrough, (_pattern("PassFirst"), _pattern("PassBlock")), _pattern_batch, patterns.loss,
+            non_persistent=tuple(f"blocks.{i}.shift" for i in range(3)), needs_transformers=False,
+        ),
+        RealModel(
+            "shared", patterns.Shared, (_pattern("SharedBlock"),), _pattern_batch, patterns.loss,
+            tied=(("embed.weight", "encoder_embed.weight", "decoder_embed.weight"), ("embed.bias", "encoder_embed.bias", "decoder_embed.bias")),
+            needs_transformers=False,
+        ),
+        RealModel("reused", patterns.Reused, (_pattern("ReusedBlock"),), _pattern_batch, patterns.loss, needs_transformers=False),
+        RealModel("routed", patterns.Routed, (_pattern("MoELayer"),), _routed_batch, patterns.loss, needs_transformers=False),
     )
 }
 

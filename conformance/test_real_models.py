@@ -38,22 +38,29 @@ from hypothesis import settings
 from torch import nn
 
 from conformance.adapters.sharding import STRATEGIES, ShardingPlan
-from conformance.asserts import assert_same_state, fail
+from conformance.asserts import assert_same_state, assert_unchanged, expect_error, fail, snapshot
 from conformance.fqn import canonical_fqn
 from conformance.generated import assert_optimizer_matches, fqn_keyed, single_threaded, to_cpu
 from conformance.real_models import (
     GLOBAL_BATCH,
-    MISSING,
     REAL_MODELS,
     RealModel,
     adamw,
+    parameter_units,
     rank_slice,
     train_step,
     weight_decay_groups,
 )
 from conformance.values import perturb_hyperparameters
 
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+
+def _real(name: str) -> RealModel:
+    """The zoo entry, or a skip saying why it cannot be built here (``transformers`` absent)."""
+    real = REAL_MODELS[name]
+    if real.missing is not None:
+        pytest.skip(real.missing)
+    return real
+
 
 #: Steps before the save; one more after the load.
 STEPS = 2
@@ -62,7 +69,7 @@ ATOL, RTOL = 1e-10, 1e-8
 #: The models whose whole strategy x use_orig_params grid runs by default: T5 passes a tensor from block 0
 #: to the later blocks and shares one embedding four ways; Mixtral's and Switch's experts see other tokens
 #: on each rank, and Switch's (one module each) leave parameters without a gradient on some ranks or all.
-GRID_MODELS = ("t5", "mixtral", "switch")
+GRID_MODELS = ("t5", "mixtral", "switch", "passthrough", "routed")
 
 
 @dataclass(frozen=True)
@@ -198,7 +205,18 @@ def _sharded_adamw(ops: Any, model: nn.Module, decay: dict[str, bool]) -> torch.
     return adamw([(tuple(canonical_fqn(f) for f in fqns), p) for fqns, p in ops.optimizer_params(model)], decay)
 
 
-@pytest.mark.req("OS-21")
+def _scalars_differing_in_a_unit(real: RealModel, oracle: nn.Module, osd: dict[str, Any]) -> list[str]:
+    """FQNs of parameters whose ``step`` differs from another parameter's of the same unit in ``osd``
+    (saved with original parameters: an expert that had no gradient in some steps counts fewer)."""
+    units = parameter_units(oracle, real.unit_classes)
+    steps: dict[str, dict[float, str]] = {}
+    for fqn, entry in osd["state"].items():
+        if "step" in entry:
+            steps.setdefault(units.get(fqn, ""), {}).setdefault(float(entry["step"]), fqn)
+    return [fqn for by_step in steps.values() if len(by_step) > 1 for fqn in sorted(by_step.values())]
+
+
+@pytest.mark.req("OS-21", "OS-23", "OS-24")
 @pytest.mark.parametrize("name, save, load", _os_cells())
 def test_real_model_trains_saves_and_reloads(dist, impl, name: str, save: Side, load: Side) -> None:
     """A real architecture sharded by the adapter (its blocks as units) trains 2 steps with AdamW like
@@ -211,7 +229,7 @@ def test_real_model_trains_saves_and_reloads(dist, impl, name: str, save: Side, 
         if reason:
             pytest.skip(f"{impl.name} cannot shard {side}: {reason}")
     _skip_unless_even(dist.world_size)
-    real, device = REAL_MODELS[name], dist.device
+    real, device = _real(name), dist.device
     local = lambda inputs: rank_slice(inputs, dist.rank, dist.world_size)  # noqa: E731
     with single_threaded():
         by_unit = not (save.use_orig_params and load.use_orig_params)  # a flat parameter takes a whole unit into its group
@@ -225,16 +243,25 @@ def test_real_model_trains_saves_and_reloads(dist, impl, name: str, save: Side, 
         where = f"rank {dist.rank}, world size {dist.world_size}, {name} saved from {save}, after {STEPS} steps"
         model_sd = to_cpu(ops.full_state_dict(model))
         osd = to_cpu(ops.optim_state_dict(model, optim))
-        _assert_matches(real, model_sd, osd, oracle, oracle_optim, what="sharded training vs the unwrapped model", where=where, exact=False)
+        _assert_matches(real, model_sd, osd, oracle, oracle_optim, what="sharded training vs the unwrapped model", where=where, exact=False,
+            initial_state="expected")
 
         target = _shard(impl, real, 1, load, device)
         target_optim = _sharded_adamw(ops, target, decay)
         train_step(real, target, target_optim, local(real.batch(999, GLOBAL_BATCH)))  # state of its own to overwrite
         perturb_hyperparameters(target_optim)
         before = _non_persistent(real, target)
+        where = f"rank {dist.rank}, world size {dist.world_size}, {name} saved from {save}, loaded into {load}"
+        mixed = [] if load.use_orig_params else _scalars_differing_in_a_unit(real, oracle, osd)
+        if mixed:
+            # OS-24: one flat parameter cannot hold its parameters' different steps: a clear error, nothing changed.
+            untouched = snapshot(optim=target_optim)
+            expect_error(lambda: ops.load_optim_state_dict(target, target_optim, copy.deepcopy(osd)), ValueError, keys=[mixed[0]],
+                         what="loading different steps of one unit into a flat parameter", where=where)
+            assert_unchanged(untouched, optim=target_optim, where=where)
+            return
         ops.load_full_state_dict(target, {k: v.to(device) for k, v in copy.deepcopy(model_sd).items()})
         ops.load_optim_state_dict(target, target_optim, copy.deepcopy(osd))
-        where = f"rank {dist.rank}, world size {dist.world_size}, {name} saved from {save}, loaded into {load}"
         got_model, got_osd = to_cpu(ops.full_state_dict(target)), to_cpu(ops.optim_state_dict(target, target_optim))
         _assert_tied_keys(real, got_model, where)
         assert_same_state(got_model, model_sd, what="full model state dict right after the load vs the saved one", where=where, check_order=False)
@@ -245,7 +272,7 @@ def test_real_model_trains_saves_and_reloads(dist, impl, name: str, save: Side, 
         train_step(real, oracle, oracle_optim, inputs, flat_units=_flat_units(real, load))
         train_step(real, target, target_optim, local(inputs))
         _assert_matches(real, to_cpu(ops.full_state_dict(target)), to_cpu(ops.optim_state_dict(target, target_optim)), oracle, oracle_optim,
-            what="one step after the load vs the unwrapped run that never stopped", where=where, exact=False)
+            what="one step after the load vs the unwrapped run that never stopped", where=where, exact=False, initial_state="expected")
 
 
 # -- SD-22: get_state_dict / set_state_dict of the unwrapped model, one process -------------------------------
@@ -259,7 +286,7 @@ def test_real_model_state_dict_round_trip(impl, name: str, form: str) -> None:
     seed's model whose optimizer took a step and has perturbed hyperparameters, get gives back the saved
     dicts bitwise, and one more step equals the run that never stopped bitwise (one process)."""
     ops = impl.require("state_dict")
-    real = REAL_MODELS[name]
+    real = _real(name)
     options = ops.options(flatten_optimizer_state_dict=form == "flat")
     with single_threaded():
         oracle, oracle_optim, decay = _oracle(real, "cpu")
@@ -307,7 +334,7 @@ def test_real_model_checkpoint_round_trip(dist, impl, name: str) -> None:
     perturbed) they come back bitwise, and one more step matches the run that never stopped."""
     ops = impl.require("checkpoint")
     _skip_unless_even(dist.world_size)
-    real, device, side = REAL_MODELS[name], dist.device, Side("FULL_SHARD", True)
+    real, device, side = _real(name), dist.device, Side("FULL_SHARD", True)
     local = lambda inputs: rank_slice(inputs, dist.rank, dist.world_size)  # noqa: E731
     path = dist.tmp_dir / "ckpt"
     with single_threaded():
@@ -345,3 +372,56 @@ def test_real_model_checkpoint_round_trip(dist, impl, name: str) -> None:
         got_model, got_optim = (to_cpu(sd) for sd in ops.get_state_dicts(target, target_optim))
         _assert_matches(real, got_model, got_optim, oracle, oracle_optim, what="one step after the load vs the unwrapped run that never stopped",
             where=where, exact=False, initial_state="both")
+
+
+# -- OS-22: every unit is sharded between iterations -----------------------------------------------------------
+
+#: The plain-torch patterns (no transformers needed) whose units receive, return or reuse what other units made.
+PATTERNS = ("passthrough", "shared", "reused", "routed")
+
+
+def _local_numel(model: nn.Module) -> int:
+    """Elements this rank holds of the parameters ``model`` exposes (a DTensor counts its local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
+@pytest.mark.req("OS-22")
+@pytest.mark.parametrize("use_orig_params", (False, True), ids=("flat", "orig"))
+@pytest.mark.parametrize("strategy", ("FULL_SHARD", "SHARD_GRAD_OP"))
+@pytest.mark.parametrize("name", PATTERNS)
+def test_units_are_sharded_between_iterations(dist, impl, name: str, strategy: str, use_orig_params: bool) -> None:
+    """After each training step of a model whose units pass tensors made by other units (T5's position
+    bias, unchanged or as a view), share a module, or run several times, the parameters the sharded
+    model exposes hold only this rank's shards: at most ``ceil(numel / world size)`` elements of each
+    unit (a unit left unsharded by a late pre-backward hook holds all of it, and with flat parameters
+    its gradient then has the shard's size), and the run matches the unwrapped model."""
+    ops = impl.require("optim_state")
+    side = Side(strategy, use_orig_params)
+    reason = impl.require("sharding").unsupported(side.plan())
+    if reason:
+        pytest.skip(f"{impl.name} cannot shard {side}: {reason}")
+    if dist.world_size < 2:
+        pytest.skip("nothing is sharded at world size 1")
+    _skip_unless_even(dist.world_size)
+    real, device = _real(name), dist.device
+    with single_threaded():
+        oracle, oracle_optim, decay = _unwrapped(real, 0, device, by_unit=not use_orig_params)
+        units = parameter_units(oracle, real.unit_classes)
+        per_unit: dict[str, int] = {}
+        for fqn, param in oracle.named_parameters():
+            per_unit[units[fqn]] = per_unit.get(units[fqn], 0) + param.numel()
+        bound = sum(-(-numel // dist.world_size) for numel in per_unit.values())
+        model = _shard(impl, real, 0, side, device)
+        optim = _sharded_adamw(ops, model, decay)
+        for step in range(STEPS):
+            inputs = real.batch(step, GLOBAL_BATCH)
+            train_step(real, oracle, oracle_optim, inputs, flat_units=_flat_units(real, side))
+            train_step(real, model, optim, rank_slice(inputs, dist.rank, dist.world_size))
+            held = _local_numel(model)
+            if held > bound:
+                fail(f"{name}: elements of parameters this rank holds after step {step}", held,
+                     f"at most {bound} (each unit's ceil(numel / {dist.world_size}))", f"rank {dist.rank}, {side}")
+        _assert_matches(real, to_cpu(ops.full_state_dict(model)), to_cpu(ops.optim_state_dict(model, optim)), oracle, oracle_optim,
+            what="sharded training vs the unwrapped model", where=f"rank {dist.rank}, {name}, {side}", exact=False, initial_state="expected")

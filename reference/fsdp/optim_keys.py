@@ -39,6 +39,7 @@ from reference.fqn import FQNResolver
 from reference.fsdp.model_state import to_dtensor
 from reference.fsdp.sharding import FlatParamHandle, ParamSlot
 from reference.fsdp.unit import FSDP_WRAPPED_MODULE, FullyShardedDataParallel, model_group, reshard_all
+from reference.state_dict.optim_fqn import init_state
 
 __all__ = [
     "_OptimStateKey",
@@ -260,6 +261,9 @@ def optim_state_dict(
     (their order within groups, and the order of states, may differ by rank)."""
     group = model_group(model)
     reshard_all(model)
+    # Every trainable parameter's state, also one without a gradient yet, as the optimizer would create
+    # it and without changing its future (SD-20, SD-21): a checkpoint then holds what a resume loads into.
+    init_state(optim)
     infos = get_fqn_to_fsdp_param_info(model)
     local_state: dict[_OptimStateKey, dict[str, Any]] = {}
 
@@ -394,6 +398,33 @@ def _to_full(osd: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _check_one_scalar(name: str, values: list[tuple[str, Any]]) -> None:
+    """Invariant of a flat parameter: one optimizer state for all its parameters, so one value of each
+    scalar state. Saved per parameter (``use_orig_params``), they may differ (an expert that got no
+    gradient for some steps has a smaller ``step``); taking one would change the others' bias
+    correction silently, so it is a ValueError naming the parameters and their values."""
+
+    def plain(value: Any) -> Any:
+        return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+
+    groups: list[tuple[Any, list[str]]] = []
+    for fqn, value in values:
+        value = plain(value)
+        for seen, fqns in groups:
+            if seen == value:
+                fqns.append(fqn)
+                break
+        else:
+            groups.append((value, [fqn]))
+    if len(groups) > 1:
+        groups.sort(key=lambda group: len(group[1]))  # the odd ones out first
+        shown = "; ".join(f"{value!r} for {fqns[:4]}" + (f" and {len(fqns) - 4} more" if len(fqns) > 4 else "") for value, fqns in groups)
+        raise ValueError(
+            f"optimizer state {name!r} differs among the parameters of one flat parameter: {shown}; a flat parameter holds "
+            "one value for all of them: load with use_orig_params=True, or into units that keep these parameters apart"
+        )
+
+
 def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: Mapping[str, Any]) -> dict[str, Any]:
     """Turn an FQN-keyed optimizer state dict, full or sharded (from any strategy, world size or
     ``use_orig_params``; on every rank), into what ``optim.load_state_dict`` takes on this rank.
@@ -489,6 +520,8 @@ def _optim_state_dict_to_load(
         for name in dict.fromkeys(n for _, e in present for n in e):
             first = next(e[name] for _, e in present if name in e)
             if not _is_positional(first) or info is None:
+                if len(present) > 1:
+                    _check_one_scalar(name, [(fqn, e[name]) for fqn, e in present if name in e])
                 local[name] = checked(present[0][0], name, first)
                 continue
             handle = info.handle
