@@ -98,13 +98,14 @@ SECTIONS: dict[str, Section] = {
         Section(
             "SD",
             ("reference/state_dict/*.py", "reference/fqn.py"),
-            ("conformance/test_state_dict.py", "tests/reference/test_state_dict*.py", "tests/reference/test_fqn*.py"),
+            ("conformance/test_state_dict.py", "conformance/test_training_states.py", "tests/reference/test_state_dict*.py", "tests/reference/test_fqn*.py"),
         ),
         Section(
             "OS",
             ("reference/fsdp/*.py", "reference/comm.py"),
             (
                 "conformance/test_optim_state.py",
+                "conformance/test_real_models.py",
                 "tests/reference/test_optim_state*.py",
                 "tests/reference/test_sharding*.py",
                 "tests/reference/test_fsdp*.py",
