@@ -27,6 +27,7 @@ over the model's groups (every rank, same order); :func:`get_fqn_to_fsdp_param_i
 from __future__ import annotations
 
 import copy
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -239,6 +240,27 @@ def _gather_positional(
     return {key: [views[id(s)] for s in slots] for key, slots in slots_of.items()}
 
 
+def _materialize_missing_state(model: nn.Module, optim: torch.optim.Optimizer, group: Any) -> None:
+    """Create the state of every trainable parameter that no rank holds state for, as the optimizer
+    would and without changing its future (SD-20, SD-21), so that a checkpoint holds what a resume loads
+    into. A parameter some rank holds state for is left alone here: that rank's scalar state is what
+    the others' part takes (a rank may hold none for an empty part, as torch's FSDP leaves it).
+    Collective; agreed first, so a rank whose optimizer holds a foreign parameter fails every rank."""
+    params = _optimizer_params(optim)
+
+    def stateless_here() -> set[str]:
+        param_to_fqns = get_param_to_fqns(model)
+        for param_id, param in enumerate(params):
+            if param not in param_to_fqns:
+                raise ValueError(f"optimizer parameter #{param_id} (shape {tuple(param.shape)}) is not a parameter of the model")
+        return {param_to_fqns[p][0] for p in params if p.requires_grad and not optim.state.get(p)}
+
+    everywhere = set.intersection(*comm.gather_agreed(group, stateless_here))
+    if everywhere:
+        param_to_fqns = get_param_to_fqns(model)
+        init_state(optim, only={p for p in params if param_to_fqns[p][0] in everywhere})
+
+
 def optim_state_dict(
     model: nn.Module,
     optim: torch.optim.Optimizer,
@@ -261,10 +283,8 @@ def optim_state_dict(
     (their order within groups, and the order of states, may differ by rank)."""
     group = model_group(model)
     reshard_all(model)
-    # Every trainable parameter's state, also one without a gradient yet, as the optimizer would create
-    # it and without changing its future (SD-20, SD-21): a checkpoint then holds what a resume loads into.
-    init_state(optim)
     infos = get_fqn_to_fsdp_param_info(model)
+    _materialize_missing_state(model, optim, group)
     local_state: dict[_OptimStateKey, dict[str, Any]] = {}
 
     def describe() -> tuple[list[tuple[_OptimStateKey, dict[str, bool]]], list[tuple[dict[str, Any], list[_OptimStateKey]]]]:
@@ -398,6 +418,16 @@ def _to_full(osd: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _scalar_bits(value: Any) -> Any:
+    """A key equal for equal bits (NaN payloads and -0.0 told apart, NaN equal to itself)."""
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        return (str(value.dtype), tuple(value.shape), bytes(flat.view(torch.uint8).tolist()) if flat.numel() else b"")
+    if isinstance(value, float):
+        return ("float", struct.pack("<d", value))
+    return (type(value).__name__, repr(value))
+
+
 def _check_one_scalar(name: str, values: list[tuple[str, Any]]) -> None:
     """Invariant of a flat parameter: one optimizer state for all its parameters, so one value of each
     scalar state. Saved per parameter (``use_orig_params``), they may differ (an expert that got no
@@ -407,18 +437,18 @@ def _check_one_scalar(name: str, values: list[tuple[str, Any]]) -> None:
     def plain(value: Any) -> Any:
         return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
-    groups: list[tuple[Any, list[str]]] = []
+    groups: list[tuple[Any, Any, list[str]]] = []  # (bits, shown value, FQNs)
     for fqn, value in values:
-        value = plain(value)
-        for seen, fqns in groups:
-            if seen == value:
+        key = _scalar_bits(value)
+        for seen, _, fqns in groups:
+            if seen == key:
                 fqns.append(fqn)
                 break
         else:
-            groups.append((value, [fqn]))
+            groups.append((key, plain(value), [fqn]))
     if len(groups) > 1:
-        groups.sort(key=lambda group: len(group[1]))  # the odd ones out first
-        shown = "; ".join(f"{value!r} for {fqns[:4]}" + (f" and {len(fqns) - 4} more" if len(fqns) > 4 else "") for value, fqns in groups)
+        groups.sort(key=lambda group: len(group[2]))  # the odd ones out first
+        shown = "; ".join(f"{value!r} for {fqns[:4]}" + (f" and {len(fqns) - 4} more" if len(fqns) > 4 else "") for _, value, fqns in groups)
         raise ValueError(
             f"optimizer state {name!r} differs among the parameters of one flat parameter: {shown}; a flat parameter holds "
             "one value for all of them: load with use_orig_params=True, or into units that keep these parameters apart"

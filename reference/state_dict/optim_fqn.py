@@ -14,7 +14,7 @@ Nothing here talks to a process group.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -48,7 +48,7 @@ _INERT_HYPERPARAMETERS = ("lr", "weight_decay")
 _STEP_COUNTERS = ("step",)
 
 
-def init_state(optim: torch.optim.Optimizer) -> None:
+def init_state(optim: torch.optim.Optimizer, only: Collection[torch.Tensor] | None = None) -> None:
     """Materialize the state of every trainable parameter of ``optim`` that has none, as the optimizer
     creates it lazily, without changing what any later step computes.
 
@@ -59,9 +59,11 @@ def init_state(optim: torch.optim.Optimizer) -> None:
     Adam, AdamW and SGD (dampening 0) the materialized state computes exactly what no state would.
     Everything else is as before: parameters with state keep it untouched (their ``grad`` is ``None``
     during the step), every ``grad`` (accumulated gradients included) and hyperparameter is restored,
-    and an optimizer that keeps no state (SGD without momentum) is left with no entry at all."""
+    and an optimizer that keeps no state (SGD without momentum) is left with no entry at all.
+    ``only``: materialize these parameters' state at most (a sharded caller passes those that no rank
+    has state for)."""
     params = [p for group in optim.param_groups for p in group[PARAMS]]
-    missing = [p for p in params if p.requires_grad and not optim.state.get(p)]
+    missing = [p for p in params if p.requires_grad and not optim.state.get(p) and (only is None or p in only)]
     if not missing:
         return
     grads = [p.grad for p in params]
