@@ -1223,6 +1223,45 @@ def test_set_state_dict_broadcast_with_empty_dicts_on_other_ranks(dist: Any, imp
     _check_broadcast_result(ops, dist, target, target_optim, expected_model, expected_optim)
 
 
+@pytest.mark.req("SD-14", "SD-7")
+@pytest.mark.parametrize("sharded", (False, True), ids=("plain", "sharded"))
+def test_broadcast_with_cpu_offload_not_strict_skips_unknown_keys(dist: Any, impl: Any, sharded: bool) -> None:
+    """``broadcast_from_rank0`` with ``cpu_offload`` and ``strict=False``, rank 0's dict holding a key the
+    model does not have: the rest loads on every rank and the key is reported unexpected, not a
+    ``KeyError`` from inside the broadcast (pytorch/pytorch#149516, PR #150239)."""
+    ops = sd_ops(impl)
+    expected_model, expected_optim = _oracle_state("nested", dist.device)
+    target, target_optim = _broadcast_target(impl, dist, "nested", sharded, expected_model)
+    options = ops.options(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True, strict=False)
+    extra = "10.inner.0.sdc_extra"
+    model_sd = {**copy.deepcopy(expected_model), extra: torch.ones(3, device=dist.device)} if dist.rank == 0 else {}
+    result = ops.set_model_state_dict(target, model_sd, options=options)
+    unexpected = list(getattr(result, "unexpected_keys", []))
+    if unexpected != [extra]:
+        fail("unexpected keys reported by a non-strict broadcast load", unexpected, [extra], f"rank {dist.rank}")
+    ops.set_optimizer_state_dict(target, target_optim, copy.deepcopy(expected_optim) if dist.rank == 0 else {}, options=options)
+    _check_broadcast_result(ops, dist, target, target_optim, expected_model, expected_optim)
+
+
+@pytest.mark.req("SD-8", "SD-19")
+def test_strict_load_into_dtensor_parameters_names_the_missing_key(dist: Any, impl: Any) -> None:
+    """A model whose parameters are DTensors (tensor parallel, no FSDP unit) honours ``strict``: a full or
+    sharded dict without one key is a ``RuntimeError`` naming it, on every rank, and the model is left
+    as it was (pytorch/pytorch#126285: the missing key loaded silently)."""
+    ops = sd_ops(impl)
+    source, target = dtensor_model("nested", 0, dist), dtensor_model("nested", 1, dist)
+    key = "10.inner.0.weight"
+    for form in ("full", "sharded"):
+        options = ops.options(full_state_dict=form == "full")
+        given = ops.get_model_state_dict(source, options=options)
+        del given[key]
+        before = snapshot(model=target)
+        exc = expect_error(lambda: ops.set_model_state_dict(target, given, options=ops.options(full_state_dict=form == "full", strict=True)),
+                           RuntimeError, keys=[key], what=f"strict load of a {form} dict without {key!r}", where=f"rank {dist.rank}")
+        assert_same_error_on_every_rank(dist, exc, what=f"strict load of a {form} dict without {key!r}")
+        assert_unchanged(before, model=target, where=f"rank {dist.rank}, after the refused {form} load")
+
+
 # -- errors on sharded models: on every rank, and when only one rank's input is bad ------------------
 
 #: The error cases of sharded loads: the model and optimizer state are full dicts, except "shape-dtensor"
