@@ -359,6 +359,30 @@ def test_round_trip_restores_every_value(dist, impl, kind: str) -> None:
     _assert_same_bits(target.values, _state(dist, kind, "saved").values)
 
 
+@pytest.mark.req("ML-22")
+def test_values_held_by_some_ranks_only_are_saved(dist, impl) -> None:
+    """Keys that only some ranks hold (a non-tensor and a tensor on the last rank only, a value on every
+    rank but the first) are saved and load back on exactly those ranks, with the values each held;
+    the coordinator not holding a key loses nothing (pytorch/pytorch PR #125334)."""
+    ops = _ops(impl)
+    path = dist.tmp_dir / "ckpt"
+    last = dist.rank == dist.world_size - 1
+
+    def state(fill: float) -> dict[str, Any]:
+        values: dict[str, Any] = {"common": torch.full((3,), fill)}
+        if last:
+            values["last_only_count"] = int(fill * 10) + 7
+            values["last_only_tensor"] = torch.full((2, 2), fill + 0.5, dtype=torch.float64)
+        if dist.rank > 0:
+            values[f"rank{dist.rank}_note"] = f"rank {dist.rank}: {fill}"
+        return values
+
+    ops.save(state(1.0), path, process_group=_pg(dist))
+    target = state(-2.0)
+    _call(lambda: ops.load(target, path, process_group=_pg(dist)))
+    _assert_same_bits(target, state(1.0))
+
+
 # -- ML-18 loads fill tensors in place / ML-19 views are saved compactly ----------------------------
 
 
