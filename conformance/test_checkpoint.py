@@ -18,8 +18,10 @@ The inspector's requirements (ML-16, ML-17) are tested in ``tests/test_ckpt_insp
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
+import os
 import pickle
 import struct
 import time
@@ -51,6 +53,7 @@ from conformance.asserts import (
     snapshot,
 )
 from conformance.compare import fqn_keyed_optim, full_on_cpu
+from conformance.faults import failing_fsync, failing_writes
 from conformance.values import EDGE_DTYPES, different_like, edge_tensors, perturb_hyperparameters
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -1024,36 +1027,90 @@ def test_save_and_load_without_a_process_group(impl, tmp_path: Path, target: str
 # -- ML-13 failed saves ----------------------------------------------------------------------------------------
 
 
-def _block_data_file(dist: Any, path: Path) -> None:
-    """Make rank 0's data file impossible to create (a directory in its place): its writes fail after
-    planning succeeded, on rank 0 only."""
-    dist.barrier()
-    if dist.rank == 0:
-        path.mkdir(exist_ok=True)
-        blocker = path / "__0_0.distcp"
-        if blocker.exists():
-            blocker.unlink()
-        blocker.mkdir()
-    dist.barrier()
+#: Faults that make a save fail after planning succeeded: the disk fills up before any data, or after
+#: a few bytes of it (ENOSPC), or every fsync fails (EIO), on the last rank only or on every rank.
+SAVE_FAULTS = ("full-disk-before-data", "full-disk-mid-data", "fsync-fails")
+
+
+def _fault(dist: Any, path: Path, fault: str, where: str) -> contextlib.AbstractContextManager[None]:
+    if where == "last-rank" and dist.rank != dist.world_size - 1:
+        return contextlib.nullcontext()
+    if fault == "fsync-fails":
+        return failing_fsync()
+    return failing_writes(path, after_bytes=0 if fault == "full-disk-before-data" else 64)
+
+
+def _sharded_values(dist: Any, fill: float) -> dict[str, Any]:
+    """A state dict every rank writes a part of (a sharded DTensor, 4 rows per rank) and a replicated value."""
+    full = torch.arange(4 * dist.world_size * 3, dtype=torch.float32).reshape(-1, 3) + fill
+    return {"w": _dtensor(full, dist.mesh(), [Shard(0)]), "step": int(fill)}
 
 
 @pytest.mark.req("ML-13")
 @pytest.mark.rank_timeout(30)
+@pytest.mark.parametrize("where", ["last-rank", "every-rank"])
+@pytest.mark.parametrize("fault", SAVE_FAULTS)
 @pytest.mark.parametrize("directory", ["fresh", "overwrite"])
-def test_failed_save_leaves_no_complete_checkpoint(dist, impl, directory: str) -> None:
-    """Rank 0 cannot write its data file, into a fresh directory or one holding a checkpoint: the
-    save fails and the directory has no ``.metadata`` afterwards."""
+def test_failed_save_leaves_the_previous_checkpoint_whole(dist, impl, directory: str, fault: str, where: str) -> None:
+    """A save that fails while writing (a full disk before or in the middle of the data, a failing
+    fsync; on the last rank only or on every rank) raises on every rank, naming the directory or a
+    file in it, and afterwards the directory holds exactly what it held before: the previous
+    checkpoint, which loads whole with its own values (never a mix of old and new), or, in a fresh
+    directory, nothing that loads."""
     ops = _ops(impl)
     path = dist.tmp_dir / "ckpt"
-    sd = {"w": _dtensor(torch.randn(4 * dist.world_size, 3), dist.mesh(), [Shard(0)])}
     if directory == "overwrite":
-        ops.save(sd, path, process_group=_pg(dist))
-    _block_data_file(dist, path)
-    if raised(lambda: ops.save(sd, path, process_group=_pg(dist))) is None:
-        fail("a save whose data file cannot be written", "returned normally", "an error", f"rank {dist.rank}")
+        ops.save(_sharded_values(dist, 1.0), path, process_group=_pg(dist))
     dist.barrier()
-    if (path / ".metadata").exists():
-        fail("after a failed save the directory looks like a complete checkpoint", ".metadata exists", "no .metadata", str(path))
+
+    def failing_save() -> None:
+        with _fault(dist, path, fault, where):
+            ops.save(_sharded_values(dist, 50.0), path, process_group=_pg(dist))
+
+    exc = raised(failing_save)
+    if exc is None:
+        fail(f"a save with {fault} on {where}", "returned normally", "an error on every rank", f"rank {dist.rank}")
+    if str(path) not in str(exc) and path.name not in str(exc):
+        fail(f"the error of a save with {fault}", f"{type(exc).__name__}: {exc}"[:400], f"a message naming {str(path)!r}", f"rank {dist.rank}")
+    dist.barrier()
+    target = _sharded_values(dist, -7.0)
+    loaded = raised(lambda: ops.load(target, path, process_group=_pg(dist)))
+    if directory == "fresh":
+        if loaded is None:
+            fail("a fresh directory after a failed save", "a checkpoint that loads", "nothing that loads", f"rank {dist.rank}")
+        return
+    if loaded is not None:
+        fail("the previous checkpoint after a failed overwrite", f"{type(loaded).__name__}: {loaded}"[:400], "loads whole", f"rank {dist.rank}")
+    _assert_same_bits(target, _sharded_values(dist, 1.0), what="the previous checkpoint after a failed overwrite")
+
+
+@pytest.mark.req("ML-13")
+@pytest.mark.rank_timeout(30)
+def test_a_second_save_while_one_is_in_progress_never_mixes(dist, impl) -> None:
+    """A save into a directory whose previous save still holds it (its writer locked it and has not
+    published): either the second save is refused with an error naming the directory, or it wins
+    whole; what loads afterwards is one save's values, never a mix of two."""
+    ops = _ops(impl)
+    path = dist.tmp_dir / "ckpt"
+    ops.save(_sharded_values(dist, 1.0), path, process_group=_pg(dist))
+    dist.barrier()
+    holder = None
+    if dist.rank == 0 and (path / ".lock").exists():
+        import fcntl
+
+        holder = os.open(path / ".lock", os.O_RDWR)
+        fcntl.flock(holder, fcntl.LOCK_EX)  # as a save in progress in another job holds it
+    dist.barrier()
+    try:
+        second = raised(lambda: ops.save(_sharded_values(dist, 2.0), path, process_group=_pg(dist)))
+    finally:
+        if holder is not None:
+            os.close(holder)
+    dist.barrier()
+    target = _sharded_values(dist, -7.0)
+    _call(lambda: ops.load(target, path, process_group=_pg(dist)))
+    expected = _sharded_values(dist, 1.0 if second is not None else 2.0)
+    _assert_same_bits(target, expected, what=f"the checkpoint after a {'refused' if second is not None else 'concurrent'} second save")
 
 
 # -- ML-14 / ML-15 bad checkpoints and error types ---------------------------------------------------------------------
@@ -1201,8 +1258,9 @@ def test_errors_are_exceptions_alike_on_every_rank(dist, impl, failure: str) -> 
     ops = _ops(impl)
     path = dist.tmp_dir / "ckpt"
     if failure == "save-fails-on-rank-0":
-        _block_data_file(dist, path)
-        call = lambda: ops.save({"w": torch.ones(2)}, path, process_group=_pg(dist))  # noqa: E731
+        def call() -> None:
+            with failing_writes(path) if dist.rank == 0 else contextlib.nullcontext():
+                ops.save(_sharded_values(dist, 3.0), path, process_group=_pg(dist))
     else:
         if failure == "missing-key":
             ops.save({"w": torch.ones(2)}, path, process_group=_pg(dist))

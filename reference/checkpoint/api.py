@@ -42,8 +42,10 @@ def save(
 
     Called by every rank of ``process_group`` (default: the default group, if initialized). Each
     rank writes its own shards; data held by several ranks (plain tensors, replicated DTensors,
-    non-tensor values) is written once. The metadata is written last and atomically: after a failed
-    or interrupted save the directory never looks like a complete checkpoint.
+    non-tensor values) is written once. The metadata is the commit point, replaced atomically once
+    every rank's data is on disk: after a failed or killed save the directory holds the previous
+    checkpoint whole (or, if it held none, nothing that loads), never a mix; a second save to the
+    same directory while one is in progress is refused (see :mod:`reference.checkpoint.storage`).
 
     Returns the checkpoint's metadata on every rank. Raises, on every rank alike,
     :class:`~reference.checkpoint.errors.StateDictError` for a state dict that cannot be saved (a
@@ -68,7 +70,13 @@ def save(
         metadata_box.append(metadata)
         return writer.prepare_global_plan(plans)
 
-    plan = collective.gather_decide_scatter("planning", local_plan, global_plan)
+    try:
+        plan = collective.gather_decide_scatter("planning", local_plan, global_plan)
+    except BaseException:
+        close = getattr(writer, "close", None)
+        if callable(close):
+            close()
+        raise
 
     def write() -> list[WriteResult]:
         future = writer.write_data(planner.finish_plan(plan), planner)
@@ -79,7 +87,12 @@ def save(
         writer.finish(metadata_box[0], results)
         return metadata_box[0]
 
-    return collective.gather_decide_broadcast("writing", write, finish)
+    try:
+        return collective.gather_decide_broadcast("writing", write, finish)
+    finally:
+        close = getattr(writer, "close", None)
+        if callable(close):
+            close()  # a failed save releases the directory's save lock here
 
 
 def load(

@@ -1,15 +1,22 @@
 """Storage: DCP's filesystem layout, written and read through DCP's StorageWriter/StorageReader.
 
-A checkpoint is a directory: one data file per writing rank, ``__<rank>_0.distcp``, holding that
-rank's records back to back (see :mod:`reference.checkpoint.records`), and ``.metadata``, the pickled
+A checkpoint is a directory: one data file per writing rank, ``__<rank>_<save>_0.distcp`` (``<save>``
+names the save that wrote it), holding that rank's records back to back (see
+:mod:`reference.checkpoint.records`), and ``.metadata``, the pickled
 :class:`~torch.distributed.checkpoint.metadata.Metadata` whose ``storage_data`` maps every chunk and
-object to ``(file, offset, length)``. This is the layout of upstream's ``FileSystemWriter`` with
-``single_file_per_rank=True``, so each side reads what the other writes.
+object to ``(file, offset, length)``. Upstream's reader follows those file names, so each side reads
+what the other writes.
 
-Atomicity: the metadata is what makes a directory a checkpoint, and it is written last. The
-coordinator removes an old ``.metadata`` before any rank writes data (so a failed overwrite cannot
-leave old metadata pointing at half-new files); every data file is fsynced; the metadata goes to a
-temporary file, is fsynced, renamed into place, and the directory is fsynced.
+Crash safety: ``.metadata`` is the commit point, and it is replaced atomically. A save writes its data
+into files no earlier save used, so until its metadata replaces the old one the directory still holds
+the previous checkpoint whole; the coordinator publishes (``os.replace`` of a fsynced temporary, then a
+fsync of the directory) only after every rank's data is written and fsynced, and only then removes
+the data files the new metadata does not name. Killed at any moment, on any rank, a save leaves the
+previous checkpoint or the new one, never a mix, and a fresh directory holds nothing that loads.
+Concurrent saves to one directory are refused: the coordinator holds an exclusive ``flock`` on
+``.lock`` in it from planning to publication. All of this needs the ranks' files on one file system
+the coordinator sees (a local one at one node; a shared one, with working ``rename`` and ``flock``,
+across nodes).
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ from reference.checkpoint.records import ReadableFile, TensorLayout, parse_tenso
 __all__ = ["FileSystemWriter", "FileSystemReader", "DATA_SUFFIX"]
 
 DATA_SUFFIX = ".distcp"
+#: The file whose ``flock`` a save holds from planning to publication (see the module docstring).
+LOCK_FILE = ".lock"
 
 
 def _done(value: Any) -> Future[Any]:
@@ -116,11 +125,41 @@ class FileSystemWriter(StorageWriter):
         self.path = Path(path) if path is not None else None
         self.sync_files = sync_files
         self.save_id = str(uuid.uuid4())
+        self._lock_fd: int | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.close()
         if checkpoint_id is not None:
             self.path = Path(checkpoint_id)
         self.save_id = str(uuid.uuid4())
+
+    def close(self) -> None:
+        """Release the save lock if this writer holds it (after ``finish``, or a failed save)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases its flock
+            self._lock_fd = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    @property
+    def _tag(self) -> str:
+        """The part of data file names that says which save wrote them."""
+        return self.save_id.replace("-", "")[:12]
+
+    def _lock(self) -> None:
+        """Take the directory's save lock (coordinator), or raise: one save to a directory at a time."""
+        import fcntl
+
+        assert self.path is not None
+        lock = self.path / LOCK_FILE
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CheckpointError(f"{self.path}: another save to this checkpoint is in progress ({lock} is locked); nothing was written") from None
+        self._lock_fd = fd
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self.path is None:
@@ -136,13 +175,10 @@ class FileSystemWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         assert self.path is not None
-        # Before any rank writes data: the directory must stop looking like a complete checkpoint.
-        for stale in (METADATA_FILE, METADATA_FILE + ".tmp"):
-            try:
-                (self.path / stale).unlink()
-            except FileNotFoundError:
-                pass
-        return [dataclasses.replace(plan, storage_data=f"__{rank}_") for rank, plan in enumerate(plans)]
+        # Before any rank writes: this save owns the directory until it publishes or fails. The old
+        # metadata stays: it names the old files, which no rank of this save touches.
+        self._lock()
+        return [dataclasses.replace(plan, storage_data=f"__{rank}_{self._tag}_") for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items to one file, objects first, as large sequential writes. Each chunk
@@ -169,15 +205,33 @@ class FileSystemWriter(StorageWriter):
         metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
         metadata.storage_meta = self.storage_meta()
         metadata.version = CURRENT_VERSION
-        tmp = self.path / (METADATA_FILE + ".tmp")
-        with open(tmp, "wb") as stream:
-            dump_metadata(metadata, stream)
-            stream.flush()
+        tmp = self.path / f"{METADATA_FILE}.{self._tag}.tmp"
+        try:
+            with open(tmp, "wb") as stream:
+                dump_metadata(metadata, stream)
+                stream.flush()
+                if self.sync_files:
+                    os.fsync(stream.fileno())
+            # The commit point: before it the previous checkpoint is whole, after it the new one is.
+            os.replace(tmp, self.path / METADATA_FILE)
             if self.sync_files:
-                os.fsync(stream.fileno())
-        os.replace(tmp, self.path / METADATA_FILE)
-        if self.sync_files:
-            _fsync_dir(self.path)
+                _fsync_dir(self.path)
+            self._remove_unreferenced({info.relative_path for info in metadata.storage_data.values()})
+        finally:
+            self.close()
+
+    def _remove_unreferenced(self, referenced: set[str]) -> None:
+        """Remove the data files and temporary metadata of earlier or failed saves (only names this
+        writer's layout uses; other files in the directory are the user's)."""
+        assert self.path is not None
+        for entry in self.path.iterdir():
+            name = entry.name
+            ours = (name.startswith("__") and name.endswith(DATA_SUFFIX)) or (name.startswith(METADATA_FILE + ".") and name.endswith(".tmp"))
+            if ours and name not in referenced and entry.is_file():
+                try:
+                    entry.unlink()
+                except FileNotFoundError:
+                    pass
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)

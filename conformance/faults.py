@@ -1,0 +1,190 @@
+"""Faults injected under any implementation's file I/O: a disk that fills up, an ``fsync`` that fails,
+a process killed at the n-th step of a save.
+
+Implementations write checkpoints through Python's file objects (``open``/``io.open``, which
+``pathlib`` uses too), ``os.fsync`` and ``os.replace``/``os.rename``; the context managers here patch
+those names for the files below one directory, so a test breaks the save of any adapter at the same
+point without knowing its code. Everything is restored on exit. A process killed by :func:`kill_at`
+stays killed: use it in a child process (``conformance/crash_child.py``).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import errno
+import io
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["is_data_file", "failing_writes", "failing_fsync", "kill_at", "KILL_OPS"]
+
+
+def is_data_file(name: str) -> bool:
+    """A data file of a checkpoint, whatever the implementation calls it: not its metadata or lock."""
+    return not name.startswith(".metadata") and name != ".lock"
+
+
+def _under(directory: Path, file: Any) -> Path | None:
+    """``file`` (what ``open`` was given) as a path if it lies in ``directory``, else None."""
+    if isinstance(file, int):
+        return None
+    try:
+        path = Path(os.fsdecode(file)).resolve()
+    except (TypeError, ValueError):
+        return None
+    return path if path.parent == directory.resolve() else None
+
+
+def _writing(mode: str) -> bool:
+    return any(flag in mode for flag in "wax+")
+
+
+class _Budget:
+    """Bytes the injected disk still takes; None: unlimited."""
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+
+
+class _FailingFile:
+    """A writable file whose writes fail with ``OSError(code)`` once the shared budget is spent."""
+
+    def __init__(self, raw: Any, path: Path, budget: _Budget, code: int) -> None:
+        self._raw, self._path, self._budget, self._code = raw, path, budget, code
+
+    def write(self, data: Any) -> int:
+        size = memoryview(data).nbytes
+        if size > self._budget.left:
+            raise OSError(self._code, os.strerror(self._code), str(self._path))
+        self._budget.left -= size
+        written: int = self._raw.write(data)
+        return written
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __enter__(self) -> _FailingFile:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._raw.close()
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._raw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
+@contextlib.contextmanager
+def failing_writes(directory: Path, *, after_bytes: int = 0, code: int = errno.ENOSPC,
+                   which: Callable[[str], bool] = is_data_file) -> Iterator[None]:
+    """Inside, writes to files of ``directory`` whose name ``which`` accepts fail with ``OSError(code)``
+    (ENOSPC: the disk is full) once ``after_bytes`` bytes have gone to them in all."""
+    budget = _Budget(after_bytes)
+    real_open, real_io_open = builtins.open, io.open
+
+    def patched(real: Callable[..., Any]) -> Callable[..., Any]:
+        def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+            handle = real(file, mode, *args, **kwargs)
+            path = _under(directory, file)
+            if path is not None and _writing(mode) and which(path.name):
+                return _FailingFile(handle, path, budget, code)
+            return handle
+
+        return open_
+
+    builtins.open = patched(real_open)
+    io.open = patched(real_io_open)
+    try:
+        yield
+    finally:
+        builtins.open, io.open = real_open, real_io_open
+
+
+@contextlib.contextmanager
+def failing_fsync(code: int = errno.EIO) -> Iterator[None]:
+    """Inside, every ``os.fsync`` fails with ``OSError(code)`` (a disk that reports a write error late)."""
+    real = os.fsync
+
+    def fsync(fd: Any) -> None:
+        raise OSError(code, os.strerror(code))
+
+    os.fsync = fsync
+    try:
+        yield
+    finally:
+        os.fsync = real
+
+
+#: The steps of a save a child can be killed at: a file opened for writing below the checkpoint
+#: directory, a write to one, an fsync, a rename (the publication of metadata).
+KILL_OPS = ("open", "write", "fsync", "rename")
+
+
+def kill_at(directory: Path, op: str, nth: int) -> None:
+    """From now on, this process kills itself (SIGKILL: no cleanup, no ``finally``) at the ``nth``
+    (1-based) ``op`` of :data:`KILL_OPS` touching ``directory``. For a child process only."""
+    if op not in KILL_OPS:
+        raise ValueError(f"kill_at: op must be one of {KILL_OPS}, got {op!r}")
+    seen = [0]
+
+    def hit() -> None:
+        seen[0] += 1
+        if seen[0] == nth:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    real_open, real_io_open, real_fsync, real_replace, real_rename = builtins.open, io.open, os.fsync, os.replace, os.rename
+
+    class _Counted:
+        def __init__(self, raw: Any) -> None:
+            self._raw = raw
+
+        def write(self, data: Any) -> int:
+            if op == "write":
+                hit()
+            written: int = self._raw.write(data)
+            return written
+
+        def __enter__(self) -> Any:
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            self._raw.close()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._raw, name)
+
+    def patched(real: Callable[..., Any]) -> Callable[..., Any]:
+        def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+            inside = _under(directory, file) is not None and _writing(mode)
+            if inside and op == "open":
+                hit()
+            handle = real(file, mode, *args, **kwargs)
+            return _Counted(handle) if inside else handle
+
+        return open_
+
+    def fsync(fd: Any) -> None:
+        if op == "fsync":
+            hit()
+        real_fsync(fd)
+
+    def rename(real: Callable[..., Any]) -> Callable[..., Any]:
+        def move(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
+            if op == "rename" and _under(directory, dst) is not None:
+                hit()
+            return real(src, dst, *args, **kwargs)
+
+        return move
+
+    builtins.open = patched(real_open)
+    io.open = patched(real_io_open)
+    os.fsync = fsync
+    os.replace = rename(real_replace)
+    os.rename = rename(real_rename)
