@@ -1270,3 +1270,60 @@ def test_errors_are_exceptions_alike_on_every_rank(dist, impl, failure: str) -> 
         fail("the error is not an Exception: `except Exception` misses it",
              f"{type(exc).__module__}.{type(exc).__qualname__} (bases {[b.__name__ for b in type(exc).__mro__[1:]]})",
              "a subclass of Exception", failure)
+
+
+# -- ML-13 a save killed at each step ------------------------------------------------------------------------------
+
+#: (step of the save, which occurrence) a child is killed at: its first data file opened, mid-data,
+#: its last writes and fsyncs (after data, before or during metadata), the publication.
+KILL_POINTS = (("open", 1), ("write", 1), ("write", 6), ("fsync", 1), ("open", 2), ("fsync", 2), ("rename", 1))
+#: Each trial is a fresh process (a second or two): the default profile tries these, ``thorough`` all.
+QUICK_KILL_POINTS = (("write", 6), ("fsync", 1), ("open", 2), ("rename", 1))
+
+
+def _kill_points() -> tuple[tuple[str, int], ...]:
+    from hypothesis import settings
+
+    return KILL_POINTS if settings.get_current_profile_name() == "thorough" else QUICK_KILL_POINTS
+
+
+def _child_save(impl: Any, path: Path, fill: float, kill: tuple[str, int] | None = None) -> int:
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "conformance.crash_child", impl.name, str(path), str(fill)] + ([kill[0], str(kill[1])] if kill else [])
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH", "")]))}
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    if done.returncode not in (0, -9):
+        fail("a child's save", f"exit status {done.returncode}: {done.stderr[-800:]}", "0 (finished) or -9 (killed)", " ".join(args))
+    return done.returncode
+
+
+@pytest.mark.req("ML-13")
+@pytest.mark.parametrize("kill", _kill_points(), ids=[f"{op}-{n}" for op, n in _kill_points()])
+@pytest.mark.parametrize("directory", ["fresh", "overwrite"])
+def test_a_killed_save_leaves_one_whole_checkpoint(impl: Any, tmp_path: Path, directory: str, kill: tuple[str, int]) -> None:
+    """A process saving a checkpoint is killed (SIGKILL: no cleanup) at a step of the save: the
+    directory then holds the previous checkpoint whole (overwrite), nothing that loads (fresh), or,
+    if the kill came after publication, the new one whole; never a mix. One process, no group (ML-12)."""
+    from conformance.crash_child import crash_state
+
+    ops = _ops(impl)
+    path = tmp_path / "ckpt"
+    if directory == "overwrite":
+        assert _child_save(impl, path, 1.0) == 0
+    status = _child_save(impl, path, 2.0, kill)
+    target = crash_state(-5.0)
+    loaded = raised(lambda: ops.load(target, path))
+    where = f"{directory} directory, killed at {kill[0]} #{kill[1]} (exit status {status})"
+    if loaded is not None:
+        if directory == "fresh":
+            return  # nothing loads: allowed
+        fail("the directory after a killed overwrite", f"{type(loaded).__name__}: {loaded}"[:400], "the previous checkpoint, whole", where)
+    old, new = crash_state(1.0), crash_state(2.0)
+    for candidate in ((new,) if directory == "fresh" else (old, new)):
+        if raised(lambda: _assert_same_bits(target, candidate)) is None:
+            return
+    fail("the checkpoint after a killed save", {k: (v.flatten()[:3].tolist() if isinstance(v, torch.Tensor) else v) for k, v in target.items()},
+         "one save's values whole (old or new), never a mix", where)

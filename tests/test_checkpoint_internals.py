@@ -314,3 +314,20 @@ def test_values_are_resolved_one_ahead_of_the_write_and_in_order() -> None:
         got = value.getvalue()[0] if isinstance(value, io.BytesIO) else int(value[0])
         assert got == k
     assert list(_on_host_one_ahead(iter(()))) == []
+
+
+def test_raw_reads_stay_inside_the_destination() -> None:
+    """The raw-address read fills exactly the destination's elements and refuses, rather than
+    overruns, a destination whose elements are not one contiguous CPU run inside its storage."""
+    import io as _io
+
+    from reference.checkpoint.records import _readinto
+
+    payload = bytes(range(256)) * 4
+    storage = torch.full((300,), -1, dtype=torch.uint8)
+    dest = storage[10:266]
+    _readinto(_io.BytesIO(payload), 0, dest)
+    assert dest.tolist() == list(payload[:256])
+    assert storage[:10].eq(255).all() and storage[266:].eq(255).all(), "bytes outside the destination changed"
+    with pytest.raises(RuntimeError, match="refusing a raw read"):
+        _readinto(_io.BytesIO(payload), 0, torch.zeros(8, 8, dtype=torch.uint8).t()[:, :4])

@@ -344,6 +344,16 @@ def _readinto(file: ReadableFile, position: int, tensor: torch.Tensor) -> None:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return
+    # Invariant, checked because the write below goes through a raw address: the bytes written are the
+    # tensor's own elements, inside its storage. A non-contiguous or non-CPU tensor, or one whose
+    # storage is shorter than its elements reach, would be memory corruption, not an error.
+    storage = tensor.untyped_storage()
+    start = tensor.storage_offset() * tensor.element_size()
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or start + nbytes > storage.nbytes():
+        raise RuntimeError(
+            f"_readinto: refusing a raw read into a {tensor.device.type} tensor of shape {tuple(tensor.shape)}, stride {tensor.stride()}, "
+            f"bytes [{start}, {start + nbytes}) of a storage of {storage.nbytes()}"
+        )
     # A writable buffer over the tensor's memory without numpy (not a dependency): ctypes from data_ptr.
     view = memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
     file.seek(position)
