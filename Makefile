@@ -22,7 +22,7 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 IMPL_ARG := $(if $(IMPL),--impl $(IMPL),)
 
-.PHONY: setup conformance lint test bench asv asv-gate mutation clean
+.PHONY: setup conformance lint test stress bench asv asv-gate mutation clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,12 @@ conformance: setup
 test: setup lint
 	$(PY) -m pytest tests conformance --world-size $(WORLD_SIZE) $(IMPL_ARG) $(PYTEST_ARGS)
 	$(PY) -m pytest bench --benchmark-disable -q -p no:cacheprovider
+
+# The suite STRESS_RUNS times with fresh random examples under glibc's heap checks (MALLOC_CHECK_=3,
+# MALLOC_PERTURB_): reports every test that failed in any run; exits non-zero if one did.
+STRESS_RUNS ?= 5
+stress: setup
+	$(PY) -m tools.stress --runs $(STRESS_RUNS) --world-size $(WORLD_SIZE) $(IMPL_ARG) $(if $(PYTEST_ARGS),-- $(PYTEST_ARGS),)
 
 # ruff (lint and import order) and mypy (strict on reference/, checked elsewhere), a few seconds each.
 lint: setup
@@ -75,4 +81,4 @@ mutation: setup
 	$(PY) -m tools.mutation --sample $(MUTATION_SAMPLE) --sections $(MUTATION_SECTIONS) --jobs $(MUTATION_JOBS) $(MUTATION_ARGS)
 
 clean:
-	rm -rf $(VENV) .asv .pytest_cache .benchmarks *.egg-info .mutation
+	rm -rf $(VENV) .asv .pytest_cache .benchmarks *.egg-info .mutation .stress

@@ -103,6 +103,12 @@ def register_profiles() -> None:
         phases=[Phase.explicit, Phase.generate, Phase.shrink],  # no explain phase: it reruns with tracing
     )
     settings.register_profile("thorough", max_examples=PROFILE_EXAMPLES["thorough"], deadline=None, print_blob=True)
+    # ``stress`` (``make stress``): as many examples as ``ci``, but random ones, a fresh draw per run
+    # (pass --hypothesis-seed to repeat one), and no database: each run of a stress loop is independent.
+    settings.register_profile(
+        "stress", max_examples=PROFILE_EXAMPLES["ci"], deadline=None, database=None, print_blob=True,
+        phases=[Phase.explicit, Phase.generate, Phase.shrink],
+    )
     if settings.get_current_profile_name() == "default":
         settings.load_profile("ci")
 
