@@ -1,9 +1,12 @@
 """A child process that saves a checkpoint through an adapter and may be killed in the middle (ML-13).
 
-``python -m conformance.crash_child IMPL PATH FILL [OP NTH]`` saves :func:`crash_state` of ``FILL``
-to ``PATH`` with ``IMPL``'s checkpoint ops, without a process group; with ``OP NTH`` it kills itself
-(SIGKILL) at the ``NTH`` ``OP`` of :data:`conformance.faults.KILL_OPS` touching ``PATH`` first. Exit
-status 0: the save finished (the kill point was never reached).
+``python -m conformance.crash_child IMPL PATH FILL [OP NTH [WORLD KILLED_RANK]]`` saves
+:func:`crash_state` of ``FILL`` to ``PATH`` with ``IMPL``'s checkpoint ops: in this process without a
+process group, or with ``WORLD`` > 1 in that many rank processes of a gloo group (each its own part of
+a sharded tensor). With ``OP NTH`` the process (rank ``KILLED_RANK``, or every rank if it is ``all``)
+kills itself (SIGKILL) at the ``NTH`` ``OP`` of :data:`conformance.faults.KILL_OPS` touching
+``PATH``; the other ranks are killed too if they have not ended within :data:`SURVIVOR_TIMEOUT_S`.
+Exit status: 0 if the save finished everywhere, :data:`KILLED` if a rank was killed.
 """
 
 from __future__ import annotations
@@ -27,17 +30,68 @@ def crash_state(fill: float) -> dict[str, object]:
     }
 
 
+#: The exit status of a multi-rank child one of whose ranks was killed (a single-rank child dies of SIGKILL itself).
+KILLED = 9
+#: Seconds the ranks that were not killed get to end (they fail on the dead peer, or hang on it).
+SURVIVOR_TIMEOUT_S = 20
+
+
+def _rank(rank: int, world: int, port: int, impl: str, path: str, fill: float, kill: tuple[str, int] | None, killed: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from conformance.adapters.base import load_adapter
+    from conformance.faults import kill_at
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    ops = load_adapter(impl).require("checkpoint")
+    mesh = init_device_mesh("cpu", (world,))
+    state = crash_state(fill)
+    state["a"] = distribute_tensor(state["a"], mesh, [Shard(0)])  # every rank writes its part
+    if kill is not None and killed in ("all", str(rank)):
+        kill_at(Path(path), *kill)
+    ops.save(state, path, process_group=dist.group.WORLD)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def main(argv: list[str]) -> int:
     from conformance.adapters.base import load_adapter
     from conformance.faults import kill_at
 
     impl, path, fill = argv[0], Path(argv[1]), float(argv[2])
-    ops = load_adapter(impl).require("checkpoint")
+    kill = (argv[3], int(argv[4])) if len(argv) > 4 else None
+    world, killed = (int(argv[5]), argv[6]) if len(argv) > 6 else (1, "all")
     path.mkdir(parents=True, exist_ok=True)
-    if len(argv) > 3:
-        kill_at(path, argv[3], int(argv[4]))
-    ops.save(crash_state(fill), path)
-    return 0
+    if world == 1:
+        ops = load_adapter(impl).require("checkpoint")
+        if kill is not None:
+            kill_at(path, *kill)
+        ops.save(crash_state(fill), path)
+        return 0
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [context.Process(target=_rank, args=(r, world, port, impl, str(path), fill, kill, killed)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(SURVIVOR_TIMEOUT_S)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    codes = [proc.exitcode for proc in procs]
+    return KILLED if -9 in codes else (0 if all(c == 0 for c in codes) else 1)
 
 
 if __name__ == "__main__":

@@ -1287,16 +1287,35 @@ def _kill_points() -> tuple[tuple[str, int], ...]:
     return KILL_POINTS if settings.get_current_profile_name() == "thorough" else QUICK_KILL_POINTS
 
 
-def _child_save(impl: Any, path: Path, fill: float, kill: tuple[str, int] | None = None) -> int:
+#: (kill point, which rank) of the two-rank trials: the last rank mid-data, and after its data before the
+#: metadata; ``thorough`` adds every kill point on the last rank and on both.
+QUICK_TWO_RANK_KILLS = ((("write", 2), "1"), (("fsync", 1), "1"))
+
+
+def _two_rank_kills() -> tuple[tuple[tuple[str, int], str], ...]:
+    from hypothesis import settings
+
+    if settings.get_current_profile_name() == "thorough":
+        return tuple((point, who) for point in KILL_POINTS for who in ("1", "all"))
+    return QUICK_TWO_RANK_KILLS
+
+
+def _child_save(impl: Any, path: Path, fill: float, kill: tuple[str, int] | None = None, world: int = 1, killed: str = "all") -> int:
     import subprocess
     import sys
 
-    args = [sys.executable, "-m", "conformance.crash_child", impl.name, str(path), str(fill)] + ([kill[0], str(kill[1])] if kill else [])
+    from conformance.crash_child import KILLED
+
+    args = [sys.executable, "-m", "conformance.crash_child", impl.name, str(path), str(fill)]
+    if kill:
+        args += [kill[0], str(kill[1])]
+        if world > 1:
+            args += [str(world), killed]
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH", "")]))}
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
-    if done.returncode not in (0, -9):
-        fail("a child's save", f"exit status {done.returncode}: {done.stderr[-800:]}", "0 (finished) or -9 (killed)", " ".join(args))
+    if done.returncode not in (0, -9, KILLED):
+        fail("a child's save", f"exit status {done.returncode}: {done.stderr[-800:]}", f"0 (finished), -9 or {KILLED} (killed)", " ".join(args))
     return done.returncode
 
 
@@ -1307,16 +1326,32 @@ def test_a_killed_save_leaves_one_whole_checkpoint(impl: Any, tmp_path: Path, di
     """A process saving a checkpoint is killed (SIGKILL: no cleanup) at a step of the save: the
     directory then holds the previous checkpoint whole (overwrite), nothing that loads (fresh), or,
     if the kill came after publication, the new one whole; never a mix. One process, no group (ML-12)."""
+    _check_after_kill(impl, tmp_path / "ckpt", directory, kill, world=1, killed="all")
+
+
+@pytest.mark.req("ML-13")
+@pytest.mark.parametrize("kill, killed", _two_rank_kills(), ids=[f"{op}-{n}-rank-{who}" for (op, n), who in _two_rank_kills()])
+@pytest.mark.parametrize("directory", ["fresh", "overwrite"])
+def test_a_save_killed_on_one_rank_of_two_leaves_one_whole_checkpoint(impl: Any, tmp_path: Path, directory: str, kill: tuple[str, int],
+                                                                      killed: str) -> None:
+    """A two-rank save (a sharded tensor: each rank writes a part) in which one rank, or both, are
+    killed at a step of the save: the survivor fails or is stopped, and the directory holds the
+    previous checkpoint whole, nothing that loads, or the new one whole; never a mix. Loaded in one
+    process (ML-12), which reads every rank's part."""
+    _check_after_kill(impl, tmp_path / "ckpt", directory, kill, world=2, killed=killed)
+
+
+def _check_after_kill(impl: Any, path: Path, directory: str, kill: tuple[str, int], *, world: int, killed: str) -> None:
+    __tracebackhide__ = True
     from conformance.crash_child import crash_state
 
     ops = _ops(impl)
-    path = tmp_path / "ckpt"
     if directory == "overwrite":
         assert _child_save(impl, path, 1.0) == 0
-    status = _child_save(impl, path, 2.0, kill)
+    status = _child_save(impl, path, 2.0, kill, world, killed)
     target = crash_state(-5.0)
     loaded = raised(lambda: ops.load(target, path))
-    where = f"{directory} directory, killed at {kill[0]} #{kill[1]} (exit status {status})"
+    where = f"{directory} directory, world size {world}, rank {killed} killed at {kill[0]} #{kill[1]} (exit status {status})"
     if loaded is not None:
         if directory == "fresh":
             return  # nothing loads: allowed
