@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["is_data_file", "failing_writes", "failing_fsync", "kill_at", "KILL_OPS"]
+__all__ = ["is_data_file", "failing_writes", "failing_fsync", "failing_reads", "kill_at", "KILL_OPS"]
 
 
 def is_data_file(name: str) -> bool:
@@ -120,6 +120,62 @@ def failing_fsync(code: int = errno.EIO) -> Iterator[None]:
         yield
     finally:
         os.fsync = real
+
+
+class _ShortFile:
+    """A readable file that ends after ``limit`` bytes (truncated while it was being read)."""
+
+    def __init__(self, raw: Any, limit: int) -> None:
+        self._raw, self._left = raw, limit
+
+    def read(self, size: int = -1) -> bytes:
+        size = self._left if size is None or size < 0 else min(size, self._left)
+        data: bytes = self._raw.read(size)
+        self._left -= len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")[: self._left]
+        got: int = self._raw.readinto(view)
+        self._left -= got
+        return got
+
+    def __enter__(self) -> _ShortFile:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._raw.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
+@contextlib.contextmanager
+def failing_reads(directory: Path, how: str, *, which: Callable[[str], bool] = is_data_file) -> Iterator[None]:
+    """Inside, data files of ``directory`` opened for reading have vanished (``how="vanish"``: the open
+    raises FileNotFoundError naming the file) or end after their first 16 bytes (``"truncate"``), as
+    if another process removed or truncated them after the load had planned its reads."""
+    if how not in ("vanish", "truncate"):
+        raise ValueError(f"failing_reads: how must be 'vanish' or 'truncate', got {how!r}")
+    real_open, real_io_open = builtins.open, io.open
+
+    def patched(real: Callable[..., Any]) -> Callable[..., Any]:
+        def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+            path = _under(directory, file)
+            if path is not None and not _writing(mode) and which(path.name):
+                if how == "vanish":
+                    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+                return _ShortFile(real(file, mode, *args, **kwargs), 16)
+            return real(file, mode, *args, **kwargs)
+
+        return open_
+
+    builtins.open = patched(real_open)
+    io.open = patched(real_io_open)
+    try:
+        yield
+    finally:
+        builtins.open, io.open = real_open, real_io_open
 
 
 #: The steps of a save a child can be killed at: a file opened for writing below the checkpoint

@@ -53,7 +53,7 @@ from conformance.asserts import (
     snapshot,
 )
 from conformance.compare import fqn_keyed_optim, full_on_cpu
-from conformance.faults import failing_fsync, failing_writes
+from conformance.faults import failing_fsync, failing_reads, failing_writes
 from conformance.values import EDGE_DTYPES, different_like, edge_tensors, perturb_hyperparameters
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -1270,6 +1270,36 @@ def test_errors_are_exceptions_alike_on_every_rank(dist, impl, failure: str) -> 
         fail("the error is not an Exception: `except Exception` misses it",
              f"{type(exc).__module__}.{type(exc).__qualname__} (bases {[b.__name__ for b in type(exc).__mro__[1:]]})",
              "a subclass of Exception", failure)
+
+
+@pytest.mark.req("ML-14", "ML-20")
+@pytest.mark.rank_timeout(30)
+@pytest.mark.parametrize("where", ["last-rank", "every-rank"])
+@pytest.mark.parametrize("how", ["vanish", "truncate"])
+def test_files_that_vanish_or_shrink_during_a_load_fail_it_cleanly(dist, impl, how: str, where: str) -> None:
+    """The data files of a good checkpoint vanish, or are cut short, between the load's planning and
+    its reads (another job cleaning up, a copy in progress), on the last rank or on every rank: the
+    load raises an ``Exception`` on every rank, naming the data file, and replaces nothing in the
+    state dict (no non-tensor value is loaded; tensors filled in place may hold partial data)."""
+    ops = _ops(impl)
+    path = dist.tmp_dir / "ckpt"
+    ops.save(_sharded_values(dist, 1.0), path, process_group=_pg(dist))
+    dist.barrier()
+    target = _sharded_values(dist, -7.0)
+    entries = dict(target)
+    faulty = where == "every-rank" or dist.rank == dist.world_size - 1
+
+    def load() -> None:
+        with failing_reads(path, how) if faulty else contextlib.nullcontext():
+            ops.load(target, path, process_group=_pg(dist))
+
+    exc = _fails_alike(dist, load, what=f"a load whose data files {how}")
+    if not isinstance(exc, Exception):
+        fail("the error is not an Exception", type(exc).__name__, "a subclass of Exception", f"rank {dist.rank}")
+    if ".distcp" not in str(exc) and "__" not in str(exc):
+        fail(f"the error of a load whose data files {how}", f"{type(exc).__name__}: {exc}"[:400], "a message naming the data file", f"rank {dist.rank}")
+    if target["step"] != -7 or any(target[k] is not v for k, v in entries.items()):
+        fail("the state dict after a failed load", {k: type(v).__name__ for k, v in target.items()}, "the same objects, 'step' still -7", f"rank {dist.rank}")
 
 
 # -- ML-13 a save killed at each step ------------------------------------------------------------------------------
