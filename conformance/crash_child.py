@@ -48,7 +48,9 @@ def _rank(rank: int, world: int, port: int, impl: str, path: str, fill: float, k
     ops = load_adapter(impl).require("checkpoint")
     mesh = init_device_mesh("cpu", (world,))
     state = crash_state(fill)
-    state["a"] = distribute_tensor(state["a"], mesh, [Shard(0)])  # every rank writes its part
+    whole = state["a"]
+    assert isinstance(whole, torch.Tensor)
+    state["a"] = distribute_tensor(whole, mesh, [Shard(0)])  # every rank writes its part
     if kill is not None and killed in ("all", str(rank)):
         kill_at(Path(path), *kill)
     ops.save(state, path, process_group=dist.group.WORLD)

@@ -83,17 +83,23 @@ class _FailingFile:
 
 @contextlib.contextmanager
 def failing_writes(directory: Path, *, after_bytes: int = 0, code: int = errno.ENOSPC,
-                   which: Callable[[str], bool] = is_data_file) -> Iterator[None]:
+                   which: Callable[[str], bool] = is_data_file, at_open: bool = False) -> Iterator[None]:
     """Inside, writes to files of ``directory`` whose name ``which`` accepts fail with ``OSError(code)``
-    (ENOSPC: the disk is full) once ``after_bytes`` bytes have gone to them in all."""
+    (ENOSPC: the disk is full) once ``after_bytes`` bytes have gone to them in all; with ``at_open``
+    opening them for writing fails already, before any file is created or truncated (EROFS: a
+    read-only file system)."""
     budget = _Budget(after_bytes)
     real_open, real_io_open = builtins.open, io.open
 
     def patched(real: Callable[..., Any]) -> Callable[..., Any]:
         def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-            handle = real(file, mode, *args, **kwargs)
             path = _under(directory, file)
-            if path is not None and _writing(mode) and which(path.name):
+            targeted = path is not None and _writing(mode) and which(path.name)
+            if targeted and at_open:
+                raise OSError(code, os.strerror(code), str(path))
+            handle = real(file, mode, *args, **kwargs)
+            if targeted:
+                assert path is not None
                 return _FailingFile(handle, path, budget, code)
             return handle
 

@@ -19,6 +19,7 @@ The inspector's requirements (ML-16, ML-17) are tested in ``tests/test_ckpt_insp
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import math
 import os
@@ -1028,8 +1029,9 @@ def test_save_and_load_without_a_process_group(impl, tmp_path: Path, target: str
 
 
 #: Faults that make a save fail after planning succeeded: the disk fills up before any data, or after
-#: a few bytes of it (ENOSPC), or every fsync fails (EIO), on the last rank only or on every rank.
-SAVE_FAULTS = ("full-disk-before-data", "full-disk-mid-data", "fsync-fails")
+#: a few bytes of it (ENOSPC), every fsync fails (EIO), or the file system is read-only (EROFS), on the last
+#: rank only or on every rank.
+SAVE_FAULTS = ("full-disk-before-data", "full-disk-mid-data", "fsync-fails", "read-only")
 
 
 def _fault(dist: Any, path: Path, fault: str, where: str) -> contextlib.AbstractContextManager[None]:
@@ -1037,6 +1039,8 @@ def _fault(dist: Any, path: Path, fault: str, where: str) -> contextlib.Abstract
         return contextlib.nullcontext()
     if fault == "fsync-fails":
         return failing_fsync()
+    if fault == "read-only":  # every file of the directory, metadata too (root ignores chmod, so it is injected)
+        return failing_writes(path, code=errno.EROFS, which=lambda name: True, at_open=True)
     return failing_writes(path, after_bytes=0 if fault == "full-disk-before-data" else 64)
 
 
