@@ -43,6 +43,26 @@ def _writing(mode: str) -> bool:
     return any(flag in mode for flag in "wax+")
 
 
+class _FileProxy:
+    """A file object that forwards everything to the real one; subclasses override what they break.
+    Closing it (``with`` included) closes the real file."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+
+    def __enter__(self) -> _FileProxy:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._raw.close()
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._raw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
 class _Budget:
     """Bytes the injected disk still takes; None: unlimited."""
 
@@ -50,11 +70,12 @@ class _Budget:
         self.left = left
 
 
-class _FailingFile:
+class _FailingFile(_FileProxy):
     """A writable file whose writes fail with ``OSError(code)`` once the shared budget is spent."""
 
     def __init__(self, raw: Any, path: Path, budget: _Budget, code: int) -> None:
-        self._raw, self._path, self._budget, self._code = raw, path, budget, code
+        super().__init__(raw)
+        self._path, self._budget, self._code = path, budget, code
 
     def write(self, data: Any) -> int:
         size = memoryview(data).nbytes
@@ -67,18 +88,6 @@ class _FailingFile:
     def writelines(self, lines: Any) -> None:
         for line in lines:
             self.write(line)
-
-    def __enter__(self) -> _FailingFile:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._raw.close()
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._raw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._raw, name)
 
 
 @contextlib.contextmanager
@@ -128,11 +137,12 @@ def failing_fsync(code: int = errno.EIO) -> Iterator[None]:
         os.fsync = real
 
 
-class _ShortFile:
+class _ShortFile(_FileProxy):
     """A readable file that ends after ``limit`` bytes (truncated while it was being read)."""
 
     def __init__(self, raw: Any, limit: int) -> None:
-        self._raw, self._left = raw, limit
+        super().__init__(raw)
+        self._left = limit
 
     def read(self, size: int = -1) -> bytes:
         size = self._left if size is None or size < 0 else min(size, self._left)
@@ -145,15 +155,6 @@ class _ShortFile:
         got: int = self._raw.readinto(view)
         self._left -= got
         return got
-
-    def __enter__(self) -> _ShortFile:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._raw.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._raw, name)
 
 
 @contextlib.contextmanager
@@ -203,24 +204,12 @@ def kill_at(directory: Path, op: str, nth: int) -> None:
 
     real_open, real_io_open, real_fsync, real_replace, real_rename = builtins.open, io.open, os.fsync, os.replace, os.rename
 
-    class _Counted:
-        def __init__(self, raw: Any) -> None:
-            self._raw = raw
-
+    class _Counted(_FileProxy):
         def write(self, data: Any) -> int:
             if op == "write":
                 hit()
             written: int = self._raw.write(data)
             return written
-
-        def __enter__(self) -> Any:
-            return self
-
-        def __exit__(self, *exc: Any) -> None:
-            self._raw.close()
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._raw, name)
 
     def patched(real: Callable[..., Any]) -> Callable[..., Any]:
         def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
