@@ -43,6 +43,29 @@ def _writing(mode: str) -> bool:
     return any(flag in mode for flag in "wax+")
 
 
+#: ``(real open, file, mode, args, kwargs) -> file object``: what a patched ``open`` does instead.
+OpenHook = Callable[[Callable[..., Any], Any, str, tuple[Any, ...], dict[str, Any]], Any]
+
+
+@contextlib.contextmanager
+def _opening(hook: OpenHook) -> Iterator[None]:
+    """Inside, ``open`` and ``io.open`` (which ``pathlib`` uses) go through ``hook``; restored on exit."""
+    real_open, real_io_open = builtins.open, io.open
+
+    def patched(real: Callable[..., Any]) -> Callable[..., Any]:
+        def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+            return hook(real, file, mode, args, kwargs)
+
+        return open_
+
+    builtins.open = patched(real_open)
+    io.open = patched(real_io_open)
+    try:
+        yield
+    finally:
+        builtins.open, io.open = real_open, real_io_open
+
+
 class _FileProxy:
     """A file object that forwards everything to the real one; subclasses override what they break.
     Closing it (``with`` included) closes the real file."""
@@ -98,28 +121,17 @@ def failing_writes(directory: Path, *, after_bytes: int = 0, code: int = errno.E
     opening them for writing fails already, before any file is created or truncated (EROFS: a
     read-only file system)."""
     budget = _Budget(after_bytes)
-    real_open, real_io_open = builtins.open, io.open
 
-    def patched(real: Callable[..., Any]) -> Callable[..., Any]:
-        def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-            path = _under(directory, file)
-            targeted = path is not None and _writing(mode) and which(path.name)
-            if targeted and at_open:
-                raise OSError(code, os.strerror(code), str(path))
-            handle = real(file, mode, *args, **kwargs)
-            if targeted:
-                assert path is not None
-                return _FailingFile(handle, path, budget, code)
-            return handle
+    def hook(real: Callable[..., Any], file: Any, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        path = _under(directory, file)
+        if path is None or not _writing(mode) or not which(path.name):
+            return real(file, mode, *args, **kwargs)
+        if at_open:
+            raise OSError(code, os.strerror(code), str(path))
+        return _FailingFile(real(file, mode, *args, **kwargs), path, budget, code)
 
-        return open_
-
-    builtins.open = patched(real_open)
-    io.open = patched(real_io_open)
-    try:
+    with _opening(hook):
         yield
-    finally:
-        builtins.open, io.open = real_open, real_io_open
 
 
 @contextlib.contextmanager
@@ -164,25 +176,17 @@ def failing_reads(directory: Path, how: str, *, which: Callable[[str], bool] = i
     if another process removed or truncated them after the load had planned its reads."""
     if how not in ("vanish", "truncate"):
         raise ValueError(f"failing_reads: how must be 'vanish' or 'truncate', got {how!r}")
-    real_open, real_io_open = builtins.open, io.open
 
-    def patched(real: Callable[..., Any]) -> Callable[..., Any]:
-        def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-            path = _under(directory, file)
-            if path is not None and not _writing(mode) and which(path.name):
-                if how == "vanish":
-                    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
-                return _ShortFile(real(file, mode, *args, **kwargs), 16)
+    def hook(real: Callable[..., Any], file: Any, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        path = _under(directory, file)
+        if path is None or _writing(mode) or not which(path.name):
             return real(file, mode, *args, **kwargs)
+        if how == "vanish":
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+        return _ShortFile(real(file, mode, *args, **kwargs), 16)
 
-        return open_
-
-    builtins.open = patched(real_open)
-    io.open = patched(real_io_open)
-    try:
+    with _opening(hook):
         yield
-    finally:
-        builtins.open, io.open = real_open, real_io_open
 
 
 #: The steps of a save a child can be killed at: a file opened for writing below the checkpoint
