@@ -253,7 +253,8 @@ class ShardedBackend(PlainBackend):
         merged: dict[str, Any] = {_optim.STATE: {}, _optim.PG: []}
         rank0_only = options.full_state_dict and options.cpu_offload
         for optim in optims:
-            _optim.init_state(optim)
+            # optim_keys.optim_state_dict materializes the state no rank holds, agreed across ranks
+            # (a local init_state here would also fill parts another rank holds state for).
             osd = optim_keys.optim_state_dict(
                 model, optim, rank0_only=rank0_only, cpu_offload=options.cpu_offload, sharded=not options.full_state_dict
             )
