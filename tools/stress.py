@@ -8,7 +8,7 @@ Each run is ``pytest conformance tests`` with the ``stress`` hypothesis profile 
 after free or an uninitialised read sees garbage). Rank processes inherit the environment. A rank
 killed by an abort shows as a failed test ("the rank process died (signal 6)").
 
-    python -m tools.stress --runs 5 [--world-size 1,2] [--impl reference] [-- extra pytest args]
+    python -m tools.stress --runs 5 [--world-size 1,2] [--impl reference] [--profile thorough] [-- pytest args]
 
 Prints, per failing test, in how many runs it failed and the first line of each distinct message, and
 exits 1 if any test failed in any run (0 otherwise). Each run's JUnit XML stays in ``--out``.
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", default="1,2")
     parser.add_argument("--impl", default=None)
     parser.add_argument("--seed", type=int, default=None, help="seeds the runs' hypothesis seeds and MALLOC_PERTURB_ bytes")
+    parser.add_argument("--profile", default="stress", help="hypothesis profile (default stress; thorough draws more examples)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / ".stress")
     parser.add_argument("pytest_args", nargs="*", help="after --: more pytest arguments (default: conformance tests)")
     args = parser.parse_args(argv)
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         seed, perturb = rng.randrange(2**31), rng.randrange(1, 256)
         xml = args.out / f"run{run}.xml"
         command = [sys.executable, "-m", "pytest", *(args.pytest_args or ["conformance", "tests"]), "--world-size", args.world_size,
-                   "--hypothesis-profile", "stress", f"--hypothesis-seed={seed}", f"--junitxml={xml}", "-q", "-p", "no:cacheprovider"]
+                   "--hypothesis-profile", args.profile, f"--hypothesis-seed={seed}", f"--junitxml={xml}", "-q", "-p", "no:cacheprovider"]
         if args.impl:
             command += ["--impl", args.impl]
         env = {**os.environ, "MALLOC_CHECK_": "3", "MALLOC_PERTURB_": str(perturb)}
