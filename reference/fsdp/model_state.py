@@ -56,14 +56,7 @@ def _unsharded_params(model: nn.Module) -> Iterator[None]:
         for unit in owning:
             handle = _owned_handle(unit)
             handle.unshard()
-            views = handle.full_param_views()
-            # nn.Module has no public way to put a plain tensor under a parameter's name:
-            # _parameters is written directly, as torch's FSDP does (and restored below); it is typed
-            # as holding Parameters only, hence the ignores.
-            for slot, view in zip(handle.slots, views):
-                slot.module._parameters[slot.name] = view  # type: ignore[assignment]
-            for alias in handle.aliases:
-                alias.module._parameters[alias.name] = views[alias.slot_index]  # type: ignore[assignment]
+            handle.show_views(handle.full_param_views())
             if FLAT_PARAM in unit._parameters:
                 hidden.append((unit, unit._parameters[FLAT_PARAM]))
                 unit._parameters[FLAT_PARAM] = None

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -556,34 +556,7 @@ def _optim_state_dict_to_load(
                 continue
             handle = info.handle
             if len(key.unflat_param_names) > 1 or not info.state.use_orig_params:
-                # The state laid out like the flat parameter, built by one torch.cat of the saved values
-                # and zeros for the gaps (padding, parameters without saved state), not a slice and a
-                # copy per parameter (at 10,000 parameters those were the cost).
-                device, dtype = handle.local_shard.device, first.dtype
-                placed = sorted(
-                    ((_slot_of(info, fqn), fqn, entry[name]) for fqn, entry in present if name in entry),
-                    key=lambda placed_value: placed_value[0].flat.start,
-                )
-                pieces: list[torch.Tensor] = []
-                at = 0
-                # No autograd history from the saved values (in place of a detach per value).
-                with torch.no_grad():
-                    for slot, fqn, value in placed:
-                        # The common case (a tensor of the slot's shape) is checked inline: checked()
-                        # per value was most of the time of this loop; it raises on a wrong shape.
-                        if not (isinstance(value, torch.Tensor) and value.shape == slot.shape):
-                            value = checked(fqn, name, value, copied=False, shape=slot.shape)
-                        if slot.flat.start > at:
-                            pieces.append(torch.zeros(slot.flat.start - at, dtype=dtype, device=device))
-                        if value.dtype != dtype or value.device != device:
-                            value = value.to(device=device, dtype=dtype)
-                        pieces.append(value if value.dim() == 1 else value.reshape(-1))
-                        at = slot.flat.end + 1
-                    if handle.padded_numel > at:
-                        pieces.append(torch.zeros(handle.padded_numel - at, dtype=dtype, device=device))
-                    flat = torch.cat(pieces)
-                start = handle.shard_rank * handle.shard_numel
-                local[name] = flat[start : start + handle.shard_numel].clone()
+                local[name] = _flat_layout_shard(info, name, [(fqn, e[name]) for fqn, e in present if name in e], checked)
             else:
                 fqn = key.unflat_param_names[0]
                 slot = _slot_of(info, fqn)
@@ -591,8 +564,22 @@ def _optim_state_dict_to_load(
                 local[name] = value.clone().view(handle.local_view(slot).shape)
         state[param_id] = local
 
-    # Param groups: each local group takes the hyperparameters of the saved group holding its FQNs.
-    saved_groups = osd["param_groups"]
+    param_groups = _load_param_groups(optim, osd["param_groups"], known, names_of, lambda p: _key_of(p, param_to_fqns[p], infos))
+    return {"state": state, "param_groups": param_groups}
+
+
+def _load_param_groups(
+    optim: torch.optim.Optimizer,
+    saved_groups: list[Mapping[str, Any]],
+    known: Mapping[str, nn.Parameter],
+    names_of: Callable[[str], list[str]],
+    key_of: Callable[[nn.Parameter], _OptimStateKey],
+) -> list[dict[str, Any]]:
+    """``optim``'s param groups for ``load_state_dict``: each local group takes the hyperparameters of the
+    saved group that lists its parameters (under any of their names, ``names_of``), with ``params`` as
+    positional ids. Raises ``ValueError`` naming the FQNs when a local group holds parameters no saved
+    group lists or that several saved groups list, when a saved group lists an FQN not in ``known``,
+    or when the numbers of groups differ."""
     group_of: dict[str, int] = {}
     for index, group in enumerate(saved_groups):
         for fqn in group.get("params", []):
@@ -613,7 +600,7 @@ def _optim_state_dict_to_load(
             hyper = match if match is not None else group
             param_groups.append({**copy.deepcopy({k: v for k, v in hyper.items() if k != "params"}), "params": []})
             continue
-        fqns = [f for p in group["params"] for f in _key_of(p, param_to_fqns[p], infos).unflat_param_names]
+        fqns = [f for p in group["params"] for f in key_of(p).unflat_param_names]
         homes = {fqn: group_of.get(fqn) for fqn in fqns}
         missing = [fqn for fqn, home in homes.items() if home is None]
         if missing:
@@ -623,7 +610,8 @@ def _optim_state_dict_to_load(
                 f"param group {local_index} of the optimizer holds parameters of several saved param groups: "
                 + ", ".join(f"{fqn!r} in saved group {home}" for fqn, home in homes.items())
             )
-        loaded = copy.deepcopy({k: v for k, v in saved_groups[next(iter(homes.values()))].items() if k != "params"})
+        home = next(index for index in homes.values() if index is not None)
+        loaded = copy.deepcopy({k: v for k, v in saved_groups[home].items() if k != "params"})
         loaded["params"] = ids
         param_groups.append(loaded)
     # Checked after the per-group check above, whose message names the FQNs that moved.
@@ -632,4 +620,37 @@ def _optim_state_dict_to_load(
             f"optimizer state dict has {len(saved_groups)} param groups "
             f"({[list(g.get('params', [])) for g in saved_groups]}), the optimizer has {len(optim.param_groups)}"
         )
-    return {"state": state, "param_groups": param_groups}
+    return param_groups
+
+
+def _flat_layout_shard(
+    info: FSDPParamInfo, name: str, values: list[tuple[str, Any]], checked: Callable[..., Any]
+) -> torch.Tensor:
+    """This rank's shard of positional state ``name`` laid out like ``info``'s flat parameter: the saved
+    ``(fqn, value)`` pairs at their slots, zeros in the gaps (padding, parameters without saved state).
+    ``checked(fqn, name, value, copied=False, shape=...)`` raises on a value of the wrong shape."""
+    handle = info.handle
+    # One torch.cat of the saved values and zeros for the gaps, not a slice and a copy per parameter
+    # (at 10,000 parameters those were the cost).
+    device, dtype = handle.local_shard.device, values[0][1].dtype
+    placed = sorted(((_slot_of(info, fqn), fqn, value) for fqn, value in values), key=lambda placed_value: placed_value[0].flat.start)
+    pieces: list[torch.Tensor] = []
+    at = 0
+    # No autograd history from the saved values (in place of a detach per value).
+    with torch.no_grad():
+        for slot, fqn, value in placed:
+            # The common case (a tensor of the slot's shape) is checked inline: checked() per value was
+            # most of the time of this loop; it raises on a wrong shape.
+            if not (isinstance(value, torch.Tensor) and value.shape == slot.shape):
+                value = checked(fqn, name, value, copied=False, shape=slot.shape)
+            if slot.flat.start > at:
+                pieces.append(torch.zeros(slot.flat.start - at, dtype=dtype, device=device))
+            if value.dtype != dtype or value.device != device:
+                value = value.to(device=device, dtype=dtype)
+            pieces.append(value if value.dim() == 1 else value.reshape(-1))
+            at = slot.flat.end + 1
+        if handle.padded_numel > at:
+            pieces.append(torch.zeros(handle.padded_numel - at, dtype=dtype, device=device))
+        flat = torch.cat(pieces)
+    start = handle.shard_rank * handle.shard_numel
+    return flat[start : start + handle.shard_numel].clone()

@@ -110,6 +110,73 @@ def _module_param_names(module: nn.Module, exclude: set[nn.Module]) -> list[tupl
     return out
 
 
+def _split_aliases(
+    registrations: list[tuple[str, nn.Module, str, nn.Parameter]], owned_elsewhere: dict[nn.Parameter, str]
+) -> tuple[list[tuple[str, nn.Module, str]], list[AliasSlot], list[nn.Parameter]]:
+    """``(primaries, aliases, params)``: the first registration of each distinct parameter (its FQN,
+    owning module and attribute name, with the parameter itself in ``params``), and every later
+    registration of one of them as an alias of that slot (tied weights)."""
+    primaries: list[tuple[str, nn.Module, str]] = []
+    aliases: list[AliasSlot] = []
+    index_of: dict[nn.Parameter, int] = {}
+    params: list[nn.Parameter] = []
+    for fqn, owner, name, param in registrations:
+        # Invariant: a parameter lives in exactly one flat parameter, or its gradient would be
+        # reduced twice and its optimizer state split between two units.
+        if param in owned_elsewhere:
+            raise ValueError(
+                f"parameter {fqn!r} is also registered as {owned_elsewhere[param]!r} in another "
+                "FullyShardedDataParallel unit: a shared parameter must be owned by one unit (wrap the "
+                "common ancestor of both uses instead)"
+            )
+        if param in index_of:
+            aliases.append(AliasSlot(fqn, owner, name, index_of[param]))
+            continue
+        index_of[param] = len(primaries)
+        primaries.append((fqn, owner, name))
+        params.append(param)
+    return primaries, aliases, params
+
+
+def _check_flattenable(primaries: list[tuple[str, nn.Module, str]], params: list[nn.Parameter], *, use_orig_params: bool) -> list[bool]:
+    """Each parameter's ``requires_grad``, after checking that ``params`` can share one flat parameter:
+    one dtype, and (without ``use_orig_params``, where the flat parameter's own flag is the only one)
+    one ``requires_grad``."""
+    requires_grad = [p.requires_grad for p in params]
+    if not use_orig_params and any(requires_grad) and not all(requires_grad):
+        frozen = [s[0] for s, r in zip(primaries, requires_grad) if not r]
+        trainable = [s[0] for s, r in zip(primaries, requires_grad) if r]
+        raise ValueError(
+            "use_orig_params=False needs one requires_grad for all parameters of a unit: "
+            f"frozen {frozen} and trainable {trainable} would share a flat parameter "
+            "(use use_orig_params=True, or wrap them in separate units)"
+        )
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise ValueError(f"parameters of one unit must share a dtype, got {sorted(map(str, dtypes))} in {[s[0] for s in primaries]}")
+    return requires_grad
+
+
+def _keep_shard(flat_param: FlatParameter, shard_rank: int, shard_world: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shard ``flat_param`` in place and return ``(local_shard, full)``: this rank's padded chunk (now the
+    flat parameter's data; padding zero) and the gathered padded flat tensor, allocated but with its
+    storage freed until the first unshard (``local_shard`` itself when the shard axis has one rank)."""
+    numel = flat_param.full_numel
+    shard = even_shard_range(numel, shard_rank, shard_world)
+    chunk = shard.end - shard.start + 1
+    flat_param.shard_by_offsets(shard.start, shard.end, shard.num_padded)
+    with torch.no_grad():
+        local_shard = torch.zeros(chunk, dtype=flat_param.dtype, device=device)
+        real = max(0, min(numel, shard.end + 1) - shard.start)
+        local_shard[:real].copy_(flat_param.detach()[shard.start : shard.start + real])
+    flat_param.data = local_shard
+    if shard_world == 1:
+        return local_shard, local_shard
+    full = torch.empty(chunk * shard_world, dtype=local_shard.dtype, device=device)
+    full.untyped_storage().resize_(0)
+    return local_shard, full
+
+
 @dataclass
 class FlatParamHandle:
     """Flattens, shards, unshards and reshards the parameters of one unit.
@@ -169,38 +236,8 @@ class FlatParamHandle:
         registrations = _module_param_names(module, exclude)
         if not registrations:
             return None
-        primaries: list[tuple[str, nn.Module, str]] = []
-        aliases: list[AliasSlot] = []
-        index_of: dict[nn.Parameter, int] = {}
-        params: list[nn.Parameter] = []
-        for fqn, owner, name, param in registrations:
-            # Invariant: a parameter lives in exactly one flat parameter, or its gradient would be
-            # reduced twice and its optimizer state split between two units.
-            if param in owned_elsewhere:
-                raise ValueError(
-                    f"parameter {fqn!r} is also registered as {owned_elsewhere[param]!r} in another "
-                    "FullyShardedDataParallel unit: a shared parameter must be owned by one unit (wrap the "
-                    "common ancestor of both uses instead)"
-                )
-            if param in index_of:
-                aliases.append(AliasSlot(fqn, owner, name, index_of[param]))
-                continue
-            index_of[param] = len(primaries)
-            primaries.append((fqn, owner, name))
-            params.append(param)
-        requires_grad = [p.requires_grad for p in params]
-        if not use_orig_params and any(requires_grad) and not all(requires_grad):
-            frozen = [s[0] for s, r in zip(primaries, requires_grad) if not r]
-            trainable = [s[0] for s, r in zip(primaries, requires_grad) if r]
-            raise ValueError(
-                "use_orig_params=False needs one requires_grad for all parameters of a unit: "
-                f"frozen {frozen} and trainable {trainable} would share a flat parameter "
-                "(use use_orig_params=True, or wrap them in separate units)"
-            )
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) > 1:
-            raise ValueError(f"parameters of one unit must share a dtype, got {sorted(map(str, dtypes))} in {[s[0] for s in primaries]}")
-
+        primaries, aliases, params = _split_aliases(registrations, owned_elsewhere)
+        requires_grad = _check_flattenable(primaries, params, use_orig_params=use_orig_params)
         shard_world, shard_rank = comm.group_size(shard_group), comm.group_rank(shard_group)
         with torch.no_grad():
             flat_param = FlatParameter(
@@ -211,21 +248,7 @@ class FlatParamHandle:
             ParamSlot(fqn, owner, name, shape, flat)
             for (fqn, owner, name), shape, flat in zip(primaries, flat_param.param_shapes, flat_param.param_offsets)
         ]
-        numel = flat_param.full_numel
-        shard = even_shard_range(numel, shard_rank, shard_world)
-        chunk = shard.end - shard.start + 1
-        padded = chunk * shard_world
-        flat_param.shard_by_offsets(shard.start, shard.end, shard.num_padded)
-        with torch.no_grad():
-            local_shard = torch.zeros(chunk, dtype=flat_param.dtype, device=device)
-            real = max(0, min(numel, shard.end + 1) - shard.start)
-            local_shard[:real].copy_(flat_param.detach()[shard.start : shard.start + real])
-        flat_param.data = local_shard
-        if shard_world > 1:
-            full = torch.empty(padded, dtype=local_shard.dtype, device=device)
-            full.untyped_storage().resize_(0)
-        else:
-            full = local_shard
+        local_shard, full = _keep_shard(flat_param, shard_rank, shard_world, device)
         handle = cls(
             module=module,
             slots=slots,
@@ -235,9 +258,9 @@ class FlatParamHandle:
             shard_group=shard_group,
             replicate_group=replicate_group,
             reshard_after_forward=reshard_after_forward,
-            numel=numel,
-            padded_numel=padded,
-            shard_numel=chunk,
+            numel=flat_param.full_numel,
+            padded_numel=local_shard.numel() * shard_world,
+            shard_numel=local_shard.numel(),
             shard_rank=shard_rank,
             shard_world=shard_world,
             local_shard=local_shard,
@@ -294,8 +317,13 @@ class FlatParamHandle:
                 # Record which parameters took part, so unused ones keep grad None as in eager.
                 view.register_hook(lambda g, i=i: self._used.add(i))
             views.append(view)
-            # A plain tensor under the parameter's name, as torch's FSDP does: _parameters is typed as
-            # holding Parameters only, hence the ignores.
+        self.show_views(views)
+
+    def show_views(self, views: list[torch.Tensor]) -> None:
+        """Put ``views`` (one per slot, in slot order) under every original name, tied aliases included."""
+        # A plain tensor under the parameter's name, as torch's FSDP does: _parameters is typed as
+        # holding Parameters only, hence the ignores.
+        for slot, view in zip(self.slots, views, strict=True):
             slot.module._parameters[slot.name] = view  # type: ignore[assignment]
         for alias in self.aliases:
             alias.module._parameters[alias.name] = views[alias.slot_index]  # type: ignore[assignment]
