@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from reference import comm
@@ -285,78 +286,16 @@ def optim_state_dict(
     reshard_all(model)
     infos = get_fqn_to_fsdp_param_info(model)
     _materialize_missing_state(model, optim, group)
-    local_state: dict[_OptimStateKey, dict[str, Any]] = {}
-
-    def describe() -> tuple[list[tuple[_OptimStateKey, dict[str, bool]]], list[tuple[dict[str, Any], list[_OptimStateKey]]]]:
-        # One order for every rank: the coordinator's, then what only other ranks hold. Only structure travels
-        # (which states each key has, and which are positional); values are exchanged below only for
-        # keys some rank holds no state for.
-        keys, state, groups = _local_optim_state(model, optim, infos)
-        local_state.update(state)
-        return [(key, {n: _is_positional(v) for n, v in state[key].items()}) for key in keys if key in state], groups
-
-    # Agreed: a rank whose optimizer does not fit the model must not leave the others in the gathers.
-    gathered = comm.gather_agreed(group, describe)
-    order: dict[_OptimStateKey, dict[str, Any]] = {}
-    holders: dict[_OptimStateKey, int] = {}
-    for rank_summary, _ in gathered:
-        for key, names in rank_summary:
-            holders[key] = holders.get(key, 0) + 1
-            merged = order.setdefault(key, {})
-            for name, positional in names.items():
-                merged.setdefault(name, None if positional else _MISSING)
-    lacking = [key for key, count in holders.items() if count < len(gathered)]
-    if lacking:
-        # Scalar state of a key this rank may lack: every holder sends it, the first one counts.
-        offers = {k: {n: v for n, v in local_state[k].items() if not _is_positional(v)} for k in lacking if k in local_state}
-        for rank_offers in comm.all_gather_objects(offers, group):
-            for key, values in rank_offers.items():
-                for name, value in values.items():
-                    if order[key].get(name) is _MISSING:
-                        order[key][name] = value
+    local_state, order, groups = _agreed_state_layout(model, optim, infos, group)
     keep = not rank0_only or comm.is_coordinator(group)
-
-    # Positional states of FSDP-managed keys travel one (unit, state name) at a time: one all-gather of
-    # the unit's flat layout carries that state of all its parameters. Batches are formed in the agreed
-    # key order, so every rank issues the same all-gathers in the same order.
-    batches: dict[tuple[int, str], list[_OptimStateKey]] = {}
-    for key, names in order.items():
-        if key.is_fsdp_managed:
-            flat_id = id(infos[key.unflat_param_names[0]].flat_param)
-            for name, replicated in names.items():
-                if replicated is None:
-                    batches.setdefault((flat_id, name), []).append(key)
-    gathered_full: dict[tuple[_OptimStateKey, str], list[torch.Tensor]] = {}
-    info: FSDPParamInfo | None
-    for (_, name), batch in batches.items():
-        info = infos[batch[0].unflat_param_names[0]]
-        items = [(key, local_state.get(key, {}).get(name)) for key in batch]
-        for key, fulls in _gather_positional(info, name, items).items():
-            gathered_full[key, name] = fulls
-
-    state: dict[str, dict[str, Any]] = {}
-    for key, names in order.items():
-        local = local_state.get(key, {})
-        info = infos.get(key.unflat_param_names[0]) if key.is_fsdp_managed else None
-        per_fqn: list[dict[str, Any]] = [{} for _ in key.unflat_param_names]
-        for name, replicated in names.items():
-            if (key, name) in gathered_full:
-                assert info is not None, "only the positional state of a unit's parameters is gathered"
-                for entry, full in zip(per_fqn, gathered_full[key, name]):
-                    entry[name] = to_dtensor(info.state, full) if sharded else full
-                continue
-            # Scalar state, or any state of a parameter outside every unit: as is, one copy per FQN.
-            value = local.get(name, replicated)
-            for entry in per_fqn:
-                entry[name] = value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
-        for fqn, entry in zip(key.unflat_param_names, per_fqn):
-            state[fqn] = entry
+    gathered_full = _gather_flat_states(infos, local_state, order)
+    state = _assemble_state(infos, local_state, order, gathered_full, sharded=sharded)
     if not keep:
         return {}
     if cpu_offload:
         state = {fqn: {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in entry.items()} for fqn, entry in state.items()}
     param_groups = []
-    for hyper, group_keys in gathered[0][1]:  # the coordinator's groups
+    for hyper, group_keys in groups:  # the coordinator's groups
         param_group = copy.deepcopy(hyper)
         param_group["params"] = [fqn for key in group_keys for fqn in key.unflat_param_names]
         param_groups.append(param_group)
@@ -453,6 +392,103 @@ def _check_one_scalar(name: str, values: list[tuple[str, Any]]) -> None:
             f"optimizer state {name!r} differs among the parameters of one flat parameter: {shown}; a flat parameter holds "
             "one value for all of them: load with use_orig_params=True, or into units that keep these parameters apart"
         )
+
+
+def _agreed_state_layout(
+    model: nn.Module, optim: torch.optim.Optimizer, infos: dict[str, FSDPParamInfo], group: dist.ProcessGroup | None
+) -> tuple[
+    dict[_OptimStateKey, dict[str, Any]],
+    dict[_OptimStateKey, dict[str, Any]],
+    list[tuple[dict[str, Any], list[_OptimStateKey]]],
+]:
+    """``(local_state, order, groups)``: this rank's state per key; the agreed keys in one order for every
+    rank (the coordinator's, then what only other ranks hold), each with its state names mapped to
+    ``None`` (positional: gathered later) or the scalar value; and the coordinator's param groups.
+    Collective; a rank whose optimizer does not fit the model fails every rank."""
+    local_state: dict[_OptimStateKey, dict[str, Any]] = {}
+
+    def describe() -> tuple[list[tuple[_OptimStateKey, dict[str, bool]]], list[tuple[dict[str, Any], list[_OptimStateKey]]]]:
+        # One order for every rank: the coordinator's, then what only other ranks hold. Only structure travels
+        # (which states each key has, and which are positional); values are exchanged below only for
+        # keys some rank holds no state for.
+        keys, state, groups = _local_optim_state(model, optim, infos)
+        local_state.update(state)
+        return [(key, {n: _is_positional(v) for n, v in state[key].items()}) for key in keys if key in state], groups
+
+    # Agreed: a rank whose optimizer does not fit the model must not leave the others in the gathers.
+    gathered = comm.gather_agreed(group, describe)
+    order: dict[_OptimStateKey, dict[str, Any]] = {}
+    holders: dict[_OptimStateKey, int] = {}
+    for rank_summary, _ in gathered:
+        for key, names in rank_summary:
+            holders[key] = holders.get(key, 0) + 1
+            merged = order.setdefault(key, {})
+            for name, positional in names.items():
+                merged.setdefault(name, None if positional else _MISSING)
+    lacking = [key for key, count in holders.items() if count < len(gathered)]
+    if lacking:
+        # Scalar state of a key this rank may lack: every holder sends it, the first one counts.
+        offers = {k: {n: v for n, v in local_state[k].items() if not _is_positional(v)} for k in lacking if k in local_state}
+        for rank_offers in comm.all_gather_objects(offers, group):
+            for key, values in rank_offers.items():
+                for name, value in values.items():
+                    if order[key].get(name) is _MISSING:
+                        order[key][name] = value
+    return local_state, order, gathered[0][1]
+
+
+def _gather_flat_states(
+    infos: dict[str, FSDPParamInfo], local_state: dict[_OptimStateKey, dict[str, Any]], order: dict[_OptimStateKey, dict[str, Any]]
+) -> dict[tuple[_OptimStateKey, str], list[torch.Tensor]]:
+    """The full values of every positional state of FSDP-managed keys, per (key, state name), one per
+    unflattened parameter. Collective."""
+    # Positional states of FSDP-managed keys travel one (unit, state name) at a time: one all-gather of
+    # the unit's flat layout carries that state of all its parameters. Batches are formed in the agreed
+    # key order, so every rank issues the same all-gathers in the same order.
+    batches: dict[tuple[int, str], list[_OptimStateKey]] = {}
+    for key, names in order.items():
+        if key.is_fsdp_managed:
+            flat_id = id(infos[key.unflat_param_names[0]].flat_param)
+            for name, replicated in names.items():
+                if replicated is None:
+                    batches.setdefault((flat_id, name), []).append(key)
+    gathered_full: dict[tuple[_OptimStateKey, str], list[torch.Tensor]] = {}
+    for (_, name), batch in batches.items():
+        info = infos[batch[0].unflat_param_names[0]]
+        items = [(key, local_state.get(key, {}).get(name)) for key in batch]
+        for key, fulls in _gather_positional(info, name, items).items():
+            gathered_full[key, name] = fulls
+    return gathered_full
+
+
+def _assemble_state(
+    infos: dict[str, FSDPParamInfo],
+    local_state: dict[_OptimStateKey, dict[str, Any]],
+    order: dict[_OptimStateKey, dict[str, Any]],
+    gathered_full: dict[tuple[_OptimStateKey, str], list[torch.Tensor]],
+    *,
+    sharded: bool,
+) -> dict[str, dict[str, Any]]:
+    """FQN -> its states: gathered positional values (as DTensors with ``sharded``), scalars and the
+    states of parameters outside every unit copied, one copy per FQN. Local."""
+    state: dict[str, dict[str, Any]] = {}
+    for key, names in order.items():
+        local = local_state.get(key, {})
+        info = infos.get(key.unflat_param_names[0]) if key.is_fsdp_managed else None
+        per_fqn: list[dict[str, Any]] = [{} for _ in key.unflat_param_names]
+        for name, replicated in names.items():
+            if (key, name) in gathered_full:
+                assert info is not None, "only the positional state of a unit's parameters is gathered"
+                for entry, full in zip(per_fqn, gathered_full[key, name]):
+                    entry[name] = to_dtensor(info.state, full) if sharded else full
+                continue
+            # Scalar state, or any state of a parameter outside every unit: as is, one copy per FQN.
+            value = local.get(name, replicated)
+            for entry in per_fqn:
+                entry[name] = value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+        for fqn, entry in zip(key.unflat_param_names, per_fqn):
+            state[fqn] = entry
+    return state
 
 
 def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: Mapping[str, Any]) -> dict[str, Any]:
