@@ -90,7 +90,7 @@ def check_each(**checks: Callable[[], Any]) -> None:
             check()
         except pytest.skip.Exception:
             raise
-        except BaseException as exc:  # noqa: BLE001 - every property is reported, whatever broke it
+        except BaseException as exc:  # every property is reported, whatever broke it
             text = getattr(exc, "msg", None) if isinstance(exc, pytest.fail.Exception) else f"{type(exc).__name__}: {exc}"
             parts.append(f"[{name}] {text}")
     if parts:

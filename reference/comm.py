@@ -154,7 +154,7 @@ def _failure(exc: Exception) -> _Failure:
     kind: type[Exception] = type(exc)
     try:
         pickle.dumps(kind)  # a class defined in a function does not travel
-    except Exception:  # noqa: BLE001 - any pickling failure means: send the generic type
+    except Exception:  # any pickling failure means: send the generic type
         return _Failure(RuntimeError, f"{kind.__name__}: {exc}")
     return _Failure(kind, str(exc))
 
@@ -171,7 +171,7 @@ def _raise_agreed(outcomes: list[Any], local: Exception | None, world: int) -> N
         message = f"{message} (raised on rank {rank} of {world}{others}; every rank raises it)"
     try:
         agreed = failure.kind(message)
-    except Exception:  # noqa: BLE001 - an exception type whose constructor takes other arguments
+    except Exception:  # an exception type whose constructor takes other arguments
         agreed = RuntimeError(f"{failure.kind.__name__}: {message}")
     raise agreed from local
 
@@ -185,7 +185,7 @@ def gather_agreed(group: dist.ProcessGroup | None, step: Callable[[], T]) -> lis
     local: Exception | None = None
     try:
         outcome: Any = step()
-    except Exception as exc:  # noqa: BLE001 - every failure is shared, whatever its type
+    except Exception as exc:  # every failure is shared, whatever its type
         local, outcome = exc, _failure(exc)
     world = group_size(group)
     if world == 1:
@@ -204,7 +204,7 @@ def agree(group: dist.ProcessGroup | None, step: Callable[[], T]) -> T:
     result: Any = None
     try:
         result = step()
-    except Exception as exc:  # noqa: BLE001 - every failure is shared, whatever its type
+    except Exception as exc:  # every failure is shared, whatever its type
         local = exc
     world = group_size(group)
     if world == 1:
@@ -226,7 +226,7 @@ def broadcast_from_coordinator(group: dist.ProcessGroup | None, step: Callable[[
     if is_coordinator(group):
         try:
             box[0] = step()
-        except Exception as exc:  # noqa: BLE001 - every failure is shared, whatever its type
+        except Exception as exc:  # every failure is shared, whatever its type
             local, box[0] = exc, _failure(exc)
     dist.broadcast_object_list(box, group=group, group_src=0)
     _raise_agreed([box[0]], local, group_size(group))

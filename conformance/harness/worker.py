@@ -157,7 +157,7 @@ def _run(task: Task, rank: int, world_size: int, backend: str) -> RankOutcome:
         status, error, value = "skip", str(exc.msg), None
     except pytest.xfail.Exception as exc:
         status, error, value = "xfail", str(exc.msg), None
-    except BaseException as exc:  # noqa: BLE001 - a test body's SystemExit or BaseException-derived error is a failure too
+    except BaseException as exc:  # a test body's SystemExit or BaseException-derived error is a failure too
         status, error, value = "fail", traceback.format_exc(), None
         failures = Failure.all_of(exc, rank)
     finally:
@@ -203,7 +203,7 @@ def rank_main(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
         )
         send_message(conn, RankOutcome(rank=rank, status="ok", value="ready"))
-    except BaseException:  # noqa: BLE001 - reported to the controller, which fails the pool start
+    except BaseException:  # reported to the controller, which fails the pool start
         send_message(conn, RankOutcome(rank=rank, status="fail", error=traceback.format_exc()))
         return
 
@@ -214,7 +214,7 @@ def rank_main(
             break
         try:
             task = pickle.loads(data)
-        except Exception:  # noqa: BLE001 - e.g. an argument whose class this rank cannot import
+        except Exception:  # e.g. an argument whose class this rank cannot import
             send_message(conn, RankOutcome(rank=rank, status="fail", error=f"could not unpickle the task:\n{traceback.format_exc()}"))
             continue
         if task is None:
@@ -222,7 +222,7 @@ def rank_main(
         outcome = _run(task, rank, world_size, backend)
         try:
             send_message(conn, outcome)
-        except Exception:  # noqa: BLE001 - the value did not pickle: say so instead of dying
+        except Exception:  # the value did not pickle: say so instead of dying
             send_message(
                 conn,
                 RankOutcome(
@@ -233,7 +233,7 @@ def rank_main(
             )
     try:
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - exiting anyway
+    except Exception:  # exiting anyway
         pass
     sys.stdout.flush()
     sys.stderr.flush()

@@ -353,7 +353,7 @@ def test_load_with_assign_writes_into_flat_param() -> None:
 
 def test_interrupted_nested_load_reflattens_on_next_use() -> None:
     class Exploding(nn.Linear):
-        def _load_from_state_dict(self, *args, **kwargs):  # noqa: ANN002, ANN003
+        def _load_from_state_dict(self, *args, **kwargs):
             raise KeyError("boom")
 
     inner = nn.Sequential(nn.Linear(2, 2), Exploding(2, 2))
@@ -425,7 +425,7 @@ class Legacy(nn.Linear):
         assert all(isinstance(p, nn.Parameter) for p in module._parameters.values())
         module.seen.append(tuple(k[len(prefix):] for k in destination if k.startswith(prefix)))
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
         if local_metadata.get("version", 1) < 2 and prefix + "w" in state_dict:  # version 1 called it "w"
             state_dict[prefix + "weight"] = state_dict.pop(prefix + "w")
         assert [n for n, _ in self.named_parameters(recurse=False)] == ["weight", "bias"]
