@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -514,6 +514,166 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _run(args, root, sections, everything, chosen, equivalents)
 
 
+def _previous_results(journal: Path, fingerprint: str, *, resume: bool) -> dict[str, Result]:
+    """Mutant key -> its result from an earlier run of the same tree and arguments (``--resume``); the
+    journal is removed otherwise, so a fresh run starts from nothing."""
+    previous: dict[str, Result] = {}
+    if resume and journal.exists():
+        for line in journal.read_text().splitlines():
+            try:
+                r = Result(**json.loads(line))
+            except (TypeError, ValueError):
+                continue
+            if r.fingerprint == fingerprint and r.status != "error":
+                previous[r.key] = r
+    elif journal.exists():
+        journal.unlink()
+    return previous
+
+
+@dataclass
+class _Plan:
+    """What the unmutated runs decided: the mutants to run with their time limits, and the results
+    already known (equivalent, or from the journal)."""
+
+    todo: list[tuple[Mutant, Section, float]] = field(default_factory=list)
+    results: list[Result] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    broken: list[str] = field(default_factory=list)  # sections whose unmutated run failed
+
+
+def _plan(
+    args: argparse.Namespace,
+    runner: Runner,
+    scratch: Path,
+    sections: list[Section],
+    chosen: dict[str, list[Mutant]],
+    equivalents: Equivalents,
+    previous: dict[str, Result],
+    summaries: dict[str, SectionSummary],
+) -> _Plan:
+    """Run the unmutated suite once per section with mutants to run: it must pass, and its time sets
+    the mutants' limit."""
+    plan = _Plan()
+    for s in sections:
+        pending = [m for m in chosen[s.name] if m.key not in equivalents.reasons and m.key not in previous]
+        for m in chosen[s.name]:
+            if m.key in equivalents.reasons:
+                plan.results.append(Result.of(m, s.name, "equivalent", reason=equivalents.reasons[m.key]))
+            elif m.key in previous:
+                plan.results.append(previous[m.key])
+        if not pending:
+            continue
+        _log(f"[{s.name}] unmutated run: {' '.join(s.test_files(scratch))}")
+        rc, output, seconds = runner.pytest(s, scratch, timeout=1800)
+        summaries[s.name].baseline_s = seconds
+        if rc != 0:
+            tail = "\n".join(output.strip().splitlines()[-25:])
+            _log(f"[{s.name}] the unmutated suite does not pass (exit {rc}); its mutants are not run:\n{tail}")
+            plan.notes.append(f"{s.name}: the unmutated suite failed (exit {rc}); its {len(pending)} mutants were not run")
+            plan.broken.append(s.name)
+            continue
+        extra = args.rank_timeout + 30 if args.timeout_extra is None else args.timeout_extra
+        limit = args.timeout_factor * seconds + extra
+        _log(f"[{s.name}] unmutated run passed in {seconds:.1f}s; {len(pending)} mutants, limit {limit:.0f}s each")
+        plan.todo += [(m, s, limit) for m in pending]
+    return plan
+
+
+def _run_mutants(
+    runner: Runner, todo: list[tuple[Mutant, Section, float]], scratches: list[Path], journal: Path, fingerprint: str
+) -> Iterator[Result]:
+    """Run ``todo``, one job per scratch copy at a time, yielding each result as it finishes (and
+    appending it to ``journal``). A KeyboardInterrupt stops the running mutants before it propagates."""
+    free = list(scratches)
+    with ThreadPoolExecutor(max_workers=len(scratches)) as pool, open(journal, "a") as jf:
+        running: dict[Future[Result], Path] = {}
+        queue = list(todo)
+        try:
+            while queue or running:
+                while queue and free:
+                    mutant, section, limit = queue.pop(0)
+                    scratch = free.pop(0)
+                    running[pool.submit(runner.run_mutant, mutant, section, scratch, limit, fingerprint)] = scratch
+                finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    free.append(running.pop(fut))
+                    r = fut.result()
+                    jf.write(json.dumps(asdict(r)) + "\n")
+                    jf.flush()
+                    yield r
+        except KeyboardInterrupt:
+            runner.kill_all()  # before the pool's exit waits for its threads
+            raise
+
+
+def _write_reports(
+    args: argparse.Namespace,
+    root: Path,
+    out: Path,
+    sections: list[Section],
+    everything: dict[str, list[Mutant]],
+    equivalents: Equivalents,
+    summaries: dict[str, SectionSummary],
+    results: list[Result],
+    notes: list[str],
+    *,
+    jobs: int,
+    seconds: float,
+    interrupted: bool,
+) -> list[SectionSummary]:
+    """Count ``results`` into ``summaries``, write ``report.md`` and ``report.json`` under ``out``, print
+    the report, and return the summaries in section order."""
+    for r in results:
+        summaries[r.section].counts[r.status] += 1
+        summaries[r.section].seconds += r.seconds
+    ordered = [summaries[s.name] for s in sections]
+    if args.mutant:
+        scope = "the mutants asked for"
+    elif args.sample is None:
+        scope = "every mutant"
+    else:
+        scope = f"a sample of up to {args.sample} mutants per section (seed {args.seed})"
+    header = (
+        f"# Mutation testing of reference/\n\n{scope}; {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"{jobs} job(s), {seconds:.0f}s. Kill rate = (killed + timed out) / (mutants - equivalent)."
+    )
+    for summary in ordered:
+        ran = sum(summary.counts[k] for k in ("killed", "survived", "timeout", "error"))
+        if ran:
+            baseline = f"unmutated run {summary.baseline_s:.1f}s, " if summary.baseline_s is not None else ""
+            notes.append(f"{summary.name}: {summary.total} mutants in all; {baseline}{summary.seconds / ran:.1f}s per mutant run")
+    stale = equivalents.stale(m.key for ms in everything.values() for m in ms)
+    in_scope = [k for k in stale if any(k.startswith(p + "::") for s in sections for p in s.source_files(root))]
+    if in_scope:
+        notes.append(f"stale entries in {args.equivalents.name} (their line changed or went): {', '.join(in_scope)}")
+    report = render_report(ordered, results, header, notes)
+    (out / "report.md").write_text(report)
+    sections_json = {
+        s.name: {
+            "total_mutants": s.total,
+            "mutants": s.mutants,
+            **{k: s.counts[k] for k in STATUSES},
+            "kill_rate": s.kill_rate,
+            "baseline_s": s.baseline_s,
+            "mutant_seconds": s.seconds,
+        }
+        for s in ordered
+    }
+    document = {
+        "scope": scope,
+        "sample": args.sample,
+        "seed": args.seed,
+        "interrupted": interrupted,
+        "sections": sections_json,
+        "mutants": [asdict(r) for r in results],
+    }
+    (out / "report.json").write_text(json.dumps(document, indent=1))
+    print(report)
+    _log(f"written: {out / 'report.md'}, {out / 'report.json'}")
+    return ordered
+
+
 def _run(
     args: argparse.Namespace,
     root: Path,
@@ -532,143 +692,38 @@ def _run(
     scratches = [out / "work" / f"job{i}" for i in range(jobs)]
     for scratch in scratches:
         make_scratch(root, scratch, files)
-
-    previous: dict[str, Result] = {}
     journal = out / "results.jsonl"
-    if args.resume and journal.exists():
-        for line in journal.read_text().splitlines():
-            try:
-                r = Result(**json.loads(line))
-            except (TypeError, ValueError):
-                continue
-            if r.fingerprint == fingerprint and r.status != "error":
-                previous[r.key] = r
-    elif journal.exists():
-        journal.unlink()
-
+    previous = _previous_results(journal, fingerprint, resume=args.resume)
     summaries = {s.name: SectionSummary(s.name, len(everything[s.name])) for s in sections}
-    results: list[Result] = []
     runner = Runner(pytest_args)
     interrupted = False
-    notes: list[str] = []
-    broken: list[str] = []  # sections whose unmutated run failed
     started = time.monotonic()
+    plan = _Plan()
 
     def on_signal(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
     old_term = signal.signal(signal.SIGTERM, on_signal)
     try:
-        # 1. The unmutated suite, once per section: it must pass, and its time sets the mutants' limit.
-        todo: list[tuple[Mutant, Section, float]] = []
-        for s in sections:
-            pending = [m for m in chosen[s.name] if m.key not in equivalents.reasons and m.key not in previous]
-            for m in chosen[s.name]:
-                if m.key in equivalents.reasons:
-                    results.append(Result.of(m, s.name, "equivalent", reason=equivalents.reasons[m.key]))
-                elif m.key in previous:
-                    results.append(previous[m.key])
-            if not pending:
-                continue
-            _log(f"[{s.name}] unmutated run: {' '.join(s.test_files(scratches[0]))}")
-            rc, output, seconds = runner.pytest(s, scratches[0], timeout=1800)
-            summaries[s.name].baseline_s = seconds
-            if rc != 0:
-                tail = "\n".join(output.strip().splitlines()[-25:])
-                _log(f"[{s.name}] the unmutated suite does not pass (exit {rc}); its mutants are not run:\n{tail}")
-                notes.append(f"{s.name}: the unmutated suite failed (exit {rc}); its {len(pending)} mutants were not run")
-                broken.append(s.name)
-                continue
-            extra = args.rank_timeout + 30 if args.timeout_extra is None else args.timeout_extra
-            limit = args.timeout_factor * seconds + extra
-            _log(f"[{s.name}] unmutated run passed in {seconds:.1f}s; {len(pending)} mutants, limit {limit:.0f}s each")
-            todo += [(m, s, limit) for m in pending]
-
-        # 2. The mutants, ``jobs`` at a time, each job on its own scratch copy.
-        free = list(scratches)
-        done = 0
-        with ThreadPoolExecutor(max_workers=jobs) as pool, open(journal, "a") as jf:
-            running: dict[Future[Result], Path] = {}
-            queue = list(todo)
-            try:
-                while queue or running:
-                    while queue and free:
-                        mutant, section, limit = queue.pop(0)
-                        scratch = free.pop(0)
-                        running[pool.submit(runner.run_mutant, mutant, section, scratch, limit, fingerprint)] = scratch
-                    finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
-                    for fut in finished:
-                        free.append(running.pop(fut))
-                        r = fut.result()
-                        results.append(r)
-                        jf.write(json.dumps(asdict(r)) + "\n")
-                        jf.flush()
-                        done += 1
-                        _log(f"[{done}/{len(todo)}] {r.section} {r.status:8} {r.seconds:5.1f}s {r.path}:{r.line} {r.operator}: {r.description}")
-            except KeyboardInterrupt:
-                runner.kill_all()  # before the pool's exit waits for its threads
-                raise
+        plan = _plan(args, runner, scratches[0], sections, chosen, equivalents, previous, summaries)
+        for done, r in enumerate(_run_mutants(runner, plan.todo, scratches, journal, fingerprint), start=1):
+            plan.results.append(r)
+            _log(f"[{done}/{len(plan.todo)}] {r.section} {r.status:8} {r.seconds:5.1f}s {r.path}:{r.line} {r.operator}: {r.description}")
     except KeyboardInterrupt:
         interrupted = True
         runner.kill_all()
-        notes.append("interrupted: the counts cover the mutants finished before the interruption")
+        plan.notes.append("interrupted: the counts cover the mutants finished before the interruption")
         _log("interrupted: stopping the running mutants (the scratch copies are restored; the working tree was never written)")
     finally:
         signal.signal(signal.SIGTERM, old_term)
 
-    for r in results:
-        summaries[r.section].counts[r.status] += 1
-        summaries[r.section].seconds += r.seconds
-    ordered = [summaries[s.name] for s in sections]
-    if args.mutant:
-        scope = "the mutants asked for"
-    elif args.sample is None:
-        scope = "every mutant"
-    else:
-        scope = f"a sample of up to {args.sample} mutants per section (seed {args.seed})"
-    header = (
-        f"# Mutation testing of reference/\n\n{scope}; {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
-        f"{jobs} job(s), {time.monotonic() - started:.0f}s. Kill rate = (killed + timed out) / (mutants - equivalent)."
+    ordered = _write_reports(
+        args, root, out, sections, everything, equivalents, summaries, plan.results, plan.notes,
+        jobs=jobs, seconds=time.monotonic() - started, interrupted=interrupted,
     )
-    for summary in ordered:
-        ran = sum(summary.counts[k] for k in ("killed", "survived", "timeout", "error"))
-        if ran:
-            baseline = f"unmutated run {summary.baseline_s:.1f}s, " if summary.baseline_s is not None else ""
-            notes.append(f"{summary.name}: {summary.total} mutants in all; {baseline}{summary.seconds / ran:.1f}s per mutant run")
-    stale = equivalents.stale(m.key for ms in everything.values() for m in ms)
-    in_scope = [k for k in stale if any(k.startswith(p + "::") for s in sections for p in s.source_files(root))]
-    if in_scope:
-        notes.append(f"stale entries in {args.equivalents.name} (their line changed or went): {', '.join(in_scope)}")
-    report = render_report(ordered, results, header, notes)
-    (out / "report.md").write_text(report)
-    (out / "report.json").write_text(
-        json.dumps(
-            {
-                "scope": scope,
-                "sample": args.sample,
-                "seed": args.seed,
-                "interrupted": interrupted,
-                "sections": {
-                    s.name: {
-                        "total_mutants": s.total,
-                        "mutants": s.mutants,
-                        **{k: s.counts[k] for k in STATUSES},
-                        "kill_rate": s.kill_rate,
-                        "baseline_s": s.baseline_s,
-                        "mutant_seconds": s.seconds,
-                    }
-                    for s in ordered
-                },
-                "mutants": [asdict(r) for r in results],
-            },
-            indent=1,
-        )
-    )
-    print(report)
-    _log(f"written: {out / 'report.md'}, {out / 'report.json'}")
     if interrupted:
         return 130
-    if broken:
+    if plan.broken:
         return 1
     if args.fail_under is not None:
         low = [s for s in ordered if s.kill_rate is not None and s.kill_rate < args.fail_under]
@@ -676,7 +731,6 @@ def _run(
             _log("kill rate under " + f"{args.fail_under:g}%: " + ", ".join(f"{s.name} {_pct(s.kill_rate)}" for s in low))
             return 1
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
