@@ -31,7 +31,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
-if TYPE_CHECKING:  # the capability modules import Unsupported from here
+from conformance.adapters.unsupported import Unsupported
+
+if TYPE_CHECKING:
     from conformance.adapters.checkpoint import CheckpointOps
     from conformance.adapters.flat_param import FlatParamOps
     from conformance.adapters.optim_state import OptimStateOps
@@ -55,10 +57,6 @@ SHIPPED: dict[str, str] = {
     "torch-fsdp2": "conformance.adapters.impls:TorchFSDP2Adapter",
     "fairscale": "conformance.adapters.impls:FairscaleAdapter",
 }
-
-
-class Unsupported(Exception):
-    """Raised by an adapter for a capability or feature it does not provide; the message is the reason."""
 
 
 def capability_of(requirement_id: str) -> str | None:

@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn as nn
 
-from conformance.adapters.base import Unsupported
+from conformance.adapters.unsupported import Unsupported
 
 __all__ = [
     "CheckpointOps",

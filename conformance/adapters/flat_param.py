@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from conformance.adapters.base import Unsupported
+from conformance.adapters.unsupported import Unsupported
 
 __all__ = ["FlatParamOps", "FlatParamInfo", "ShardInfo", "ReferenceFlatParamOps", "FairscaleFlatParamOps"]
 

@@ -11,7 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn as nn
 
-from conformance.adapters.base import Unsupported
+from conformance.adapters.unsupported import Unsupported
 from conformance.fqn import canonical_fqn
 
 __all__ = [
