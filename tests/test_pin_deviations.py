@@ -1,4 +1,4 @@
-"""Self-tests of tools/pin_deviations.py: the pins it proposes hold for the failures they come from."""
+"""Self-tests of conformance/cli/pin_deviations.py: the pins it proposes hold for the failures they come from."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from conformance.cli.pin_deviations import common_text, main, propose
 from conformance.harness.failures import Failure
 from conformance.harness.xfails import parse_xfails
-from tools.pin_deviations import common_text, main, propose
 
 
 @pytest.mark.req("HX-18")
