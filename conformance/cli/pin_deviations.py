@@ -29,7 +29,7 @@ from typing import Any
 
 from conformance.harness.xfails import Pin, XfailEntry, parse_xfails, split_reason
 
-__all__ = ["propose", "common_text", "rewrite", "main"]
+__all__ = ["propose", "common_text", "rewrite", "run_sources", "main"]
 
 #: The shortest shared text worth pinning: anything shorter matches too much to tell failures apart.
 MIN_MATCH = 12
@@ -156,36 +156,103 @@ def rewrite(path: Path, pins: dict[int, Pin]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _marking_source(test: dict[str, Any], repin: bool) -> str | None:
+    """``path:line`` of the entry that marked ``test`` in its run (an expected failure; with ``repin``
+    also a pinned entry whose test failed otherwise); None for a test no entry marked that way."""
+    outcome = test.get("outcome")
+    if outcome not in ("xfailed", "failed") or (outcome == "failed" and not repin):
+        return None
+    reason = test.get("reason") or ""
+    if outcome == "failed" and not reason.startswith("known deviation failed differently"):
+        return None
+    recorded = (test.get("entry") or {}).get("source")
+    if recorded:
+        return str(recorded)
+    found = (
+        re.search(r"\[([^\[\]]+:\d+)(?:;[^\]]*)?\]$", reason) if outcome == "xfailed"
+        else re.search(r"known deviation failed differently \(([^()]+?:\d+): ", reason)
+    )
+    return found.group(1) if found else None
+
+
+def _same_path(source: str, path: Path) -> bool:
+    return Path(source.rsplit(":", 1)[0]).resolve() == path.resolve()
+
+
+def run_sources(entries: Sequence[XfailEntry], path: Path, payload: dict[str, Any], marked_sources: set[str]) -> tuple[dict[int, str], list[str]]:
+    """For each entry of the file ``path`` (by line number), the source (``path:line``) the run recorded
+    for it: the same path and line when the run read this file, else the run's entry with the same
+    pattern (and the same line, when several files of the run hold that pattern), so that a copy of the
+    file the run read is matched by content. Also the notes on entries that could not be matched."""
+    run_entries = [e for e in payload.get("known_deviations") or [] if isinstance(e, dict)]
+    known = {str(e.get("source")) for e in run_entries} | marked_sources
+    found: dict[int, str] = {}
+    notes: list[str] = []
+    for entry in entries:
+        lineno = int(entry.source.rsplit(":", 1)[1])
+        own = next((s for s in known if _same_path(s, path) and s.rsplit(":", 1)[1] == str(lineno)), None)
+        if own is not None:
+            found[lineno] = own
+            continue
+        pattern = ("!" if entry.removes else "") + entry.pattern
+        same = sorted({str(e["source"]) for e in run_entries if e.get("pattern") == pattern})
+        if len(same) > 1:
+            same = [s for s in same if s.rsplit(":", 1)[1] == str(lineno)] or same
+        if len(same) == 1:
+            found[lineno] = same[0]
+        elif same:
+            notes.append(f"{entry.source}: ambiguous: the run read this pattern at {', '.join(same)}; pass the file the run read")
+    return found, notes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="statedict-pin-deviations", description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, help="a --report-json result of a run that selected the file's adapter")
-    parser.add_argument("xfails", type=Path, help="the known-deviations file")
+    parser.add_argument("xfails", type=Path, help="the known-deviations file (the one the run read, or a copy of it)")
     parser.add_argument("--write", action="store_true", help="rewrite the file with the proposed pins")
     parser.add_argument("--repin", action="store_true",
                         help="also re-derive the pins of pinned entries (from the tests they marked, and those that failed differently)")
     args = parser.parse_args(argv)
-    payload = json.loads(args.results.read_text(encoding="utf-8"))
-    entries = parse_xfails(args.xfails.resolve())
-    marked: dict[int, dict[str, dict[str, Any]]] = {}
-    for test_id, test in payload["tests"].items():
-        reason = test.get("reason") or ""
-        found = re.search(r"\[([^\[\]]+):(\d+)(?:;[^\]]*)?\]$", reason) if test.get("outcome") == "xfailed" else None
-        if test.get("outcome") == "failed" and args.repin:  # a pinned entry whose test failed otherwise
-            found = re.search(r"known deviation failed differently \(([^()]+?):(\d+): ", reason)
-        if found and Path(found.group(1)).resolve() == args.xfails.resolve():
-            marked.setdefault(int(found.group(2)), {})[test_id] = test
+    try:
+        payload = json.loads(args.results.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"cannot read results {args.results}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        entries = parse_xfails(args.xfails.resolve())
+    except (OSError, ValueError) as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    by_source: dict[str, dict[str, dict[str, Any]]] = {}
+    for test_id, test in payload.get("tests", {}).items():
+        source = _marking_source(test, args.repin)
+        if source is not None:
+            by_source.setdefault(source, {})[test_id] = test
+    sources, notes = run_sources(entries, args.xfails, payload, set(by_source))
+    for note in notes:
+        print(note)
+    if entries and not sources:
+        read = sorted({str(e.get("source", "")).rsplit(":", 1)[0] for e in payload.get("known_deviations") or []} |
+                      {s.rsplit(":", 1)[0] for s in by_source})
+        print(f"none of the entries of {args.xfails} is an entry of the run {args.results} (by path and line, or by pattern); "
+              f"the run read: {', '.join(read) or 'no expected-failures file'}", file=sys.stderr)
+        return 2
     pins: dict[int, Pin] = {}
     for entry in entries:
         lineno = int(entry.source.rsplit(":", 1)[1])
-        tests = marked.get(lineno, {})
+        tests = by_source.get(sources.get(lineno, ""), {})
         ran = any(test.get("failures") for test in tests.values())  # a hangs entry runs with --run-known-hangs only
-        if (entry.pin and not args.repin) or (entry.hangs and not ran) or entry.removes:
-            why = "pinned already" if entry.pin else "flagged hangs (not run: --run-known-hangs runs it)" if entry.hangs else "a removal"
+        if (entry.pin and not args.repin) or (entry.hangs and not ran) or entry.removes or entry.exclude:
+            why = (
+                "pinned already" if entry.pin else "flagged hangs (not run: --run-known-hangs runs it)" if entry.hangs
+                else "a removal" if entry.removes else "an exclusion of generated cases"
+            )
             print(f"{entry.source}: left as it is: {why}")
             continue
         pin = propose(entry, tests) if tests else None
         if pin is None:
-            print(f"{entry.source}: no pin: {'it marked no test that failed in this run' if not tests else 'no failure recorded'}")
+            why = "not an entry of this run" if lineno not in sources else "it marked no test that failed in this run" if not tests else "no failure recorded"
+            print(f"{entry.source}: no pin: {why}")
             continue
         pins[lineno] = pin
         print(f"{entry.source}: {_pin_words(pin)}   ({len(tests)} tests)")
