@@ -131,7 +131,6 @@ def pytest_configure(config: pytest.Config) -> None:
         "case_families(*names): the families of generated cases this test draws, which an expected-failures entry "
         "may leave out for an adapter (exclude=NAME); the test reads them with the excluded_cases fixture",
     )
-    _resolve_suite_paths(config)
     config.stash[_ENTRIES] = _load_xfail_entries(config)
     manager = PoolManager(pg_timeout_s=max(60.0, config.getoption("--rank-timeout") * 2))
     config.stash[_MANAGER] = manager
@@ -379,18 +378,31 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> 
     return pytest.Module.from_parent(parent, path=module_path, nodeid=file_id)
 
 
-def _resolve_suite_paths(config: pytest.Config) -> None:
-    """Let an id the suite printed be pasted back to rerun it: a command-line argument
-    ``conformance/<file>[::...]`` that names no file under the invocation directory, while the suite
-    (installed, run from elsewhere) has that file, is read as that file of the suite."""
-    invocation = config.invocation_params.dir
-    for index, arg in enumerate(config.args):
-        path_part, sep, rest = arg.partition("::")
-        if not path_part.startswith("conformance/") or (invocation / path_part).exists():
+def suite_path_argument(arg: str, invocation_dir: Path) -> str | None:
+    """The argument to use for ``arg`` when it is an id the suite printed, ``conformance/<file>[::...]``,
+    that names no file under ``invocation_dir`` while the suite (installed, run from elsewhere) has that
+    file: the same id with the suite's file; else None (``arg`` is used as it is)."""
+    path_part, sep, rest = arg.partition("::")
+    if not path_part.startswith("conformance/") or (invocation_dir / path_part).exists():
+        return None
+    candidate = _CONFORMANCE_DIR / path_part[len("conformance/"):]
+    return f"{candidate}{sep}{rest}" if candidate.exists() else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
+    """Let an id the suite printed be pasted back to rerun it wherever the suite is installed
+    (:func:`suite_path_argument`). Done before pytest picks the initial conftests from the arguments, so
+    that the suite's conftest loads as it does for ``--pyargs conformance``. (Called for the plugin as
+    an installed entry point or ``-p``; in a checkout the ids are paths that exist.)"""
+    invocation = early_config.invocation_params.dir
+    given = getattr(early_config.known_args_namespace, "file_or_dir", None) or []
+    for index, arg in enumerate(given):
+        resolved = suite_path_argument(arg, invocation)
+        if resolved is None:
             continue
-        candidate = _CONFORMANCE_DIR / path_part[len("conformance/"):]
-        if candidate.exists():
-            config.args[index] = f"{candidate}{sep}{rest}"
+        given[index] = resolved
+        args[:] = [resolved if a == arg else a for a in args]
 
 
 def suite_test_id(item: pytest.Item) -> str:
