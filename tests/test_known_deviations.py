@@ -219,6 +219,7 @@ def test_a_known_deviation_that_passes_fails_the_run(suite: pytest.Pytester) -> 
         f"    test_strict.py::test_passes raises=Failed  # the base fails here\n"
         f"If this is a fix, remove that entry from {base_file}"
     ) in out, out
+    assert "cancel the entry with the line `!test_strict.py::test_passes[basestack]` in a file given with --xfails" in out, out
     assert (
         f"known deviation no longer deviates: test_strict.py::test_passes[myfork] passed, but {base_file}:1 expects it to fail:" in out
         and f"The entry is inherited from the 'basestack' adapter: if 'myfork' fixed it, cancel it in its own expected-failures file, "

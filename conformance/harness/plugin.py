@@ -831,6 +831,8 @@ def _no_longer_deviates(item: pytest.Item, entry: XfailEntry) -> str:
     inherited = impl is not None and entry.impl is not None and entry.impl != impl.name
     if not inherited:
         lines.append(f"If this is a fix, remove that entry from {path} (or narrow its pattern to the tests that still fail).")
+        if entry.impl is not None:
+            lines.append(f"(A file you do not maintain, e.g. a shipped one: cancel the entry with the line `!{test_id}` in a file given with --xfails.)")
     else:
         assert impl is not None
         where = (
