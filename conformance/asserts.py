@@ -431,5 +431,8 @@ def assert_same_error_on_every_rank(ctx: Any, exc: BaseException | None, *, what
     every = ctx.all_gather_object(mine)
     if len(set(every)) > 1 or every[0] is None:
         listing = "; ".join(f"rank {r}: " + ("returned normally" if e is None else f"{e[0]}: {e[1][:300]}") for r, e in enumerate(every))
-        fail(f"{what}: ranks did not raise the same error", listing, "the same exception type and message on every rank",
-             f"rank {ctx.rank} of {ctx.world_size}")
+        if all(e is None for e in every):  # nothing to agree on: the call succeeded everywhere
+            headline = f"{what}: no error raised" + ("" if ctx.world_size == 1 else " on any rank")
+        else:
+            headline = f"{what}: ranks did not raise the same error"
+        fail(headline, listing, "the same exception type and message on every rank", f"rank {ctx.rank} of {ctx.world_size}")

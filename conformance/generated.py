@@ -18,9 +18,11 @@ Rank bodies (:func:`optim_state_save`, :func:`checkpoint_load`, ...) are module-
 ``pools.run``: hypothesis runs on the controller, one example per call, so shrinking happens there and
 every rank body is deterministic in its case.
 
-Known deviations of shipped adapters (some pinned by the section files' xfails, the others found by
-these tests and pinned by ``test_generated_deviation_witness``) are left out of the generated domain of
-that adapter only (:data:`KNOWN_DEVIATIONS`), so a generated test still checks everything else of it.
+Known deviations of an adapter (some pinned by the section files' xfails, the others found by these
+tests and pinned by ``test_generated_deviation_witness``) are left out of that adapter's generated
+domain by its expected-failures file, the one registry of known deviations: an entry ``exclude=NAME``
+names a family of cases (:data:`CASE_FAMILIES`), is inherited by adapters derived from it and can be
+``!``-cancelled there, so a generated test still checks everything else of each adapter.
 """
 
 from __future__ import annotations
@@ -56,9 +58,10 @@ __all__ = [
     "OptimPlan",
     "Sharding",
     "Case",
-    "Deviation",
-    "KNOWN_DEVIATIONS",
-    "deviations_for",
+    "CaseFamily",
+    "CASE_FAMILIES",
+    "families_of",
+    "excluded_families",
     "Refused",
     "build",
     "batch",
@@ -506,118 +509,112 @@ class Case:
         printer.text("\n" + repr(self))
 
 
-# -- known deviations left out of the generated domain ---------------------------------------------------
+# -- families of cases an adapter's known deviations leave out of its generated domain ----------------------
+
+#: The generated tests, by function name (the keys of :attr:`CaseFamily.applies`).
+STATE_DICT_TEST = "test_generated_state_dict_round_trip"
+SHARDED_STATE_DICT_TEST = "test_generated_sharded_state_dict_round_trip"
+FLAT_PARAM_TEST = "test_generated_flat_param_round_trip"
+OPTIM_STATE_TEST = "test_generated_optim_state_reload"
+CHECKPOINT_TEST = "test_generated_checkpoint_reshard"
 
 
 @dataclass(frozen=True)
-class Deviation:
-    """A deviation a section file already pins for ``impl`` (its xfail entry): cases it applies to are
-    not drawn for that adapter."""
+class CaseFamily:
+    """A family of generated cases that an implementation's known deviation spoils: an expected-failures
+    entry ``<generated test id>  exclude=NAME  # why`` leaves it out of that adapter's drawn domain (and
+    of adapters derived from it, like every entry), so the generated test still checks every other case.
 
-    impl: str
-    capability: str
-    reason: str
-    applies: Callable[[Case], bool] = field(compare=False)
+    ``applies`` maps each generated test that draws the family (by function name) to the predicate that
+    picks the family's cases among that test's cases, or to None where the test's strategy simply draws
+    none of them when the family is excluded (a switch of the strategy, e.g. targets whose param groups
+    are never split)."""
+
+    name: str
+    description: str
+    applies: Mapping[str, Callable[[Case], bool] | None] = field(compare=False)
 
 
 def _either(case: Case, test: Callable[[Sharding], bool]) -> bool:
     return any(s is not None and test(s) for s in (case.save, case.load))
 
 
-KNOWN_DEVIATIONS: tuple[Deviation, ...] = (
-    Deviation(
-        "torch",
-        "optim_state",
-        "HYBRID_SHARD on a (2, 1) mesh: FSDP1 never all-reduces across replicas "
-        "(test_optim_state.py::test_parity_and_optim_state_dict[ws2-torch-HYBRID_SHARD-*])",
-        lambda c: _either(c, lambda s: s.strategy == "HYBRID_SHARD" and s.world_size > 1),
+_FAMILIES: tuple[CaseFamily, ...] = (
+    CaseFamily(
+        "split-groups",
+        "load targets whose optimizer splits a saved param group into several (targets are drawn with the saved groups reordered, never split)",
+        {STATE_DICT_TEST: None},
     ),
-    Deviation(
-        "torch",
-        "optim_state",
-        "a flat parameter's optim_state_dict shares one `step` tensor among its FQNs, stepped once per parameter "
-        "when loaded with use_orig_params=True (test_optim_state.py::test_load_into_other_strategy[*-torch-FULL_SHARD.flat-to-NO_SHARD.orig])",
-        lambda c: c.save is not None and c.load is not None and not c.save.use_orig_params and c.load.use_orig_params,
+    CaseFamily(
+        "reordered-groups",
+        "load targets whose optimizer lists the saved param groups in another order (targets keep the saved group order)",
+        {SHARDED_STATE_DICT_TEST: None, OPTIM_STATE_TEST: lambda c: _groups_reordered(c)},
     ),
-    *(
-        Deviation(
-            name,
-            "state_dict:regroup",
-            "set_optimizer_state_dict into an optimizer whose param groups split a saved group leaves one of the new "
-            "groups without its hyperparameters (no lr, momentum, ..., initial_lr: the next step raises KeyError) "
-            "(SD-11; test_state_dict.py::test_round_trip[*-nested-regrouped-*]): targets are drawn with the saved "
-            "groups reordered, never split",
-            lambda c: True,
-        )
-        for name in ("torch", "torch-fsdp2")
+    CaseFamily(
+        "compiled-three-names",
+        "a torch.compile'd model with a parameter registered under three names or more",
+        {STATE_DICT_TEST: lambda c: c.option("wrapper") == "compile" and _max_names(c.model) >= 3},
     ),
-    Deviation(
-        "torch",
-        "optim_state",
-        "NO_SHARD (also every strategy at world size 1, which FSDP1 clamps to NO_SHARD) with use_orig_params=True: "
-        "after a training step, a frozen parameter of a unit that has nested units is missing from state_dict() "
-        "(AssertionError 'FSDP assumes ... is in the state_dict') and load_state_dict() calls its key unexpected "
-        "(OS-11, OS-19; found by this test)",
-        lambda c: _either(c, lambda s: (s.strategy == "NO_SHARD" or s.world_size == 1) and s.use_orig_params and _frozen_above_unit(c.model, s)),
+    CaseFamily(
+        "three-names",
+        "a parameter registered under three names or more (for sharded state dicts: set as full state dicts)",
+        {
+            OPTIM_STATE_TEST: lambda c: _max_names(c.model) >= 3,
+            SHARDED_STATE_DICT_TEST: lambda c: _max_names(c.model) >= 3 and c.option("state dicts", "").startswith("full"),
+        },
     ),
-    Deviation(
-        "torch",
-        "optim_state",
-        "optim_state_dict_to_load pairs the saved param groups with the optimizer's by position: an optimizer "
-        "listing its groups in another order gets another group's hyperparameters (lr, momentum, initial_lr, ...), "
-        "or, groups of other sizes, Optimizer.load_state_dict raises 'a parameter group that doesn't match the size' "
-        "(OS-6, OS-12; test_optim_state.py::test_zoo_model[*-torch-groups-*]): targets keep the saved group order",
-        lambda c: _groups_reordered(c),
+    CaseFamily(
+        "hybrid-shard-replicas",
+        "HYBRID_SHARD at a world size above 1 (more than one replica) on the saving or the loading side",
+        {OPTIM_STATE_TEST: lambda c: _either(c, lambda s: s.strategy == "HYBRID_SHARD" and s.world_size > 1)},
     ),
-    Deviation(
-        "torch-fsdp2",
-        "optim_state",
-        "a sharded optimizer state dict loads into a model on another mesh (NO_SHARD's (ws, 1), HYBRID_SHARD's "
-        "(replicate, shard), FULL_SHARD's (ws,)) with its DTensors left on the saving mesh: the next step fails "
-        "('Cannot run aten.add_.Tensor on inputs with different meshes'; OS-6; found by this test)",
-        lambda c: c.option("optimizer state dict") != "full" and _fsdp2_mesh(c.save) != _fsdp2_mesh(c.load),
+    CaseFamily(
+        "flat-to-orig",
+        "saved with use_orig_params=False (flat parameters), loaded with use_orig_params=True",
+        {OPTIM_STATE_TEST: lambda c: c.save is not None and c.load is not None and not c.save.use_orig_params and c.load.use_orig_params},
     ),
-    *(
-        Deviation(
-            "torch-fsdp2",
-            capability,
-            "a parameter registered under three names or more: set_model_state_dict(full_state_dict=True) fails "
-            "copying into the third name ('aten.copy_.default got mixed torch.Tensor and DTensor' at world size 1, "
-            "'in-place operations that require placement changes are not supported' at 2; OS-10, OS-19, SD-13; "
-            "found by this test)",
-            (lambda c: _max_names(c.model) >= 3)
-            if capability == "optim_state"
-            else (lambda c: _max_names(c.model) >= 3 and c.option("state dicts", "").startswith("full")),
-        )
-        for capability in ("optim_state", "sharded_state_dict")
+    CaseFamily(
+        "no-shard-frozen-above-unit",
+        "NO_SHARD (or any strategy at world size 1) with use_orig_params=True, where a frozen parameter belongs to a unit that has nested units",
+        {
+            OPTIM_STATE_TEST: lambda c: _either(
+                c, lambda s: (s.strategy == "NO_SHARD" or s.world_size == 1) and s.use_orig_params and _frozen_above_unit(c.model, s)
+            )
+        },
     ),
-    *(
-        Deviation(
-            name,
-            "state_dict",
-            "on a torch.compile'd model, a parameter registered under three names or more: set_state_dict fails "
-            "(Missing key '_orig_mod.<second name>', Unexpected key '<second name>': the middle name is not "
-            "re-prefixed) (SD-1, SD-11; found by this test)",
-            lambda c: c.option("wrapper") == "compile" and _max_names(c.model) >= 3,
-        )
-        for name in ("torch", "torch-fsdp2")
+    CaseFamily(
+        "sharded-osd-other-mesh",
+        "a sharded optimizer state dict loaded into a model on another device mesh (the mesh the torch-fsdp2 adapter builds for each "
+        "strategy: NO_SHARD (ws, 1), HYBRID_SHARD (replicate, shard), FULL_SHARD (ws,))",
+        {OPTIM_STATE_TEST: lambda c: c.option("optimizer state dict") != "full" and _fsdp2_mesh(c.save) != _fsdp2_mesh(c.load)},
     ),
-    Deviation(
-        "fairscale",
-        "flat_param:root_only",
-        "load_state_dict unflattens only the wrapper it is called on: wrappers below it expect flat_param_0 keys "
-        "(test_flat_param.py::test_load_round_trips_with_unwrapped[fairscale-nested]); only the root is wrapped",
-        lambda c: True,
+    CaseFamily(
+        "nested-wrappers",
+        "FlattenParamsWrappers below the root (only the root module is wrapped)",
+        {FLAT_PARAM_TEST: None},
     ),
-    Deviation(
-        "fairscale",
-        "flat_param",
-        "state_dict() lists a tied parameter's second and later names after every other parameter of the "
-        "wrapper (and among themselves in reverse order), not where the unwrapped model has them (FP-12 key "
-        "order; found by this test): models with tied parameters are not drawn",
-        lambda c: _max_names(c.model) >= 2,
+    CaseFamily(
+        "tied-parameters",
+        "models with a parameter registered under two names or more",
+        {FLAT_PARAM_TEST: lambda c: _max_names(c.model) >= 2},
     ),
 )
+#: Every family of generated cases an ``exclude=`` entry may name, by name.
+CASE_FAMILIES: dict[str, CaseFamily] = {family.name: family for family in _FAMILIES}
+
+
+def families_of(test: str) -> tuple[str, ...]:
+    """The names of the families the generated test ``test`` draws (its ``case_families`` marker)."""
+    return tuple(name for name, family in CASE_FAMILIES.items() if test in family.applies)
+
+
+def excluded_families(names: Sequence[str], test: str) -> tuple[CaseFamily, ...]:
+    """The families ``names`` (the ``exclude=`` entries that apply to this run of ``test``), checked:
+    each is a family that ``test`` draws (the plugin checked the names against the test's marker)."""
+    unknown = [n for n in names if n not in CASE_FAMILIES or test not in CASE_FAMILIES[n].applies]
+    if unknown:
+        raise ValueError(f"{test} draws no case families {unknown}; it draws {list(families_of(test))}")
+    return tuple(CASE_FAMILIES[n] for n in names)
 
 
 def _groups_reordered(case: Case) -> bool:
@@ -646,14 +643,13 @@ def _max_names(spec: ModelSpec) -> int:
     return max(counts.values(), default=0)
 
 
-def deviations_for(impl_name: str, capability: str) -> tuple[Deviation, ...]:
-    return tuple(d for d in KNOWN_DEVIATIONS if d.impl == impl_name and d.capability == capability)
-
-
-def _without(cases: st.SearchStrategy[Case], deviations: Sequence[Deviation]) -> st.SearchStrategy[Case]:
-    if not deviations:
+def _without(cases: st.SearchStrategy[Case], test: str, excluded: Sequence[CaseFamily]) -> st.SearchStrategy[Case]:
+    """``cases`` without those of the ``excluded`` families that ``test`` picks by predicate (a family
+    handled by a switch of the strategy is not drawn at all)."""
+    predicates = [p for family in excluded if (p := family.applies.get(test)) is not None]
+    if not predicates:
         return cases
-    return cases.filter(lambda c: not any(d.applies(c) for d in deviations))
+    return cases.filter(lambda c: not any(p(c) for p in predicates))
 
 
 # -- strategies -------------------------------------------------------------------------------------------
@@ -824,10 +820,16 @@ def _plans(draw: Any, spec: ModelSpec, atoms: Sequence[Sequence[str]], target: s
     return source, OptimPlan(tuple(pieces[i][0] for i in perm), target_order, tuple(pieces[i][1] for i in perm))
 
 
-def round_trip_cases(regroup: bool = True, deviations: Sequence[Deviation] = ()) -> st.SearchStrategy[Case]:
+def _names(excluded: Sequence[CaseFamily]) -> set[str]:
+    return {family.name for family in excluded}
+
+
+def round_trip_cases(excluded: Sequence[CaseFamily] = ()) -> st.SearchStrategy[Case]:
     """SD-11 on a plain (or wrapped) model: get, set into another seed's model, continue. The target's
-    groups are the source's split further (``regroup``) or reordered, its parameters in another order."""
-    return _without(_round_trip_case(regroup), deviations)
+    groups are the source's split further (unless ``split-groups`` is excluded) or reordered, its
+    parameters in another order. Cases of the ``excluded`` families are not drawn."""
+    regroup = "split-groups" not in _names(excluded)
+    return _without(_round_trip_case(regroup), STATE_DICT_TEST, excluded)
 
 
 @st.composite
@@ -933,9 +935,10 @@ def _optim_state_case(draw: Any, world_sizes: Sequence[int], choices: Sequence[t
     )
 
 
-def optim_state_cases(world_sizes: Sequence[int], choices: Sequence[tuple[str, bool]], deviations: Sequence[Deviation] = ()) -> st.SearchStrategy[Case]:
-    """OS-6/OS-7: saved under one sharding (world size, strategy, use_orig_params, units), loaded under another."""
-    return _without(_optim_state_case(usable_world_sizes(world_sizes), choices), deviations)
+def optim_state_cases(world_sizes: Sequence[int], choices: Sequence[tuple[str, bool]], excluded: Sequence[CaseFamily] = ()) -> st.SearchStrategy[Case]:
+    """OS-6/OS-7: saved under one sharding (world size, strategy, use_orig_params, units), loaded under
+    another. Cases of the ``excluded`` families are not drawn."""
+    return _without(_optim_state_case(usable_world_sizes(world_sizes), choices), OPTIM_STATE_TEST, excluded)
 
 
 @st.composite
@@ -949,9 +952,10 @@ def _checkpoint_case(draw: Any, world_sizes: Sequence[int]) -> Case:
     return Case(spec, draw(st.sampled_from(OPTIMIZERS)), source, target, draw(st.integers(1, 3)), draw(st.integers(1, 2)), save, load)
 
 
-def checkpoint_cases(world_sizes: Sequence[int], deviations: Sequence[Deviation] = ()) -> st.SearchStrategy[Case]:
-    """ML-1/ML-8: the sharded model and optimizer state saved at one world size, loaded at another."""
-    return _without(_checkpoint_case(usable_world_sizes(world_sizes)), deviations)
+def checkpoint_cases(world_sizes: Sequence[int], excluded: Sequence[CaseFamily] = ()) -> st.SearchStrategy[Case]:
+    """ML-1/ML-8: the sharded model and optimizer state saved at one world size, loaded at another.
+    Cases of the ``excluded`` families are not drawn."""
+    return _without(_checkpoint_case(usable_world_sizes(world_sizes)), CHECKPOINT_TEST, excluded)
 
 
 # -- FlattenParamsWrapper plans ---------------------------------------------------------------------------------
@@ -1001,10 +1005,12 @@ def _flat_param_case(draw: Any, root_only: bool) -> Case:
     return Case(spec, draw(st.sampled_from(OPTIMIZERS)), source, target, draw(st.integers(1, 3)), draw(st.integers(1, 2)), options=options)
 
 
-def flat_param_cases(root_only: bool = False, deviations: Sequence[Deviation] = ()) -> st.SearchStrategy[Case]:
-    """FP-8/FP-13: wrappers at drawn modules (nested, or only at the root), each flattening its
-    parameters in a drawn order."""
-    return _without(_flat_param_case(root_only), deviations)
+def flat_param_cases(excluded: Sequence[CaseFamily] = ()) -> st.SearchStrategy[Case]:
+    """FP-8/FP-13: wrappers at drawn modules (nested, or only at the root when ``nested-wrappers`` is
+    excluded), each flattening its parameters in a drawn order. Cases of the ``excluded`` families are
+    not drawn."""
+    root_only = "nested-wrappers" in _names(excluded)
+    return _without(_flat_param_case(root_only), FLAT_PARAM_TEST, excluded)
 
 
 # -- comparisons ---------------------------------------------------------------------------------------------
@@ -1584,10 +1590,13 @@ def _sharded_state_dict_case(draw: Any, world_sizes: Sequence[int], reorder_grou
 SD_STRATEGIES: tuple[str, ...] = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 
 
-def sharded_state_dict_cases(world_sizes: Sequence[int], reorder_groups: bool = True, deviations: Sequence[Deviation] = ()) -> st.SearchStrategy[Case]:
+def sharded_state_dict_cases(world_sizes: Sequence[int], excluded: Sequence[CaseFamily] = ()) -> st.SearchStrategy[Case]:
     """SD-12/SD-13: get from a sharded model, set into another seed's sharded model (another strategy
-    when the state dicts are full), at one world size. Groups split at unit granularity (flat parameters)."""
-    return _without(_sharded_state_dict_case(usable_world_sizes(world_sizes), reorder_groups), deviations)
+    when the state dicts are full), at one world size. Groups split at unit granularity (flat parameters),
+    reordered in the target unless ``reordered-groups`` is excluded. Cases of the ``excluded`` families
+    are not drawn."""
+    reorder_groups = "reordered-groups" not in _names(excluded)
+    return _without(_sharded_state_dict_case(usable_world_sizes(world_sizes), reorder_groups), SHARDED_STATE_DICT_TEST, excluded)
 
 
 def sd_named_params(spec: ModelSpec, units: Sequence[str], model: nn.Module) -> list[tuple[tuple[str, ...], nn.Parameter]]:

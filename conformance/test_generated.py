@@ -26,10 +26,17 @@ from hypothesis import strategies as st
 from conformance import generated as gen
 from conformance.adapters.sharding import ShardingPlan
 
-# The pools fixture is function-scoped, which hypothesis warns about because it is not reset between
-# examples. It holds no per-example state (a handle on the session's rank pools; each pools.run gets a
-# fresh tmp_dir), so reusing it across examples is exactly what is wanted.
-POOL_SETTINGS = dict(suppress_health_check=[HealthCheck.function_scoped_fixture])
+# The pools and excluded_cases fixtures are function-scoped, which hypothesis warns about because they
+# are not reset between examples. They hold no per-example state (a handle on the session's rank pools,
+# each pools.run with a fresh tmp_dir; the test's exclusions, a tuple), so reusing them across examples
+# is exactly what is wanted.
+FIXTURE_SETTINGS = dict(suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _excluded(excluded_cases: Any, test: str) -> tuple[gen.CaseFamily, ...]:
+    """The case families the expected-failures entries that apply to this test (``exclude=NAME``, the
+    adapter's and those it inherits) leave out of its domain."""
+    return gen.excluded_families([entry.exclude for entry in excluded_cases], test)
 
 
 def _world_sizes(config: pytest.Config) -> list[int]:
@@ -63,53 +70,54 @@ def _accept(values: list[Any]) -> list[Any]:
 
 
 @pytest.mark.req("SD-11", "SD-1", "SD-2")
-@settings(max_examples=gen.budget("state_dict"))
+@pytest.mark.case_families(*gen.families_of(gen.STATE_DICT_TEST))
+@settings(max_examples=gen.budget("state_dict"), **FIXTURE_SETTINGS)
 @given(data=st.data())
-def test_generated_state_dict_round_trip(impl: Any, data: st.DataObject) -> None:
+def test_generated_state_dict_round_trip(impl: Any, excluded_cases: Any, data: st.DataObject) -> None:
     """get_state_dict of a drawn model (plain, activation-checkpointed or compiled; optimizer state
     nested or flattened) equals the unwrapped model's; set into a model of another seed, with the
     param groups split further, reordered, perturbed and holding state of their own, gives back the
     saved state bitwise, and training on matches the run that never stopped bitwise."""
     ops = impl.require("state_dict")
-    regroup = not gen.deviations_for(impl.name, "state_dict:regroup")
-    case = data.draw(gen.round_trip_cases(regroup, gen.deviations_for(impl.name, "state_dict")), label="case")
+    case = data.draw(gen.round_trip_cases(_excluded(excluded_cases, gen.STATE_DICT_TEST)), label="case")
     _checked(gen.state_dict_round_trip, ops, case)
 
 
 @pytest.mark.req("SD-12", "SD-13", "SD-11")
-@settings(max_examples=gen.budget("sharded_state_dict"), **POOL_SETTINGS)
+@pytest.mark.case_families(*gen.families_of(gen.SHARDED_STATE_DICT_TEST))
+@settings(max_examples=gen.budget("sharded_state_dict"), **FIXTURE_SETTINGS)
 @given(data=st.data())
-def test_generated_sharded_state_dict_round_trip(impl: Any, pools: Any, pytestconfig: pytest.Config, data: st.DataObject) -> None:
+def test_generated_sharded_state_dict_round_trip(impl: Any, pools: Any, pytestconfig: pytest.Config, excluded_cases: Any, data: st.DataObject) -> None:
     """A drawn model sharded by the adapter (drawn strategy, at a drawn world size) trains like the
     unwrapped model; get_state_dict (full or DTensors) equals it; set into another seed's sharded model
     (another strategy for full state dicts; optimizer reordered, perturbed, with state of its own) gives
     the saved values back bitwise, and training on matches the unwrapped run."""
     impl.require("state_dict")
     sizes = _world_sizes(pytestconfig)
-    reorder = not gen.deviations_for(impl.name, "sharded_state_dict:groups_reordered")
-    case = data.draw(gen.sharded_state_dict_cases(sizes, reorder, gen.deviations_for(impl.name, "sharded_state_dict")), label="case")
+    case = data.draw(gen.sharded_state_dict_cases(sizes, _excluded(excluded_cases, gen.SHARDED_STATE_DICT_TEST)), label="case")
     assert case.save is not None
     _accept(_checked(pools.run, case.save.world_size, gen.sharded_state_dict_round_trip, impl, case))
 
 
 @pytest.mark.req("FP-8", "FP-13", "FP-6", "FP-9", "FP-12")
-@settings(max_examples=gen.budget("flat_param"))
+@pytest.mark.case_families(*gen.families_of(gen.FLAT_PARAM_TEST))
+@settings(max_examples=gen.budget("flat_param"), **FIXTURE_SETTINGS)
 @given(data=st.data())
-def test_generated_flat_param_round_trip(impl: Any, data: st.DataObject) -> None:
+def test_generated_flat_param_round_trip(impl: Any, excluded_cases: Any, data: st.DataObject) -> None:
     """FlattenParamsWrappers at drawn modules (nested; only the root where the adapter cannot), each flattening its
     parameters from a drawn ``param_list`` order: training equals the unwrapped model bitwise (model
     and optimizer state cut per parameter); the state dict and optimizer state load into a model of
     another seed wrapped from another order, and training on matches the run that never stopped."""
     ops = impl.require("flat_param")
-    root_only = bool(gen.deviations_for(impl.name, "flat_param:root_only"))
-    case = data.draw(gen.flat_param_cases(root_only, gen.deviations_for(impl.name, "flat_param")), label="case")
+    case = data.draw(gen.flat_param_cases(_excluded(excluded_cases, gen.FLAT_PARAM_TEST)), label="case")
     _checked(gen.flat_param_round_trip, ops, case)
 
 
 @pytest.mark.req("OS-6", "OS-7", "OS-1", "OS-3", "OS-10", "OS-11", "OS-12")
-@settings(max_examples=gen.budget("optim_state"), **POOL_SETTINGS)
+@pytest.mark.case_families(*gen.families_of(gen.OPTIM_STATE_TEST))
+@settings(max_examples=gen.budget("optim_state"), **FIXTURE_SETTINGS)
 @given(data=st.data())
-def test_generated_optim_state_reload(impl: Any, pools: Any, pytestconfig: pytest.Config, data: st.DataObject) -> None:
+def test_generated_optim_state_reload(impl: Any, pools: Any, pytestconfig: pytest.Config, excluded_cases: Any, data: st.DataObject) -> None:
     """A drawn model sharded with a drawn strategy, use_orig_params and units at one world size trains
     like the unwrapped model on the whole batch; its full (or, at one world size, sharded) optimizer
     state dict and full model state dict load into another seed's model sharded another way, maybe at
@@ -119,7 +127,7 @@ def test_generated_optim_state_reload(impl: Any, pools: Any, pytestconfig: pytes
     sizes = _world_sizes(pytestconfig)
     sharding = impl.require("sharding")
     choices = [(s, o) for s in gen.STRATEGIES for o in (False, True) if sharding.unsupported(ShardingPlan(s, o)) is None]
-    case = data.draw(gen.optim_state_cases(sizes, choices, gen.deviations_for(impl.name, "optim_state")), label="case")
+    case = data.draw(gen.optim_state_cases(sizes, choices, _excluded(excluded_cases, gen.OPTIM_STATE_TEST)), label="case")
     _run_optim_state(impl, pools, case, _accept)
 
 
@@ -134,16 +142,17 @@ def _run_optim_state(impl: Any, pools: Any, case: gen.Case, accept: Callable[[li
 
 
 @pytest.mark.req("ML-1", "ML-8")
-@settings(max_examples=gen.budget("checkpoint"), **POOL_SETTINGS)
+@pytest.mark.case_families(*gen.families_of(gen.CHECKPOINT_TEST))
+@settings(max_examples=gen.budget("checkpoint"), **FIXTURE_SETTINGS)
 @given(data=st.data())
-def test_generated_checkpoint_reshard(impl: Any, pools: Any, pytestconfig: pytest.Config, data: st.DataObject) -> None:
+def test_generated_checkpoint_reshard(impl: Any, pools: Any, pytestconfig: pytest.Config, excluded_cases: Any, data: st.DataObject) -> None:
     """The sharded model and optimizer state of a drawn model, trained next to the unwrapped one, saved
     at a drawn world size and loaded at another into another seed's model (optimizer reordered and
     perturbed, with state of its own): every value equals the saved one bitwise, and training on
     matches the unwrapped run that never stopped."""
     impl.require("checkpoint")
     sizes = _world_sizes(pytestconfig)
-    case = data.draw(gen.checkpoint_cases(sizes, gen.deviations_for(impl.name, "checkpoint")), label="case")
+    case = data.draw(gen.checkpoint_cases(sizes, _excluded(excluded_cases, gen.CHECKPOINT_TEST)), label="case")
     _run_checkpoint(impl, pools, case)
 
 
@@ -160,10 +169,12 @@ def _run_checkpoint(impl: Any, pools: Any, case: gen.Case) -> None:
 
 # -- witnesses of the deviations the generated tests found ----------------------------------------------------
 #
-# A deviation found by a generated test is left out of that adapter's generated domain (generated.py,
-# KNOWN_DEVIATIONS), so that its generated test goes on checking everything else. Each one that no
-# section test pins is pinned here by its shrunk example, run for every adapter: the reference passes
-# it, the deviating adapter xfails it (conformance/xfails/<adapter>.txt), and a fix upstream shows as XPASS.
+# A deviation found by a generated test is left out of that adapter's generated domain (an exclude=
+# entry of its expected-failures file naming a family of generated.CASE_FAMILIES), so that its generated
+# test goes on checking everything else. Each one that no section test pins is pinned here by its shrunk
+# example, run for every adapter: the reference passes it, the deviating adapter xfails it
+# (conformance/xfails/<adapter>.txt), and a fix upstream fails the run as "no longer deviates" until its
+# entries are removed.
 
 G = gen
 

@@ -284,14 +284,20 @@ class _FakeRanks:
         return [obj, *self.others]
 
 
+@pytest.mark.req("ML-10")
 def test_error_agreement_across_ranks() -> None:
+    """Ranks that raised differently, or some not at all, "did not raise the same error"; when no rank
+    raised (at world size 1: the one rank) the message says that no error was raised."""
     err = ValueError("bad 'k'")
     same = ("builtins.ValueError", "bad 'k'")
     assert_same_error_on_every_rank(_FakeRanks(0, [same, same]), err)
-    _fails(lambda: assert_same_error_on_every_rank(_FakeRanks(0, [None]), err), "rank 1: returned normally")
+    assert_same_error_on_every_rank(_FakeRanks(0, []), err)
+    _fails(lambda: assert_same_error_on_every_rank(_FakeRanks(0, [None]), err), "ranks did not raise the same error", "rank 1: returned normally")
     _fails(lambda: assert_same_error_on_every_rank(_FakeRanks(0, [("builtins.RuntimeError", "bad 'k'")]), err), "rank 1: builtins.RuntimeError")
     _fails(lambda: assert_same_error_on_every_rank(_FakeRanks(0, [("builtins.ValueError", "bad 'j'")]), err), "bad 'j'")
-    _fails(lambda: assert_same_error_on_every_rank(_FakeRanks(0, [None]), None), "ranks did not raise")
+    none_of_two = _fails(lambda: assert_same_error_on_every_rank(_FakeRanks(0, [None]), None, what="strict load"), "strict load: no error raised on any rank")
+    alone = _fails(lambda: assert_same_error_on_every_rank(_FakeRanks(0, []), None, what="strict load"), "strict load: no error raised\n")
+    assert "did not raise the same" not in none_of_two + alone, none_of_two + alone
 
 
 # -- value domains -----------------------------------------------------------------------------------

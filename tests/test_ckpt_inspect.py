@@ -1,4 +1,4 @@
-"""The checkpoint inspector (``python -m tools.ckpt_inspect``): ML-16 (what it lists), ML-17 (it runs no code)."""
+"""The checkpoint inspector (``statedict-ckpt-inspect``, ``python -m tools.ckpt_inspect`` in a checkout): ML-16 (what it lists), ML-17 (it runs no code)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from conformance.cli import ckpt_inspect as inspector
 from reference import checkpoint
 from reference.checkpoint.metadata_io import StorageInfo
-from tools import ckpt_inspect as inspector
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

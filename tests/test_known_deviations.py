@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_suite
+from tests.conftest import REPO_ROOT, run_suite
 
 #: A base adapter (like the shipped torch one) and a fork derived from it, in a package of their own,
 #: each with its known deviations next to its module.
@@ -120,16 +120,18 @@ def test_missing_xfails_file_is_a_usage_error_naming_it(suite: pytest.Pytester, 
 
 
 @pytest.mark.req("HX-17")
-def test_a_derived_adapter_inherits_overrides_and_removes_entries(suite: pytest.Pytester) -> None:
+@pytest.mark.parametrize("written_with", ["myfork", "basestack"])
+def test_a_derived_adapter_inherits_overrides_and_removes_entries(suite: pytest.Pytester, written_with: str) -> None:
     """``MyFork(BaseStack)`` gets the base's entries (written with ``[basestack]``) for its own test
     ids (``[myfork]``); its own file overrides one (its reason shows) and removes one (``!``: that test
-    must pass, and fails if it does not); an adapter without a file of its own inherits all. No entry
-    is reported stale."""
+    must pass, and fails if it does not), written with its own name or, copied from the base's file,
+    with the base's; an adapter without a file of its own inherits all (and fails where an inherited
+    deviation passes: strict). No entry is reported stale."""
     _package(
         suite,
         BASE_ENTRIES,
-        "!test_stack.py::test_fixed_in_the_fork  # fixed in the fork\n"
-        "test_stack.py::test_other_reason[myfork]  # the fork's own reason\n",
+        f"!test_stack.py::test_fixed_in_the_fork[{written_with}]  # fixed in the fork\n"
+        f"test_stack.py::test_other_reason[{written_with}]  # the fork's own reason\n",
     )
     result = run_suite(
         suite, "--impl", "mystack.base:BaseStack,mystack.fork:MyFork,mystack.fork:Plain", "-rx", "-W", "error::UserWarning"
@@ -139,7 +141,7 @@ def test_a_derived_adapter_inherits_overrides_and_removes_entries(suite: pytest.
         **{f"test_stack.py::test_{name}[{impl}]": "XFAIL" for name in ("wrong_keys", "other_reason")
            for impl in ("basestack", "plainfork")},
         "test_stack.py::test_fixed_in_the_fork[basestack]": "XFAIL",
-        "test_stack.py::test_fixed_in_the_fork[plainfork]": "XPASS",  # inherited, and it passes there
+        "test_stack.py::test_fixed_in_the_fork[plainfork]": "FAILED",  # inherited, and it passes there: strict
         "test_stack.py::test_wrong_keys[myfork]": "XFAIL",
         "test_stack.py::test_fixed_in_the_fork[myfork]": "PASSED",
         "test_stack.py::test_other_reason[myfork]": "XFAIL",
@@ -147,6 +149,96 @@ def test_a_derived_adapter_inherits_overrides_and_removes_entries(suite: pytest.
     }, out
     assert "the fork's own reason" in out and "fork_deviations.txt:2" in out, out
     assert "StaleXfailWarning" not in out, out
+
+
+@pytest.mark.req("HX-17")
+def test_an_xfails_line_written_with_the_base_name_is_warned_about(suite: pytest.Pytester) -> None:
+    """A ``--xfails`` file applies to every test as written: a line with the base's name in the test id
+    matches nothing of the fork, and the warning says so, names the line, and what to write instead."""
+    _package(suite, BASE_ENTRIES, "")
+    xfails = suite.path / "ci.txt"
+    xfails.write_text("# mine\n!test_stack.py::test_fixed_in_the_fork[basestack]  # fixed in the fork\n")
+    result = run_suite(suite, "--impl", "mystack.fork:MyFork", "--xfails", str(xfails), "-W", "default")
+    out = result.stdout.str()
+    assert _outcomes(result)["test_stack.py::test_fixed_in_the_fork[myfork]"] == "FAILED", out
+    assert f"expected-failures entry 'test_stack.py::test_fixed_in_the_fork[basestack]' ({xfails}:2) matches no collected test" in out, out
+    assert "it is written with the name 'basestack', but these tests run against 'myfork'" in out, out
+    assert "mystack.fork.MyFork (its xfails_file)" in out, out
+
+
+STRICT_TESTS = '''
+def test_passes(impl):
+    pass
+
+
+def test_still_fails(impl):
+    assert False, "keys differ"
+
+
+def test_race(impl):
+    pass
+
+
+def test_known_hang(dist, impl):
+    pass
+'''
+
+
+@pytest.mark.req("HX-22")
+def test_a_known_deviation_that_passes_fails_the_run(suite: pytest.Pytester) -> None:
+    """An entry whose test passes fails the run, naming the entry (file:line, line) and what to do: for
+    the adapter's own or a ``--xfails`` entry, remove it; for an inherited one, the ``!`` line to add to
+    the derived adapter's own file (named). ``flaky`` lets it pass (XPASS, run green); a ``hangs``
+    entry run with --run-known-hangs is strict too. The JSON result records the XPASS as strict or not."""
+    package = suite.path / "mystack"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "base.py").write_text(BASE_ADAPTER)
+    (package / "fork.py").write_text(FORK_ADAPTER)
+    (package / "base_deviations.txt").write_text(
+        "test_strict.py::test_passes  raises=Failed  # the base fails here\n"
+        "test_strict.py::test_still_fails  raises=AssertionError  # still fails\n"
+        "test_strict.py::test_race  flaky raises=Failed  # a race: passes in some runs\n"
+        "test_strict.py::test_known_hang  hangs  # waits forever\n"
+    )
+    (package / "fork_deviations.txt").write_text("# the fork's own\n")
+    suite.makepyfile(test_strict=STRICT_TESTS)
+    report = suite.path / "out.json"
+    result = run_suite(suite, "--impl", "mystack.base:BaseStack,mystack.fork:MyFork", "--world-size", "1", "--report-json", str(report))
+    out = result.stdout.str()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, out
+    base_file = package / "base_deviations.txt"
+    outcomes = _outcomes(result)
+    for impl in ("basestack", "myfork"):
+        assert outcomes[f"test_strict.py::test_passes[{impl}]"] == "FAILED", out
+        assert outcomes[f"test_strict.py::test_still_fails[{impl}]"] == "XFAIL", out
+        assert outcomes[f"test_strict.py::test_race[{impl}]"] == "XPASS", out
+        assert outcomes[f"test_strict.py::test_known_hang[ws1-{impl}]"] == "XFAIL", out
+    assert (
+        f"known deviation no longer deviates: test_strict.py::test_passes[basestack] passed, but {base_file}:1 expects it to fail:\n"
+        f"    test_strict.py::test_passes raises=Failed  # the base fails here\n"
+        f"If this is a fix, remove that entry from {base_file}"
+    ) in out, out
+    assert "cancel the entry with the line `!test_strict.py::test_passes[basestack]` in a file given with --xfails" in out, out
+    assert (
+        f"known deviation no longer deviates: test_strict.py::test_passes[myfork] passed, but {base_file}:1 expects it to fail:" in out
+        and f"The entry is inherited from the 'basestack' adapter: if 'myfork' fixed it, cancel it in its own expected-failures file, "
+        f"{package / 'fork_deviations.txt'} with the line\n    !test_strict.py::test_passes[myfork]  # fixed in myfork" in out
+    ), out
+    data = json.loads(report.read_text())["tests"]
+    passed = data["test_strict.py::test_passes[myfork]"]
+    assert (passed["outcome"], passed["strict"], passed["entry"]["source"]) == ("xpassed", True, f"{base_file}:1"), passed
+    assert passed["reason"].startswith("known deviation no longer deviates: test_strict.py::test_passes[myfork] passed"), passed
+    race = data["test_strict.py::test_race[myfork]"]
+    assert (race["outcome"], race["strict"]) == ("xpassed", False), race
+
+    hangs = run_suite(suite, "--impl", "mystack.base:BaseStack", "--world-size", "1", "--run-known-hangs", "-k", "known_hang")
+    assert _outcomes(hangs) == {"test_strict.py::test_known_hang[ws1-basestack]": "FAILED"}, hangs.stdout.str()
+    assert f"but {base_file}:4 expects it to fail" in hangs.stdout.str(), hangs.stdout.str()
+
+    # Only flaky and still-failing entries: the run is green.
+    green = run_suite(suite, "--impl", "mystack.base:BaseStack", "--world-size", "1", "-k", "race or still_fails")
+    assert green.ret == pytest.ExitCode.OK, green.stdout.str()
 
 
 PINNED_TESTS = '''
@@ -193,7 +285,7 @@ PINS = (
 def test_a_pinned_deviation_that_fails_differently_is_a_failure(suite: pytest.Pytester) -> None:
     """An entry pins the exception type (a base class counts), a regex on the message and the failing
     ranks; a test that fails as pinned is an expected failure, one that fails otherwise is a failure
-    saying what was expected and what happened, per rank; one that passes is an XPASS as before."""
+    saying what was expected and what happened, per rank; one that passes fails too (HX-22)."""
     suite.makepyfile(test_pins=PINNED_TESTS)
     xfails = suite.path / "pins.txt"
     xfails.write_text(PINS)
@@ -205,7 +297,7 @@ def test_a_pinned_deviation_that_fails_differently_is_a_failure(suite: pytest.Py
         "test_pins.py::test_message_changed[reference]": "FAILED",
         "test_pins.py::test_one_rank_fails[ws2-reference]": "XFAIL",
         "test_pins.py::test_other_rank_fails[ws2-reference]": "FAILED",
-        "test_pins.py::test_passes_now[reference]": "XPASS",
+        "test_pins.py::test_passes_now[reference]": "FAILED",  # strict: a known deviation that passes fails the run
     }, out
     assert f"known deviation failed differently ({xfails}:2: pinned to ValueError): expected ValueError, got controller: TypeError: Missing key(s)" in out, out
     assert "expected a message matching 'Missing key\\\\(s\\\\)', got controller: ValueError: size mismatch for net.0.weight" in out, out
@@ -319,7 +411,7 @@ def test_report_json_records_each_failed_rank(suite: pytest.Pytester) -> None:
     ]
     assert data["known_deviations"] == [
         {"source": f"{xfails}:1", "pattern": "test_ranks.py::test_known", "impl": None, "reason": "known",
-         "pin": "raises=ValueError ranks=all", "when": "", "active": True}
+         "pin": "raises=ValueError ranks=all", "flags": [], "exclude": None, "when": "", "active": True}
     ]
 
 
@@ -354,3 +446,111 @@ def test_a_deviation_in_one_property_does_not_hide_another(suite: pytest.Pyteste
         "test_props.py::test_names_no_key_and_changes_the_model[reference]": "FAILED",
     }, out
     assert "expected a message matching '^\\\\[raises\\\\] error names no key', got controller: Failed: [unchanged] model changed" in out, out
+
+
+EXCLUSION_TESTS = '''
+import json
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.case_families("hybrid", "split", "ties")
+def test_drawn(impl, excluded_cases):
+    Path(f"excluded-{impl.name}.json").write_text(json.dumps(sorted((e.exclude, Path(e.source).name) for e in excluded_cases)))
+
+
+def test_plain(impl):
+    pass
+'''
+
+OTHER_ADAPTER = '''
+from mystack.base import BaseStack
+
+
+class Cleared(BaseStack):
+    name = "cleared"
+    xfails_file = "cleared.txt"
+'''
+
+
+def _exclusion_package(suite: pytest.Pytester, base_entries: str) -> None:
+    _package(suite, base_entries, "!test_excl.py::test_drawn[basestack]  exclude=hybrid  # the fork fixed it (a line copied from the base)\n")
+    (suite.path / "mystack" / "other.py").write_text(OTHER_ADAPTER)
+    (suite.path / "mystack" / "cleared.txt").write_text("!test_excl.py::test_drawn[cleared]  # every inherited entry\n")
+    suite.makepyfile(test_excl=EXCLUSION_TESTS)
+
+
+@pytest.mark.req("HX-24")
+def test_exclusions_of_generated_cases_are_inherited_and_cancelled(suite: pytest.Pytester) -> None:
+    """Every ``exclude=`` entry that matches a test reaches it through ``excluded_cases`` (not only the
+    first), with its source; a derived adapter inherits them (``plainfork``), cancels one with
+    ``!pattern exclude=NAME`` (``myfork``) or all with ``!pattern`` (``cleared``); an expected-failure
+    entry of the same test is independent of them."""
+    _exclusion_package(
+        suite,
+        "test_excl.py::test_drawn[basestack]  exclude=hybrid  # h\n"
+        "test_excl.py::test_drawn  exclude=split  # any adapter's: a prefix\n"
+        "test_excl.py::test_drawn[basestack]  exclude=ties  # t\n"
+        "test_excl.py::test_drawn[basestack]  raises=AssertionError  # an expected failure beside them\n",
+    )
+    impls = "mystack.base:BaseStack,mystack.fork:MyFork,mystack.fork:Plain,mystack.other:Cleared"
+    result = run_suite(suite, "--impl", impls, "-W", "error::UserWarning", "test_excl.py")
+    out = result.stdout.str()
+    seen = {name: json.loads((suite.path / f"excluded-{name}.json").read_text()) for name in ("basestack", "myfork", "plainfork", "cleared")}
+    every = [["hybrid", "base_deviations.txt:1"], ["split", "base_deviations.txt:2"], ["ties", "base_deviations.txt:3"]]
+    assert seen == {"basestack": every, "plainfork": every, "myfork": every[1:], "cleared": []}, (seen, out)
+    # The expected failure applies beside the exclusions (strict: the test passes, so it fails), is not
+    # cancelled by a removal of one exclusion (myfork), and is by a plain removal (cleared).
+    assert {k: v for k, v in _outcomes(result).items() if "test_drawn" in k} == {
+        "test_excl.py::test_drawn[basestack]": "FAILED", "test_excl.py::test_drawn[myfork]": "FAILED",
+        "test_excl.py::test_drawn[plainfork]": "FAILED", "test_excl.py::test_drawn[cleared]": "PASSED",
+    }, out
+    assert "StaleXfailWarning" not in out, out
+
+
+@pytest.mark.req("HX-24")
+@pytest.mark.parametrize(
+    ("line", "error"),
+    [
+        ("test_excl.py::test_drawn  exclude=nope  # x", "base_deviations.txt:1: exclude=nope: test_excl.py::test_drawn[basestack] draws no family "
+         "of that name (it draws: hybrid, split, ties)"),
+        ("test_excl.py::test_plain  exclude=split  # x", "base_deviations.txt:1: exclude=split matches test_excl.py::test_plain[basestack], "
+         "which draws no generated cases"),
+        ("test_excl.py::test_drawn  exclude=split raises=Failed  # x", "base_deviations.txt:1: an exclusion (exclude=split) takes no flags or pins"),
+        ("test_excl.py::test_drawn  exclude=Not_A_Name  # x", "base_deviations.txt:1: exclude='Not_A_Name': expected the name of a family"),
+    ],
+)
+def test_a_wrong_exclusion_is_a_usage_error_naming_the_line(suite: pytest.Pytester, line: str, error: str) -> None:
+    _exclusion_package(suite, line + "\n")
+    result = run_suite(suite, "--impl", "mystack.base:BaseStack")
+    out = result.stdout.str() + result.stderr.str()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, out
+    assert error in out and "INTERNALERROR" not in out, out
+
+
+TORCH_FORK = '''
+from conformance.adapters.impls import TorchAdapter
+
+
+class TorchFork(TorchAdapter):
+    """A fork identical to torch, with no expected-failures file of its own."""
+
+    name = "torchfork"
+'''
+
+
+@pytest.mark.req("HX-24")
+def test_a_fork_identical_to_torch_passes_the_generated_tests_torch_passes(suite: pytest.Pytester) -> None:
+    """The generated tests leave torch's known deviations out of the domain of a fork derived from the
+    torch adapter too (torch's exclude= entries, inherited): a fork identical to torch passes them as
+    torch does (the families cover cases both would fail at world size 1)."""
+    (suite.path / "torchfork.py").write_text(TORCH_FORK)
+    result = run_suite(
+        suite, str(REPO_ROOT / "conformance" / "test_generated.py"), "--rootdir", str(suite.path), "--impl", "torchfork:TorchFork", "--world-size", "1",
+        "-k", "test_generated_state_dict_round_trip or test_generated_optim_state_reload", timeout=600,
+    )
+    assert _outcomes(result) == {
+        "conformance/test_generated.py::test_generated_state_dict_round_trip[torchfork]": "PASSED",
+        "conformance/test_generated.py::test_generated_optim_state_reload[torchfork]": "PASSED",
+    }, result.stdout.str()

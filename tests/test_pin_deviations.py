@@ -1,4 +1,4 @@
-"""Self-tests of tools/pin_deviations.py: the pins it proposes hold for the failures they come from."""
+"""Self-tests of conformance/cli/pin_deviations.py: the pins it proposes hold for the failures they come from."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from conformance.cli.pin_deviations import common_text, main, propose
 from conformance.harness.failures import Failure
 from conformance.harness.xfails import parse_xfails
-from tools.pin_deviations import common_text, main, propose
 
 
 @pytest.mark.req("HX-18")
@@ -55,7 +55,7 @@ def test_write_puts_pins_between_pattern_and_reason(tmp_path: Path, capsys: pyte
     results = tmp_path / "r.json"
     results.write_text(json.dumps({"tests": {
         "t.py::a[torch]": {**_test((None, "Failed", "keys differ: missing 'net.0.weight'")), "reason": f"keys differ [{xfails}:2]"},
-    }}))
+    }, "known_deviations": [{"source": f"{xfails}:{n}", "pattern": p} for n, p in ((2, "t.py::a"), (3, "t.py::b"), (4, "t.py::c"))]}))
     assert main([str(results), str(xfails), "--write"]) == 0
     lines = xfails.read_text().splitlines()
     assert lines[1] == "t.py::a  raises=Failed match=\"keys differ: missing 'net\\.0\\.weight'\"  # keys differ"
@@ -64,3 +64,72 @@ def test_write_puts_pins_between_pattern_and_reason(tmp_path: Path, capsys: pyte
     assert a.pin.match == "keys differ: missing 'net\\.0\\.weight'" and a.reason == "keys differ"
     out = capsys.readouterr().out
     assert f"{xfails}:3: left as it is: flagged hangs (not run: --run-known-hangs runs it)" in out and f"{xfails}:4: no pin: it marked no test" in out
+
+
+def _run_of(read: Path, entries: dict[int, str], marked: dict[str, int]) -> dict:
+    """A --report-json result of a run that read ``read``: its entries (line -> pattern) and, for each
+    test id, the line of the entry that marked it (recorded as the run does: the entry's source)."""
+    return {
+        "known_deviations": [{"source": f"{read}:{n}", "pattern": p, "impl": "torch"} for n, p in entries.items()],
+        "tests": {
+            test_id: {**_test((None, "Failed", f"keys differ: missing 'w' in {test_id}")), "reason": f"keys differ [{read}:{line}]",
+                      "entry": {"source": f"{read}:{line}", "pattern": entries[line], "impl": "torch", "reason": "keys differ"}}
+            for test_id, line in marked.items()
+        },
+    }
+
+
+@pytest.mark.req("HX-26")
+def test_a_copy_of_the_file_the_run_read_is_matched_by_content(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The run read ``site/torch.txt``; the file given is a copy elsewhere, with a line added above (so
+    its line numbers differ too): its entries are found by pattern, and pinned from the tests they marked."""
+    read = tmp_path / "site" / "torch.txt"
+    read.parent.mkdir()
+    read.write_text("t.py::a  # keys differ\nt.py::b  # keys differ\n")
+    copy = tmp_path / "fork" / "torch.txt"
+    copy.parent.mkdir()
+    copy.write_text("# my copy\nt.py::a  # keys differ\nt.py::b  # keys differ\nt.py::new  # mine only\n")
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps(_run_of(read, {1: "t.py::a", 2: "t.py::b"}, {"t.py::a[torch]": 1, "t.py::b[x-torch]": 2})))
+    assert main([str(results), str(copy), "--write"]) == 0
+    out = capsys.readouterr().out
+    lines = copy.read_text().splitlines()
+    assert lines[1].startswith("t.py::a  raises=Failed match=") and lines[1].endswith("# keys differ"), (lines, out)
+    assert lines[2].startswith("t.py::b  raises=Failed match=") and lines[2].endswith("# keys differ"), (lines, out)
+    assert lines[3] == "t.py::new  # mine only" and f"{copy}:4: no pin: not an entry of this run" in out, out
+    assert read.read_text() == "t.py::a  # keys differ\nt.py::b  # keys differ\n"  # the file the run read is left alone
+
+
+@pytest.mark.req("HX-26")
+def test_a_file_the_run_did_not_read_is_an_error_naming_what_it_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    read = tmp_path / "torch.txt"
+    read.write_text("t.py::a  # keys differ\n")
+    other = tmp_path / "other.txt"
+    other.write_text("t.py::zzz  # not in the run\n")
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps(_run_of(read, {1: "t.py::a"}, {"t.py::a[torch]": 1})))
+    assert main([str(results), str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"none of the entries of {other} is an entry of the run {results}" in err and f"the run read: {read}" in err, err
+
+
+@pytest.mark.req("HX-26")
+def test_a_pattern_two_files_of_the_run_hold_is_matched_by_line_or_called_ambiguous(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The run read the base file and the fork's own file, both with ``t.py::a``: a copy is matched to
+    the one at its own line, and called ambiguous when the line tells nothing."""
+    base, fork = tmp_path / "base.txt", tmp_path / "fork.txt"
+    base.write_text("t.py::a  # base\n")
+    fork.write_text("# header\nt.py::a  # fork\n")
+    payload = _run_of(base, {1: "t.py::a"}, {"t.py::a[torch]": 1})
+    payload["known_deviations"].append({"source": f"{fork}:2", "pattern": "t.py::a", "impl": "myfork"})
+    payload["tests"]["t.py::a[myfork]"] = {**_test((None, "ValueError", "the fork's own failure here")), "reason": f"fork [{fork}:2]"}
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps(payload))
+    copy = tmp_path / "copy.txt"
+    copy.write_text("# header\nt.py::a  # fork\n")
+    assert main([str(results), str(copy)]) == 0
+    assert "raises=ValueError" in capsys.readouterr().out
+    copy.write_text("# header\n\n\nt.py::a  # fork\n")  # line 4: in neither file
+    assert main([str(results), str(copy)]) == 2
+    captured = capsys.readouterr()
+    assert f"{copy}:4: ambiguous: the run read this pattern at {base}:1, {fork}:2" in captured.out, captured

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
-from tools.report import diff, main, render, render_diff, summarize
+from conformance.cli.report import Legend, diff, gate_fails, main, render, render_diff, summarize
 
-PAYLOAD = {
+PAYLOAD: dict[str, Any] = {
     "torch": "2.13.0",
     "world_sizes": [1, 2],
     "backend": "auto",
@@ -30,14 +31,44 @@ PAYLOAD = {
 def test_cells_say_pass_fail_skip_and_xfail() -> None:
     req_ids, impls, cells = summarize(PAYLOAD)
     assert req_ids == ["SD-1", "SD-2", "OS-1", "HX-1"] and impls == ["reference", "torch"]
-    assert cells[("SD-1", "reference")].text() == "pass (1)"
-    assert cells[("SD-1", "torch")].text() == "FAIL 1/1"
-    assert cells[("SD-2", "torch")].text() == "xfail (1): keys differ"
-    assert cells[("OS-1", "torch")].text() == "skip: torch does not provide x"
+    legend = Legend()
+    assert cells[("SD-1", "reference")].text(legend) == "pass (1)"
+    assert cells[("SD-1", "torch")].text(legend) == "FAIL 1/1"
+    assert cells[("SD-2", "torch")].text(legend) == "xfail (1) [1]"
+    assert cells[("OS-1", "torch")].text(legend) == "skip [2]"
+    assert cells[("SD-2", "torch")].text(legend) == "xfail (1) [1]"  # one number per reason
+    assert legend.lines(80) == ["[1] keys differ", "[2] torch does not provide x"]
     # A harness test (no implementation) counts for every column.
     assert cells[("HX-1", "torch")].status == "pass" and cells[("HX-1", "reference")].status == "pass"
     assert cells[("OS-1", "reference")].text() == "pass (1)"
-    assert cells[("OS-1", "torch")].text() == "skip: torch does not provide x"
+
+
+LONG_REASON = (
+    "fairscale does not provide optim_state: fairscale has no sharded optimizer-state API here (its FlattenParamsWrapper "
+    "only), so every OS requirement is a skip for it"
+)
+
+
+@pytest.mark.req("HX-12")
+@pytest.mark.parametrize("width", [40, 100])
+def test_long_reasons_are_never_cut(width: int) -> None:
+    """A reason is printed whole, once, in a numbered legend under the table, wrapped at spaces to the
+    width; the cells refer to it by number (no cell is cut mid-word, whatever the terminal)."""
+    payload = {**PAYLOAD, "tests": {**PAYLOAD["tests"],
+               "t.py::c[fairscale]": {"outcome": "skipped", "reason": LONG_REASON, "reqs": ["OS-1"], "impl": "fairscale"},
+               "t.py::d[fairscale]": {"outcome": "skipped", "reason": LONG_REASON, "reqs": ["SD-2"], "impl": "fairscale"}},
+               "impls": ["reference", "torch", "fairscale"]}
+    text = render(payload, "table", width=width)
+    table, _, rest = text.partition("\nreasons:\n")
+    legend = rest.split("\n\n")[0].splitlines()
+    assert " ".join(line.strip() for line in legend).count(LONG_REASON) == 1, legend
+    assert all(len(line) <= width for line in legend), legend
+    number = next(line.split()[0] for line in legend if line.startswith("[") and "fairscale" in line)
+    for req in ("OS-1", "SD-2"):
+        row = next(line for line in table.splitlines() if line.startswith(req))
+        assert row.rstrip().endswith(f"skip {number}"), row
+    markdown = render(payload, "markdown")
+    assert f"- {number} {LONG_REASON}" in markdown
 
 
 @pytest.mark.req("HX-12")
@@ -111,11 +142,56 @@ def test_diff_says_what_changed_per_requirement(name: str) -> None:
     assert text.splitlines()[0] == "SD-1" and text.index("OS-1") < text.index("ML-1")
     assert f"newly failing: t.py::a[ws2-{name}] (passed -> failed)\n      rank 0: Failed: keys differ\n      rank 1: Failed: keys differ" in text
     assert "was: controller: Failed: copies before raising\n      now: controller: TypeError: unsupported type" in text
-    assert text.splitlines()[-1] == "1 newly failing, 1 failing differently, 1 fixed, 1 newly skipped (4 tests changed)"
+    assert text.splitlines()[-1] == "1 newly failing, 1 failing differently, 0 no longer deviates (check), 1 fixed, 1 newly skipped (4 tests changed)"
 
 
-@pytest.mark.req("HX-20")
-def test_diff_exits_1_only_when_something_newly_fails(tmp_path, capsys) -> None:
+def _one(outcome: str, *failures: tuple[int | None, str, str], **extra: object) -> dict:
+    return {"spec": BASE["spec"], "tests": {"t.py::x[ws2-torch]": {**_test(outcome, ["SD-1"], "torch", *failures), **extra}}}
+
+
+ENTRY = {"source": "/site/conformance/xfails/torch.txt:40", "pattern": "t.py::x", "impl": "torch", "reason": "keys differ"}
+
+
+@pytest.mark.req("HX-23")
+@pytest.mark.parametrize(
+    ("before", "after", "kind", "exit"),
+    [
+        # the same known deviation, failing as before: nothing changed
+        (_one("xfailed", (1, "Failed", "keys differ at 0x7f01")), _one("xfailed", (1, "Failed", "keys differ at 0x5501")), None, 0),
+        # a known deviation that now fails another way (another message, another rank, or past its pin)
+        (_one("xfailed", (1, "Failed", "keys differ")), _one("xfailed", (1, "Failed", "values differ")), "failing differently", 1),
+        (_one("xfailed", (1, "Failed", "keys differ")), _one("xfailed", (0, "Failed", "keys differ")), "failing differently", 1),
+        (_one("xfailed", (1, "Failed", "keys differ")), _one("failed", (1, "Failed", "keys differ")), "failing differently", 1),
+        (_one("failed", (1, "KeyError", "'w'")), _one("failed", (1, "KeyError", "'b'")), "failing differently", 1),
+        # a known deviation that passed: strict (the run failed for it) fails the gate; flaky is listed only
+        (_one("xfailed", (1, "Failed", "keys differ")), _one("xpassed", strict=True, entry=ENTRY), "no longer deviates (check)", 1),
+        (_one("xfailed", (1, "Failed", "keys differ")), _one("xpassed", strict=False, entry=ENTRY), "no longer deviates (check)", 0),
+        # a deviation whose entry was removed (or !-cancelled) and that passes: a fix
+        (_one("xfailed", (1, "Failed", "keys differ")), _one("passed"), "fixed", 0),
+        (_one("passed"), _one("failed", (1, "Failed", "keys differ")), "newly failing", 1),
+    ],
+)
+def test_any_change_of_failure_fails_the_gate(tmp_path, capsys, before: dict, after: dict, kind: str | None, exit: int) -> None:
+    """``diff`` exits 1 for anything newly failing, any change of a failure (another exception, message,
+    failing ranks, or a known deviation that now fails past its pin), and a known deviation that passed in a
+    strict run; an XPASS is never called fixed."""
+    changes = diff(before, after)
+    assert [c.kind for c in changes] == ([kind] if kind else [])
+    assert gate_fails(changes) is bool(exit)
+    base, new = tmp_path / "base.json", tmp_path / "new.json"
+    base.write_text(json.dumps(before))
+    new.write_text(json.dumps(after))
+    assert main(["diff", str(base), str(new)]) == exit
+    out = capsys.readouterr().out
+    assert "fixed: " not in out or kind == "fixed"
+    if kind == "no longer deviates (check)":
+        assert "no longer deviates (check): t.py::x[ws2-torch] (xfailed -> xpassed)" in out, out
+        assert f"listed by {ENTRY['source']}: t.py::x  # keys differ" in out, out
+        assert ("the run failed for it (strict)" if exit else "allowed to pass (flaky entry)") in out, out
+
+
+@pytest.mark.req("HX-20", "HX-23")
+def test_diff_exit_status(tmp_path, capsys) -> None:
     base, new, same = tmp_path / "base.json", tmp_path / "new.json", tmp_path / "same.json"
     base.write_text(json.dumps(BASE))
     new.write_text(json.dumps(_new("myfork")))
@@ -123,7 +199,13 @@ def test_diff_exits_1_only_when_something_newly_fails(tmp_path, capsys) -> None:
     assert main(["diff", str(base), str(new), "--impl", "myfork", "--base-impl", "torch"]) == 1
     assert "newly failing: t.py::a[ws2-myfork]" in capsys.readouterr().out
     assert main(["diff", str(base), str(same)]) == 0
-    assert capsys.readouterr().out.strip() == "0 newly failing, 0 failing differently, 0 fixed, 0 newly skipped (0 tests changed)"
+    assert capsys.readouterr().out.strip() == (
+        "0 newly failing, 0 failing differently, 0 no longer deviates (check), 0 fixed, 0 newly skipped (0 tests changed)"
+    )
+    only_different = {"spec": BASE["spec"], "tests": {"t.py::e[torch]": _test("xfailed", ["ML-1"], "torch", (None, "TypeError", "unsupported type"))}}
+    new.write_text(json.dumps(only_different))
+    assert main(["diff", str(base), str(new)]) == 1  # "1 failing differently" alone fails the gate
+    assert "1 failing differently" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=f"cannot read results {tmp_path}: "):
         main(["diff", str(base), str(tmp_path)])  # a directory
     other = tmp_path / "other.json"

@@ -23,4 +23,8 @@ How a test uses it (the contract; see ``conformance/SPEC.md`` HX-*):
     values, rank order. For tests with several phases (save at 4 ranks, load at 2).
 ``world_size_pair``
     Argument parametrized over ordered pairs of distinct selected world sizes (ids ``ws4-ws2``).
+``@pytest.mark.case_families("a", "b")`` / ``excluded_cases``
+    A generated test names the families of cases it draws; the fixture gives the expected-failures
+    entries ``exclude=NAME`` that apply to it for its adapter (inherited ones included), whose cases it
+    then does not draw (see :mod:`conformance.harness.xfails`).
 """

@@ -30,7 +30,7 @@ from conformance.harness.requirements import load_spec
 from conformance.harness.worker import DIST_ARG
 from conformance.harness.xfails import XfailEntry, as_run_by, matches_at_any_world_size, parse_xfails
 
-__all__ = ["DistSpec", "Pools", "StaleXfailWarning"]
+__all__ = ["DistSpec", "Pools", "StaleXfailWarning", "suite_test_id"]
 
 _CONFORMANCE_DIR = Path(__file__).resolve().parent.parent
 _MANAGER = pytest.StashKey[PoolManager]()
@@ -38,6 +38,8 @@ _MANAGER = pytest.StashKey[PoolManager]()
 _ENTRIES = pytest.StashKey[list[XfailEntry]]()
 #: The known-deviation entry applied to a test, for the pin check after it ran.
 _ENTRY = pytest.StashKey[XfailEntry]()
+#: The exclusions (``exclude=`` entries) that apply to a test, for the ``excluded_cases`` fixture.
+_EXCLUSIONS = pytest.StashKey[tuple[XfailEntry, ...]]()
 #: (world size, failures) of a test's last rank run.
 _RANK_FAILURES = pytest.StashKey[tuple[int, list[Failure]]]()
 
@@ -124,6 +126,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "rank_timeout(seconds): cut this rank test after `seconds` (at most --rank-timeout): for tests where a wrong "
         "implementation leaves ranks waiting",
     )
+    config.addinivalue_line(
+        "markers",
+        "case_families(*names): the families of generated cases this test draws, which an expected-failures entry "
+        "may leave out for an adapter (exclude=NAME); the test reads them with the excluded_cases fixture",
+    )
     config.stash[_ENTRIES] = _load_xfail_entries(config)
     manager = PoolManager(pg_timeout_s=max(60.0, config.getoption("--rank-timeout") * 2))
     config.stash[_MANAGER] = manager
@@ -162,10 +169,14 @@ def _entries_header(config: pytest.Config) -> list[str]:
         inactive = [e for e in entries if not e.when.holds_for_torch(torch.__version__)]
         conditional = [e for e in entries if e not in inactive and (e.when.backend or e.when.device)]
         pinned = sum(1 for e in entries if e.pin)
+        excluded = sum(1 for e in entries if e.exclude and not e.removes)
+        flaky = sum(1 for e in entries if e.flaky)
         counts = Counter(e.when.describe() for e in inactive)
         lines.append(
             f"conformance: known deviations {path}: {len(entries)} entries, {len(entries) - len(inactive)} active for torch "
             f"{torch.__version__} ({len(conditional)} of them only on some backends/devices), {pinned} pinned"
+            + (f", {flaky} flaky" if flaky else "")
+            + (f", {excluded} exclusions of generated cases" if excluded else "")
             + (f"; inactive: {', '.join(f'{n} x {c}' for c, n in counts.items())}" if inactive else "")
         )
         for entry in inactive:
@@ -250,21 +261,42 @@ def _item_impl(item: pytest.Item) -> Adapter | None:
     return value if isinstance(value, Adapter) else None
 
 
+@dataclass(frozen=True)
+class AdapterFile:
+    """One expected-failures file of an adapter's class hierarchy."""
+
+    name: str  #: the ``name`` of the class that sets ``xfails_file``: its patterns are written with it
+    path: Path
+    cls: str  #: that class, ``module.QualName``, for messages
+    #: the names of the adapters that class derives from: its patterns may be written with those too
+    aliases: tuple[str, ...]
+
+
 #: adapter class -> its expected-failures files (resolved once: the plugin asks for every test).
-_XFAIL_FILES: dict[type, tuple[tuple[str, Path], ...]] = {}
+_XFAIL_FILES: dict[type, tuple[AdapterFile, ...]] = {}
 
 
-def adapter_xfail_files(adapter: Adapter) -> list[tuple[str, Path]]:
+def adapter_xfail_files(adapter: Adapter) -> list[AdapterFile]:
     adapter_cls = type(adapter)
     if adapter_cls not in _XFAIL_FILES:
         _XFAIL_FILES[adapter_cls] = _xfail_files_of(adapter_cls, adapter.name)
     return list(_XFAIL_FILES[adapter_cls])
 
 
-def _xfail_files_of(adapter_cls: type, adapter_name: str) -> tuple[tuple[str, Path], ...]:
-    """The expected-failures files that apply to ``adapter``, its own first: for each class in its MRO
-    that sets ``xfails_file``, (that class's ``name``, the file). A relative path is resolved against
-    the directory of the module that defines the class."""
+def _adapter_names(adapter_cls: type) -> list[str]:
+    """The names of the adapter classes in ``adapter_cls``'s MRO that set one, in MRO order."""
+    names: list[str] = []
+    for cls in adapter_cls.__mro__:
+        name = cls.__dict__.get("name")
+        if isinstance(name, str) and cls is not Adapter and name not in names:
+            names.append(name)
+    return names
+
+
+def _xfail_files_of(adapter_cls: type, adapter_name: str) -> tuple[AdapterFile, ...]:
+    """The expected-failures files that apply to ``adapter``, its own first: one for each class in its
+    MRO that sets ``xfails_file``. A relative path is resolved against the directory of the module that
+    defines the class."""
     files = []
     for cls in adapter_cls.__mro__:
         raw = cls.__dict__.get("xfails_file")
@@ -282,7 +314,9 @@ def _xfail_files_of(adapter_cls: type, adapter_name: str) -> tuple[tuple[str, Pa
                 f"expected-failures file {path} of adapter {adapter_name!r} ({cls.__module__}.{cls.__qualname__}.xfails_file = {raw!r}, "
                 "relative to the directory of that module) does not exist"
             )
-        files.append((str(getattr(cls, "name", adapter_name)), path))
+        name = str(getattr(cls, "name", adapter_name))
+        aliases = tuple(n for n in _adapter_names(cls) if n != name)
+        files.append(AdapterFile(name, path, f"{cls.__module__}.{cls.__qualname__}", aliases))
     return tuple(files)
 
 
@@ -299,10 +333,10 @@ def _load_xfail_entries(config: pytest.Config) -> list[XfailEntry]:
                 adapter = load_adapter(spec)
             except ValueError:
                 continue  # reported as a usage error where the axes are built
-            for depth, (name, path) in enumerate(adapter_xfail_files(adapter), start=1):
-                if (path, name) not in seen:
-                    seen.add((path, name))
-                    entries += parse_xfails(path, impl=name, depth=depth)
+            for depth, file in enumerate(adapter_xfail_files(adapter), start=1):
+                if (file.path, file.name) not in seen:
+                    seen.add((file.path, file.name))
+                    entries += parse_xfails(file.path, impl=file.name, depth=depth, aliases=file.aliases)
     except (OSError, ValueError) as error:
         raise pytest.UsageError(str(error)) from None
     return entries
@@ -322,6 +356,55 @@ def _item_backend(item: pytest.Item) -> str | None:
     return None
 
 
+def _suite_file_id(path: Path) -> str | None:
+    """``conformance/<file>`` for a file of the suite (wherever it is installed), else None."""
+    resolved = path.resolve()
+    if _CONFORMANCE_DIR not in resolved.parents:
+        return None
+    return f"conformance/{resolved.relative_to(_CONFORMANCE_DIR).as_posix()}"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> pytest.Module | None:
+    """A test file of the suite is collected with the id ``conformance/<file>`` wherever the suite
+    lives, so that every id pytest and the harness print (``FAILED conformance/test_x.py::test_y[...]``,
+    warnings, ``--report-json``, junit) names its file, also under ``--pyargs`` from another directory
+    (where pytest's own id would be relative to the package, or empty for a module given by name).
+    In a checkout run from its root that is pytest's own id."""
+    file_id = _suite_file_id(module_path)
+    if file_id is None:
+        return None
+    # from_parent's nodeid= is FSCollector's own parameter (given as a string, which pytest accepts).
+    return pytest.Module.from_parent(parent, path=module_path, nodeid=file_id)
+
+
+def suite_path_argument(arg: str, invocation_dir: Path) -> str | None:
+    """The argument to use for ``arg`` when it is an id the suite printed, ``conformance/<file>[::...]``,
+    that names no file under ``invocation_dir`` while the suite (installed, run from elsewhere) has that
+    file: the same id with the suite's file; else None (``arg`` is used as it is)."""
+    path_part, sep, rest = arg.partition("::")
+    if not path_part.startswith("conformance/") or (invocation_dir / path_part).exists():
+        return None
+    candidate = _CONFORMANCE_DIR / path_part[len("conformance/"):]
+    return f"{candidate}{sep}{rest}" if candidate.exists() else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
+    """Let an id the suite printed be pasted back to rerun it wherever the suite is installed
+    (:func:`suite_path_argument`). Done before pytest picks the initial conftests from the arguments, so
+    that the suite's conftest loads as it does for ``--pyargs conformance``. (Called for the plugin as
+    an installed entry point or ``-p``; in a checkout the ids are paths that exist.)"""
+    invocation = early_config.invocation_params.dir
+    given = getattr(early_config.known_args_namespace, "file_or_dir", None) or []
+    for index, arg in enumerate(given):
+        resolved = suite_path_argument(arg, invocation)
+        if resolved is None:
+            continue
+        given[index] = resolved
+        args[:] = [resolved if a == arg else a for a in args]
+
+
 def suite_test_id(item: pytest.Item) -> str:
     """The id known-deviation entries and reports use: for a test of the suite,
     ``conformance/<file>::<name>[<params>]`` wherever the suite is (this checkout, or installed and run
@@ -335,23 +418,44 @@ def suite_test_id(item: pytest.Item) -> str:
 def _applicable(entries: list[XfailEntry], impl: Adapter | None) -> list[XfailEntry]:
     """The entries that may mark a test of ``impl``, in the order they are tried: ``--xfails`` entries
     first, then the adapter's own file, then the files of its base adapters."""
-    mro_names = [name for name, _ in adapter_xfail_files(impl)] if impl is not None else []
+    mro_names = [file.name for file in adapter_xfail_files(impl)] if impl is not None else []
     applicable = [e for e in entries if e.impl is None or e.impl in mro_names]
     return sorted(applicable, key=lambda e: 0 if e.impl is None else 1 + mro_names.index(e.impl))
 
 
 def _entry_for(item: pytest.Item, test_id: str, candidates: list[XfailEntry], torch_version: str) -> XfailEntry | None:
-    """The first of ``candidates`` (:func:`_applicable`) whose conditions hold for ``item`` and whose
-    pattern matches its ``test_id``; a removal (``!pattern``) that matches first means none."""
+    """The first expected-failure entry of ``candidates`` (:func:`_applicable`) whose conditions hold
+    for ``item`` and whose pattern matches its ``test_id``; a removal (``!pattern``, not of one
+    exclusion) that matches first means none."""
     impl = _item_impl(item)
     backend = _item_backend(item)
     for entry in candidates:
-        if not entry.when.holds(torch_version, backend):
+        if entry.exclude is not None or not entry.when.holds(torch_version, backend):
             continue
-        nodeid = as_run_by(test_id, impl.name, entry.impl) if (impl is not None and entry.impl) else test_id
-        if entry.matches(nodeid):
+        if entry.matches_test(test_id, impl.name if impl is not None else None):
             return None if entry.removes else entry
     return None
+
+
+def _exclusions_for(item: pytest.Item, test_id: str, candidates: list[XfailEntry], torch_version: str) -> tuple[XfailEntry, ...]:
+    """Every exclusion (``exclude=NAME``) of ``candidates`` whose conditions hold for ``item`` and whose
+    pattern matches ``test_id``, one per name (the first in order), unless a removal earlier in order
+    matches the test: ``!pattern`` cancels them all, ``!pattern exclude=NAME`` that one."""
+    impl = _item_impl(item)
+    run_name = impl.name if impl is not None else None
+    backend = _item_backend(item)
+    cancelled: set[str | None] = set()
+    found: dict[str, XfailEntry] = {}
+    for entry in candidates:
+        if (entry.exclude is None and not entry.removes) or not entry.when.holds(torch_version, backend):
+            continue
+        if not entry.matches_test(test_id, run_name):
+            continue
+        if entry.removes:
+            cancelled.add(entry.exclude)
+        elif None not in cancelled and entry.exclude not in cancelled and entry.exclude is not None:
+            found.setdefault(entry.exclude, entry)
+    return tuple(found.values())
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -397,11 +501,17 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     entries = config.stash.get(_ENTRIES, [])
     candidates: dict[str | None, list[XfailEntry]] = {}
     used: set[XfailEntry] = set()
+    misplaced: list[str] = []
     for item in items:
         impl = _item_impl(item)
         key = impl.name if impl is not None else None
         if key not in candidates:
             candidates[key] = _applicable(entries, impl)
+        exclusions = _exclusions_for(item, test_ids[item], candidates[key], torch.__version__)
+        if exclusions:
+            used.update(exclusions)
+            misplaced += _check_exclusions(item, test_ids[item], exclusions)
+            item.stash[_EXCLUSIONS] = exclusions
         entry = _entry_for(item, test_ids[item], candidates[key], torch.__version__)
         if entry is None:
             continue
@@ -412,8 +522,36 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             reason = f"{entry.reason} [{entry.source}; a known hang, not run: --run-known-hangs runs it]"
             item.add_marker(pytest.mark.xfail(reason=reason, run=False))
         else:
+            # Not pytest's strict: pytest_runtest_makereport turns a pass into a failure naming the entry
+            # (unless it is flaky), which pytest's "[XPASS(strict)] reason" would not.
             item.add_marker(pytest.mark.xfail(reason=f"{entry.reason} [{entry.source}{pinned}]", strict=False))
+    if misplaced:
+        raise pytest.UsageError("; ".join(dict.fromkeys(misplaced)))
     _warn_stale(entries, used, items, test_ids, torch.__version__)
+
+
+def _check_exclusions(item: pytest.Item, test_id: str, exclusions: tuple[XfailEntry, ...]) -> list[str]:
+    """What is wrong with ``exclusions`` for ``item``: a test that draws no generated cases, or no family
+    of that name (the ``case_families`` marker lists the ones it draws)."""
+    marker = item.get_closest_marker("case_families")
+    known = [str(name) for name in marker.args] if marker is not None else []
+    problems = []
+    for entry in exclusions:
+        if marker is None:
+            problems.append(
+                f"{entry.source}: exclude={entry.exclude} matches {test_id}, which draws no generated cases (exclude= is for the tests of test_generated.py)"
+            )
+        elif entry.exclude not in known:
+            problems.append(f"{entry.source}: exclude={entry.exclude}: {test_id} draws no family of that name (it draws: {', '.join(known)})")
+    return problems
+
+
+@pytest.fixture
+def excluded_cases(request: pytest.FixtureRequest) -> tuple[XfailEntry, ...]:
+    """The exclusions (expected-failures entries ``exclude=NAME``) that apply to this test for its
+    adapter, inherited ones included, each with its source: the generated test leaves those families
+    of cases out of its domain."""
+    return request.node.stash.get(_EXCLUSIONS, ())
 
 
 def _warn_stale(
@@ -423,17 +561,44 @@ def _warn_stale(
     any world size (a removal: that would remove nothing). Entries conditioned on a backend or device
     are not judged: the run may not use it."""
     collected_files = {test_id.split("::", 1)[0] for test_id in test_ids.values()}
+    run_names = {impl.name: impl for item in items if (impl := _item_impl(item)) is not None}
     for entry in entries:
         if entry in used or entry.file_part not in collected_files:
             continue
         if not entry.when.holds_for_torch(torch_version) or entry.when.backend or entry.when.device:
             continue
-        ids = [as_run_by(test_ids[i], impl.name, entry.impl) if (impl := _item_impl(i)) and entry.impl else test_ids[i] for i in items]
-        if not any(matches_at_any_world_size(entry.pattern, nodeid) for nodeid in ids):
-            warnings.warn(
-                StaleXfailWarning(f"expected-failures entry {entry.pattern!r} ({entry.source}) matches no collected test"),
-                stacklevel=1,
-            )
+        ids = []
+        for item in items:
+            impl = _item_impl(item)
+            names = (entry.impl, *entry.aliases) if impl is not None and entry.impl else (None,)
+            ids += [as_run_by(test_ids[item], impl.name, name) if impl is not None and name else test_ids[item] for name in names]
+        if any(matches_at_any_world_size(entry.pattern, nodeid) for nodeid in ids):
+            continue
+        hint = _base_name_hint(entry, test_ids, items, run_names)
+        warnings.warn(
+            StaleXfailWarning(f"expected-failures entry {entry.pattern!r} ({entry.source}) matches no collected test{hint}"),
+            stacklevel=1,
+        )
+
+
+def _base_name_hint(entry: XfailEntry, test_ids: dict[pytest.Item, str], items: list[pytest.Item], run_names: dict[str, Adapter]) -> str:
+    """For an entry that matches nothing: whether it would match a test of an adapter run here if its
+    id segment were read as the name of an adapter that one derives from (a line written with
+    ``torch`` where the tests run as ``myfork``), and what to write instead."""
+    for name, adapter in run_names.items():
+        for base in _adapter_names(type(adapter))[1:]:
+            for item in items:
+                impl = _item_impl(item)
+                if impl is None or impl.name != name:
+                    continue
+                if matches_at_any_world_size(entry.pattern, as_run_by(test_ids[item], name, base)):
+                    return (
+                        f"; it is written with the name {base!r}, but these tests run against {name!r} "
+                        f"(e.g. {test_ids[item]}): write the id with {name!r}, or put the line in the expected-failures "
+                        f"file of {type(adapter).__module__}.{type(adapter).__qualname__} (its xfails_file), where "
+                        f"{base!r} ids apply to {name!r}"
+                    )
+    return ""
 
 
 # -- running: capability skips, backend checks, rank dispatch -------------------------------------
@@ -630,6 +795,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if failures and (report.failed or getattr(report, "wasxfail", None) is not None):
         report.user_properties = [*report.user_properties, ("failures", [f.to_json() for f in failures])]
     entry = item.stash.get(_ENTRY, None)
+    if entry is not None:
+        report.user_properties = [*report.user_properties, ("entry", _entry_json(entry))]
+    if entry is not None and report.passed and getattr(report, "wasxfail", None) is not None:
+        report.user_properties = [*report.user_properties, ("strict", not entry.flaky)]
+        if not entry.flaky:
+            report.outcome = "failed"
+            del report.wasxfail
+            report.longrepr = _no_longer_deviates(item, entry)
     if entry is not None and entry.pin and report.skipped and getattr(report, "wasxfail", None) is not None:
         problem = entry.pin.mismatch(failures, world_size)
         if problem is not None:
@@ -642,6 +815,44 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
                 f"  pinned: {entry.pin.describe()}\n  got:    {got}\n\n{original}"
             )
     return report
+
+
+def _no_longer_deviates(item: pytest.Item, entry: XfailEntry) -> str:
+    """The failure of a test that passed although a (strict) known-deviation entry marks it: which
+    entry, and the two ways out."""
+    impl = _item_impl(item)
+    test_id = suite_test_id(item)
+    path = entry.source.rsplit(":", 1)[0]
+    lines = [
+        f"known deviation no longer deviates: {test_id} passed, but {entry.source} expects it to fail:",
+        f"    {entry.line}  # {entry.reason}",
+    ]
+    own = adapter_xfail_files(impl)[0] if impl is not None and adapter_xfail_files(impl) else None
+    inherited = impl is not None and entry.impl is not None and entry.impl != impl.name
+    if not inherited:
+        lines.append(f"If this is a fix, remove that entry from {path} (or narrow its pattern to the tests that still fail).")
+        if entry.impl is not None:
+            lines.append(f"(A file you do not maintain, e.g. a shipped one: cancel the entry with the line `!{test_id}` in a file given with --xfails.)")
+    else:
+        assert impl is not None
+        where = (
+            f"its own expected-failures file, {own.path}" if own is not None and own.name == impl.name
+            else f"an expected-failures file of its own (set xfails_file on {type(impl).__module__}.{type(impl).__qualname__})"
+        )
+        lines.append(
+            f"The entry is inherited from the {entry.impl!r} adapter: if {impl.name!r} fixed it, cancel it in {where} with the line"
+        )
+        lines.append(f"    !{test_id}  # fixed in {impl.name}")
+    lines.append(
+        "If it is not a fix (another change made the deviation pass by accident), this pass is the regression to look at. "
+        "If the deviation depends on timing and comes and goes between runs, flag the entry `flaky`."
+    )
+    return "\n".join(lines)
+
+
+def _entry_json(entry: XfailEntry) -> dict[str, Any]:
+    """What ``--report-json`` records of the entry that marked a test."""
+    return {"source": entry.source, "pattern": entry.pattern, "impl": entry.impl, "reason": entry.reason}
 
 
 # -- the JSON result -------------------------------------------------------------------------------
@@ -657,7 +868,7 @@ def _skip_reason(report: pytest.TestReport) -> str:
 
 def _failure_line(report: pytest.TestReport) -> str:
     text = (report.longreprtext or "").strip()
-    if text.startswith("known deviation failed differently"):
+    if text.startswith(("known deviation failed differently", "known deviation no longer deviates")):
         return text.splitlines()[0][:600]
     error_lines = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
     first = error_lines[0] if error_lines else (text.splitlines()[0] if text else "")
@@ -671,9 +882,14 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     )
     if "failures" in props:
         entry["failures"] = props["failures"]
+    if "entry" in props:
+        entry["entry"] = props["entry"]
     xfail_reason = getattr(report, "wasxfail", None)
     if report.when == "call" or (report.when == "setup" and not report.passed):
-        if xfail_reason is not None:
+        if "strict" in props:  # a known deviation that passed: a failure of the run unless its entry is flaky
+            entry["outcome"], entry["strict"] = "xpassed", props["strict"]
+            entry["reason"] = _failure_line(report) if report.failed else str(xfail_reason or "")
+        elif xfail_reason is not None:
             entry["outcome"] = "xfailed" if report.skipped else "xpassed"
             entry["reason"] = xfail_reason
         elif report.skipped:
@@ -712,6 +928,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                     "impl": e.impl,
                     "reason": e.reason,
                     "pin": e.pin.describe(),
+                    "flags": [flag for flag, on in (("hangs", e.hangs), ("flaky", e.flaky)) if on],
+                    "exclude": e.exclude,
                     "when": e.when.describe(),
                     "active": e.when.holds_for_torch(torch.__version__),
                 }

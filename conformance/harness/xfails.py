@@ -5,10 +5,26 @@ Format: one entry a line, ``<pattern> [word ...]  # reason``; blank lines and li
 ``!`` *removes* entries inherited from a base adapter (below). The words between the pattern and the
 reason (shell quoting, so a regex may hold spaces or ``#`` inside quotes):
 
+Strictness. A test an entry marks must fail: one that passes is a failure of the run ("known deviation
+no longer deviates"), naming the entry (file, line, pattern) to remove, or to cancel with a ``!`` line
+in the derived adapter's own file (or a ``--xfails`` file), like pytest's ``xfail_strict``. So a
+regression that happens to make a known deviation pass (another bug cancelling it) is never read as
+a fix.
+
+``flaky``
+    The deviation depends on timing (a race): the test may pass. A pass is reported as XPASS and does
+    not fail the run. Only for deviations that really come and go between runs of the same build.
 ``hangs``
     The deviation leaves ranks waiting until the rank timeout cuts them. The test is reported as an
-    expected failure without being run (``--run-known-hangs`` runs it). Only for hangs: a test that
-    fails promptly is run, so that it is seen to pass once the deviation is fixed.
+    expected failure without being run (``--run-known-hangs`` runs it, strictly). Only for hangs: a
+    test that fails promptly is run, so that it is seen to pass once the deviation is fixed.
+
+Exclusions: ``exclude=NAME`` (instead of flags and pins) leaves the family of generated cases ``NAME``
+out of the test's drawn domain for this adapter (:data:`conformance.generated.CASE_FAMILIES`; the test
+names the families it draws with ``@pytest.mark.case_families(...)``): the test still runs, and checks
+every other case. Every exclusion that matches a test applies (not only the first entry), and they are
+inherited, overridden and ``!``-cancelled like any entry; ``!pattern exclude=NAME`` cancels only that
+exclusion, a plain ``!pattern`` every inherited entry of the tests it matches.
 
 Pins: what failure is expected. A test that fails otherwise is reported as a failure ("known
 deviation failed differently: expected ..., got ..."), so that a known deviation cannot hide another
@@ -40,7 +56,9 @@ from it*: its patterns are written with the adapter's own name in test ids (``[w
 for a derived adapter (``class MyFork(TorchAdapter): name = "myfork"``) that segment of the test id is
 read as the base adapter's name before matching. A derived adapter's own file comes first: its entries
 override inherited ones for the tests they match, and its ``!pattern`` lines make inherited entries
-not apply to the tests they match (the fork fixed that deviation).
+not apply to the tests they match (the fork fixed that deviation). The patterns of a derived adapter's own
+file may be written with its own name or with the name of any adapter it derives from (a line copied
+from ``torch.txt`` works in ``class MyFork(TorchAdapter)``'s file as it is).
 """
 
 from __future__ import annotations
@@ -57,7 +75,10 @@ from conformance.harness.failures import Failure
 __all__ = ["Pin", "Condition", "XfailEntry", "parse_xfails", "matches", "matches_at_any_world_size", "as_run_by", "split_reason"]
 
 #: Flags (words without ``=``) an entry may carry, with what each means (for the error on an unknown one).
-FLAGS = {"hangs": "the test leaves ranks waiting until the timeout; not run unless --run-known-hangs"}
+FLAGS = {
+    "hangs": "the test leaves ranks waiting until the timeout; not run unless --run-known-hangs",
+    "flaky": "the deviation depends on timing: a pass is an XPASS, not a failure of the run",
+}
 #: Keys of ``key=value`` words, with what each means.
 KEYS = {
     "raises": "exception class name every failing rank raises",
@@ -65,10 +86,13 @@ KEYS = {
     "ranks": "which ranks fail: all, last, not-last or a list like 0,2",
     "backend": "gloo or nccl",
     "device": "cpu or cuda",
+    "exclude": "a family of generated cases not drawn for this adapter (conformance.generated.CASE_FAMILIES)",
 }
 _BACKENDS = ("gloo", "nccl")
 _DEVICES = ("cpu", "cuda")
 _RANK_SETS = ("all", "last", "not-last")
+#: The name of a family of generated cases (``exclude=``).
+_FAMILY = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
 
 #: A world-size id segment of a test id (``ws2``) or of a glob (``ws[2-9]``).
 _WORLD_SIZE = re.compile(r"ws(\d+|\[[^\]]*\])")
@@ -185,10 +209,42 @@ class XfailEntry:
     when: Condition = field(default_factory=Condition)
     removes: bool = False  # a ``!pattern`` line: inherited entries do not apply to what it matches
     depth: int = 0  # 0: a --xfails file; 1 + the adapter class's distance from the adapter run (ordering)
+    flaky: bool = False  # see the ``flaky`` flag above: a pass does not fail the run
+    exclude: str | None = None  # ``exclude=NAME``: a family of generated cases, not an expected failure
+    #: Names of the adapters ``impl`` derives from: its patterns may be written with them too.
+    aliases: tuple[str, ...] = ()
 
     def matches(self, nodeid: str) -> bool:
         """Whether the entry's pattern matches ``nodeid`` (already read as run by ``impl``: :func:`as_run_by`)."""
         return matches(self.pattern, nodeid)
+
+    def matches_test(self, test_id: str, run_name: str | None) -> bool:
+        """Whether the entry applies to the test ``test_id`` run against the adapter named ``run_name``
+        (None: a test of no adapter): the id is read as run by the entry's adapter, or by any adapter
+        that one derives from (:attr:`aliases`)."""
+        if self.impl is None or run_name is None:
+            return self.matches(test_id)
+        return any(self.matches(as_run_by(test_id, run_name, name)) for name in (self.impl, *self.aliases))
+
+    @property
+    def kind(self) -> str:
+        """How the entry reads: an expected failure, an exclusion, or a removal of either."""
+        if self.removes:
+            return f"removal of exclusion {self.exclude}" if self.exclude else "removal"
+        return f"exclusion {self.exclude}" if self.exclude else "expected failure"
+
+    @property
+    def line(self) -> str:
+        """The entry as a line of its file would start (pattern, flags, pins, exclusion): for messages."""
+        words = [("!" if self.removes else "") + self.pattern]
+        words += [flag for flag, on in (("hangs", self.hangs), ("flaky", self.flaky)) if on]
+        if self.pin:
+            words.append(self.pin.describe())
+        if self.exclude:
+            words.append(f"exclude={self.exclude}")
+        if self.when:
+            words.append(self.when.describe())
+        return " ".join(words)
 
     @property
     def file_part(self) -> str:
@@ -236,14 +292,15 @@ def split_reason(line: str) -> tuple[str, str]:
     return line, ""
 
 
-def _parse_words(words: list[str], where: str) -> tuple[bool, Pin, Condition]:
-    hangs = False
+def _parse_words(words: list[str], where: str) -> tuple[set[str], Pin, Condition, str | None]:
+    flags: set[str] = set()
+    exclude: str | None = None
     pin: dict[str, str] = {}
     cond: dict[str, str] = {}
     for word in words:
         torch_condition = _TORCH_CONDITION.fullmatch(word)
         if word in FLAGS:
-            hangs = True
+            flags.add(word)
         elif torch_condition is not None:
             spec = torch_condition.group(1).replace(" ", "")
             try:
@@ -271,16 +328,22 @@ def _parse_words(words: list[str], where: str) -> tuple[bool, Pin, Condition]:
                 raise ValueError(f"{where}: backend={value!r}: expected one of {', '.join(_BACKENDS)}")
             if key == "device" and value not in _DEVICES:
                 raise ValueError(f"{where}: device={value!r}: expected one of {', '.join(_DEVICES)}")
+            if key == "exclude":
+                if not _FAMILY.fullmatch(value):
+                    raise ValueError(f"{where}: exclude={value!r}: expected the name of a family of generated cases, like hybrid-shard-replicas")
+                exclude = value
+                continue
             (pin if key in ("raises", "match", "ranks") else cond)[key] = value
         else:
             known = "; ".join(f"{name}: {meaning}" for name, meaning in FLAGS.items())
             raise ValueError(f"{where}: unknown flag {word!r} (known: {known}; or key=value: {', '.join(KEYS)}; or torch<version)")
-    return hangs, Pin(**pin), Condition(**cond)
+    return flags, Pin(**pin), Condition(**cond), exclude
 
 
-def parse_xfails(path: Path, *, impl: str | None = None, depth: int = 0) -> list[XfailEntry]:
-    """The entries of ``path``, written for adapter ``impl`` (None: for every test). A missing file
-    or a malformed line is an error naming the file (and line)."""
+def parse_xfails(path: Path, *, impl: str | None = None, depth: int = 0, aliases: Sequence[str] = ()) -> list[XfailEntry]:
+    """The entries of ``path``, written for adapter ``impl`` (None: for every test) or, in test ids,
+    for any of the adapters ``impl`` derives from (``aliases``). A missing file or a malformed line is
+    an error naming the file (and line)."""
     if not path.is_file():
         raise FileNotFoundError(f"expected-failures file {path} does not exist")
     entries = []
@@ -301,20 +364,25 @@ def parse_xfails(path: Path, *, impl: str | None = None, depth: int = 0) -> list
         pattern = pattern[1:] if removes else pattern
         if not pattern:
             raise ValueError(f"{where}: '!' needs a pattern after it")
-        hangs, pin, when = _parse_words(rest, where)
-        if removes and (hangs or pin):
-            raise ValueError(f"{where}: a removal (!{pattern}) takes no flags or pins, only conditions")
+        flags, pin, when, exclude = _parse_words(rest, where)
+        if removes and (flags or pin):
+            raise ValueError(f"{where}: a removal (!{pattern}) takes no flags or pins, only conditions (and exclude=NAME to cancel one exclusion)")
+        if exclude is not None and (flags or pin) and not removes:
+            raise ValueError(f"{where}: an exclusion (exclude={exclude}) takes no flags or pins: its cases are not drawn, nothing fails")
         entries.append(
             XfailEntry(
                 pattern=pattern,
                 reason=reason or "listed in " + path.name,
                 source=where,
                 impl=impl,
-                hangs=hangs,
+                hangs="hangs" in flags,
                 pin=pin,
                 when=when,
                 removes=removes,
                 depth=depth,
+                flaky="flaky" in flags,
+                exclude=exclude,
+                aliases=tuple(a for a in aliases if a != impl) if impl is not None else (),
             )
         )
     return entries

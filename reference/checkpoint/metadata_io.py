@@ -5,7 +5,7 @@ arbitrary code when loaded. :func:`read_metadata_file` unpickles with an allow-l
 dataclasses, the filesystem storage record, ``torch.Size`` and the dtype/layout/memory-format
 constants, ``pathlib`` paths and a few builtins. Anything else (``os.system``, ``builtins.eval``, a
 class of the user's) is refused before it is imported, with :class:`UnsafeCheckpointError`.
-The checkpoint inspector (``tools/ckpt_inspect.py``) reads metadata through this module too.
+The checkpoint inspector (``conformance/cli/ckpt_inspect.py``) reads metadata through this module too.
 """
 
 from __future__ import annotations
