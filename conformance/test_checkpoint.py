@@ -490,6 +490,184 @@ def test_checkpoint_loads_across_implementations(dist, impl, reference_impl, sav
     _assert_same_bits(target.values, _mixed(dist, "saved", seed=2).values)
 
 
+# -- ML-25 the on-disk format, read and written by upstream DCP whatever --impl selects ----------------------
+
+
+def _upstream_save(dist: Any, state: dict[str, Any], path: str) -> None:
+    """Upstream ``torch.distributed.checkpoint.save`` (default planner, ``FileSystemWriter``), called
+    directly: the counterpart of every implementation, whatever ``--impl`` selects."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns on overwrite
+        dcp.save(state, checkpoint_id=path, process_group=_pg(dist))
+
+
+def _upstream_load(dist: Any, state: dict[str, Any], path: str) -> None:
+    """Upstream ``torch.distributed.checkpoint.load`` with its ``FileSystemReader``, called directly."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=_pg(dist))
+
+
+def _optimizer_state(dist: Any, role: str, seed: int) -> _State:
+    """AdamW's state after two steps of a small model, in one process, keyed as a sharded optimizer's
+    state dict is (``torch.distributed.checkpoint.state_dict``'s layout): ``state`` by parameter FQN with
+    ``step`` a 0-d tensor and the moments as DTensors sharded by rows over the 1-D mesh (uneven at 2
+    ranks), ``param_groups`` a list of dicts of hyperparameters naming their parameters by FQN.
+    ``"target"``: the same layout with every value different."""
+    gen = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    names = {id(p): n for n, p in model.named_parameters()}
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    optimizer = torch.optim.AdamW([{"params": weights, "weight_decay": 0.1}, {"params": biases, "lr": 0.02, "betas": (0.8, 0.95)}], lr=0.01)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(4, 6, generator=gen)).square().sum().backward()
+        optimizer.step()
+    state: dict[str, Any] = {}
+    fulls: dict[tuple[Any, ...], torch.Tensor] = {}
+    for param, s in optimizer.state.items():
+        name = names[id(param)]
+        entry: dict[str, Any] = {"step": s["step"].clone() if role == "saved" else different_like(s["step"])}
+        for moment in ("exp_avg", "exp_avg_sq"):
+            full = s[moment].detach().clone()
+            fulls[("state", name, moment)] = full
+            entry[moment] = _dtensor(full if role == "saved" else different_like(full), dist.mesh(), [Shard(0)])
+        state[name] = entry
+    groups = []
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        params = [names[id(p)] for p in group["params"]]
+        if role != "saved":  # every value other: floats and ints moved, flags flipped, tuples and names changed
+            hyper = {k: (not v if isinstance(v, bool) else v * 2 + 1 if isinstance(v, (int, float)) else
+                         tuple(x * 2 + 1 for x in v) if isinstance(v, tuple) else v) for k, v in hyper.items()}
+            params = [*params, "other"]
+        groups.append({**hyper, "params": params})
+    return _State({"state": state, "param_groups": groups}, fulls)
+
+
+def _format_state(dist: Any, role: str, seed: int) -> _State:
+    """Every kind of value in one nested state dict (edge tensors of every dtype, edge DTensors on 1-D and
+    2-D meshes, non-tensor values of every kind) and an optimizer's state under ``optim``."""
+    mixed, optim = _mixed(dist, role, seed), _optimizer_state(dist, role, seed)
+    return _State({**mixed.values, "optim": optim.values},
+                  {**mixed.fulls, **{("optim", *path): full for path, full in optim.fulls.items()}})
+
+
+def _full_values(value: Any, fulls: dict[tuple[Any, ...], torch.Tensor], path: tuple[Any, ...] = ()) -> Any:
+    """``value`` with every DTensor replaced by its full value (``fulls`` by path)."""
+    if isinstance(value, Mapping):
+        return {k: _full_values(v, fulls, (*path, k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_full_values(v, fulls, (*path, i)) for i, v in enumerate(value)]
+    if isinstance(value, DTensor):
+        return fulls[path]
+    return value
+
+
+def _metadata_layout(path: str) -> dict[str, Any]:
+    """What a checkpoint's metadata says, read with upstream's public reader, that does not depend on
+    who wrote it: each key's kind, tensor properties, global shape and chunks, the stored chunks, the
+    flattening paths (``planner_data``) and the format version."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = dcp.FileSystemReader(path).read_metadata()
+    keys: dict[str, tuple[Any, ...]] = {}
+    for key, entry in md.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
+            keys[key] = ("tensor", entry.properties, tuple(entry.size), chunks)
+        else:
+            keys[key] = (type(entry).__name__,)
+    stored = sorted((index.fqn, tuple(index.offset or ())) for index in md.storage_data)
+    planner_data = {k: tuple(v) for k, v in (md.planner_data or {}).items()}
+    return {"keys": keys, "stored chunks": stored, "planner_data": planner_data, "version": md.version}
+
+
+def _format_save(dist: Any, impl: Any, route: str, path: str, seed: int) -> None:
+    saved = _format_state(dist, "saved", seed).values
+    if route == "upstream-saves":
+        _upstream_save(dist, saved, path)
+        return
+    _call(lambda: _ops(impl).save(saved, path, process_group=_pg(dist)))
+    _upstream_save(dist, _format_state(dist, "saved", seed).values, path + "-by-upstream")  # the same state dict
+
+
+def _format_load(dist: Any, impl: Any, route: str, path: str, seed: int, out: str) -> None:
+    """Load what :func:`_format_save` saved (the other side loads) and check it; with ``impl-saves``,
+    also the metadata against upstream's save of the same state dict and, on rank 0, upstream's
+    ``dcp_to_torch_save`` of the checkpoint. Each property is reported even when another failed."""
+    saved = _format_state(dist, "saved", seed)  # the saved values, laid out at this world size
+    target = _format_state(dist, "target", seed)
+
+    def metadata() -> None:
+        if route == "impl-saves" and dist.rank == 0:
+            _assert_same_bits(_metadata_layout(path), _metadata_layout(path + "-by-upstream"), check_order=False,
+                              what=f"{impl.name}'s checkpoint metadata vs upstream's of the same state dict")
+
+    def loaded() -> None:  # collective: every rank loads, whatever the other checks found
+        if route == "upstream-saves":
+            _call(lambda: _ops(impl).load(target.values, path, process_group=_pg(dist)))
+        else:
+            _upstream_load(dist, target.values, path)
+        _assert_local_shards(dist, target.values, saved.fulls, what="loaded")
+        _assert_same_bits(target.values, saved.values, what=f"loaded by {'upstream' if route == 'impl-saves' else impl.name}")
+
+    def converted() -> None:
+        if route == "impl-saves" and dist.rank == 0:
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+            dcp_to_torch_save(path, out)  # upstream rebuilds the nested state dict from the metadata alone
+            _assert_same_bits(torch.load(out, weights_only=False), _full_values(saved.values, saved.fulls), check_order=False,
+                              what="upstream's dcp_to_torch_save of the checkpoint (nesting from planner_data)")
+
+    check_each(metadata=metadata, loaded=loaded, converted=converted)
+
+
+_FORMAT_ROUTES = ["impl-saves", "upstream-saves"]
+
+
+@pytest.mark.req("ML-25")
+@pytest.mark.parametrize("route", _FORMAT_ROUTES)
+def test_checkpoint_format_matches_upstream(dist, impl, route: str) -> None:
+    """Every kind of value (nested dicts, edge tensors and DTensors of every dtype on 1-D and 2-D meshes,
+    non-tensor values of every kind, AdamW state keyed by FQN with sharded moments) saved by the
+    implementation and read by upstream ``torch.distributed.checkpoint`` called directly (``load``
+    with ``FileSystemReader``; on rank 0 also ``dcp_to_torch_save``, which rebuilds the nesting from
+    the metadata alone), or saved by upstream and loaded by the implementation, into a state dict
+    whose every value differs: bitwise, each DTensor's local shard its documented piece. The
+    implementation's metadata, read with ``FileSystemReader.read_metadata``, lists what upstream's own
+    save of the same state dict lists. Whatever ``--impl`` selects (the reference alone too),
+    upstream is the other side."""
+    path = str(dist.tmp_dir / "ckpt")
+    _format_save(dist, impl, route, path, 7)
+    dist.barrier()
+    _format_load(dist, impl, route, path, 7, str(dist.tmp_dir / "converted.pt"))
+
+
+@pytest.mark.req("ML-25")
+@pytest.mark.parametrize("route", _FORMAT_ROUTES)
+def test_checkpoint_format_matches_upstream_across_world_sizes(pools, world_size_pair, impl, tmp_path: Path, route: str) -> None:
+    """As :func:`test_checkpoint_format_matches_upstream`, saved at one world size and read at another
+    (upstream or the implementation resharding the DTensors)."""
+    saved_at, loaded_at = world_size_pair
+    path = str(tmp_path / "ckpt")
+    pools.run(saved_at, _format_save, impl, route, path, 7)
+    pools.run(loaded_at, _format_load, impl, route, path, 7, str(tmp_path / "converted.pt"))
+
+
 # -- ML-3 replicated data written once ------------------------------------------------------------
 
 
