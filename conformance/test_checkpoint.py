@@ -1510,17 +1510,33 @@ _STEP_TENSORS: dict[str, tuple[tuple[int, ...], torch.dtype, Any]] = {
 }
 #: Bytes in the middle of a chunk's data that the reading fault makes unreadable.
 _UNREADABLE_BYTES = 64
-#: What goes wrong, per step, on the first rank and on the last: another key or another word on each,
-#: so that an error naming only one failing rank's problem is seen. Planning: the key is asked for
-#: with another shape. Reading: the bytes of the key's saved data cannot be read (EIO). Committing: a
-#: ``Stateful`` refuses what was read, with these words.
+#: What goes wrong, per step, on the first rank and on the last: another key on each, so that an error
+#: naming only one failing rank's problem is seen. Planning: the key is asked for with another shape.
+#: Reading: the bytes of the key's saved data cannot be read (EIO). Committing: the value at the key
+#: refuses what was read, with the words of :data:`_REFUSALS` (on the first rank a top-level
+#: ``Stateful``, after another one loaded; on the last a mapping of non-tensor values whose ``note``
+#: is frozen, after its ``step`` took the loaded value).
 _STEP_FAULTS: dict[str, tuple[str, str]] = {
     "planning": ("model.w", "model.b"),
     "reading": ("model.w", "model.b"),
-    "committing": ("the saved epoch is older than this run's", "the saved tag names another run"),
+    "committing": ("b_progress", "extra.note"),
 }
-#: The key of the ``Stateful`` that refuses (the one before it in the state dict loads successfully).
-_REFUSING = "b_progress"
+_REFUSALS = ("the saved epoch is older than this run's", "the run's settings are read-only")
+
+
+class _ReadOnlyEntry(dict[str, Any]):
+    """Non-tensor values in a mapping with one entry that cannot be replaced, as a config object refuses
+    a frozen field: ``__setitem__`` of ``frozen`` raises ``TypeError(refuse)``; other entries take
+    new values."""
+
+    def __init__(self, values: Mapping[str, Any], frozen: str, refuse: str) -> None:
+        super().__init__(values)
+        self.frozen, self.refuse = frozen, refuse
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == self.frozen:
+            raise TypeError(self.refuse)
+        super().__setitem__(key, value)
 
 
 class _Progress:
@@ -1548,13 +1564,13 @@ def _step_full(key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
     return torch.arange(math.prod(shape), dtype=torch.float64).add(1.5).neg().reshape(shape).to(dtype)
 
 
-def _step_state(dist: Any, target: str, *, saved: bool, planning: str | None = None, refuse: str | None = None) -> dict[str, Any]:
+def _step_state(dist: Any, target: str, *, saved: bool, planning: str | None = None, refusing: str | None = None) -> dict[str, Any]:
     """The state dict of the step tests, as saved (``saved=True``: tensors plain for ``target="plain"``,
     DTensors otherwise) or as a load target whose every value differs from the saved one: ``plain``
     tensors and ``dtensor`` DTensors filled in place, or ``meta`` (a meta DTensor, a meta Parameter, a
     meta tensor). Tensors are nested under ``model``, non-tensor values under ``extra``, beside two
-    top-level ``Stateful`` values. ``planning`` is the key asked for with another shape; ``refuse``
-    the words the second ``Stateful`` refuses its loaded state with."""
+    top-level ``Stateful`` values. ``planning`` is the key asked for with another shape; ``refusing``
+    the key whose value refuses what is loaded (:data:`_STEP_FAULTS`)."""
     model: dict[str, Any] = {}
     for key, (shape, dtype, placement) in _STEP_TENSORS.items():
         if f"model.{key}" == planning:
@@ -1573,8 +1589,11 @@ def _step_state(dist: Any, target: str, *, saved: bool, planning: str | None = N
         else:
             model[key] = torch.empty(shape, dtype=dtype, device="meta")
     if saved:
-        return {"model": model, "extra": {"step": 7, "note": "saved"}, "a_counter": _Progress(3, "run-a"), _REFUSING: _Progress(5, "run-b")}
-    return {"model": model, "extra": {"step": 0, "note": ""}, "a_counter": _Progress(0, ""), _REFUSING: _Progress(0, "", refuse=refuse)}
+        return {"model": model, "extra": {"step": 7, "note": "saved"}, "a_counter": _Progress(3, "run-a"), "b_progress": _Progress(5, "run-b")}
+    first, last = (_REFUSALS[i] if refusing == _STEP_FAULTS["committing"][i] else None for i in (0, 1))
+    extra = {"step": 0, "note": ""}
+    return {"model": model, "extra": extra if last is None else _ReadOnlyEntry(extra, "note", last), "a_counter": _Progress(0, ""),
+            "b_progress": _Progress(0, "", refuse=first)}
 
 
 def _skeleton(value: Any) -> Any:
@@ -1664,7 +1683,7 @@ def _load_with_faults(dist: Any, ops: Any, path: Path, target: str, faults: dict
     """A load into a fresh ``target`` state dict with this rank's fault of ``faults``, if any."""
     step, which = faults.get(dist.rank, (None, 0))
     state = _step_state(dist, target, saved=False, planning=_STEP_FAULTS["planning"][which] if step == "planning" else None,
-                        refuse=_STEP_FAULTS["committing"][which] if step == "committing" else None)
+                        refusing=_STEP_FAULTS["committing"][which] if step == "committing" else None)
     before = snapshot(state_dict=state, stateful=_stateful_states(state))
     skeleton = _skeleton(state)
     fault: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
@@ -1677,15 +1696,12 @@ def _load_with_faults(dist: Any, ops: Any, path: Path, target: str, faults: dict
 
 def _names_the_failure(text: str, path: Path, step: str, which: int) -> None:
     """``text`` names what one rank's fault at ``step`` is about: the key (and, for a read, the data
-    file; for a refusing ``Stateful``, its key and its words)."""
+    file; for a refused commit, the words of the refusal)."""
     __tracebackhide__ = True
-    if step == "committing":
-        assert_names_key(text, _REFUSING, what="the error of a refused commit")
-        if _STEP_FAULTS["committing"][which] not in text:
-            fail("the error of a refused commit lacks the Stateful's own words", text[:600], _STEP_FAULTS["committing"][which])
-        return
     key = _STEP_FAULTS[step][which]
     assert_names_key(text, key, what=f"the error of a failed {step}")
+    if step == "committing" and _REFUSALS[which] not in text:
+        fail("the error of a refused commit lacks the refusal's own words", text[:600], _REFUSALS[which], key)
     if step == "reading":
         files = sorted(_unreadable_records(path, key))
         if not any(name in text for name in files):
@@ -1703,16 +1719,17 @@ def _most_specific_common_types(types: list[type]) -> list[type]:
 @pytest.mark.parametrize("case", _STEP_CASES, ids=[c.id for c in _STEP_CASES])
 @pytest.mark.parametrize("target", ["plain", "dtensor", "meta"])
 def test_a_load_failing_at_any_step_replaces_nothing(dist, impl, target: str, case: _StepCase) -> None:
-    """A load fails while planning (a key asked for with another shape), while reading (the bytes of a
-    key's saved data cannot be read: EIO, on this rank only) or while committing (a top-level
-    ``Stateful`` refuses its loaded state, after another one loaded), into plain tensors, DTensors or
-    meta values, on the first rank, the last, both (each with its own key or words) or both at
-    different steps. Every rank raises the same error; it names each rank whose fault lies in the
-    earliest failing step (its rank, its key, for a read its data file, for a refusal the
-    ``Stateful``'s key and words); with two such ranks its type is the most specific type both
-    ranks' errors alone have; with a rank whose fault lies in a later step, it is exactly the error
-    the earlier fault alone gives. No rank's state dict has anything replaced (after a planning
-    failure, nothing changed at all) and each ``Stateful`` holds its state from before."""
+    """A load fails while planning (a key asked for with another shape), while reading (the middle of a
+    key's saved data cannot be read: EIO, on this rank only) or while committing (on the first rank a
+    top-level ``Stateful`` refuses its loaded state after another one loaded; on the last a mapping of
+    non-tensor values refuses one, a frozen entry), into plain tensors, DTensors or meta values, on
+    the first rank, the last, both (each with its own key) or both at different steps. Every rank
+    raises the same error; it names each rank whose fault lies in the earliest failing step (its
+    rank, its key, for a read its data file, for a refusal its words); with two such ranks its type
+    is the most specific type both ranks' errors alone have; with a rank whose fault lies in a later
+    step, it is exactly the error the earlier fault alone gives. No rank's state dict has anything
+    replaced (after a planning failure, nothing changed at all) and each ``Stateful`` holds its state
+    from before."""
     if case.last is not None and dist.world_size == 1 and case.first is not None:
         pytest.skip("at world size 1 the first rank is the last: the first rank's cases cover it")
     if case.first is None and dist.world_size == 1:
