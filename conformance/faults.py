@@ -1,5 +1,5 @@
 """Faults injected under any implementation's file I/O: a disk that fills up, an ``fsync`` that fails,
-a process killed at the n-th step of a save.
+bytes of a data file that cannot be read, a process killed at the n-th step of a save.
 
 Implementations write checkpoints through Python's file objects (``open``/``io.open``, which
 ``pathlib`` uses too), ``os.fsync`` and ``os.replace``/``os.rename``; the context managers here patch
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["is_data_file", "failing_writes", "failing_fsync", "failing_reads", "kill_at", "KILL_OPS"]
+__all__ = ["is_data_file", "failing_writes", "failing_fsync", "failing_reads", "unreadable_bytes", "kill_at", "KILL_OPS"]
 
 
 def is_data_file(name: str) -> bool:
@@ -184,6 +184,69 @@ def failing_reads(directory: Path, how: str, *, which: Callable[[str], bool] = i
         if how == "vanish":
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
         return _ShortFile(real(file, mode, *args, **kwargs), 16)
+
+    with _opening(hook):
+        yield
+
+
+class _BadSectors(_FileProxy):
+    """A readable file whose reads that touch any of ``regions`` (``[start, end)`` byte ranges) fail
+    with ``OSError(code)`` before reading anything; every other read works."""
+
+    def __init__(self, raw: Any, path: Path, regions: list[tuple[int, int]], code: int) -> None:
+        super().__init__(raw)
+        self._path, self._regions, self._code = path, regions, code
+
+    def _check(self, size: int | None) -> None:
+        start = self._raw.tell()
+        end = start + size if size is not None and size >= 0 else None  # None: to the end of the file
+        for low, high in self._regions:
+            if start < high and (end is None or low < end):
+                raise OSError(self._code, os.strerror(self._code), str(self._path))
+
+    def read(self, size: int | None = -1) -> bytes:
+        self._check(size)
+        data: bytes = self._raw.read(size)
+        return data
+
+    def read1(self, size: int = -1) -> bytes:
+        self._check(size)
+        data: bytes = self._raw.read1(size)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        self._check(memoryview(buffer).nbytes)
+        got: int = self._raw.readinto(buffer)
+        return got
+
+    def readinto1(self, buffer: Any) -> int:
+        self._check(memoryview(buffer).nbytes)
+        got: int = self._raw.readinto1(buffer)
+        return got
+
+    def readall(self) -> bytes:
+        self._check(None)
+        data: bytes = self._raw.readall()
+        return data
+
+
+@contextlib.contextmanager
+def unreadable_bytes(directory: Path, regions: dict[str, list[tuple[int, int]]], *, code: int = errno.EIO) -> Iterator[None]:
+    """Inside, in this process only, reading the bytes ``regions[name]`` (``[start, end)`` ranges) of the
+    file ``name`` of ``directory`` fails with ``OSError(code)`` naming the file (EIO: a bad sector, a
+    storage node that stops answering); the rest of every file, and opening it, works. A read that
+    overlaps a region fails whole, before it reads anything.
+
+    Given the byte range of one saved value's data (not its record's headers), an implementation that
+    checks files and record headers while planning a load still plans it successfully and fails while
+    reading, and the fault hits only the rank that enters it, even where other ranks read the same file."""
+    wanted = {name: list(spans) for name, spans in regions.items() if spans}
+
+    def hook(real: Callable[..., Any], file: Any, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        path = _under(directory, file)
+        if path is None or _writing(mode) or path.name not in wanted:
+            return real(file, mode, *args, **kwargs)
+        return _BadSectors(real(file, mode, *args, **kwargs), path, wanted[path.name], code)
 
     with _opening(hook):
         yield

@@ -24,6 +24,7 @@ import gc
 import math
 import os
 import pickle
+import re
 import struct
 import time
 from collections.abc import Callable, Mapping
@@ -42,6 +43,7 @@ from conformance.adapters.sharding import ShardingPlan
 from conformance.asserts import (
     assert_bitwise_equal,
     assert_local_shard,
+    assert_names_key,
     assert_same_error_on_every_rank,
     assert_same_state,
     assert_unchanged,
@@ -54,7 +56,7 @@ from conformance.asserts import (
     snapshot,
 )
 from conformance.compare import fqn_keyed_optim, full_on_cpu
-from conformance.faults import failing_fsync, failing_reads, failing_writes
+from conformance.faults import failing_fsync, failing_reads, failing_writes, unreadable_bytes
 from conformance.values import EDGE_DTYPES, different_like, edge_tensors, perturb_hyperparameters
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -486,6 +488,184 @@ def test_checkpoint_loads_across_implementations(dist, impl, reference_impl, sav
     _call(lambda: reader.load(target.values, path, process_group=_pg(dist)))
     _assert_local_shards(dist, target.values, saved.fulls, what="loaded")
     _assert_same_bits(target.values, _mixed(dist, "saved", seed=2).values)
+
+
+# -- ML-25 the on-disk format, read and written by upstream DCP whatever --impl selects ----------------------
+
+
+def _upstream_save(dist: Any, state: dict[str, Any], path: str) -> None:
+    """Upstream ``torch.distributed.checkpoint.save`` (default planner, ``FileSystemWriter``), called
+    directly: the counterpart of every implementation, whatever ``--impl`` selects."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns on overwrite
+        dcp.save(state, checkpoint_id=path, process_group=_pg(dist))
+
+
+def _upstream_load(dist: Any, state: dict[str, Any], path: str) -> None:
+    """Upstream ``torch.distributed.checkpoint.load`` with its ``FileSystemReader``, called directly."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=_pg(dist))
+
+
+def _optimizer_state(dist: Any, role: str, seed: int) -> _State:
+    """AdamW's state after two steps of a small model, in one process, keyed as a sharded optimizer's
+    state dict is (``torch.distributed.checkpoint.state_dict``'s layout): ``state`` by parameter FQN with
+    ``step`` a 0-d tensor and the moments as DTensors sharded by rows over the 1-D mesh (uneven at 2
+    ranks), ``param_groups`` a list of dicts of hyperparameters naming their parameters by FQN.
+    ``"target"``: the same layout with every value different."""
+    gen = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    names = {id(p): n for n, p in model.named_parameters()}
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    optimizer = torch.optim.AdamW([{"params": weights, "weight_decay": 0.1}, {"params": biases, "lr": 0.02, "betas": (0.8, 0.95)}], lr=0.01)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(4, 6, generator=gen)).square().sum().backward()
+        optimizer.step()
+    state: dict[str, Any] = {}
+    fulls: dict[tuple[Any, ...], torch.Tensor] = {}
+    for param, s in optimizer.state.items():
+        name = names[id(param)]
+        entry: dict[str, Any] = {"step": s["step"].clone() if role == "saved" else different_like(s["step"])}
+        for moment in ("exp_avg", "exp_avg_sq"):
+            full = s[moment].detach().clone()
+            fulls[("state", name, moment)] = full
+            entry[moment] = _dtensor(full if role == "saved" else different_like(full), dist.mesh(), [Shard(0)])
+        state[name] = entry
+    groups = []
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        params = [names[id(p)] for p in group["params"]]
+        if role != "saved":  # every value other: floats and ints moved, flags flipped, tuples and names changed
+            hyper = {k: (not v if isinstance(v, bool) else v * 2 + 1 if isinstance(v, (int, float)) else
+                         tuple(x * 2 + 1 for x in v) if isinstance(v, tuple) else v) for k, v in hyper.items()}
+            params = [*params, "other"]
+        groups.append({**hyper, "params": params})
+    return _State({"state": state, "param_groups": groups}, fulls)
+
+
+def _format_state(dist: Any, role: str, seed: int) -> _State:
+    """Every kind of value in one nested state dict (edge tensors of every dtype, edge DTensors on 1-D and
+    2-D meshes, non-tensor values of every kind) and an optimizer's state under ``optim``."""
+    mixed, optim = _mixed(dist, role, seed), _optimizer_state(dist, role, seed)
+    return _State({**mixed.values, "optim": optim.values},
+                  {**mixed.fulls, **{("optim", *path): full for path, full in optim.fulls.items()}})
+
+
+def _full_values(value: Any, fulls: dict[tuple[Any, ...], torch.Tensor], path: tuple[Any, ...] = ()) -> Any:
+    """``value`` with every DTensor replaced by its full value (``fulls`` by path)."""
+    if isinstance(value, Mapping):
+        return {k: _full_values(v, fulls, (*path, k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_full_values(v, fulls, (*path, i)) for i, v in enumerate(value)]
+    if isinstance(value, DTensor):
+        return fulls[path]
+    return value
+
+
+def _metadata_layout(path: str) -> dict[str, Any]:
+    """What a checkpoint's metadata says, read with upstream's public reader, that does not depend on
+    who wrote it: each key's kind, tensor properties, global shape and chunks, the stored chunks, the
+    flattening paths (``planner_data``) and the format version."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = dcp.FileSystemReader(path).read_metadata()
+    keys: dict[str, tuple[Any, ...]] = {}
+    for key, entry in md.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
+            keys[key] = ("tensor", entry.properties, tuple(entry.size), chunks)
+        else:
+            keys[key] = (type(entry).__name__,)
+    stored = sorted((index.fqn, tuple(index.offset or ())) for index in md.storage_data)
+    planner_data = {k: tuple(v) for k, v in (md.planner_data or {}).items()}
+    return {"keys": keys, "stored chunks": stored, "planner_data": planner_data, "version": md.version}
+
+
+def _format_save(dist: Any, impl: Any, route: str, path: str, seed: int) -> None:
+    saved = _format_state(dist, "saved", seed).values
+    if route == "upstream-saves":
+        _upstream_save(dist, saved, path)
+        return
+    _call(lambda: _ops(impl).save(saved, path, process_group=_pg(dist)))
+    _upstream_save(dist, _format_state(dist, "saved", seed).values, path + "-by-upstream")  # the same state dict
+
+
+def _format_load(dist: Any, impl: Any, route: str, path: str, seed: int, out: str) -> None:
+    """Load what :func:`_format_save` saved (the other side loads) and check it; with ``impl-saves``,
+    also the metadata against upstream's save of the same state dict and, on rank 0, upstream's
+    ``dcp_to_torch_save`` of the checkpoint. Each property is reported even when another failed."""
+    saved = _format_state(dist, "saved", seed)  # the saved values, laid out at this world size
+    target = _format_state(dist, "target", seed)
+
+    def metadata() -> None:
+        if route == "impl-saves" and dist.rank == 0:
+            _assert_same_bits(_metadata_layout(path), _metadata_layout(path + "-by-upstream"), check_order=False,
+                              what=f"{impl.name}'s checkpoint metadata vs upstream's of the same state dict")
+
+    def loaded() -> None:  # collective: every rank loads, whatever the other checks found
+        if route == "upstream-saves":
+            _call(lambda: _ops(impl).load(target.values, path, process_group=_pg(dist)))
+        else:
+            _upstream_load(dist, target.values, path)
+        _assert_local_shards(dist, target.values, saved.fulls, what="loaded")
+        _assert_same_bits(target.values, saved.values, what=f"loaded by {'upstream' if route == 'impl-saves' else impl.name}")
+
+    def converted() -> None:
+        if route == "impl-saves" and dist.rank == 0:
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+            dcp_to_torch_save(path, out)  # upstream rebuilds the nested state dict from the metadata alone
+            _assert_same_bits(torch.load(out, weights_only=False), _full_values(saved.values, saved.fulls), check_order=False,
+                              what="upstream's dcp_to_torch_save of the checkpoint (nesting from planner_data)")
+
+    check_each(metadata=metadata, loaded=loaded, converted=converted)
+
+
+_FORMAT_ROUTES = ["impl-saves", "upstream-saves"]
+
+
+@pytest.mark.req("ML-25")
+@pytest.mark.parametrize("route", _FORMAT_ROUTES)
+def test_checkpoint_format_matches_upstream(dist, impl, route: str) -> None:
+    """Every kind of value (nested dicts, edge tensors and DTensors of every dtype on 1-D and 2-D meshes,
+    non-tensor values of every kind, AdamW state keyed by FQN with sharded moments) saved by the
+    implementation and read by upstream ``torch.distributed.checkpoint`` called directly (``load``
+    with ``FileSystemReader``; on rank 0 also ``dcp_to_torch_save``, which rebuilds the nesting from
+    the metadata alone), or saved by upstream and loaded by the implementation, into a state dict
+    whose every value differs: bitwise, each DTensor's local shard its documented piece. The
+    implementation's metadata, read with ``FileSystemReader.read_metadata``, lists what upstream's own
+    save of the same state dict lists. Whatever ``--impl`` selects (the reference alone too),
+    upstream is the other side."""
+    path = str(dist.tmp_dir / "ckpt")
+    _format_save(dist, impl, route, path, 7)
+    dist.barrier()
+    _format_load(dist, impl, route, path, 7, str(dist.tmp_dir / "converted.pt"))
+
+
+@pytest.mark.req("ML-25")
+@pytest.mark.parametrize("route", _FORMAT_ROUTES)
+def test_checkpoint_format_matches_upstream_across_world_sizes(pools, world_size_pair, impl, tmp_path: Path, route: str) -> None:
+    """As :func:`test_checkpoint_format_matches_upstream`, saved at one world size and read at another
+    (upstream or the implementation resharding the DTensors)."""
+    saved_at, loaded_at = world_size_pair
+    path = str(tmp_path / "ckpt")
+    pools.run(saved_at, _format_save, impl, route, path, 7)
+    pools.run(loaded_at, _format_load, impl, route, path, 7, str(tmp_path / "converted.pt"))
 
 
 # -- ML-3 replicated data written once ------------------------------------------------------------
@@ -1313,6 +1493,300 @@ def test_files_that_vanish_or_shrink_during_a_load_fail_it_cleanly(dist, impl, h
         fail(f"the error of a load whose data files {how}", f"{type(exc).__name__}: {exc}"[:400], "a message naming the data file", f"rank {dist.rank}")
     if target["step"] != -7 or any(target[k] is not v for k, v in entries.items()):
         fail("the state dict after a failed load", {k: type(v).__name__ for k, v in target.items()}, "the same objects, 'step' still -7", f"rank {dist.rank}")
+
+
+# -- ML-23 / ML-24 a load that fails at any step ---------------------------------------------------------------------
+
+#: The steps of a load, in order: a failure in one ends the load there.
+_STEPS = ("planning", "reading", "committing")
+#: The tensors of the step tests: key -> (global shape, dtype, placement on the 1-D mesh). Uneven at
+#: world size 2 (``w`` 3 + 2 rows, ``b`` 1801 + 1800 elements). The two that reads fail on hold more
+#: than 8 KiB per chunk, so that the middle of their data lies apart from the headers a reader may
+#: check while planning (a zip record's headers sit at its start and its directory at its end).
+_STEP_TENSORS: dict[str, tuple[tuple[int, ...], torch.dtype, Any]] = {
+    "w": ((5, 2048), torch.float32, Shard(0)),
+    "b": ((3601,), torch.float64, Shard(0)),
+    "n": ((4,), torch.int64, Replicate()),
+}
+#: Bytes in the middle of a chunk's data that the reading fault makes unreadable.
+_UNREADABLE_BYTES = 64
+#: What goes wrong, per step, on the first rank and on the last: another key on each, so that an error
+#: naming only one failing rank's problem is seen. Planning: the key is asked for with another shape.
+#: Reading: the bytes of the key's saved data cannot be read (EIO). Committing: the value at the key
+#: refuses what was read, with the words of :data:`_REFUSALS` (on the first rank a top-level
+#: ``Stateful``, after another one loaded; on the last a mapping of non-tensor values whose ``note``
+#: is frozen, after its ``step`` took the loaded value).
+_STEP_FAULTS: dict[str, tuple[str, str]] = {
+    "planning": ("model.w", "model.b"),
+    "reading": ("model.w", "model.b"),
+    "committing": ("b_progress", "extra.note"),
+}
+_REFUSALS = ("the saved epoch is older than this run's", "the run's settings are read-only")
+
+
+class _ReadOnlyEntry(dict[str, Any]):
+    """Non-tensor values in a mapping with one entry that cannot be replaced, as a config object refuses
+    a frozen field: ``__setitem__`` of ``frozen`` raises ``TypeError(refuse)``; other entries take
+    new values."""
+
+    def __init__(self, values: Mapping[str, Any], frozen: str, refuse: str) -> None:
+        super().__init__(values)
+        self.frozen, self.refuse = frozen, refuse
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == self.frozen:
+            raise TypeError(self.refuse)
+        super().__setitem__(key, value)
+
+
+class _Progress:
+    """A top-level ``Stateful`` (DCP's convention: saved and loaded through ``state_dict()`` and
+    ``load_state_dict()``) holding non-tensor state. With ``refuse``, its ``load_state_dict`` raises
+    ``ValueError(refuse)`` and changes nothing, as a component does when a loaded value fails its own
+    checks."""
+
+    def __init__(self, epoch: int, tag: str, refuse: str | None = None) -> None:
+        self.epoch, self.tag, self.refuse = epoch, tag, refuse
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "tag": self.tag}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if self.refuse is not None:
+            raise ValueError(self.refuse)
+        self.epoch, self.tag = state_dict["epoch"], state_dict["tag"]
+
+
+def _step_full(key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The saved full value of ``key`` (of ``shape``, for a target asking for another shape)."""
+    want, dtype, _ = _STEP_TENSORS[key]
+    shape = want if shape is None else shape
+    return torch.arange(math.prod(shape), dtype=torch.float64).add(1.5).neg().reshape(shape).to(dtype)
+
+
+def _step_state(dist: Any, target: str, *, saved: bool, planning: str | None = None, refusing: str | None = None) -> dict[str, Any]:
+    """The state dict of the step tests, as saved (``saved=True``: tensors plain for ``target="plain"``,
+    DTensors otherwise) or as a load target whose every value differs from the saved one: ``plain``
+    tensors and ``dtensor`` DTensors filled in place, or ``meta`` (a meta DTensor, a meta Parameter, a
+    meta tensor). Tensors are nested under ``model``, non-tensor values under ``extra``, beside two
+    top-level ``Stateful`` values. ``planning`` is the key asked for with another shape; ``refusing``
+    the key whose value refuses what is loaded (:data:`_STEP_FAULTS`)."""
+    model: dict[str, Any] = {}
+    for key, (shape, dtype, placement) in _STEP_TENSORS.items():
+        if f"model.{key}" == planning:
+            shape = shape[::-1] if len(shape) > 1 else (shape[0] + 1,)
+        full = _step_full(key, shape)
+        if saved:
+            model[key] = full if target == "plain" else _dtensor(full, dist.mesh(), [placement])
+        elif target == "plain":
+            model[key] = different_like(full)
+        elif target == "dtensor":
+            model[key] = _dtensor(different_like(full), dist.mesh(), [placement])
+        elif key == "w":
+            model[key] = _dtensor(full.to("meta"), dist.mesh(), [placement])
+        elif key == "b":
+            model[key] = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))
+        else:
+            model[key] = torch.empty(shape, dtype=dtype, device="meta")
+    if saved:
+        return {"model": model, "extra": {"step": 7, "note": "saved"}, "a_counter": _Progress(3, "run-a"), "b_progress": _Progress(5, "run-b")}
+    first, last = (_REFUSALS[i] if refusing == _STEP_FAULTS["committing"][i] else None for i in (0, 1))
+    extra = {"step": 0, "note": ""}
+    return {"model": model, "extra": extra if last is None else _ReadOnlyEntry(extra, "note", last), "a_counter": _Progress(0, ""),
+            "b_progress": _Progress(0, "", refuse=first)}
+
+
+def _skeleton(value: Any) -> Any:
+    """What a load that fails after planning must leave as it was: every entry's identity, kind, dtype,
+    shape, device and memory (a meta entry as it was, a DTensor's local shard over the same memory),
+    every non-tensor value bit for bit, each ``Stateful``'s state; not the values of tensors filled in
+    place (a failure while reading may leave them partly read)."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    if isinstance(value, Mapping):
+        return {"__type__": type(value).__name__, "items": [(k, id(v), _skeleton(v)) for k, v in value.items()]}
+    if isinstance(value, (list, tuple)):
+        return [type(value).__name__, *(_skeleton(v) for v in value)]
+    if isinstance(value, DTensor):
+        return ("dtensor", tuple(value.placements), tuple(value.shape), _skeleton(value.to_local()))
+    if isinstance(value, torch.Tensor):
+        where = value.device.type if value.device.type == "meta" else (str(value.device), value.data_ptr())
+        return ("tensor", type(value).__name__, value.dtype, tuple(value.shape), value.stride(), where)
+    if isinstance(value, Stateful):
+        return ("stateful", type(value).__name__, _exact(value.state_dict()))
+    return _exact(value)
+
+
+@dataclass(frozen=True)
+class _StepCase:
+    """Which step fails on the first rank and on the last (None: that rank's load has no fault)."""
+
+    first: str | None
+    last: str | None
+
+    @property
+    def id(self) -> str:
+        return f"first-{self.first or 'ok'}-last-{self.last or 'ok'}"
+
+    def faults(self, world_size: int) -> dict[int, tuple[str, int]]:
+        """rank -> (step, 0 for the first rank's fault or 1 for the last's)."""
+        out: dict[int, tuple[str, int]] = {}
+        if self.first is not None:
+            out[0] = (self.first, 0)
+        if self.last is not None:
+            out[world_size - 1] = (self.last, 1)
+        return out
+
+
+_STEP_CASES = [_StepCase(first, last) for first in (None, *_STEPS) for last in (None, *_STEPS) if (first, last) != (None, None)]
+
+
+def _unreadable_records(path: Path, fqn: str) -> dict[str, list[tuple[int, int]]]:
+    """file -> the byte ranges in the middle of the saved data of every chunk of ``fqn``: far from its
+    records' headers and directories, so a reader that checks those while planning plans
+    successfully, and fails when it reads the data."""
+    from reference.checkpoint import read_metadata_file
+    from reference.checkpoint.records import parse_tensor_record
+
+    regions: dict[str, list[tuple[int, int]]] = {}
+    for index, info in read_metadata_file(path).storage_data.items():
+        if index.fqn != fqn:
+            continue
+        with open(path / info.relative_path, "rb", buffering=0) as file:
+            layout = parse_tensor_record(file, info.offset, info.length)
+        if layout is None:
+            fail("test set-up: a tensor record's data could not be located", info, "a record torch.save writes", f"{path}, key {fqn!r}")
+        nbytes = layout.storage_numel * torch.empty((), dtype=layout.dtype).element_size()
+        middle = layout.data_offset + max(0, nbytes - _UNREADABLE_BYTES) // 2
+        regions.setdefault(info.relative_path, []).append((middle, middle + min(nbytes, _UNREADABLE_BYTES)))
+    if not regions:
+        fail("test set-up: no record of the key", sorted(str(i.fqn) for i in read_metadata_file(path).storage_data), fqn, str(path))
+    return regions
+
+
+@dataclass
+class _StepLoad:
+    """One load of the step tests on this rank: the target, what it was before, what the load raised."""
+
+    state: dict[str, Any]
+    before: Any
+    skeleton: Any
+    exc: BaseException | None
+
+
+def _stateful_states(state: dict[str, Any]) -> list[tuple[str, tuple[tuple[str, Any], ...]]]:
+    """Each top-level ``Stateful``'s key and the items of its ``state_dict()``, as plain values."""
+    return [(k, tuple(v.state_dict().items())) for k, v in state.items() if isinstance(v, _Progress)]
+
+
+def _load_with_faults(dist: Any, ops: Any, path: Path, target: str, faults: dict[int, tuple[str, int]]) -> _StepLoad:
+    """A load into a fresh ``target`` state dict with this rank's fault of ``faults``, if any."""
+    step, which = faults.get(dist.rank, (None, 0))
+    state = _step_state(dist, target, saved=False, planning=_STEP_FAULTS["planning"][which] if step == "planning" else None,
+                        refusing=_STEP_FAULTS["committing"][which] if step == "committing" else None)
+    before = snapshot(state_dict=state, stateful=_stateful_states(state))
+    skeleton = _skeleton(state)
+    fault: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if step == "reading":
+        fault = unreadable_bytes(path, _unreadable_records(path, _STEP_FAULTS["reading"][which]))
+    with fault:
+        exc = raised(lambda: _call(lambda: ops.load(state, path, process_group=_pg(dist))))
+    return _StepLoad(state, before, skeleton, exc)
+
+
+def _names_the_failure(text: str, path: Path, step: str, which: int) -> None:
+    """``text`` names what one rank's fault at ``step`` is about: the key (and, for a read, the data
+    file; for a refused commit, the words of the refusal)."""
+    __tracebackhide__ = True
+    key = _STEP_FAULTS[step][which]
+    assert_names_key(text, key, what=f"the error of a failed {step}")
+    if step == "committing" and _REFUSALS[which] not in text:
+        fail("the error of a refused commit lacks the refusal's own words", text[:600], _REFUSALS[which], key)
+    if step == "reading":
+        files = sorted(_unreadable_records(path, key))
+        if not any(name in text for name in files):
+            fail("the error of a failed read does not name the data file", text[:600], f"one of {files}", key)
+
+
+def _most_specific_common_types(types: list[type]) -> list[type]:
+    """The classes every one of ``types`` derives from that no other such class derives from."""
+    common = set.intersection(*(set(t.__mro__) for t in types))
+    return [c for c in common if not any(o is not c and issubclass(o, c) for o in common)]
+
+
+@pytest.mark.req("ML-23", "ML-24")
+@pytest.mark.rank_timeout(30)
+@pytest.mark.parametrize("case", _STEP_CASES, ids=[c.id for c in _STEP_CASES])
+@pytest.mark.parametrize("target", ["plain", "dtensor", "meta"])
+def test_a_load_failing_at_any_step_replaces_nothing(dist, impl, target: str, case: _StepCase) -> None:
+    """A load fails while planning (a key asked for with another shape), while reading (the middle of a
+    key's saved data cannot be read: EIO, on this rank only) or while committing (on the first rank a
+    top-level ``Stateful`` refuses its loaded state after another one loaded; on the last a mapping of
+    non-tensor values refuses one, a frozen entry), into plain tensors, DTensors or meta values, on
+    the first rank, the last, both (each with its own key) or both at different steps. Every rank
+    raises the same error; it names each rank whose fault lies in the earliest failing step (its
+    rank, its key, for a read its data file, for a refusal its words); with two such ranks its type
+    is the most specific type both ranks' errors alone have; with a rank whose fault lies in a later
+    step, it is exactly the error the earlier fault alone gives. No rank's state dict has anything
+    replaced (after a planning failure, nothing changed at all) and each ``Stateful`` holds its state
+    from before."""
+    if case.last is not None and dist.world_size == 1 and case.first is not None:
+        pytest.skip("at world size 1 the first rank is the last: the first rank's cases cover it")
+    if case.first is None and dist.world_size == 1:
+        pytest.skip("at world size 1 the last rank is the first: the first rank's cases cover it")
+    ops = _ops(impl)
+    path = dist.tmp_dir / "ckpt"
+    ops.save(_step_state(dist, target, saved=True), path, process_group=_pg(dist))
+    dist.barrier()
+    faults = case.faults(dist.world_size)
+    earliest = min(_STEPS.index(step) for step, _ in faults.values())
+    failing = {rank: fault for rank, fault in faults.items() if _STEPS.index(fault[0]) == earliest}
+    alone = {}  # rank -> what the load raised here when that rank alone had its fault
+    if len(failing) < len(faults) or len(failing) > 1:
+        alone = {rank: _load_with_faults(dist, ops, path, target, {rank: fault}).exc for rank, fault in failing.items()}
+    load = _load_with_faults(dist, ops, path, target, faults)
+    exc, text = load.exc, str(load.exc)
+
+    def names() -> None:
+        if exc is None:
+            fail("the load returned normally", "no error", f"an error naming the failure of ranks {sorted(failing)}", f"rank {dist.rank}")
+        for rank, (step, which) in sorted(failing.items()):
+            _names_the_failure(text, path, step, which)
+            if dist.world_size > 1 and not re.search(rf"\brank\W{{0,2}}{rank}\b", text, re.IGNORECASE):
+                fail("the error does not name a failing rank", text[:600], f"rank {rank} named", f"rank {dist.rank} of {dist.world_size}")
+
+    def agreed_type() -> None:
+        if not alone:
+            return
+        if any(e is None for e in alone.values()):
+            fail("a load with one rank's fault alone returned normally here", {r: repr(e)[:200] for r, e in alone.items()},
+                 "an error on every rank", f"rank {dist.rank}")
+        if len(failing) < len(faults):  # the later step's fault was never reached
+            (single,) = alone.values()
+            if type(exc) is not type(single) or text != str(single):
+                fail("a failure in an earlier step must end the load: the error differs from the one that fault alone gives",
+                     f"{type(exc).__name__}: {text[:400]}", f"{type(single).__name__}: {str(single)[:400]}", f"rank {dist.rank}")
+            return
+        types = [type(e) for e in alone.values()]
+        wanted = _most_specific_common_types(types)
+        if type(exc) not in wanted:
+            fail("the agreed error's type is not the most specific type of every failing rank's own error",
+                 type(exc).__qualname__, f"one of {[t.__qualname__ for t in wanted]} (ranks alone: {[t.__qualname__ for t in types]})",
+                 f"rank {dist.rank}")
+
+    def unchanged() -> None:
+        if earliest == 0:
+            assert_unchanged(load.before, state_dict=load.state, stateful=_stateful_states(load.state), where=f"rank {dist.rank}, failed while planning")
+        else:
+            _assert_same_bits(_skeleton(load.state), load.skeleton, what=f"the state dict after a load that failed while {_STEPS[earliest]} "
+                              "(entries replaced, meta built, non-tensor or Stateful values loaded)")
+
+    check_each(
+        agreed=lambda: assert_same_error_on_every_rank(dist, exc, what=f"load failing ({case.id})"),
+        names=names,
+        type=agreed_type,
+        unchanged=unchanged,
+    )
 
 
 # -- ML-13 a save killed at each step ------------------------------------------------------------------------------

@@ -269,6 +269,57 @@ def test_top_level_values_are_replaced_in_the_callers_dict(tmp_path) -> None:
     assert sd["w"].device.type == "cpu" and torch.equal(sd["w"], torch.ones(2)) and sd["name"] == "x"
 
 
+class _Epoch:
+    """A Stateful holding non-tensor state (a Stateful's tensors are filled in place while reading)."""
+
+    def __init__(self, epoch: int, refuse: bool = False) -> None:
+        self.epoch, self.refuse = epoch, refuse
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.refuse:
+            raise ValueError("the saved epoch is out of range")
+        self.epoch = state_dict["epoch"]
+
+
+class _FrozenNote(dict):
+    """A mapping whose ``note`` cannot be replaced."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        if key == "note":
+            raise TypeError("note is frozen")
+        super().__setitem__(key, value)
+
+
+@pytest.mark.parametrize("refuser", ["stateful", "mapping"])
+def test_a_failed_commit_is_undone(tmp_path, refuser: str) -> None:
+    """A commit that fails part-way (a Stateful refusing its state after another one loaded, or a
+    mapping refusing one of its values after another took its new one) raises a StateDictError naming
+    the key, and everything the commit had put in is taken out again: meta entries, non-tensor values,
+    top-level values, the Stateful already loaded."""
+    from reference import checkpoint
+
+    checkpoint.save({"a": _Epoch(5), "b": _Epoch(6), "w": torch.ones(2), "extra": {"step": 3, "note": "x"}, "top": "saved"},
+                    checkpoint_id=tmp_path)
+    meta = torch.empty(2, device="meta")
+    first = _Epoch(0)
+    extra = _FrozenNote(step=0, note="") if refuser == "mapping" else {"step": 0, "note": ""}
+    sd = {"a": first, "b": _Epoch(0, refuse=refuser == "stateful"), "w": meta, "extra": extra, "top": ""}
+    key = "b" if refuser == "stateful" else "extra.note"
+    with pytest.raises(StateDictError, match=rf"key '{key}': .*(out of range|note is frozen)"):
+        checkpoint.load(sd, checkpoint_id=tmp_path)
+    assert sd["w"] is meta and sd["top"] == "" and dict(extra) == {"step": 0, "note": ""} and sd["extra"] is extra
+    assert first.epoch == 0, "the Stateful loaded before the failure kept the loaded state"
+    sd["b"].refuse = False
+    if refuser == "mapping":
+        sd["extra"] = {"step": 0, "note": ""}
+    checkpoint.load(sd, checkpoint_id=tmp_path)  # the same state dict loads once nothing refuses
+    assert first.epoch == 5 and sd["b"].epoch == 6 and sd["extra"] == {"step": 3, "note": "x"} and sd["top"] == "saved"
+    assert torch.equal(sd["w"], torch.ones(2))
+
+
 def test_non_strided_tensors_cannot_be_saved() -> None:
     """A sparse tensor is refused naming its key, never left out of the checkpoint silently."""
     sparse = torch.eye(3).to_sparse()

@@ -7,7 +7,9 @@ them with its own state dict; rank 0 coordinates. Without a process group and wi
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -17,6 +19,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from reference.checkpoint.collective import Collective, process_group_device
+from reference.checkpoint.errors import CheckpointError, StateDictError
 from reference.checkpoint.planner import LoadResult, ReferenceLoadPlanner, ReferenceSavePlanner
 from reference.checkpoint.storage import FileSystemReader, FileSystemWriter
 
@@ -133,6 +136,14 @@ def load(
 
     A top-level ``Stateful`` value (with ``state_dict``/``load_state_dict``) is loaded through its state
     dict, and its ``load_state_dict`` is called once every rank has read successfully.
+
+    All or nothing, on every rank alike: a load that fails while planning, reading or committing
+    (putting built and non-tensor values into the state dict, calling the ``Stateful`` values'
+    ``load_state_dict``) on any rank raises the same error on every rank (naming each failing rank
+    and what it saw) and replaces nothing in any rank's state dict; what a failed commit had put in
+    is taken out again, and a ``Stateful`` already loaded gets back what its ``state_dict()`` returned
+    before. Tensors filled in place may hold partial data after a failure while reading, and the
+    saved data after a failure while committing.
     """
     user_state_dict, state_dict = state_dict, _expand_stateful(state_dict)
     reader = storage_reader if storage_reader is not None else FileSystemReader()
@@ -161,10 +172,48 @@ def load(
         reader.read_data(planner.finish_plan(plan), planner).wait()
 
     collective.all_succeed("reading", read)
-    result = planner.commit()
-    for key, value in user_state_dict.items():
-        if isinstance(value, Stateful):
-            value.load_state_dict(state_dict[key])
-        else:  # commit replaced top-level values (built meta tensors, objects) in the expanded dict
-            user_state_dict[key] = state_dict[key]
-    return result
+    undo: list[Callable[[], None]] = []
+
+    def commit() -> LoadResult:
+        result = planner.commit(undo)
+        for key, value in user_state_dict.items():
+            if isinstance(value, Stateful):
+                _load_stateful(key, value, state_dict[key], undo)
+            elif value is not state_dict[key]:  # commit replaced a top-level value in the expanded dict
+                user_state_dict[key] = state_dict[key]
+                undo.append(functools.partial(user_state_dict.__setitem__, key, value))
+        return result
+
+    try:
+        return collective.all_succeed("committing", commit)
+    except BaseException as exc:
+        problems = _undo(undo)
+        add_note = getattr(exc, "add_note", None)  # Python >= 3.11
+        if problems and add_note is not None:
+            add_note("the state dict could not be restored: " + "; ".join(problems))
+        raise
+
+
+def _load_stateful(key: str, value: Stateful, loaded: Any, undo: list[Callable[[], None]]) -> None:
+    """``value.load_state_dict(loaded)``; appends to ``undo`` the step that loads back what its
+    ``state_dict()`` returned before. Its error becomes one naming ``key`` (a ``ValueError`` or
+    ``TypeError``, a value it refuses, a :class:`StateDictError`)."""
+    previous = value.state_dict()
+    try:
+        value.load_state_dict(loaded)
+    except Exception as exc:
+        cls = StateDictError if isinstance(exc, (ValueError, TypeError)) else CheckpointError
+        raise cls(f"key {key!r}: {type(value).__name__}.load_state_dict raised {type(exc).__name__}: {exc}") from exc
+    undo.append(functools.partial(value.load_state_dict, previous))
+
+
+def _undo(steps: list[Callable[[], None]]) -> list[str]:
+    """Run ``steps`` last to first, each even when one before failed; returns the failures (the
+    state dict is then not fully restored)."""
+    failed: list[str] = []
+    for step in reversed(steps):
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - every step is tried, every failure reported
+            failed.append(f"{type(exc).__name__}: {exc}")
+    return failed

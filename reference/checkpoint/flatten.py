@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ObjPath", "FlatStateDict", "flatten_state_dict", "set_value"]
+__all__ = ["ObjPath", "FlatStateDict", "flatten_state_dict", "get_value", "set_value"]
 
 #: Where a value lives in a nested state dict: the keys (``str``) and list indices (``int``) leading to it.
 ObjPath = tuple[str | int, ...]
@@ -74,6 +74,14 @@ def flatten_state_dict(state_dict: Mapping[Any, Any]) -> FlatStateDict:
     for k, v in state_dict.items():
         visit((str(k),), (k,), v)
     return FlatStateDict(flat, paths, native)
+
+
+def get_value(root: Mapping[Any, Any], native_path: tuple[Any, ...]) -> Any:
+    """The value at ``native_path`` (from :attr:`FlatStateDict.native_paths` of ``root``)."""
+    value: Any = root
+    for item in native_path:
+        value = value[item]
+    return value
 
 
 def set_value(root: MutableMapping[Any, Any], native_path: tuple[Any, ...], value: Any) -> None:

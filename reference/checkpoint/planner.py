@@ -12,16 +12,18 @@ save: ``set_up_planner`` (all) -> ``create_local_plan`` (all) -> ``create_global
       ``resolve_data`` (all, once per write item, from the storage writer).
 load: ``set_up_planner`` (all) -> ``create_local_plan`` (all) -> ``create_global_plan`` (coordinator)
       -> ``finish_plan`` (all) -> ``resolve_tensor`` / ``load_bytes`` (all, from the storage reader)
-      -> :meth:`ReferenceLoadPlanner.commit` (all, once every rank has read successfully).
+      -> :meth:`ReferenceLoadPlanner.commit` (all, once every rank has read successfully; undone on
+      every rank when it fails on any).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -49,7 +51,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.tensor import DTensor
 
 from reference.checkpoint.errors import CheckpointFormatError, StateDictError
-from reference.checkpoint.flatten import FlatStateDict, ObjPath, flatten_state_dict, set_value
+from reference.checkpoint.flatten import FlatStateDict, ObjPath, flatten_state_dict, get_value, set_value
 from reference.checkpoint.layout import Chunk, check_tiling, local_chunk, overlaps
 from reference.checkpoint.metadata_io import CURRENT_VERSION
 
@@ -487,12 +489,26 @@ class ReferenceLoadPlanner(LoadPlanner):
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass  # reads land in the target's memory directly
 
-    def commit(self) -> LoadResult:
+    def commit(self, undo: list[Callable[[], None]] | None = None) -> LoadResult:
         """Put the built values and the loaded non-tensor values into the state dict. Call on every
-        rank once all ranks have read successfully."""
-        for key, value in self._replacements.items():
-            set_value(self._state_dict, self._flat.native_paths[key], value)
-        self._replacements = {}
+        rank once all ranks have read successfully.
+
+        For each value put in, a step that puts the old value back is appended to ``undo`` (run them
+        in reverse to restore the state dict). A container that refuses a value (its ``__setitem__``
+        raises) is a :class:`StateDictError` naming the key, raised after the values put in before it;
+        the caller undoes those."""
+        replacements, self._replacements = self._replacements, {}
+        for key, value in replacements.items():
+            path = self._flat.native_paths[key]
+            old = get_value(self._state_dict, path)
+            try:
+                set_value(self._state_dict, path, value)
+            except Exception as exc:
+                raise StateDictError(
+                    f"key {key!r}: the state dict refused the loaded value ({type(exc).__name__}: {exc})"
+                ) from exc
+            if undo is not None:
+                undo.append(functools.partial(set_value, self._state_dict, path, old))
         return self.result
 
 
