@@ -29,14 +29,15 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from conformance import models
-from conformance.adapters.sharding import STRATEGIES, ShardingPlan, hybrid_mesh_shape
+from conformance.adapters.sharding import STRATEGIES, ShardingPlan, hybrid_mesh_shape, strategy_layout
 from conformance.asserts import (
     assert_bitwise_equal,
     assert_local_shard,
     assert_names_key,
+    assert_planned_shard,
     assert_same_error_on_every_rank,
     assert_same_state,
     assert_unchanged,
@@ -292,23 +293,20 @@ def hyperparameters_by_fqn(osd: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _sharded_positional(value: DTensor, expected: torch.Tensor, strategy: str, what: str, where: str, atol: float | None) -> None:
-    """OS-5 on this rank: a DTensor of the parameter's full shape and dtype, ``Shard(0)`` on the shard
-    dimension (unless it is trivial or NO_SHARD), whose local shard is this rank's ``torch.chunk``
-    piece of ``expected`` (bit for bit, or to ``atol``)."""
+    """OS-5 on this rank: a DTensor of the parameter's full shape and dtype laid out as the plan asked
+    for (:func:`~conformance.asserts.assert_planned_shard` with the strategy's
+    :func:`~conformance.adapters.sharding.strategy_layout`): on the 1-D mesh of every rank with
+    ``Shard(0)`` (FULL_SHARD, SHARD_GRAD_OP) or ``Replicate()`` (NO_SHARD), or on the 2-D mesh whose
+    dim 0 is the replicate groups and dim 1 the shard groups with ``(Replicate(), Shard(0))``
+    (HYBRID_SHARD), each mesh dim's process group holding the ranks the plan puts together; its local
+    shard is this rank's ``torch.chunk`` piece of ``expected`` as the plan assigns it (bit for bit, or
+    to ``atol``), whatever coordinate the DTensor reports."""
     __tracebackhide__ = True
-    placements = tuple(value.placements)
-    if not all(isinstance(p, (Shard, Replicate)) for p in placements):
-        fail(f"{what}: placements", placements, "Shard(0) / Replicate() only", where)
-    if strategy != "NO_SHARD" and value.device_mesh.size(len(placements) - 1) > 1 and placements[-1] != Shard(0):
-        fail(f"{what}: placements", placements, "Shard(0) on the shard dimension (the mesh's last)", where)
-    if value.dtype != expected.dtype or value.shape != expected.shape:
-        fail(f"{what}: DTensor dtype/global shape", (value.dtype, tuple(value.shape)), (expected.dtype, tuple(expected.shape)), where)
-    if atol is None:
-        assert_local_shard(value, expected, what=what, where=where)
-        return
-    mesh = value.device_mesh
-    piece, offsets = expected_local_chunk(expected, placements, tuple(mesh.shape), tuple(mesh.get_coordinate()))
-    assert_same_state(value.to_local(), piece, what=f"{what}: local shard", where=f"{where} (offsets {offsets})", atol=atol, rtol=RTOL)
+    import torch.distributed as tdist
+
+    replicas, shards = strategy_layout(strategy, tdist.get_world_size())
+    assert_planned_shard(value, expected, replicas=replicas, shards=shards, rank=tdist.get_rank(), what=what, where=where,
+                         atol=atol, rtol=RTOL if atol is not None else 0.0)
 
 
 def assert_osd_matches(
