@@ -823,6 +823,52 @@ def test_load_error(impl: Any, kind: str, api: str, how: str) -> None:
                unchanged=lambda: assert_unchanged(before, model=pair.target, optim=pair.target_optim))
 
 
+@pytest.mark.req("SD-8", "SD-7")
+@pytest.mark.parametrize("how", ("plain", "checkpoint+compile"))
+@pytest.mark.parametrize("kind", ("missing", "unexpected", "non-persistent", "optim-missing"))
+def test_strict_decides_whether_a_mismatch_is_an_error(impl: Any, kind: str, how: str) -> None:
+    """One wrong dict (a model entry missing, an entry the model lacks, a non-persistent buffer, or an
+    optimizer parameter that no saved group lists), set twice into a target that differs everywhere.
+    ``strict=True``: a ``RuntimeError`` naming the canonical key whole (no wrapper segment); for the
+    optimizer case also nothing changed, model or optimizer. ``strict=False`` (model cases): no error,
+    every given entry of the model loaded bit for bit, a missing entry left as it was and reported in
+    ``missing_keys``, an unexpected one (a non-persistent buffer too) reported in ``unexpected_keys``
+    and not loaded, keys spelled canonically. (Model state left unchanged by a refused strict load is
+    test_load_error's.)"""
+    ops = sd_ops(impl)
+    case = ERROR_CASES[kind]
+    pair = plain_pair(case.model)
+    model_sd, optim_sd = copy.deepcopy(ops.get_state_dict(pair.source, pair.source_optim))
+    bad_model, bad_optim = break_input(case, model_sd, optim_sd)
+    target = wrap(pair.target, how)
+    untouched_before = copy.deepcopy(pair.target.state_dict())
+    before = snapshot(model=pair.target, optim=pair.target_optim)
+
+    def strict_load() -> Any:
+        if case.part == "optim":
+            return ops.set_optimizer_state_dict(target, pair.target_optim, copy.deepcopy(bad_optim), options=ops.options(strict=True))
+        return ops.set_model_state_dict(target, copy.deepcopy(bad_model), options=ops.options(strict=True))
+
+    exc = raised(strict_load)
+    check_error(case, exc, model_sd, list(model_sd), where=f"strict set, {how}")
+    if case.part == "optim":
+        assert_unchanged(before, model=pair.target, optim=pair.target_optim, where="after the refused strict optimizer load")
+        return
+    result = ops.set_model_state_dict(target, copy.deepcopy(bad_model), options=ops.options(strict=False))
+    after = pair.target.state_dict()
+    given = {k: v for k, v in bad_model.items() if k in after}
+    assert_same_state({k: after[k] for k in given}, given, what=f"entries given to a non-strict set ({kind})")
+    missing = [k for k in after if k not in bad_model]
+    assert_same_state({k: after[k] for k in missing}, {k: untouched_before[k] for k in missing},
+                      what=f"entries not given to a non-strict set ({kind})")
+    unexpected = [k for k in bad_model if k not in after]
+    if sorted(result.missing_keys) != sorted(missing) or sorted(result.unexpected_keys) != sorted(unexpected):
+        fail(f"keys reported by a non-strict set ({kind}, {how})", (sorted(result.missing_keys), sorted(result.unexpected_keys)),
+             (sorted(missing), sorted(unexpected)))
+    if kind == "non-persistent":
+        assert_same_state(pair.target.scale, torch.full((3,), 0.75), what="the non-persistent buffer after a non-strict set")
+
+
 @pytest.mark.req("SD-10")
 def test_empty_nonstrict_load_reports_everything_missing(impl: Any) -> None:
     ops = sd_ops(impl)
@@ -1363,6 +1409,56 @@ def test_sharded_load_error_on_one_rank(dist: Any, impl: Any, kind: str) -> None
     """Only the last rank's input is wrong: still every rank raises the same error, promptly (a rank
     left waiting in a collective is cut by the timeout), and no rank changes anything."""
     sharded_error_run(dist, impl, kind, bad_ranks={dist.world_size - 1})
+
+
+@pytest.mark.req("SD-8", "SD-7")
+@pytest.mark.rank_timeout(PROMPTLY_S)
+@pytest.mark.parametrize("kind", ("missing", "unexpected", "optim-missing"))
+def test_sharded_strict_decides_whether_a_mismatch_is_an_error(dist: Any, impl: Any, kind: str) -> None:
+    """On a sharded model, one wrong full dict (an entry missing, an entry the model lacks, an
+    optimizer parameter no saved group lists) on every rank, set twice into a differing target.
+    ``strict=True``: every rank raises the same ``RuntimeError`` naming the canonical key whole; for
+    the optimizer case no rank changes anything. ``strict=False`` (model cases): no rank raises, and on
+    every rank the full get holds the given entries bit for bit and the target's own value for the
+    missing one, which is reported in ``missing_keys`` (an unexpected one in ``unexpected_keys``)."""
+    ops = sd_ops(impl)
+    case = ERROR_CASES[kind]
+    source = sharded_pair(impl, dist, case.model)
+    model_sd, optim_sd = copy.deepcopy(ops.get_state_dict(source.model, source.optim, options=ops.options(full_state_dict=True)))
+    target, target_optim = sharded_target(impl, dist, case.model, source.oracle.state_dict())
+    bad_model, bad_optim = break_input(case, model_sd, optim_sd)
+    full = ops.options(full_state_dict=True)
+    own = copy.deepcopy(ops.get_model_state_dict(target, options=full))
+    before = snapshot(model=target, optim=target_optim)
+    where = f"rank {dist.rank}"
+
+    def strict_load() -> Any:
+        options = ops.options(full_state_dict=True, strict=True)
+        if case.part == "optim":
+            return ops.set_optimizer_state_dict(target, target_optim, copy.deepcopy(bad_optim), options=options)
+        return ops.set_model_state_dict(target, copy.deepcopy(bad_model), options=options)
+
+    exc = raised(strict_load)
+    assert_same_error_on_every_rank(dist, exc, what=f"{kind}: strict set of a sharded model")
+    check_error(case, exc, model_sd, list(model_sd), where=where)
+    if case.part == "optim":
+        assert_unchanged(before, model=target, optim=target_optim, where=f"{where}, after the refused strict optimizer load")
+        return
+    box: list[Any] = []
+    nonstrict = ops.options(full_state_dict=True, strict=False)
+    exc = raised(lambda: box.append(ops.set_model_state_dict(target, copy.deepcopy(bad_model), options=nonstrict)))
+    every = dist.all_gather_object(None if exc is None else f"{type(exc).__name__}: {exc}"[:300])
+    if any(e is not None for e in every):
+        fail(f"{kind}: a non-strict set of a sharded model raised", every, "no error on any rank", where)
+    reported = box[0]
+    after = ops.get_model_state_dict(target, options=full)
+    missing = [k for k in own if k not in bad_model]
+    expected = {k: (own[k] if k in missing else bad_model[k]) for k in own}
+    assert_same_state(after, expected, what=f"full model state dict after a non-strict set ({kind})", where=where)
+    unexpected = [k for k in bad_model if k not in own]
+    if sorted(reported.missing_keys) != sorted(missing) or sorted(reported.unexpected_keys) != sorted(unexpected):
+        fail(f"keys reported by a non-strict set of a sharded model ({kind})",
+             (sorted(reported.missing_keys), sorted(reported.unexpected_keys)), (sorted(missing), sorted(unexpected)), where)
 
 
 def form_of(tree: Any) -> Any:
