@@ -81,7 +81,7 @@ def test_meta_load_of_tied_values_restores_the_saved_model(dist, impl) -> None:
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     ops.save(model.state_dict(), path, process_group=_pg(dist))
 
-    meta_model = _zoo_model(dist, "tied", seed=0, device="meta")
+    meta_model: Any = _zoo_model(dist, "tied", seed=0, device="meta")
     sd = meta_model.state_dict()
     _call(lambda: ops.load(sd, path, process_group=_pg(dist)))
     for key, value in sd.items():
