@@ -17,6 +17,8 @@ helper                              checks
                                     bit-exact by default, or within a float tolerance
 :func:`assert_local_shard`          a DTensor's local shard against the documented layout of its
                                     full value (``torch.chunk`` along each sharded mesh dim)
+:func:`assert_planned_shard`        a DTensor against the layout a sharding plan asked for: its
+                                    mesh's ranks and groups, placements, coordinate and local shard
 :func:`snapshot`/:func:`assert_unchanged`
                                     "changes nothing", deeply: a module's parameters and buffers
                                     (non-persistent too), an optimizer's ``state`` and
@@ -54,6 +56,7 @@ __all__ = [
     "assert_same_state",
     "expected_local_chunk",
     "assert_local_shard",
+    "assert_planned_shard",
     "Snapshot",
     "snapshot",
     "assert_unchanged",
@@ -296,6 +299,94 @@ def assert_local_shard(value: Any, full: torch.Tensor, *, what: str = "shard", w
     if tuple(local.shape) != tuple(piece.shape):
         fail(f"{what}: local shard shape differs", tuple(local.shape), tuple(piece.shape), rank_where)
     assert_bitwise_equal(local, piece.to(local.dtype) if local.dtype != piece.dtype else piece, what=f"{what}: local shard", where=rank_where)
+
+
+def _group_ranks(mesh: Any, dim: int) -> list[int]:
+    import torch.distributed as dist
+
+    return sorted(dist.get_process_group_ranks(mesh.get_group(dim)))
+
+
+def assert_planned_shard(
+    value: Any,
+    full: torch.Tensor,
+    *,
+    replicas: int,
+    shards: int,
+    rank: int,
+    what: str = "shard",
+    where: str = "",
+    atol: float | None = None,
+    rtol: float = 0.0,
+) -> None:
+    """``value`` is a DTensor of ``full`` (a tensor of positive dimension) laid out as a plan asked for:
+    the world of ``replicas * shards`` ranks in ``replicas`` shard groups of ``shards`` consecutive
+    ranks (:func:`conformance.adapters.sharding.strategy_layout`), rank ``r`` holding chunk
+    ``r % shards`` of ``torch.chunk(full, shards)`` along dim 0. Checked on this rank (``rank``):
+
+    * the mesh: 2-D of shape ``(replicas, shards)`` whose global ranks are ``arange(world).reshape(
+      replicas, shards)`` (dim 0 the replicate groups, dim 1 the shard groups), placements
+      ``(Replicate(), Shard(0))``; or, when one of the two is trivial, 1-D over every rank in order
+      with ``Shard(0)`` (``replicas == 1``) or ``Replicate()`` (``shards == 1``). A shard axis of
+      size 1 may hold ``Shard(0)`` or ``Replicate()``: both leave the whole value on every rank;
+    * the process group of each mesh dim holds exactly the ranks that share it with this rank (a
+      mesh read the wrong way round shares shards with the wrong ranks), and this rank's
+      coordinate is ``(r // shards, r % shards)`` (``(r,)`` on a 1-D mesh);
+    * the global shape and dtype are ``full``'s, and the local shard is this rank's planned piece of
+      ``full`` (bit for bit, or within ``atol + rtol * |expected|``), computed from the plan, not from
+      the coordinate the DTensor reports."""
+    __tracebackhide__ = True
+    world = replicas * shards
+    if not isinstance(value, DTensor):
+        fail(f"{what}: not a DTensor", type(value).__name__, "DTensor", where)
+    if full.dim() == 0:
+        raise TypeError("assert_planned_shard: the full value must have a positive dimension (a positional value)")
+    if value.shape != full.shape or value.dtype != full.dtype:
+        fail(f"{what}: global shape/dtype differ", (tuple(value.shape), value.dtype), (tuple(full.shape), full.dtype), where)
+    mesh = value.device_mesh
+    placements = tuple(value.placements)
+    layout = f"{replicas} replica(s) x {shards} shard(s) over {world} ranks"
+    ranks = mesh.mesh.tolist()
+    if mesh.ndim == 2:
+        if tuple(mesh.shape) != (replicas, shards):
+            fail(f"{what}: mesh shape", tuple(mesh.shape), f"{(replicas, shards)} (replicate, shard): {layout}", where)
+        want_ranks: list[Any] = torch.arange(world).reshape(replicas, shards).tolist()
+        dim_groups = {0: [rank % shards + i * shards for i in range(replicas)],
+                      1: [(rank // shards) * shards + j for j in range(shards)]}
+        coordinate: tuple[int, ...] = (rank // shards, rank % shards)
+        shard_ok = placements[1] == Shard(0) or (shards == 1 and placements[1] == Replicate())
+        if placements[0] != Replicate() or not shard_ok:
+            fail(f"{what}: placements", placements, "(Replicate(), Shard(0)): mesh dim 0 replicates, dim 1 shards", where)
+    elif mesh.ndim == 1 and (replicas == 1 or shards == 1):
+        want_ranks = list(range(world))
+        dim_groups = {0: list(range(world))}
+        coordinate = (rank,)
+        allowed = [(Shard(0),)] if shards > 1 else [(Replicate(),)] if replicas > 1 else [(Shard(0),), (Replicate(),)]
+        if placements not in allowed:
+            fail(f"{what}: placements", placements, f"one of {allowed} on a 1-D mesh: {layout}", where)
+    else:
+        fail(f"{what}: mesh dimensions", f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}",
+             f"a 2-D mesh (replicate, shard) of shape {(replicas, shards)}: {layout}", where)
+    if ranks != want_ranks:
+        fail(f"{what}: the mesh's global ranks (a mesh read the wrong way round?)", ranks, want_ranks, where)
+    for dim, want in dim_groups.items():
+        got = _group_ranks(mesh, dim)
+        if got != want:
+            fail(f"{what}: ranks of mesh dim {dim}'s process group, seen from rank {rank}", got, want, where)
+    got_coordinate = mesh.get_coordinate()
+    if got_coordinate is None or tuple(got_coordinate) != coordinate:
+        fail(f"{what}: this rank's mesh coordinate", got_coordinate, coordinate, where)
+    piece, offsets = expected_local_chunk(full, (Replicate(), Shard(0)), (replicas, shards), (rank // shards, rank % shards))
+    local = value.to_local()
+    here = f"{where} (rank {rank}: chunk {rank % shards} of {shards} along dim 0, offsets {offsets})"
+    if tuple(local.shape) != tuple(piece.shape):
+        fail(f"{what}: local shard shape", tuple(local.shape), tuple(piece.shape), here)
+    if atol is None:
+        assert_bitwise_equal(local, piece, what=f"{what}: local shard", where=here)
+        return
+    problem = _close(local, piece, atol, rtol)
+    if problem:
+        fail(f"{what}: local shard values differ", problem, "equal within tolerance", here)
 
 
 # -- "changes nothing" -----------------------------------------------------------------------------

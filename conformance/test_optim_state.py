@@ -29,14 +29,15 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from conformance import models
-from conformance.adapters.sharding import STRATEGIES, ShardingPlan, hybrid_mesh_shape
+from conformance.adapters.sharding import STRATEGIES, ShardingPlan, hybrid_mesh_shape, strategy_layout
 from conformance.asserts import (
     assert_bitwise_equal,
     assert_local_shard,
     assert_names_key,
+    assert_planned_shard,
     assert_same_error_on_every_rank,
     assert_same_state,
     assert_unchanged,
@@ -292,23 +293,20 @@ def hyperparameters_by_fqn(osd: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _sharded_positional(value: DTensor, expected: torch.Tensor, strategy: str, what: str, where: str, atol: float | None) -> None:
-    """OS-5 on this rank: a DTensor of the parameter's full shape and dtype, ``Shard(0)`` on the shard
-    dimension (unless it is trivial or NO_SHARD), whose local shard is this rank's ``torch.chunk``
-    piece of ``expected`` (bit for bit, or to ``atol``)."""
+    """OS-5 on this rank: a DTensor of the parameter's full shape and dtype laid out as the plan asked
+    for (:func:`~conformance.asserts.assert_planned_shard` with the strategy's
+    :func:`~conformance.adapters.sharding.strategy_layout`): on the 1-D mesh of every rank with
+    ``Shard(0)`` (FULL_SHARD, SHARD_GRAD_OP) or ``Replicate()`` (NO_SHARD), or on the 2-D mesh whose
+    dim 0 is the replicate groups and dim 1 the shard groups with ``(Replicate(), Shard(0))``
+    (HYBRID_SHARD), each mesh dim's process group holding the ranks the plan puts together; its local
+    shard is this rank's ``torch.chunk`` piece of ``expected`` as the plan assigns it (bit for bit, or
+    to ``atol``), whatever coordinate the DTensor reports."""
     __tracebackhide__ = True
-    placements = tuple(value.placements)
-    if not all(isinstance(p, (Shard, Replicate)) for p in placements):
-        fail(f"{what}: placements", placements, "Shard(0) / Replicate() only", where)
-    if strategy != "NO_SHARD" and value.device_mesh.size(len(placements) - 1) > 1 and placements[-1] != Shard(0):
-        fail(f"{what}: placements", placements, "Shard(0) on the shard dimension (the mesh's last)", where)
-    if value.dtype != expected.dtype or value.shape != expected.shape:
-        fail(f"{what}: DTensor dtype/global shape", (value.dtype, tuple(value.shape)), (expected.dtype, tuple(expected.shape)), where)
-    if atol is None:
-        assert_local_shard(value, expected, what=what, where=where)
-        return
-    mesh = value.device_mesh
-    piece, offsets = expected_local_chunk(expected, placements, tuple(mesh.shape), tuple(mesh.get_coordinate()))
-    assert_same_state(value.to_local(), piece, what=f"{what}: local shard", where=f"{where} (offsets {offsets})", atol=atol, rtol=RTOL)
+    import torch.distributed as tdist
+
+    replicas, shards = strategy_layout(strategy, tdist.get_world_size())
+    assert_planned_shard(value, expected, replicas=replicas, shards=shards, rank=tdist.get_rank(), what=what, where=where,
+                         atol=atol, rtol=RTOL if atol is not None else 0.0)
 
 
 def assert_osd_matches(
@@ -719,6 +717,67 @@ def test_ranks_agree_on_key_order(dist, impl, use_orig_params: bool) -> None:
     assert_model_matches(ops, run, f"{run.setup} after reload on rank {dist.rank}")
 
 
+def _optimizer_fqn_order(ops: Any, run: Run) -> list[str]:
+    """The FQNs in the order this rank's optimizer lists its parameters (a flat parameter standing for
+    its FQNs in flat order)."""
+    fqns_of = {id(param): fqns for fqns, param in ops.optimizer_params(run.model)}
+    return [fqn for group in run.optim.param_groups for param in group["params"] for fqn in fqns_of[id(param)]]
+
+
+@pytest.mark.req("OS-9")
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+@pytest.mark.parametrize("order", ["model", "reversed"])
+def test_one_key_order_when_ranks_list_parameters_alike(dist, impl, order: str, use_orig_params: bool) -> None:
+    """Every rank's optimizer lists the parameters in one order (the model's, or reversed with the
+    groups): every rank returns the state dict with the same key order (``state`` and each group's
+    ``params``), the groups listing the FQNs in the order rank 0's optimizer lists them, holding the
+    unwrapped model's state; it loads back, and one more step matches the unwrapped model."""
+    ops = impl.require("optim_state")
+    run = Run(dist, impl, Setup(model="nested", use_orig_params=use_orig_params, groups=use_orig_params, order=order))
+    run.train(2)
+    osd = ops.optim_state_dict(run.model, run.optim)
+    where = f"{run.setup} ({order} order) on rank {dist.rank}"
+    assert_osd_matches(osd, run.oracle_osd(), where)
+    order0 = dist.broadcast_object(_optimizer_fqn_order(ops, run))
+    keys = (list(osd["state"]), [list(g["params"]) for g in osd["param_groups"]])
+    every = dist.all_gather_object(keys)
+    if any(k != every[0] for k in every):
+        fail("ranks disagree on the order of keys", every, "one order on every rank", where)
+    got_params = [fqn for group in keys[1] for fqn in group]
+    if got_params != order0:
+        fail("the order of the param groups' FQNs", keys[1], f"rank 0's optimizer order {order0}", where)
+    ops.load_optim_state_dict(run.model, run.optim, osd)
+    run.train(1)
+    assert_model_matches(ops, run, f"{where}: one step after the reload")
+    assert_osd_matches(ops.optim_state_dict(run.model, run.optim), run.oracle_osd(), f"{where}: one step after the reload")
+
+
+@pytest.mark.req("OS-9")
+@pytest.mark.world_size(min=2)
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+def test_differently_ordered_optimizers_hold_one_state(dist, impl, use_orig_params: bool) -> None:
+    """Odd ranks list the parameters in reverse order: every rank's state dict holds the unwrapped
+    model's state and hyperparameters per FQN (order aside) and the same FQNs and groups as every
+    other rank's; it loads back on every rank, and one more step matches the unwrapped model, model
+    and optimizer state."""
+    ops = impl.require("optim_state")
+    run = Run(dist, impl, Setup(model="nested", use_orig_params=use_orig_params))
+    if dist.rank % 2:
+        named = list(reversed(ops.optimizer_params(run.model)))
+        run.optim = _make_optimizer(run.setup, _fqn_groups(run.setup, run.oracle), named)
+    run.train(2)
+    osd = ops.optim_state_dict(run.model, run.optim)
+    where = f"{run.setup} on rank {dist.rank}, odd ranks' optimizers reversed"
+    assert_osd_matches(osd, run.oracle_osd(), where)
+    contents = dist.all_gather_object((sorted(osd["state"]), sorted(sorted(g["params"]) for g in osd["param_groups"])))
+    if any(c != contents[0] for c in contents):
+        fail("ranks disagree on the FQNs and groups of the state dict", contents, "the same on every rank", where)
+    ops.load_optim_state_dict(run.model, run.optim, osd)
+    run.train(1)
+    assert_model_matches(ops, run, f"{where}: one step after the reload")
+    assert_osd_matches(ops.optim_state_dict(run.model, run.optim), run.oracle_osd(), f"{where}: one step after the reload")
+
+
 # -- OS-10 .. OS-14: the model zoo ----------------------------------------------------------------------
 
 
@@ -924,6 +983,37 @@ def test_bad_optimizer_state_dict_is_a_clear_error(dist, impl, kind: str, use_or
         unchanged=lambda: assert_unchanged(before, where=f"{kind} ({form}) on {where}: after the failed load, rank {dist.rank}",
                                            optim=run.optim, model=run.model),
     )
+
+
+@pytest.mark.req("OS-16")
+@pytest.mark.rank_timeout(30)
+@pytest.mark.parametrize(("use_orig_params", "form"), [(False, "full"), (True, "full"), (True, "sharded")], ids=["flat-full", "orig-full", "orig-sharded"])
+@pytest.mark.parametrize("kind", ["wrong-shape", "group-mismatch"])
+def test_bad_optimizer_state_dict_fails_alike_and_changes_nothing(dist, impl, kind: str, use_orig_params: bool, form: str) -> None:
+    """A positional state of the wrong shape, or param groups that do not match the optimizer's (a
+    parameter moved to a group of its own), in a full or sharded optimizer state dict on every rank:
+    every rank raises the same ValueError or RuntimeError (type and message), and on every rank the
+    optimizer (state, param groups, order) and the model are as they were; the optimizer then loads a
+    good dict and trains on as the unwrapped model. (Naming the FQN, and the dict bad on one rank
+    only, are test_bad_optimizer_state_dict_is_a_clear_error's.)"""
+    ops = impl.require("optim_state")
+    run = Run(dist, impl, Setup(model="mlp", use_orig_params=use_orig_params))
+    run.train(1)
+    good = ops.optim_state_dict(run.model, run.optim, sharded=form == "sharded")
+    bad, _ = _bad_osd(kind, good)
+    before = snapshot(optim=run.optim, model=run.model)
+    exc = raised(lambda: ops.load_optim_state_dict(run.model, run.optim, bad))
+    where = f"{kind} ({form}) on rank {dist.rank}"
+
+    def raises() -> None:
+        assert_same_error_on_every_rank(dist, exc, what=f"{kind} ({form})")
+        if not isinstance(exc, (ValueError, RuntimeError)):
+            fail(f"{kind} ({form}): exception type", f"{type(exc).__name__}: {exc}", "ValueError or RuntimeError", where)
+
+    check_each(raises=raises, unchanged=lambda: assert_unchanged(before, where=f"{where}: after the failed load", optim=run.optim, model=run.model))
+    ops.load_optim_state_dict(run.model, run.optim, good)
+    run.train(1)
+    assert_model_matches(ops, run, f"{where}: one step after loading the good dict")
 
 
 class _SharedAcross(nn.Module):

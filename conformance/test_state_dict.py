@@ -41,13 +41,14 @@ from torch.distributed.tensor import DTensor
 
 from conformance import models as zoo
 from conformance.adapters.base import Unsupported, load_adapter
-from conformance.adapters.sharding import ShardingPlan, child_units
+from conformance.adapters.sharding import STRATEGIES, ShardingPlan, child_units, strategy_layout
 from conformance.adapters.state_dict import SHARDING_STRATEGIES, StateDictOps
 from conformance.asserts import (
     WRAPPER_SEGMENTS,
     assert_bitwise_equal,
     assert_local_shard,
     assert_names_key,
+    assert_planned_shard,
     assert_same_error_on_every_rank,
     assert_same_state,
     assert_unchanged,
@@ -822,6 +823,52 @@ def test_load_error(impl: Any, kind: str, api: str, how: str) -> None:
                unchanged=lambda: assert_unchanged(before, model=pair.target, optim=pair.target_optim))
 
 
+@pytest.mark.req("SD-8", "SD-7")
+@pytest.mark.parametrize("how", ("plain", "checkpoint+compile"))
+@pytest.mark.parametrize("kind", ("missing", "unexpected", "non-persistent", "optim-missing"))
+def test_strict_decides_whether_a_mismatch_is_an_error(impl: Any, kind: str, how: str) -> None:
+    """One wrong dict (a model entry missing, an entry the model lacks, a non-persistent buffer, or an
+    optimizer parameter that no saved group lists), set twice into a target that differs everywhere.
+    ``strict=True``: a ``RuntimeError`` naming the canonical key whole (no wrapper segment); for the
+    optimizer case also nothing changed, model or optimizer. ``strict=False`` (model cases): no error,
+    every given entry of the model loaded bit for bit, a missing entry left as it was and reported in
+    ``missing_keys``, an unexpected one (a non-persistent buffer too) reported in ``unexpected_keys``
+    and not loaded, keys spelled canonically. (Model state left unchanged by a refused strict load is
+    test_load_error's.)"""
+    ops = sd_ops(impl)
+    case = ERROR_CASES[kind]
+    pair = plain_pair(case.model)
+    model_sd, optim_sd = copy.deepcopy(ops.get_state_dict(pair.source, pair.source_optim))
+    bad_model, bad_optim = break_input(case, model_sd, optim_sd)
+    target = wrap(pair.target, how)
+    untouched_before = copy.deepcopy(pair.target.state_dict())
+    before = snapshot(model=pair.target, optim=pair.target_optim)
+
+    def strict_load() -> Any:
+        if case.part == "optim":
+            return ops.set_optimizer_state_dict(target, pair.target_optim, copy.deepcopy(bad_optim), options=ops.options(strict=True))
+        return ops.set_model_state_dict(target, copy.deepcopy(bad_model), options=ops.options(strict=True))
+
+    exc = raised(strict_load)
+    check_error(case, exc, model_sd, list(model_sd), where=f"strict set, {how}")
+    if case.part == "optim":
+        assert_unchanged(before, model=pair.target, optim=pair.target_optim, where="after the refused strict optimizer load")
+        return
+    result = ops.set_model_state_dict(target, copy.deepcopy(bad_model), options=ops.options(strict=False))
+    after = pair.target.state_dict()
+    given = {k: v for k, v in bad_model.items() if k in after}
+    assert_same_state({k: after[k] for k in given}, given, what=f"entries given to a non-strict set ({kind})")
+    missing = [k for k in after if k not in bad_model]
+    assert_same_state({k: after[k] for k in missing}, {k: untouched_before[k] for k in missing},
+                      what=f"entries not given to a non-strict set ({kind})")
+    unexpected = [k for k in bad_model if k not in after]
+    if sorted(result.missing_keys) != sorted(missing) or sorted(result.unexpected_keys) != sorted(unexpected):
+        fail(f"keys reported by a non-strict set ({kind}, {how})", (sorted(result.missing_keys), sorted(result.unexpected_keys)),
+             (sorted(missing), sorted(unexpected)))
+    if kind == "non-persistent":
+        assert_same_state(pair.target.scale, torch.full((3,), 0.75), what="the non-persistent buffer after a non-strict set")
+
+
 @pytest.mark.req("SD-10")
 def test_empty_nonstrict_load_reports_everything_missing(impl: Any) -> None:
     ops = sd_ops(impl)
@@ -1047,6 +1094,48 @@ def test_sharded_full_state_dict(dist: Any, impl: Any, name: str, strategy: str)
                       where=f"rank {dist.rank}", atol=ATOL, rtol=RTOL)
     assert_same_optim(optim_sd, fqn_keyed_optim(pair.oracle, pair.oracle_optim), f"full optimizer state dict ({strategy})",
                       atol=ATOL, where=f"rank {dist.rank}")
+
+
+def assert_planned_get(got: Mapping[str, Any], expected: Mapping[str, Any], strategy: str, dist: Any, what: str) -> None:
+    """Every positional tensor of ``got`` (a model state dict, or one parameter's optimizer state) is a
+    DTensor laid out as ``strategy`` asks (:func:`~conformance.asserts.assert_planned_shard`: mesh
+    ranks and groups, placements, coordinate, this rank's piece of ``expected`` to float tolerance);
+    at world size 1 a plain tensor equal to ``expected`` is accepted. Every other entry equals
+    ``expected`` as it is."""
+    __tracebackhide__ = True
+    replicas, shards = strategy_layout(strategy, dist.world_size)
+    if list(got) != list(expected):
+        fail(f"{what}: keys", list(got), list(expected), f"rank {dist.rank}")
+    for key, value in got.items():
+        want, here = expected[key], f"{what}[{key!r}] on rank {dist.rank} of {dist.world_size} ({strategy})"
+        positional = isinstance(want, torch.Tensor) and want.dim() > 0 and want.is_floating_point()
+        if positional and (isinstance(value, DTensor) or dist.world_size > 1):
+            assert_planned_shard(value, want, replicas=replicas, shards=shards, rank=dist.rank, what=what, where=here,
+                                 atol=ATOL, rtol=RTOL)
+        else:
+            assert_same_state(value, want, what=what, where=here, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.req("SD-13")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sharded_get_follows_the_plan(dist: Any, impl: Any, strategy: str) -> None:
+    """``full_state_dict=False`` on a model sharded with each strategy: every parameter and every
+    positional optimizer state is a DTensor on the mesh the plan asked for (FULL_SHARD and
+    SHARD_GRAD_OP: ``Shard(0)`` over every rank; NO_SHARD: ``Replicate()``; HYBRID_SHARD: the 2-D mesh
+    whose dim 0 is the replicate groups and dim 1 the shard groups, ``(Replicate(), Shard(0))``), its
+    mesh dims' process groups holding the ranks the plan puts together, and its local shard on every
+    rank this rank's planned piece of the unwrapped oracle's value, whatever coordinate it reports. A
+    mesh read the wrong way round (dims transposed) fails at world size 2 and 4."""
+    ops = sd_ops(impl)
+    pair = sharded_pair(impl, dist, "nested", strategy)
+    model_sd, optim_sd = ops.get_state_dict(pair.model, pair.optim, options=ops.options(full_state_dict=False))
+    assert_planned_get(model_sd, pair.oracle.state_dict(), strategy, dist, "sharded model state dict")
+    oracle_optim = fqn_keyed_optim(pair.oracle, pair.oracle_optim)
+    if sorted(optim_sd["state"]) != sorted(oracle_optim["state"]):
+        fail("sharded optimizer state dict: FQNs with state", sorted(optim_sd["state"]), sorted(oracle_optim["state"]),
+             f"rank {dist.rank}")
+    for fqn, state in optim_sd["state"].items():
+        assert_planned_get(state, oracle_optim["state"][fqn], strategy, dist, f"sharded optimizer state of {fqn!r}")
 
 
 @pytest.mark.req("SD-12")
@@ -1320,6 +1409,56 @@ def test_sharded_load_error_on_one_rank(dist: Any, impl: Any, kind: str) -> None
     """Only the last rank's input is wrong: still every rank raises the same error, promptly (a rank
     left waiting in a collective is cut by the timeout), and no rank changes anything."""
     sharded_error_run(dist, impl, kind, bad_ranks={dist.world_size - 1})
+
+
+@pytest.mark.req("SD-8", "SD-7")
+@pytest.mark.rank_timeout(PROMPTLY_S)
+@pytest.mark.parametrize("kind", ("missing", "unexpected", "optim-missing"))
+def test_sharded_strict_decides_whether_a_mismatch_is_an_error(dist: Any, impl: Any, kind: str) -> None:
+    """On a sharded model, one wrong full dict (an entry missing, an entry the model lacks, an
+    optimizer parameter no saved group lists) on every rank, set twice into a differing target.
+    ``strict=True``: every rank raises the same ``RuntimeError`` naming the canonical key whole; for
+    the optimizer case no rank changes anything. ``strict=False`` (model cases): no rank raises, and on
+    every rank the full get holds the given entries bit for bit and the target's own value for the
+    missing one, which is reported in ``missing_keys`` (an unexpected one in ``unexpected_keys``)."""
+    ops = sd_ops(impl)
+    case = ERROR_CASES[kind]
+    source = sharded_pair(impl, dist, case.model)
+    model_sd, optim_sd = copy.deepcopy(ops.get_state_dict(source.model, source.optim, options=ops.options(full_state_dict=True)))
+    target, target_optim = sharded_target(impl, dist, case.model, source.oracle.state_dict())
+    bad_model, bad_optim = break_input(case, model_sd, optim_sd)
+    full = ops.options(full_state_dict=True)
+    own = copy.deepcopy(ops.get_model_state_dict(target, options=full))
+    before = snapshot(model=target, optim=target_optim)
+    where = f"rank {dist.rank}"
+
+    def strict_load() -> Any:
+        options = ops.options(full_state_dict=True, strict=True)
+        if case.part == "optim":
+            return ops.set_optimizer_state_dict(target, target_optim, copy.deepcopy(bad_optim), options=options)
+        return ops.set_model_state_dict(target, copy.deepcopy(bad_model), options=options)
+
+    exc = raised(strict_load)
+    assert_same_error_on_every_rank(dist, exc, what=f"{kind}: strict set of a sharded model")
+    check_error(case, exc, model_sd, list(model_sd), where=where)
+    if case.part == "optim":
+        assert_unchanged(before, model=target, optim=target_optim, where=f"{where}, after the refused strict optimizer load")
+        return
+    box: list[Any] = []
+    nonstrict = ops.options(full_state_dict=True, strict=False)
+    exc = raised(lambda: box.append(ops.set_model_state_dict(target, copy.deepcopy(bad_model), options=nonstrict)))
+    every = dist.all_gather_object(None if exc is None else f"{type(exc).__name__}: {exc}"[:300])
+    if any(e is not None for e in every):
+        fail(f"{kind}: a non-strict set of a sharded model raised", every, "no error on any rank", where)
+    reported = box[0]
+    after = ops.get_model_state_dict(target, options=full)
+    missing = [k for k in own if k not in bad_model]
+    expected = {k: (own[k] if k in missing else bad_model[k]) for k in own}
+    assert_same_state(after, expected, what=f"full model state dict after a non-strict set ({kind})", where=where)
+    unexpected = [k for k in bad_model if k not in own]
+    if sorted(reported.missing_keys) != sorted(missing) or sorted(reported.unexpected_keys) != sorted(unexpected):
+        fail(f"keys reported by a non-strict set of a sharded model ({kind})",
+             (sorted(reported.missing_keys), sorted(reported.unexpected_keys)), (sorted(missing), sorted(unexpected)), where)
 
 
 def form_of(tree: Any) -> Any:

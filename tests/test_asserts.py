@@ -17,6 +17,7 @@ from conformance import asserts
 from conformance.asserts import (
     assert_bitwise_equal,
     assert_names_key,
+    assert_planned_shard,
     assert_same_error_on_every_rank,
     assert_same_state,
     assert_unchanged,
@@ -160,6 +161,64 @@ def test_expected_local_chunk_follows_torch_chunk(shape, placements, mesh, coord
     assert tuple(piece.shape) == want_shape and offsets == want_offsets
     index = tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))
     assert torch.equal(piece, full[index])
+
+
+_PLANNED_MESHES: dict[tuple[int, ...], Any] = {}
+
+
+def _planned_mesh(dist: Any, ranks: list[Any]) -> Any:
+    """A DeviceMesh over ``ranks`` (nested lists of global ranks), one per layout per rank process:
+    building one creates process groups, collectively."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = tuple(torch.tensor(ranks).reshape(-1).tolist()) + tuple(torch.tensor(ranks).shape)
+    if key not in _PLANNED_MESHES:
+        _PLANNED_MESHES[key] = DeviceMesh(dist.device.type, torch.tensor(ranks))
+    return _PLANNED_MESHES[key]
+
+
+def _on_mesh(full: torch.Tensor, mesh: Any, placements: tuple[Any, ...], coordinate: tuple[int, ...] | None = None) -> Any:
+    """A DTensor of ``full`` on ``mesh`` holding the piece of ``coordinate`` (default: this rank's own)."""
+    from torch.distributed.tensor import DTensor
+
+    where = tuple(mesh.get_coordinate()) if coordinate is None else coordinate
+    piece, _ = expected_local_chunk(full, placements, tuple(mesh.shape), where)
+    return DTensor.from_local(piece.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD", "HYBRID_SHARD"])
+def test_assert_planned_shard_passes_the_plan_and_fails_every_other_layout(dist: Any, strategy: str) -> None:
+    """The planned layout passes (as a 2-D ``(replicate, shard)`` mesh, and as the 1-D mesh where one
+    axis is trivial); a mesh read the wrong way round (transposed), other placements, another rank's
+    piece, a plain tensor and a 1-D mesh where the plan needs two dims each fail, naming what differs."""
+    from conformance.adapters.sharding import strategy_layout
+
+    replicas, shards = strategy_layout(strategy, dist.world_size)
+    plan = {"replicas": replicas, "shards": shards, "rank": dist.rank}
+    full = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3)
+    grid = torch.arange(dist.world_size).reshape(replicas, shards)
+    two_d = _planned_mesh(dist, grid.tolist())
+    assert_planned_shard(_on_mesh(full, two_d, (Replicate(), Shard(0))), full, **plan)
+    assert_planned_shard(_on_mesh(full, two_d, (Replicate(), Shard(0))), full + 1e-7, **plan, atol=1e-6)
+    one_d = _planned_mesh(dist, list(range(dist.world_size)))
+    if replicas == 1 or shards == 1:
+        assert_planned_shard(_on_mesh(full, one_d, (Shard(0),) if shards > 1 else (Replicate(),)), full, **plan)
+    else:
+        _fails(lambda: assert_planned_shard(_on_mesh(full, one_d, (Shard(0),)), full, **plan), "mesh dimensions")
+    _fails(lambda: assert_planned_shard(full.clone(), full, **plan), "not a DTensor")
+    _fails(lambda: assert_planned_shard(_on_mesh(full, two_d, (Replicate(), Shard(0))), full * 2, **plan), "local shard")
+    if shards > 1:
+        # the piece of the next rank of the shard group: a self-consistent DTensor of another layout
+        wrong = ((dist.rank // shards), (dist.rank + 1) % shards)
+        _fails(lambda: assert_planned_shard(_on_mesh(full, two_d, (Replicate(), Shard(0)), wrong), full, **plan), "local shard")
+        _fails(lambda: assert_planned_shard(_on_mesh(full, two_d, (Replicate(), Replicate())), full, **plan), "placements")
+        _fails(lambda: assert_planned_shard(_on_mesh(full, one_d, (Replicate(),)), full, **plan), "placements")
+    if dist.world_size > 1:
+        transposed = _planned_mesh(dist, grid.t().tolist())  # dims swapped: shard groups are read as replicas
+        _fails(lambda: assert_planned_shard(_on_mesh(full, transposed, (Replicate(), Shard(0))), full, **plan),
+               "mesh")
+    if replicas > 1:
+        _fails(lambda: assert_planned_shard(_on_mesh(full, two_d, (Shard(0), Replicate())), full, **plan), "placements")
 
 
 # -- changes nothing --------------------------------------------------------------------------------

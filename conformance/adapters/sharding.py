@@ -32,6 +32,7 @@ __all__ = [
     "child_units",
     "has_shared_parameters",
     "hybrid_mesh_shape",
+    "strategy_layout",
 ]
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -91,6 +92,22 @@ def hybrid_mesh_shape(world_size: int) -> tuple[int, int]:
     """``(replicate, shard)`` for HYBRID_SHARD: two replicas when the world splits in two, else one."""
     replicate = 2 if world_size % 2 == 0 else 1
     return replicate, world_size // replicate
+
+
+def strategy_layout(strategy: str, world_size: int) -> tuple[int, int]:
+    """``(replicas, shards)``: how a plan without a mesh of its own lays a value out over the default
+    group. The ranks form ``replicas`` shard groups of ``shards`` consecutive ranks each (ranks
+    ``[i * shards, (i + 1) * shards)``); the ranks holding the same piece (one per shard group) form a
+    replicate group. FULL_SHARD and SHARD_GRAD_OP shard over every rank, NO_SHARD replicates on every
+    rank, HYBRID_SHARD is :func:`hybrid_mesh_shape`: mesh dim 0 the replicate groups, dim 1 the shard
+    groups."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy_layout: strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy == "HYBRID_SHARD":
+        return hybrid_mesh_shape(world_size)
+    if strategy == "NO_SHARD":
+        return world_size, 1
+    return 1, world_size
 
 
 _MESHES: dict[tuple[str, tuple[int, ...]], Any] = {}
