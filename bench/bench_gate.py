@@ -5,17 +5,19 @@ in a short run, timed through the adapter the gate is about (:func:`bench.impls.
 ``BENCH_IMPL``, else the reference):
 
 ===========================  =========================================================================
-``GateFlatten``              ``FlatParamOps.wrap`` of every level of a 1,000-parameter model nested 4 deep
-``GateGetStateDict``         ``StateDictOps.get_state_dict``, 10,000 keys, 64 submodules
+``GateFlatten``              ``FlatParamOps.wrap`` of every level of a 4,000-parameter model nested 4 deep
+``GateGetStateDict``         ``StateDictOps.get_state_dict``, 5,000 keys, 64 submodules
 ``GateSetStateDict``         ``StateDictOps.set_state_dict``, 1,000 keys
-``GateOptimStateDict``       ``OptimStateOps.optim_state_dict``, 1,000 parameters in 10 units, one rank
+``GateOptimStateDict``       ``OptimStateOps.optim_state_dict``, 2,000 parameters in 10 units, one rank
 ``GateLoadOptimStateDict``   ``OptimStateOps.load_optim_state_dict`` of that dict
-``GateCheckpointSave``       ``CheckpointOps.save`` of 32 MiB (8 tensors of 4 MiB), one process
+``GateCheckpointSave``       ``CheckpointOps.save`` of model + Adam state, 12 layers of 1 MiB (36 MiB,
+                             96 tensors), one process
 ``GateCheckpointLoad``       ``CheckpointOps.load`` of it
 ===========================  =========================================================================
 
 One class per call: asv runs every benchmark in its own process and calls ``setup`` before every
 sample, so a class builds only what its one call needs (a per-process cache holds it between samples).
+Each call takes 10 to 40 ms here: shorter calls measured noisier (a few ms: 15-25% between rounds).
 
 How the figures are made steady enough to catch a 1.2x slowdown on a shared 2-core machine (the gate's
 statistics are in ``tools/asv_gate.py``):
@@ -53,16 +55,18 @@ from bench.workloads import state_dict as sd
 #: The adapter the gated classes time.
 GATED_IMPL: str = _impls.gated_impl()
 
-FLATTEN_PARAMS, FLATTEN_DEPTH = 1_000, 4
-GET_KEYS, GET_SUBMODULES = 10_000, "64"
+FLATTEN_PARAMS, FLATTEN_DEPTH = 4_000, 4
+GET_KEYS, GET_SUBMODULES = 5_000, "64"
 SET_KEYS = 1_000
-OPTIM_PARAMS = 1_000
-CHECKPOINT_TENSORS = 8  # of 1024 x 1024 fp32: 32 MiB
+OPTIM_PARAMS = 2_000
+CHECKPOINT_LAYERS, CHECKPOINT_WIDTH = 12, 512  # a 512 x 512 fp32 weight (1 MiB) and a bias per layer
 
 #: Samples per round of every gated benchmark (fixed, so that the rounds can be told apart).
-SAMPLES_PER_ROUND = 12
+SAMPLES_PER_ROUND = 8
 #: Rounds per commit; ``asv continuous --interleave-rounds`` runs them base, tip, tip, base, base, ...
-ROUNDS = 6
+#: The samples of one round are alike; rounds differ (another process, another minute of the
+#: machine's load): 8 rounds is what the gate's interval needs (see tools/asv_gate.py).
+ROUNDS = 8
 
 
 class _Gate:
@@ -205,21 +209,39 @@ class GateLoadOptimStateDict(_Gate):
 # -- checkpoint save / load -------------------------------------------------------------------------
 
 
-def _checkpoint_state() -> dict[str, torch.Tensor]:
-    return {f"layers.{i}.weight": torch.full((1024, 1024), float(i + 1)) for i in range(CHECKPOINT_TENSORS)}
+def _checkpoint_state() -> dict[str, Any]:
+    """Model + Adam state as a trainer saves it: ``{"model": ..., "optim": {"state": ..., "param_groups": ...}}``."""
+    model: dict[str, torch.Tensor] = {}
+    for i in range(CHECKPOINT_LAYERS):
+        model[f"layers.{i}.weight"] = torch.full((CHECKPOINT_WIDTH, CHECKPOINT_WIDTH), float(i + 1))
+        model[f"layers.{i}.bias"] = torch.full((CHECKPOINT_WIDTH,), float(i + 1))
+    state = {name: {"step": torch.tensor(10.0), "exp_avg": torch.full_like(p, 0.5), "exp_avg_sq": torch.full_like(p, 0.25)}
+             for name, p in model.items()}
+    param_groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": list(model)}]
+    return {"model": model, "optim": {"state": state, "param_groups": param_groups}}
 
 
-def _raw_save(state: dict[str, torch.Tensor], directory: str) -> None:
+def _tensors(state: dict[str, Any]) -> list[torch.Tensor]:
+    return [*state["model"].values(), *(t for entry in state["optim"]["state"].values() for t in entry.values())]
+
+
+def _zeros_like(state: dict[str, Any]) -> dict[str, Any]:
+    return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+            "optim": {"state": {k: {n: torch.zeros_like(t) for n, t in entry.items()} for k, entry in state["optim"]["state"].items()},
+                      "param_groups": [dict(group) for group in state["optim"]["param_groups"]]}}
+
+
+def _raw_save(state: dict[str, Any], directory: str) -> None:
     with open(os.path.join(directory, "raw.bin"), "wb") as f:
-        for tensor in state.values():
+        for tensor in _tensors(state):
             f.write(memoryview(tensor.numpy()).cast("B"))
         f.flush()
         os.fsync(f.fileno())
 
 
-def _raw_load(state: dict[str, torch.Tensor], directory: str) -> None:
+def _raw_load(state: dict[str, Any], directory: str) -> None:
     with open(os.path.join(directory, "raw.bin"), "rb") as f:
-        for tensor in state.values():
+        for tensor in _tensors(state):
             f.readinto(memoryview(tensor.numpy()).cast("B"))
 
 
@@ -254,8 +276,8 @@ def _remove_checkpoint_dir(self: Any) -> None:
 
 
 class GateCheckpointSave(_Gate):
-    """CPU seconds of ``CheckpointOps.save`` of 32 MiB (8 plain fp32 tensors) into an empty directory,
-    no process group."""
+    """CPU seconds of ``CheckpointOps.save`` of model + Adam state (36 MiB in 96 tensors, and the param
+    groups) into an empty directory, no process group."""
 
     def _prepare(self, impl: str) -> None:
         save, _ = _checkpoint_ops(impl)
@@ -277,7 +299,7 @@ class GateCheckpointLoad(_Gate):
     def _prepare(self, impl: str) -> None:
         save, load = _checkpoint_ops(impl)
         source = _cached("checkpoint source", _checkpoint_state)
-        dest = _cached(("checkpoint dest", impl), lambda: {k: torch.zeros_like(v) for k, v in source.items()})
+        dest = _cached(("checkpoint dest", impl), lambda: _zeros_like(source))
         directory = _new_checkpoint_dir(self, impl)
         save(source, directory)
         self.call = lambda: load(dest, directory)
