@@ -14,6 +14,9 @@ MUTATION_SECTIONS ?= FP,SD,OS,ML
 MUTATION_JOBS     ?= 1
 MUTATION_ARGS     ?=
 # `make asv-gate`: the commit to compare HEAD (TIP) against, and extra tools.asv_gate options.
+# `make bench`, `make asv`, `make asv-gate` pass IMPL (an adapter: a shipped name or pkg.mod:Adapter) as
+# BENCH_IMPL: bench/asv measure it beside the reference, torch and raw; the gate times it instead of
+# the reference.
 BASE      ?= main
 TIP       ?= HEAD
 GATE_ARGS ?=
@@ -21,6 +24,7 @@ GATE_ARGS ?=
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 IMPL_ARG := $(if $(IMPL),--impl $(IMPL),)
+BENCH_ENV := $(if $(IMPL),BENCH_IMPL=$(IMPL),)
 
 .PHONY: setup conformance lint test stress bench asv asv-gate mutation clean
 
@@ -56,22 +60,23 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
-# Side-by-side pytest-benchmark tables (reference vs torch vs raw), a few minutes.
+# Side-by-side pytest-benchmark tables (reference, IMPL if given, torch, raw), a few minutes.
 bench: setup
 	@mkdir -p .benchmarks
-	$(PY) -m pytest bench --benchmark-only --benchmark-group-by=group --benchmark-columns=min,median,max \
+	$(BENCH_ENV) $(PY) -m pytest bench --benchmark-only --benchmark-group-by=group --benchmark-columns=min,median,max \
 		--benchmark-json=.benchmarks/bench.json $(PYTEST_ARGS)
 	$(PY) -m tools.bench_table .benchmarks/bench.json
 
 # A smoke run of every asv benchmark at its smallest size on this commit (the full grid: `asv run HEAD^!`).
 asv: setup
 	$(VENV)/bin/asv machine --yes
-	BENCH_QUICK=1 $(VENV)/bin/asv run --quick --show-stderr HEAD^!
+	$(BENCH_ENV) BENCH_QUICK=1 $(VENV)/bin/asv run --quick --show-stderr HEAD^!
 
-# The regression gate: reference-only benchmarks of bench/bench_gate.py, BASE vs TIP, rounds interleaved;
-# exits non-zero when one got significantly slower. Baselines (torch, raw) are recorded for TIP after it.
+# The regression gate: one benchmark per core call of the reference (or IMPL) in bench/bench_gate.py,
+# BASE vs TIP, rounds interleaved; exits 1 when one is confirmed 1.1x slower or more (median of the
+# per-round ratios, slower in every round). Baselines (upstream, raw) are recorded for TIP after it.
 asv-gate: setup
-	$(PY) -m tools.asv_gate --base $(BASE) --tip $(TIP) $(GATE_ARGS)
+	$(BENCH_ENV) $(PY) -m tools.asv_gate --base $(BASE) --tip $(TIP) $(GATE_ARGS)
 
 # The suite's power: mutants of reference/ run against each section's tests (--impl reference); a
 # sample of MUTATION_SAMPLE per section by default (1-1.5 h here), MUTATION_SAMPLE=all for every one

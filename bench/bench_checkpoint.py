@@ -1,11 +1,12 @@
-"""asv: save, load and load-into-meta of model + Adam state (issue 6), reference vs torch vs the raw limit.
+"""asv: save, load and load-into-meta of model + Adam state (issue 6): the reference, torch, the
+implementations under test (``BENCH_IMPL``) and the raw limit, each through its adapter's ``CheckpointOps``.
 
 All figures of the grid (impl x size x world size x layout) are measured once, by one shared
 ``setup_cache``, in one run: a rank group per world size measures every implementation back to back
 on the same state dicts, so the ratios compare like with like. The classes below only report:
 throughput (MB/s), the load into meta (seconds, and peak memory as a multiple of the bytes loaded),
-and the reference's speed relative to torch and to raw (``*_speedup``, >= 1 means the reference is
-at least as fast).
+and the speed of the reference and of each implementation under test relative to torch and to raw
+(``*_speedup``, >= 1 means at least as fast).
 
 ``BENCH_QUICK=1`` restricts the grid to the smallest size; ``BENCH_DEVICE=cuda`` measures state dicts
 on the GPUs (world size 4 too where 4 are visible), and without CUDA every figure is a skip saying why
@@ -19,6 +20,7 @@ import tempfile
 from typing import Any
 
 from bench import config
+from bench import impls as _impls
 from bench.ranks import RankGroup
 from bench.workloads import checkpoint as ck
 
@@ -27,6 +29,9 @@ SIZE_LABELS: list[str] = [config.size_label(n) for n in SIZES]
 DEVICE: str = config.DEVICE
 WORLD_SIZES: list[int] = config.checkpoint_world_sizes(DEVICE)
 LAYOUTS: list[str] = list(ck.LAYOUTS)
+IMPLS: list[str] = ck.impls()
+#: Whose speed ``CheckpointSpeedup`` reports: the reference and the implementations under test.
+SUBJECTS: list[str] = [impl for impl in IMPLS if _impls.is_adapter(impl) and impl not in ck.UPSTREAM]
 
 Key = tuple[str, str, int, str]  # (impl, size label, world size, layout)
 
@@ -39,7 +44,7 @@ def _repeats(nbytes: int) -> int:
 def _measure_grid(self: Any) -> dict[Key, dict[str, Any]]:
     """Measure every available implementation over the whole grid: {key: figures as a dict}."""
     grid: dict[Key, dict[str, Any]] = {}
-    impls = [impl for impl in ck.IMPLS if ck.available(impl) is None]
+    impls = [impl for impl in IMPLS if ck.available(impl) is None]
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp:
         for world_size in WORLD_SIZES:
             if config.device_unavailable(DEVICE, world_size) is not None:
@@ -86,7 +91,7 @@ def _skip_unavailable(impl: str, world_size: int) -> None:
 class CheckpointThroughput:
     """Save and load throughput of model + Adam state, MB/s (2**20 bytes of state dict per second)."""
 
-    params = (list(ck.IMPLS), SIZE_LABELS, WORLD_SIZES, LAYOUTS)
+    params = (IMPLS, SIZE_LABELS, WORLD_SIZES, LAYOUTS)
     param_names = ["impl", "size", "world_size", "layout"]
     setup_cache = _measure_grid
 
@@ -107,7 +112,7 @@ class CheckpointThroughput:
 class CheckpointMetaLoad:
     """Load into a state dict of meta tensors, on fresh ranks: seconds, and peak RSS growth / local bytes."""
 
-    params = (list(ck.META_IMPLS), SIZE_LABELS, WORLD_SIZES, LAYOUTS)
+    params = (ck.meta_impls(), SIZE_LABELS, WORLD_SIZES, LAYOUTS)
     param_names = ["impl", "size", "world_size", "layout"]
     setup_cache = _measure_grid
 
@@ -127,33 +132,35 @@ class CheckpointMetaLoad:
 
 
 class CheckpointSpeedup:
-    """The reference's speed relative to ``baseline`` on the same bytes in the same run (>= 1: as fast).
+    """The speed of ``impl`` (the reference, or an implementation under test) relative to ``baseline`` on
+    the same bytes in the same run (>= 1: as fast).
 
-    Targets: >= 1 against torch; >= 0.8 against raw for save and load."""
+    Targets for the reference: >= 1 against torch; >= 0.9 against raw for save and load."""
 
-    params = (["torch", "raw"], SIZE_LABELS, WORLD_SIZES, LAYOUTS)
-    param_names = ["baseline", "size", "world_size", "layout"]
+    params = (SUBJECTS, ["torch", "raw"], SIZE_LABELS, WORLD_SIZES, LAYOUTS)
+    param_names = ["impl", "baseline", "size", "world_size", "layout"]
     setup_cache = _measure_grid
 
-    def setup(self, grid: dict, baseline: str, size: str, world_size: int, layout: str) -> None:
-        _skip_unavailable("reference", world_size)
+    def setup(self, grid: dict, impl: str, baseline: str, size: str, world_size: int, layout: str) -> None:
+        _skip_unavailable(impl, world_size)
+        _skip_unavailable(baseline, world_size)
 
-    def _ratio(self, grid: dict, baseline: str, rest: tuple[str, int, str], name: str, higher_is_faster: bool) -> float:
-        ref = _figure(grid, ("reference", *rest), name)
+    def _ratio(self, grid: dict, impl: str, baseline: str, rest: tuple[str, int, str], name: str, higher_is_faster: bool) -> float:
+        mine = _figure(grid, (impl, *rest), name)
         base = _figure(grid, (baseline, *rest), name)
-        return ref / base if higher_is_faster else base / ref
+        return mine / base if higher_is_faster else base / mine
 
-    def track_save_speedup(self, grid: dict, baseline: str, size: str, world_size: int, layout: str) -> float:
-        return self._ratio(grid, baseline, (size, world_size, layout), "save_mbps", True)
+    def track_save_speedup(self, grid: dict, impl: str, baseline: str, size: str, world_size: int, layout: str) -> float:
+        return self._ratio(grid, impl, baseline, (size, world_size, layout), "save_mbps", True)
 
     track_save_speedup.unit = "ratio"  # type: ignore[attr-defined]
 
-    def track_load_speedup(self, grid: dict, baseline: str, size: str, world_size: int, layout: str) -> float:
-        return self._ratio(grid, baseline, (size, world_size, layout), "load_mbps", True)
+    def track_load_speedup(self, grid: dict, impl: str, baseline: str, size: str, world_size: int, layout: str) -> float:
+        return self._ratio(grid, impl, baseline, (size, world_size, layout), "load_mbps", True)
 
     track_load_speedup.unit = "ratio"  # type: ignore[attr-defined]
 
-    def track_meta_load_speedup(self, grid: dict, baseline: str, size: str, world_size: int, layout: str) -> float:
-        return self._ratio(grid, baseline, (size, world_size, layout), "meta_load_s", False)
+    def track_meta_load_speedup(self, grid: dict, impl: str, baseline: str, size: str, world_size: int, layout: str) -> float:
+        return self._ratio(grid, impl, baseline, (size, world_size, layout), "meta_load_s", False)
 
     track_meta_load_speedup.unit = "ratio"  # type: ignore[attr-defined]

@@ -1,8 +1,9 @@
 """asv: FlattenParamsWrapper flattening time and state_dict() of wrapped models (issue 3).
 
-Models of 100 / 1,000 / 10,000 parameters in a chain 1, 4 or 16 levels deep, one wrapper per level.
-``raw`` is the unwrapped model (and ``torch.cat`` of the same parameters for flattening); fairscale is
-the upstream wrapper (torch has no public one). ``track_state_dict_us_per_key`` stays flat over
+Models of 100 / 1,000 / 10,000 parameters in a chain 1, 4 or 16 levels deep, one wrapper per level,
+wrapped through each adapter's ``FlatParamOps.wrap``: the reference, fairscale (the upstream wrapper:
+torch has no public one) and the implementations under test (``BENCH_IMPL``). ``raw`` is the
+unwrapped model (and ``torch.cat`` of the same parameters for flattening). ``track_state_dict_us_per_key`` stays flat over
 ``params`` and ``depth`` when the wrappers' key rewriting is linear, as it must be.
 """
 
@@ -11,11 +12,14 @@ from __future__ import annotations
 import timeit
 
 from bench import config
+from bench import impls as _impls
 from bench.workloads import flat_param as fp
 
 PARAMS: list[int] = config.grid(config.FLAT_PARAM_COUNTS)
 DEPTHS: list[int] = config.grid(config.FLAT_PARAM_DEPTHS)
-IMPLS: list[str] = list(fp.IMPLS)
+IMPLS: list[str] = fp.impls()
+#: Whose speed ``FlatParamSpeedup`` reports: the reference and the implementations under test.
+SUBJECTS: list[str] = [impl for impl in IMPLS if _impls.is_adapter(impl) and impl not in fp.UPSTREAM]
 
 
 def _skip_unavailable(impl: str) -> None:
@@ -62,28 +66,28 @@ class WrappedStateDict:
 
 
 class FlatParamSpeedup:
-    """The reference's speed relative to ``baseline`` (fairscale, or the unwrapped model), back to back."""
+    """The speed of ``impl`` relative to ``baseline`` (fairscale, or the unwrapped model), back to back."""
 
-    params = (["fairscale", "raw"], PARAMS, DEPTHS)
-    param_names = ["baseline", "params", "depth"]
+    params = (SUBJECTS, ["fairscale", "raw"], PARAMS, DEPTHS)
+    param_names = ["impl", "baseline", "params", "depth"]
 
-    def setup(self, baseline: str, params: int, depth: int) -> None:
-        _skip_unavailable("reference")
+    def setup(self, impl: str, baseline: str, params: int, depth: int) -> None:
+        _skip_unavailable(impl)
         _skip_unavailable(baseline)
-        self.ref = fp.wrapped_model("reference", params, depth)
+        self.mine = fp.wrapped_model(impl, params, depth)
         self.base = fp.wrapped_model(baseline, params, depth)
         self.args = (params, depth)
 
-    def track_state_dict_speedup(self, baseline: str, params: int, depth: int) -> float:
+    def track_state_dict_speedup(self, impl: str, baseline: str, params: int, depth: int) -> float:
         best = lambda m: min(timeit.repeat(m.state_dict, number=1, repeat=3))  # noqa: E731
-        return best(self.base) / best(self.ref)
+        return best(self.base) / best(self.mine)
 
     track_state_dict_speedup.unit = "ratio"  # type: ignore[attr-defined]
 
-    def track_flatten_speedup(self, baseline: str, params: int, depth: int) -> float:
-        def best(impl: str) -> float:
-            return min(timeit.timeit(fp.flatten_fn(impl, *self.args), number=1) for _ in range(3))
+    def track_flatten_speedup(self, impl: str, baseline: str, params: int, depth: int) -> float:
+        def best(name: str) -> float:
+            return min(timeit.timeit(fp.flatten_fn(name, *self.args), number=1) for _ in range(3))
 
-        return best(baseline) / best("reference")
+        return best(baseline) / best(impl)
 
     track_flatten_speedup.unit = "ratio"  # type: ignore[attr-defined]

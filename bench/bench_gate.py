@@ -1,25 +1,40 @@
 """asv: the regression gate's benchmarks (``make asv-gate BASE=<ref>``, see ``tools/asv_gate.py``).
 
-One small workload per capability, each call tens of milliseconds, so that asv can take many samples
-of every benchmark in a few seconds and its significance test (Mann-Whitney U at p < 0.002, which
-needs at least 7 samples per commit) can say "changed" or "not changed":
+One small workload per core call, each call 10 to 100 ms here, so that many samples of every one fit
+in a short run, timed through the adapter the gate is about (:func:`bench.impls.gated_impl`:
+``BENCH_IMPL``, else the reference):
 
-=========================  ==========================================================================
-``GateFlatten``            wrap a 1,000-parameter model nested 4 deep (``FlattenParamsWrapper``)
-``GateStateDict``          ``get_state_dict`` (10,000 keys, 64 submodules), ``set_state_dict`` (1,000)
-``GateOptimState``         FSDP ``optim_state_dict`` / ``optim_state_dict_to_load``, 1,000 parameters
-``GateCheckpoint``         ``save`` / ``load`` of 32 MB (8 tensors of 4 MiB), one process
-=========================  ==========================================================================
+===========================  =========================================================================
+``GateFlatten``              ``FlatParamOps.wrap`` of every level of a 4,000-parameter model nested 4 deep
+``GateGetStateDict``         ``StateDictOps.get_state_dict``, 5,000 keys, 64 submodules
+``GateSetStateDict``         ``StateDictOps.set_state_dict``, 1,000 keys
+``GateOptimStateDict``       ``OptimStateOps.optim_state_dict``, 2,000 parameters in 10 units, one rank
+``GateLoadOptimStateDict``   ``OptimStateOps.load_optim_state_dict`` of that dict
+``GateCheckpointSave``       ``CheckpointOps.save`` of model + Adam state, 12 layers of 1 MiB (36 MiB,
+                             96 tensors), one process
+``GateCheckpointLoad``       ``CheckpointOps.load`` of it
+===========================  =========================================================================
 
-Times are the CPU time of the benchmark process (``time.process_time``), see ``_Gate``.
+One class per call: asv runs every benchmark in its own process and calls ``setup`` before every
+sample, so a class builds only what its one call needs (a per-process cache holds it between samples).
+Each call takes 10 to 40 ms here: shorter calls measured noisier (a few ms: 15-25% between rounds).
 
-Only the reference is timed by these classes: the gate compares two commits of this project, and
-upstream torch or the raw limit cannot change between them (timing them in the gate only adds
-chances of a false alarm). ``GateBaseline*`` time the same workloads for upstream and raw; the gate
-records them once for the tip commit, outside its verdict, so the ratios stay at hand.
+How the figures are made steady enough to catch a 1.2x slowdown on a shared 2-core machine (the gate's
+statistics are in ``tools/asv_gate.py``):
 
-Every class holds what is expensive to build (models, optimizer, process group, the saved checkpoint)
-in a per-process cache: asv re-runs ``setup`` (and ``teardown``) around every timed call.
+- the timer is the CPU time of the process (``time.process_time``): the wall time of a call on a
+  loaded machine is mostly its wait for a core;
+- torch runs one intra-op thread (``torch.set_num_threads(1)``): idle OpenMP workers spin, and their
+  spinning is CPU time of the process that depends on the machine's load, not on the code;
+- the garbage collector is off while a sample runs (``timeit``'s default);
+- checkpoints go to ``/dev/shm`` where it exists (memory: an ``fsync`` returns at once), so that the
+  disk, which other jobs share, is not what is timed;
+- every round takes exactly ``repeat`` samples, so ``tools/asv_gate.py`` can cut asv's recorded
+  samples into rounds and pair each round of the base with the round of the tip run beside it.
+
+``GateBaseline*`` time the same workloads for the upstream baseline (torch; fairscale for
+flattening), raw (the plain calls / file I/O) and, when the gate is about another adapter, the
+reference: the gate records them once for the tip commit, outside its verdict.
 """
 
 from __future__ import annotations
@@ -33,40 +48,57 @@ from typing import Any
 
 import torch
 
+from bench import impls as _impls
 from bench.workloads import flat_param as fp
 from bench.workloads import state_dict as sd
 
-FLATTEN_PARAMS, FLATTEN_DEPTH = 1_000, 4
-GET_KEYS, GET_SUBMODULES = 10_000, "64"
+#: The adapter the gated classes time.
+GATED_IMPL: str = _impls.gated_impl()
+
+FLATTEN_PARAMS, FLATTEN_DEPTH = 4_000, 4
+GET_KEYS, GET_SUBMODULES = 5_000, "64"
 SET_KEYS = 1_000
-OPTIM_PARAMS = 1_000
-CHECKPOINT_TENSORS = 8  # of 1024 x 1024 fp32: 32 MiB
+OPTIM_PARAMS = 2_000
+CHECKPOINT_LAYERS, CHECKPOINT_WIDTH = 12, 512  # a 512 x 512 fp32 weight (1 MiB) and a bias per layer
+
+#: Samples per round of every gated benchmark (fixed, so that the rounds can be told apart).
+SAMPLES_PER_ROUND = 8
+#: Rounds per commit; ``asv continuous --interleave-rounds`` runs them base, tip, tip, base, base, ...
+#: The samples of one round are alike; rounds differ (another process, another minute of the
+#: machine's load): 8 rounds is what the gate's interval needs (see tools/asv_gate.py).
+ROUNDS = 8
 
 
 class _Gate:
-    # CPU time of this process, not wall time: on a shared machine the wall time of a call is mostly
-    # how long it waited for a core (load 3-10 on 2 cores here made identical code 2-3x "slower" and
-    # hid a real 2x slowdown in the noise); the CPU time is the work the reference does. The
-    # checkpoint benchmarks' file I/O counts as the CPU time of its system calls (copies to and from
-    # the page cache), which is the software cost the gate is about.
     timer = staticmethod(time.process_time)
-    # Many short samples in each of 4 rounds, which `asv continuous --interleave-rounds` runs as
-    # base, tip, tip, base, base, tip, tip, base: a load burst from another job on a shared machine
-    # then falls on both commits, not on one (with 2 rounds the tip's rounds ran back to back, and a
-    # burst there made identical code look 2-3x slower here). 4 x 5..10 samples per commit.
     number = 1
-    repeat = (5, 10, 3.0)
-    rounds = 4
-    warmup_time = 0.1
-    min_run_count = 2
+    repeat = SAMPLES_PER_ROUND
+    rounds = ROUNDS
+    warmup_time = 0.05
     timeout = 300
+
+    def _prepare(self, impl: str) -> None:
+        """Build what the timed call of ``impl`` needs (cached per process) and set ``self.call``."""
+        raise NotImplementedError
+
+    def setup(self) -> None:
+        _steady()
+        self._prepare(GATED_IMPL)
 
 
 class _Baseline(_Gate):
-    # Recorded for one commit, never tested for significance: a few samples (torch's get_state_dict
-    # with 64 submodules takes about a second here).
-    repeat = (3, 5, 5.0)
+    # Recorded for one commit, never tested: a few samples in one round (torch's get_state_dict with
+    # 64 submodules takes about a second here).
+    params: tuple[list[str], ...] = ()  #: ([implementation, ...],), set by _baseline_class
+    param_names: list[str] = []
+    repeat = 3
     rounds = 1
+    warmup_time = 0.0
+
+
+def _steady() -> None:
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 _CACHE: dict[Any, Any] = {}
@@ -78,86 +110,55 @@ def _cached(key: Any, build: Callable[[], Any]) -> Any:
     return _CACHE[key]
 
 
-def _skip_unavailable(available: Callable[[str], str | None], impl: str) -> None:
-    reason = available(impl)
+def _skip_unavailable(reason: str | None) -> None:
     if reason is not None:
         raise NotImplementedError(reason)
 
 
-# -- capability 1: flattening ---------------------------------------------------------------------
-
-
-def _flatten_setup(self: Any, impl: str) -> None:
-    _skip_unavailable(fp.available, impl)
-    self.flatten = fp.flatten_fn(impl, FLATTEN_PARAMS, FLATTEN_DEPTH)  # a fresh model for every call
+# -- flattening -------------------------------------------------------------------------------------
 
 
 class GateFlatten(_Gate):
-    """Seconds to wrap every level of a fresh 1,000-parameter, 4-deep model in ``FlattenParamsWrapper``."""
+    """CPU seconds to wrap every level of a fresh 1,000-parameter, 4-deep model (``FlatParamOps.wrap``)."""
 
-    def setup(self) -> None:
-        _flatten_setup(self, "reference")
+    def _prepare(self, impl: str) -> None:
+        _skip_unavailable(fp.available(impl))
+        self.call = fp.flatten_fn(impl, FLATTEN_PARAMS, FLATTEN_DEPTH)  # a fresh model for every call
 
     def time_flatten(self) -> None:
-        self.flatten()
+        self.call()
 
 
-class GateBaselineFlatten(_Baseline):
-    """``GateFlatten`` for fairscale's wrapper and for ``torch.cat`` of the same parameters (raw)."""
-
-    params = (["fairscale", "raw"],)
-    param_names = ["impl"]
-
-    def setup(self, impl: str) -> None:
-        _flatten_setup(self, impl)
-
-    def time_flatten(self, impl: str) -> None:
-        self.flatten()
+# -- submodule state_dict ---------------------------------------------------------------------------
 
 
-# -- capability 2: submodule state_dict -----------------------------------------------------------
+class GateGetStateDict(_Gate):
+    """CPU seconds of ``StateDictOps.get_state_dict`` (10,000 keys, the 64-submodule filter)."""
 
-
-def _state_dict_setup(self: Any, impl: str) -> None:
-    _skip_unavailable(sd.available, impl)
-    self.get = _cached(("get", impl), lambda: sd.get_fn(impl, sd.Case(GET_KEYS), GET_SUBMODULES))
-    self.set = _cached(("set", impl), lambda: sd.set_fn(impl, sd.Case(SET_KEYS)))
-
-
-class GateStateDict(_Gate):
-    """Seconds of ``get_state_dict`` (10,000 keys, 64 submodules) and ``set_state_dict`` (1,000 keys)."""
-
-    def setup(self) -> None:
-        _state_dict_setup(self, "reference")
+    def _prepare(self, impl: str) -> None:
+        _skip_unavailable(sd.available(impl))
+        self.call = _cached(("get", impl), lambda: sd.get_fn(impl, sd.Case(GET_KEYS), GET_SUBMODULES))
 
     def time_get_state_dict(self) -> None:
-        self.get()
+        self.call()
+
+
+class GateSetStateDict(_Gate):
+    """CPU seconds of ``StateDictOps.set_state_dict`` of full dicts (1,000 keys)."""
+
+    def _prepare(self, impl: str) -> None:
+        _skip_unavailable(sd.available(impl))
+        self.call = _cached(("set", impl), lambda: sd.set_fn(impl, sd.Case(SET_KEYS)))
 
     def time_set_state_dict(self) -> None:
-        self.set()
+        self.call()
 
 
-class GateBaselineStateDict(_Baseline):
-    """``GateStateDict`` for torch's ``get_state_dict``/``set_state_dict`` and the plain module calls (raw)."""
-
-    params = (["torch", "raw"],)
-    param_names = ["impl"]
-
-    def setup(self, impl: str) -> None:
-        _state_dict_setup(self, impl)
-
-    def time_get_state_dict(self, impl: str) -> None:
-        self.get()
-
-    def time_set_state_dict(self, impl: str) -> None:
-        self.set()
-
-
-# -- capability 3: FSDP optimizer-state keying ----------------------------------------------------
+# -- optimizer state of a sharded model -------------------------------------------------------------
 
 
 def _one_rank_group() -> bool:
-    """A one-rank gloo process group for this benchmark process (FSDP needs one), rendezvous in memory."""
+    """A one-rank gloo process group for this benchmark process (sharding needs one), rendezvous in memory."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -165,144 +166,200 @@ def _one_rank_group() -> bool:
     return True
 
 
-def _optim_state_setup(self: Any, impl: str) -> None:
+def _optim_state(impl: str) -> dict[str, Any]:
+    """``impl``'s sharded model, optimizer and full optimizer state dict, built once per process."""
     from bench.workloads import optim_state as osw
 
-    _skip_unavailable(osw.available, impl)
+    _skip_unavailable(osw.available(impl))
     _cached("process group", _one_rank_group)
 
     def build() -> dict[str, Any]:
-        osw.prepare(impl, OPTIM_PARAMS)  # wraps, trains a step, gets one state dict (checked)
+        osw.prepare(impl, OPTIM_PARAMS)  # shards, trains a step, gets one state dict (checked)
         return dict(osw._CACHE)
 
-    state = _cached(("optim", impl), build)
-    self.get = lambda: osw._fsdp(impl).optim_state_dict(state["model"], state["optim"])
-    self.to_load = lambda: osw._fsdp(impl).optim_state_dict_to_load(state["model"], state["optim"], state["osd"])
+    return _cached(("optim", impl), build)  # type: ignore[no-any-return]
 
 
-class GateOptimState(_Gate):
-    """Seconds of FSDP ``optim_state_dict`` and ``optim_state_dict_to_load``: 1,000 parameters in 10
-    units, Adam after one step, one rank."""
+class GateOptimStateDict(_Gate):
+    """CPU seconds of ``OptimStateOps.optim_state_dict``: 1,000 parameters in 10 units, Adam after one
+    step, one rank."""
 
-    def setup(self) -> None:
-        _optim_state_setup(self, "reference")
+    def _prepare(self, impl: str) -> None:
+        state = _optim_state(impl)
+        ops, model, optim = state["ops"], state["model"], state["optim"]
+        self.call = (lambda: optim.state_dict()) if ops is None else (lambda: ops.optim_state_dict(model, optim))
 
     def time_optim_state_dict(self) -> None:
-        self.get()
-
-    def time_optim_state_dict_to_load(self) -> None:
-        self.to_load()
+        self.call()
 
 
-class GateBaselineOptimState(_Baseline):
-    """``GateOptimState`` for upstream FSDP1."""
+class GateLoadOptimStateDict(_Gate):
+    """CPU seconds of ``OptimStateOps.load_optim_state_dict`` of that full optimizer state dict."""
 
-    params = (["torch"],)
-    param_names = ["impl"]
+    def _prepare(self, impl: str) -> None:
+        state = _optim_state(impl)
+        ops, model, optim, osd = state["ops"], state["model"], state["optim"], state["osd"]
+        self.call = (lambda: optim.load_state_dict(osd)) if ops is None else (
+            lambda: ops.load_optim_state_dict(model, optim, osd))
 
-    def setup(self, impl: str) -> None:
-        _optim_state_setup(self, impl)
-
-    def time_optim_state_dict(self, impl: str) -> None:
-        self.get()
-
-    def time_optim_state_dict_to_load(self, impl: str) -> None:
-        self.to_load()
+    def time_load_optim_state_dict(self) -> None:
+        self.call()
 
 
-# -- capability 4: checkpoint save / load ---------------------------------------------------------
+# -- checkpoint save / load -------------------------------------------------------------------------
 
 
-def _checkpoint_state() -> dict[str, torch.Tensor]:
-    return {f"layers.{i}.weight": torch.full((1024, 1024), float(i + 1)) for i in range(CHECKPOINT_TENSORS)}
+def _checkpoint_state() -> dict[str, Any]:
+    """Model + Adam state as a trainer saves it: ``{"model": ..., "optim": {"state": ..., "param_groups": ...}}``."""
+    model: dict[str, torch.Tensor] = {}
+    for i in range(CHECKPOINT_LAYERS):
+        model[f"layers.{i}.weight"] = torch.full((CHECKPOINT_WIDTH, CHECKPOINT_WIDTH), float(i + 1))
+        model[f"layers.{i}.bias"] = torch.full((CHECKPOINT_WIDTH,), float(i + 1))
+    state = {name: {"step": torch.tensor(10.0), "exp_avg": torch.full_like(p, 0.5), "exp_avg_sq": torch.full_like(p, 0.25)}
+             for name, p in model.items()}
+    param_groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": list(model)}]
+    return {"model": model, "optim": {"state": state, "param_groups": param_groups}}
 
 
-def _raw_save(state: dict[str, torch.Tensor], directory: str) -> None:
+def _tensors(state: dict[str, Any]) -> list[torch.Tensor]:
+    return [*state["model"].values(), *(t for entry in state["optim"]["state"].values() for t in entry.values())]
+
+
+def _zeros_like(state: dict[str, Any]) -> dict[str, Any]:
+    return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+            "optim": {"state": {k: {n: torch.zeros_like(t) for n, t in entry.items()} for k, entry in state["optim"]["state"].items()},
+                      "param_groups": [dict(group) for group in state["optim"]["param_groups"]]}}
+
+
+def _raw_save(state: dict[str, Any], directory: str) -> None:
     with open(os.path.join(directory, "raw.bin"), "wb") as f:
-        for tensor in state.values():
+        for tensor in _tensors(state):
             f.write(memoryview(tensor.numpy()).cast("B"))
+        f.flush()
+        os.fsync(f.fileno())
 
 
-def _raw_load(state: dict[str, torch.Tensor], directory: str) -> None:
+def _raw_load(state: dict[str, Any], directory: str) -> None:
     with open(os.path.join(directory, "raw.bin"), "rb") as f:
-        for tensor in state.values():
+        for tensor in _tensors(state):
             f.readinto(memoryview(tensor.numpy()).cast("B"))
 
 
 def _checkpoint_ops(impl: str) -> tuple[Callable[[dict, str], Any], Callable[[dict, str], Any]]:
-    """(save, load) of ``impl``. No fsync anywhere: the gate times the software, and on a shared disk
-    an fsync's time is the other jobs' (the throughput benchmarks, bench_checkpoint.py, do fsync)."""
-    if impl == "raw":
-        return _raw_save, _raw_load
-    if impl == "reference":
-        import reference.checkpoint as ckpt
-
-        writer: Callable[[str], Any] = lambda d: ckpt.FileSystemWriter(d, sync_files=False)  # noqa: E731
-    else:
-        import torch.distributed.checkpoint as ckpt  # type: ignore[no-redef]
-
-        writer = lambda d: ckpt.FileSystemWriter(d, sync_files=False)  # noqa: E731
-    return (
-        lambda state, d: ckpt.save(state, checkpoint_id=d, storage_writer=writer(d)),
-        lambda state, d: ckpt.load(state, checkpoint_id=d),
-    )
-
-
-def _checkpoint_setup(self: Any, impl: str) -> None:
+    """(save, load) of ``impl``: its ``CheckpointOps`` with no process group, or raw file I/O."""
     from bench.workloads import checkpoint as ck
 
-    _skip_unavailable(ck.available, impl)
-    save, load = _checkpoint_ops(impl)
-    source = _cached(("checkpoint", impl), _checkpoint_state)
-    dest = _cached(("checkpoint dest", impl), lambda: {k: torch.zeros_like(v) for k, v in source.items()})
-    # asv runs setup and teardown around every timed call: a fresh directory each time, removed after.
-    self.directory = tempfile.mkdtemp(prefix=f"bench-gate-ckpt-{impl}-")
-    save(source, self.directory)  # what time_load reads (time_save writes it again)
-    self.save = lambda: save(source, self.directory)
-    self.load = lambda: load(dest, self.directory)
+    _skip_unavailable(ck.available(impl))
+    if impl == "raw":
+        return _raw_save, _raw_load
+    ops = _impls.ops(impl, ck.CAPABILITY)
+    return (lambda state, d: ops.save(state, d)), (lambda state, d: ops.load(state, d))
 
 
-def _checkpoint_teardown(self: Any) -> None:
-    shutil.rmtree(self.directory, ignore_errors=True)
+def _scratch_root() -> str | None:
+    """``/dev/shm`` where it is a writable directory (memory, where fsync costs nothing), else the default."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
-class GateCheckpoint(_Gate):
-    """Seconds of ``reference.checkpoint.save`` / ``load`` of 32 MiB (8 plain fp32 tensors), no process
-    group, no fsync; the load reads from the page cache."""
+def _new_checkpoint_dir(self: Any, impl: str) -> str:
+    """An empty directory for this sample, removed by :func:`_remove_checkpoint_dir` (teardown, which
+    asv calls after every sample: nothing is left behind in memory)."""
+    self.directory = tempfile.mkdtemp(prefix=f"bench-gate-{impl.replace(':', '-')}-", dir=_scratch_root())
+    return self.directory  # type: ignore[no-any-return]
 
-    def setup(self) -> None:
-        _checkpoint_setup(self, "reference")
 
-    def teardown(self) -> None:
-        _checkpoint_teardown(self)
+def _remove_checkpoint_dir(self: Any) -> None:
+    directory = getattr(self, "directory", None)
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+        self.directory = None
+
+
+class GateCheckpointSave(_Gate):
+    """CPU seconds of ``CheckpointOps.save`` of model + Adam state (36 MiB in 96 tensors, and the param
+    groups) into an empty directory, no process group."""
+
+    def _prepare(self, impl: str) -> None:
+        save, _ = _checkpoint_ops(impl)
+        source = _cached("checkpoint source", _checkpoint_state)
+        directory = _new_checkpoint_dir(self, impl)
+        self.call = lambda: save(source, directory)
 
     def time_save(self) -> None:
-        self.save()
+        self.call()
+
+    def teardown(self) -> None:
+        _remove_checkpoint_dir(self)
+
+
+class GateCheckpointLoad(_Gate):
+    """CPU seconds of ``CheckpointOps.load`` of that checkpoint (saved by the same implementation in
+    ``setup``) into a state dict of the same shapes, no process group."""
+
+    def _prepare(self, impl: str) -> None:
+        save, load = _checkpoint_ops(impl)
+        source = _cached("checkpoint source", _checkpoint_state)
+        dest = _cached(("checkpoint dest", impl), lambda: _zeros_like(source))
+        directory = _new_checkpoint_dir(self, impl)
+        save(source, directory)
+        self.call = lambda: load(dest, directory)
 
     def time_load(self) -> None:
-        self.load()
+        self.call()
+
+    def teardown(self) -> None:
+        _remove_checkpoint_dir(self)
 
 
-class GateBaselineCheckpoint(_Baseline):
-    """``GateCheckpoint`` for torch DCP and for raw ``write`` / ``readinto`` of the same bytes."""
-
-    params = (["torch", "raw"],)
-    param_names = ["impl"]
-
-    def setup(self, impl: str) -> None:
-        _checkpoint_setup(self, impl)
-
-    def teardown(self, impl: str) -> None:
-        _checkpoint_teardown(self)
-
-    def time_save(self, impl: str) -> None:
-        self.save()
-
-    def time_load(self, impl: str) -> None:
-        self.load()
+#: The classes whose benchmarks decide the gate, one per core call.
+GATED: tuple[type[_Gate], ...] = (
+    GateFlatten, GateGetStateDict, GateSetStateDict, GateOptimStateDict, GateLoadOptimStateDict,
+    GateCheckpointSave, GateCheckpointLoad,
+)
 
 
-#: The classes whose benchmarks decide the gate: reference code only, one class per capability.
-GATED: tuple[type, ...] = (GateFlatten, GateStateDict, GateOptimState, GateCheckpoint)
+def _baseline_impls(upstream: tuple[str, ...]) -> list[str]:
+    """What a baseline class times: the upstream baseline, raw, and the reference when it is not gated."""
+    names = [*upstream, "raw"] + (["reference"] if GATED_IMPL != "reference" else [])
+    return [name for name in names if name != GATED_IMPL]
+
+
+def _baseline_class(gated: type[_Gate], upstream: tuple[str, ...]) -> type[_Baseline]:
+    """``GateBaseline<Name>``: ``gated``'s workload for each of :func:`_baseline_impls`, asv parameter ``impl``."""
+    method = next(name for name in vars(gated) if name.startswith("time_"))
+
+    def setup(self: Any, impl: str) -> None:
+        _steady()
+        gated._prepare(self, impl)
+
+    def timed(self: Any, impl: str) -> None:
+        self.call()
+
+    def teardown(self: Any, impl: str) -> None:
+        _remove_checkpoint_dir(self)
+
+    namespace: dict[str, Any] = {
+        "__module__": __name__,
+        "__doc__": f"``{gated.__name__}`` for {', '.join(_baseline_impls(upstream))}.",
+        "params": (_baseline_impls(upstream),),
+        "param_names": ["impl"],
+        "setup": setup,
+        method: timed,
+        "teardown": teardown,
+    }
+    return type(f"GateBaseline{gated.__name__.removeprefix('Gate')}", (_Baseline,), namespace)
+
+
+GateBaselineFlatten = _baseline_class(GateFlatten, fp.UPSTREAM)
+GateBaselineGetStateDict = _baseline_class(GateGetStateDict, sd.UPSTREAM)
+GateBaselineSetStateDict = _baseline_class(GateSetStateDict, sd.UPSTREAM)
+GateBaselineOptimStateDict = _baseline_class(GateOptimStateDict, ("torch",))
+GateBaselineLoadOptimStateDict = _baseline_class(GateLoadOptimStateDict, ("torch",))
+GateBaselineCheckpointSave = _baseline_class(GateCheckpointSave, ("torch",))
+GateBaselineCheckpointLoad = _baseline_class(GateCheckpointLoad, ("torch",))
+
 #: Timed for the tip commit alongside the gate, never part of its verdict.
-BASELINES: tuple[type, ...] = (GateBaselineFlatten, GateBaselineStateDict, GateBaselineOptimState, GateBaselineCheckpoint)
+BASELINES: tuple[type[_Baseline], ...] = (
+    GateBaselineFlatten, GateBaselineGetStateDict, GateBaselineSetStateDict, GateBaselineOptimStateDict,
+    GateBaselineLoadOptimStateDict, GateBaselineCheckpointSave, GateBaselineCheckpointLoad,
+)

@@ -1,4 +1,6 @@
-"""asv: full optimizer state dict and its conversion back, reference FSDP vs torch FSDP1, world size 2 (issue 4).
+"""asv: full optimizer state dict of a sharded model and loading it back, world size 2 (issue 4): the
+reference, torch (FSDP1), the implementations under test (``BENCH_IMPL``) and raw, each through its
+adapter's ``ShardingOps`` and ``OptimStateOps`` (see :mod:`bench.workloads.optim_state`).
 
 One rank group measures every implementation for every size (``setup_cache``), so the speedups compare
 figures of the same run. Seconds are the slowest rank's best of a few calls.
@@ -9,11 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 from bench import config
+from bench import impls as _impls
 from bench.ranks import RankGroup
 from bench.workloads import optim_state as osw
 
 PARAMS: list[int] = config.grid(config.OPTIM_STATE_PARAMS)
-IMPLS: list[str] = list(osw.IMPLS)
+IMPLS: list[str] = osw.impls()
+#: Whose speed the ``*Speedup`` classes report: the reference and the implementations under test.
+SUBJECTS: list[str] = [impl for impl in IMPLS if _impls.is_adapter(impl) and impl not in osw.UPSTREAM]
 WORLD_SIZE = 2
 
 
@@ -26,9 +31,8 @@ def _measure_grid(self: Any) -> dict[tuple[str, int], dict[str, Any]]:
                     continue
                 try:
                     per_rank = group.run(osw.osd_times, impl, params, 3 if params < 10_000 else 2)
-                    load = [r[1] for r in per_rank]
-                    grid[impl, params] = {"get": max(r[0] for r in per_rank),
-                                          "load": None if None in load else max(load), "error": None}
+                    grid[impl, params] = {"get": max(r[0] for r in per_rank), "load": max(r[1] for r in per_rank),
+                                          "error": None}
                 except Exception as exc:  # reported by the figure's benchmark
                     grid[impl, params] = {"error": f"{type(exc).__name__}: {exc}"}
     return grid
@@ -43,8 +47,6 @@ def _figure(grid: dict, impl: str, params: int, name: str) -> float:
         raise NotImplementedError(f"{impl} was not measured")
     if entry["error"]:
         raise RuntimeError(f"{impl}, {params} params: {entry['error']}")
-    if entry[name] is None:
-        raise NotImplementedError(f"{impl} has no {name} figure")
     return float(entry[name])
 
 
@@ -70,49 +72,40 @@ class OptimStateDict:
     track_optim_state_dict.unit = "seconds"  # type: ignore[attr-defined]
 
 
-class OptimStateDictToLoad:
-    """Seconds of ``optim_state_dict_to_load(model, optim, osd)`` (no raw counterpart)."""
+class LoadOptimStateDict:
+    """Seconds of ``load_optim_state_dict(model, optim, osd)`` (FSDP: ``optim_state_dict_to_load`` and
+    ``optim.load_state_dict``; raw: ``optim.load_state_dict`` of the unwrapped model)."""
 
-    params = (["reference", "torch"], PARAMS)
+    params = (IMPLS, PARAMS)
     param_names = ["impl", "params"]
     setup_cache = _measure_grid
 
     def setup(self, grid: dict, impl: str, params: int) -> None:
         _skip_unavailable(impl)
 
-    def track_optim_state_dict_to_load(self, grid: dict, impl: str, params: int) -> float:
+    def track_load_optim_state_dict(self, grid: dict, impl: str, params: int) -> float:
         return _figure(grid, impl, params, "load")
 
-    track_optim_state_dict_to_load.unit = "seconds"  # type: ignore[attr-defined]
+    track_load_optim_state_dict.unit = "seconds"  # type: ignore[attr-defined]
 
 
 class OptimStateSpeedup:
-    """The reference's speed relative to ``baseline`` in the same run (>= 1: at least as fast)."""
+    """The speed of ``impl`` relative to ``baseline`` in the same run (>= 1: at least as fast)."""
 
-    params = (["torch", "raw"], PARAMS)
-    param_names = ["baseline", "params"]
+    params = (SUBJECTS, ["torch", "raw"], PARAMS)
+    param_names = ["impl", "baseline", "params"]
     setup_cache = _measure_grid
 
-    def setup(self, grid: dict, baseline: str, params: int) -> None:
-        _skip_unavailable("reference")
+    def setup(self, grid: dict, impl: str, baseline: str, params: int) -> None:
+        _skip_unavailable(impl)
+        _skip_unavailable(baseline)
 
-    def track_optim_state_dict_speedup(self, grid: dict, baseline: str, params: int) -> float:
-        return _figure(grid, baseline, params, "get") / _figure(grid, "reference", params, "get")
+    def track_optim_state_dict_speedup(self, grid: dict, impl: str, baseline: str, params: int) -> float:
+        return _figure(grid, baseline, params, "get") / _figure(grid, impl, params, "get")
 
     track_optim_state_dict_speedup.unit = "ratio"  # type: ignore[attr-defined]
 
+    def track_load_optim_state_dict_speedup(self, grid: dict, impl: str, baseline: str, params: int) -> float:
+        return _figure(grid, baseline, params, "load") / _figure(grid, impl, params, "load")
 
-class OptimStateToLoadSpeedup:
-    """The reference's ``optim_state_dict_to_load`` speed relative to torch in the same run."""
-
-    params = (["torch"], PARAMS)
-    param_names = ["baseline", "params"]
-    setup_cache = _measure_grid
-
-    def setup(self, grid: dict, baseline: str, params: int) -> None:
-        _skip_unavailable("reference")
-
-    def track_optim_state_dict_to_load_speedup(self, grid: dict, baseline: str, params: int) -> float:
-        return _figure(grid, baseline, params, "load") / _figure(grid, "reference", params, "load")
-
-    track_optim_state_dict_to_load_speedup.unit = "ratio"  # type: ignore[attr-defined]
+    track_load_optim_state_dict_speedup.unit = "ratio"  # type: ignore[attr-defined]

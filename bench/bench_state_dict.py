@@ -1,8 +1,11 @@
 """asv: get_state_dict / set_state_dict against the number of keys, with and without submodules (issue 5).
 
-``time_*`` are asv's own timings of one call; ``track_*_us_per_key`` divides by the number of keys, so
-a linear implementation draws a flat line over ``keys`` (the 64-submodule curve must stay flat too);
-``track_*_speedup`` times the reference and the baseline back to back in one process.
+Implementations: the reference, torch, the implementations under test (``BENCH_IMPL``) and raw, each
+through its adapter's ``StateDictOps`` (see :mod:`bench.workloads.state_dict`). ``time_*`` are asv's
+own timings of one call; ``track_*_us_per_key`` divides by the number of keys, so a linear
+implementation draws a flat line over ``keys`` (the 64-submodule curve must stay flat too);
+``track_*_speedup`` times an implementation (the reference or one under test) and the baseline back to
+back in one process.
 """
 
 from __future__ import annotations
@@ -10,10 +13,13 @@ from __future__ import annotations
 import timeit
 
 from bench import config
+from bench import impls as _impls
 from bench.workloads import state_dict as sd
 
 KEYS: list[int] = config.grid(config.STATE_DICT_KEYS)
-IMPLS: list[str] = list(sd.IMPLS)
+IMPLS: list[str] = sd.impls()
+#: Whose speed the ``*Speedup`` classes report: the reference and the implementations under test.
+SUBJECTS: list[str] = [impl for impl in IMPLS if _impls.is_adapter(impl) and impl not in sd.UPSTREAM]
 SUBMODULES: list[str] = list(sd.SUBMODULES)
 
 
@@ -72,40 +78,42 @@ class SetStateDict(_Heavy):
 
 
 class GetStateDictSpeedup(_Heavy):
-    """The reference's get_state_dict speed relative to ``baseline`` (>= 1: at least as fast), back to back."""
+    """The get_state_dict speed of ``impl`` relative to ``baseline`` (>= 1: at least as fast), back to back."""
 
-    params = (["torch", "raw"], KEYS, SUBMODULES)
-    param_names = ["baseline", "keys", "submodules"]
+    params = (SUBJECTS, ["torch", "raw"], KEYS, SUBMODULES)
+    param_names = ["impl", "baseline", "keys", "submodules"]
 
-    def setup(self, baseline: str, keys: int, submodules: str) -> None:
-        _skip_unavailable("reference")
+    def setup(self, impl: str, baseline: str, keys: int, submodules: str) -> None:
+        _skip_unavailable(impl)
+        _skip_unavailable(baseline)
         case = sd.case(keys)
-        self.ref = sd.get_fn("reference", case, submodules)
+        self.mine = sd.get_fn(impl, case, submodules)
         self.base = sd.get_fn(baseline, case, submodules)
 
-    def track_get_state_dict_speedup(self, baseline: str, keys: int, submodules: str) -> float:
-        return _best_seconds(self.base, keys) / _best_seconds(self.ref, keys)
+    def track_get_state_dict_speedup(self, impl: str, baseline: str, keys: int, submodules: str) -> float:
+        return _best_seconds(self.base, keys) / _best_seconds(self.mine, keys)
 
     track_get_state_dict_speedup.unit = "ratio"  # type: ignore[attr-defined]
 
 
 class SetStateDictSpeedup(_Heavy):
-    """The reference's set_state_dict speed relative to ``baseline`` (>= 1: at least as fast), back to back.
+    """The set_state_dict speed of ``impl`` relative to ``baseline`` (>= 1: at least as fast), back to back.
 
     Up to 10,000 keys: at 100,000 every implementation, raw included, spends minutes per call in
     upstream ``Optimizer.load_state_dict`` (``param_id in pg["params"]`` on a list, quadratic in
     parameters); ``SetStateDict`` still records that size."""
 
-    params = (["torch", "raw"], [k for k in KEYS if k <= 10_000])
-    param_names = ["baseline", "keys"]
+    params = (SUBJECTS, ["torch", "raw"], [k for k in KEYS if k <= 10_000])
+    param_names = ["impl", "baseline", "keys"]
 
-    def setup(self, baseline: str, keys: int) -> None:
-        _skip_unavailable("reference")
+    def setup(self, impl: str, baseline: str, keys: int) -> None:
+        _skip_unavailable(impl)
+        _skip_unavailable(baseline)
         case = sd.case(keys)
-        self.ref = sd.set_fn("reference", case)
+        self.mine = sd.set_fn(impl, case)
         self.base = sd.set_fn(baseline, case)
 
-    def track_set_state_dict_speedup(self, baseline: str, keys: int) -> float:
-        return _best_seconds(self.base, keys) / _best_seconds(self.ref, keys)
+    def track_set_state_dict_speedup(self, impl: str, baseline: str, keys: int) -> float:
+        return _best_seconds(self.base, keys) / _best_seconds(self.mine, keys)
 
     track_set_state_dict_speedup.unit = "ratio"  # type: ignore[attr-defined]

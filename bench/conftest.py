@@ -3,6 +3,8 @@
 Under ``--benchmark-disable`` (what ``make test`` passes) or ``BENCH_QUICK=1`` every grid keeps only its
 smallest size and each benchmark body runs once: a broken benchmark fails CI, speed is not judged.
 Rank groups (one per world size) are shared by the whole session, as the harness shares its pools.
+``BENCH_IMPL`` (``make bench IMPL=...``) adds adapters to every family (see ``bench/impls.py``); one
+that cannot be loaded stops the run before anything is measured.
 """
 
 from __future__ import annotations
@@ -17,6 +19,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # Before any bench module is imported: bench.config reads BENCH_QUICK once, at import.
     if config.getoption("benchmark_disable", default=False):
         os.environ["BENCH_QUICK"] = "1"
+    from bench import impls
+
+    try:
+        for spec in impls.under_test():
+            impls.adapter(spec)
+    except ValueError as exc:
+        raise pytest.UsageError(f"{impls.ENV_VAR}: {exc}") from None
 
 
 @pytest.fixture(scope="session")

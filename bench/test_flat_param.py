@@ -21,7 +21,7 @@ def _rounds(params: int) -> int:
     return 1 if config.QUICK else 10 if params <= 1_000 else 3
 
 
-@pytest.mark.parametrize("impl", fp.IMPLS)
+@pytest.mark.parametrize("impl", fp.impls())
 @pytest.mark.parametrize("depth", DEPTHS)
 @pytest.mark.parametrize("params", PARAMS)
 def test_flatten(benchmark, params: int, depth: int, impl: str) -> None:
@@ -33,7 +33,7 @@ def test_flatten(benchmark, params: int, depth: int, impl: str) -> None:
                        rounds=_rounds(params), iterations=1)
 
 
-@pytest.mark.parametrize("impl", fp.IMPLS)
+@pytest.mark.parametrize("impl", fp.impls())
 @pytest.mark.parametrize("depth", DEPTHS)
 @pytest.mark.parametrize("params", PARAMS)
 def test_wrapped_state_dict(benchmark, params: int, depth: int, impl: str) -> None:

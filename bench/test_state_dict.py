@@ -23,7 +23,7 @@ def _rounds(keys: int) -> int:
     return 1 if config.QUICK else 10 if keys <= 1_000 else 3
 
 
-@pytest.mark.parametrize("impl", sd.IMPLS)
+@pytest.mark.parametrize("impl", sd.impls())
 @pytest.mark.parametrize("submodules", sd.SUBMODULES)
 @pytest.mark.parametrize("keys", KEYS)
 def test_get_state_dict(benchmark, keys: int, submodules: str, impl: str) -> None:
@@ -36,7 +36,7 @@ def test_get_state_dict(benchmark, keys: int, submodules: str, impl: str) -> Non
     assert len(model_sd) == expected, f"{impl}: {len(model_sd)} model keys, expected {expected}"
 
 
-@pytest.mark.parametrize("impl", sd.IMPLS)
+@pytest.mark.parametrize("impl", sd.impls())
 @pytest.mark.parametrize("keys", KEYS)
 def test_set_state_dict(benchmark, keys: int, impl: str) -> None:
     _skip_unavailable(impl)

@@ -12,8 +12,9 @@ from tools.bench_table import Row
 
 
 def _pytest_entry(group: str, impl: str, seconds: float, **extra: object) -> dict:
+    # The table reads the median of the rounds; a min that differs shows it is not the one read.
     return {"group": group, "name": f"test_x[{impl}]", "params": {"impl": impl},
-            "extra_info": {"impl": impl, **extra}, "stats": {"min": seconds, "median": seconds * 2}}
+            "extra_info": {"impl": impl, **extra}, "stats": {"min": seconds / 2, "median": seconds}}
 
 
 PYTEST_JSON = {
@@ -132,7 +133,10 @@ def test_render_text(fmt: str) -> None:
     text = bench_table.render(bench_table.from_pytest_benchmark(PYTEST_JSON), fmt)
     assert "2026-11-22 02:30 UTC on box (AMD EPYC, 2 CPUs), commit 01234567" in text
     header = next(line for line in text.splitlines() if "workload" in line)
-    assert [h.strip() for h in header.strip("| ").split("|" if fmt == "markdown" else None)] == bench_table.HEADERS
+    table = bench_table.from_pytest_benchmark(PYTEST_JSON)
+    assert [h.strip() for h in header.strip("| ").split("|" if fmt == "markdown" else None)] == bench_table.headers(table)
+    assert bench_table.headers(table) == ["workload", "unit", "reference", "upstream", "raw", "memcpy",
+                                          "reference/upstream", "reference/raw"]
     assert "flatten 100 params, depth 1 [upstream: fairscale]" in text
     save_line = next(line for line in text.splitlines() if line.lstrip("| ").startswith("save 64MB"))
     assert "128" in save_line and "2.00" in save_line and "0.500" in save_line
@@ -141,7 +145,7 @@ def test_render_text(fmt: str) -> None:
 def test_render_json_round_trips() -> None:
     data = json.loads(bench_table.render(bench_table.from_pytest_benchmark(PYTEST_JSON), "json"))
     save = next(r for r in data["rows"] if r["workload"] == "save 64MB ws1 full")
-    assert save["ref/upstream"] == pytest.approx(2.0) and save["upstream_impl"] == "torch" and save["upstream"] == 64.0
+    assert save["reference/upstream"] == pytest.approx(2.0) and save["upstream_impl"] == "torch" and save["upstream"] == 64.0
 
 
 def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -153,3 +157,37 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_table.main([str(tmp_path / "other.json")]) == 2
     assert "neither a pytest-benchmark JSON" in capsys.readouterr().err
     assert bench_table.main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_an_implementation_under_test_gets_its_own_column_and_ratios() -> None:
+    fork = "mystack.adapter:MyAdapter"
+    data = {**PYTEST_JSON, "benchmarks": [
+        _pytest_entry("save 64MB ws1 full", "reference", 0.5, bytes=64 * 2**20),
+        _pytest_entry("save 64MB ws1 full", fork, 2.0, bytes=64 * 2**20),
+        _pytest_entry("save 64MB ws1 full", "torch", 1.0, bytes=64 * 2**20),
+        _pytest_entry("save 64MB ws1 full", "raw", 0.25, bytes=64 * 2**20),
+    ]}
+    table = bench_table.from_pytest_benchmark(data)
+    assert table.subjects == ["reference", fork]
+    assert bench_table.headers(table) == [
+        "workload", "unit", "reference", fork, "upstream", "raw", "memcpy",
+        "reference/upstream", "reference/raw", f"{fork}/upstream", f"{fork}/raw"]
+    row = table.rows[0]
+    assert row.values == {"reference": 128.0, fork: 32.0, "upstream": 64.0, "raw": 256.0}
+    assert row.ratio("upstream", fork) == pytest.approx(0.5) and row.ratio("raw", fork) == pytest.approx(0.125)
+    line = next(line for line in bench_table.render(table).splitlines() if line.startswith("save"))
+    assert line.split()[-4:] == ["2.00", "0.500", "0.500", "0.125"]
+
+
+def test_asv_speedups_with_an_impl_parameter_are_not_figures(tmp_path: Path) -> None:
+    results = _write_asv(tmp_path)
+    benchmarks = json.loads((results / "benchmarks.json").read_text())
+    speedup = benchmarks["bench_checkpoint.CheckpointSpeedup.track_save_speedup"]
+    speedup.update(param_names=["impl", "baseline"], params=[["'reference'"], ["'torch'"]])
+    (results / "benchmarks.json").write_text(json.dumps(benchmarks))
+    result_path = next((results / "box").glob("*.json"))
+    result = json.loads(result_path.read_text())
+    result["results"]["bench_checkpoint.CheckpointSpeedup.track_save_speedup"] = [[2.0], [["'reference'"], ["'torch'"]], "v"]
+    result_path.write_text(json.dumps(result))
+    rows = _rows(bench_table.load(results))
+    assert sorted(rows) == ["get_state_dict keys=100", "save size=64MB world_size=1", "save size=64MB world_size=2"]

@@ -1,21 +1,25 @@
-"""The benchmark comparison table: one row per workload, reference vs upstream vs the raw limit.
+"""The benchmark comparison table: one row per workload; the reference and each implementation under
+test against upstream and the raw limit.
 
     python -m tools.bench_table                          # latest asv result in .asv/results
     python -m tools.bench_table .asv/results --commit 1a2b3c4d
     python -m tools.bench_table bench.json               # pytest --benchmark-json=bench.json (make bench)
     python -m tools.bench_table bench.json --format markdown   # or plain, github, json
 
-Columns: ``reference``; ``upstream`` (torch; fairscale for FlattenParamsWrapper, which torch lacks;
-fresh processes per test for the harness pool); ``raw`` (plain file I/O / plain module calls) and
-``memcpy`` where measured; then ``ref/upstream`` and ``ref/raw``, the reference's *speed* relative to
-each (throughput ratio, or inverse time ratio), so that above 1 always means the reference is
-faster, whatever the unit. For peak memory, above 1 means the reference uses less.
+Columns: ``reference``; one column per implementation under test (any other adapter, named as
+``BENCH_IMPL`` / ``make bench IMPL=...`` named it); ``upstream`` (torch; fairscale for
+FlattenParamsWrapper, which torch lacks; fresh processes per test for the harness pool); ``raw``
+(plain file I/O / plain module calls) and ``memcpy`` where measured; then, for the reference and each
+implementation under test, ``<impl>/upstream`` and ``<impl>/raw``: its *speed* relative to each
+(throughput ratio, or inverse time ratio), so that above 1 always means it is faster, whatever the
+unit. For peak memory, above 1 means it uses less.
 
-What counts as a figure: an asv benchmark with an ``impl`` parameter (its other parameters name the
-workload; the ``*_speedup`` benchmarks, asv's own record of the same ratios across commits, are not
-repeated), or a pytest-benchmark entry whose ``extra_info`` has ``impl`` (its group names the
-workload; ``extra_info["bytes"]`` turns seconds into MB/s, and ``extra_info["rank_seconds"]``, when
-present, replaces the controller's time with the ranks' own).
+What counts as a figure: an asv benchmark with an ``impl`` parameter and no ``baseline`` parameter
+(its other parameters name the workload; the ``*_speedup`` benchmarks, asv's own record of the same
+ratios across commits, are not repeated), or a pytest-benchmark entry whose ``extra_info`` has
+``impl`` (its group names the workload; ``extra_info["bytes"]`` turns seconds into MB/s, and
+``extra_info["rank_seconds"]``, when present, replaces the controller's time with the ranks' own).
+pytest-benchmark figures are the median of the rounds.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Row", "Table", "from_pytest_benchmark", "from_asv", "load", "render", "main"]
+__all__ = ["Row", "Table", "column_of", "from_pytest_benchmark", "from_asv", "load", "headers", "render", "main"]
 
-#: Which column each implementation name goes to.
+#: Which column each implementation name goes to; any other name (an adapter under test) is a column
+#: of its own, named as the implementation.
 ROLES: dict[str, str] = {
     "reference": "reference",
     "pool": "reference",
@@ -45,7 +50,13 @@ ROLES: dict[str, str] = {
 }
 #: Units where more is better; every other unit (seconds, us/key, x bytes loaded) is less-is-better.
 HIGHER_IS_BETTER = {"MB/s"}
-COLUMNS = ("reference", "upstream", "raw", "memcpy")
+#: The baseline columns, in table order; the reference and the implementations under test come first.
+BASELINE_COLUMNS = ("upstream", "raw", "memcpy")
+
+
+def column_of(impl: str) -> str:
+    """The column of an implementation: its role, or its own name for an implementation under test."""
+    return ROLES.get(impl, impl)
 
 
 @dataclass
@@ -57,18 +68,38 @@ class Row:
     values: dict[str, float] = field(default_factory=dict)  # column -> figure
     upstream_name: str | None = None  # which implementation filled the upstream column
 
-    def ratio(self, baseline: str) -> float | None:
-        """The reference's speed (or frugality) relative to ``baseline``; > 1: the reference is better."""
-        ref, base = self.values.get("reference"), self.values.get(baseline)
-        if ref is None or base is None or not (math.isfinite(ref) and math.isfinite(base)) or ref <= 0 or base <= 0:
+    def ratio(self, baseline: str, subject: str = "reference") -> float | None:
+        """The speed (or frugality) of ``subject`` relative to ``baseline``; > 1: ``subject`` is better."""
+        mine, base = self.values.get(subject), self.values.get(baseline)
+        if mine is None or base is None or not (math.isfinite(mine) and math.isfinite(base)) or mine <= 0 or base <= 0:
             return None
-        return ref / base if self.unit in HIGHER_IS_BETTER else base / ref
+        return mine / base if self.unit in HIGHER_IS_BETTER else base / mine
 
 
 @dataclass
 class Table:
     rows: list[Row]
     caption: str  # where and when it was measured
+
+    @property
+    def subjects(self) -> list[str]:
+        """The columns whose ratios are shown: the reference, then the implementations under test in the
+        order they first appear."""
+        names = ["reference"]
+        for row in self.rows:
+            for column in row.values:
+                if column not in names and column not in BASELINE_COLUMNS:
+                    names.append(column)
+        return names
+
+    @property
+    def columns(self) -> list[str]:
+        return [*self.subjects, *BASELINE_COLUMNS]
+
+    @property
+    def ratio_columns(self) -> list[tuple[str, str]]:
+        """(subject, baseline) of every ratio column."""
+        return [(subject, baseline) for subject in self.subjects for baseline in ("upstream", "raw")]
 
 
 # -- pytest-benchmark ----------------------------------------------------------------------------------
@@ -80,9 +111,7 @@ def from_pytest_benchmark(data: dict[str, Any]) -> Table:
 
     def put(workload: str, unit: str, impl: str, value: float) -> None:
         row = rows.setdefault((workload, unit), Row(workload, unit))
-        column = ROLES.get(impl)
-        if column is None:
-            return
+        column = column_of(impl)
         row.values[column] = value
         if column == "upstream":
             row.upstream_name = impl
@@ -94,7 +123,7 @@ def from_pytest_benchmark(data: dict[str, Any]) -> Table:
             continue
         workload = bench.get("group") or bench["name"]
         # A figure the ranks timed themselves (without the controller's messaging) wins.
-        seconds = float(extra.get("rank_seconds") or bench["stats"]["min"])
+        seconds = float(extra.get("rank_seconds") or bench["stats"]["median"])
         if "bytes" in extra:
             put(workload, "MB/s", impl, extra["bytes"] / 2**20 / seconds)
         else:
@@ -107,7 +136,7 @@ def from_pytest_benchmark(data: dict[str, Any]) -> Table:
     when = (data.get("datetime") or "")[:16].replace("T", " ")
     commit = (data.get("commit_info") or {}).get("id", "")[:8]
     caption = f"pytest-benchmark, {when} UTC on {machine.get('node', 'unknown')} ({cpu}" + (
-        f", {count} CPUs)" if count else ")") + (f", commit {commit}" if commit else "") + "; best of the rounds"
+        f", {count} CPUs)" if count else ")") + (f", commit {commit}" if commit else "") + "; median of the rounds"
     return Table(list(rows.values()), caption)
 
 
@@ -143,7 +172,7 @@ def from_asv(result: dict[str, Any], benchmarks: dict[str, Any]) -> Table:
             continue
         record = dict(zip(columns, entry))
         param_names = info.get("param_names") or []
-        if "impl" not in param_names:
+        if "impl" not in param_names or "baseline" in param_names:
             continue
         values = record.get("result")
         if values is None:
@@ -161,9 +190,7 @@ def from_asv(result: dict[str, Any], benchmarks: dict[str, Any]) -> Table:
             impl = named.pop("impl")
             label = f"{short} " + " ".join(f"{k}={v}" for k, v in named.items())
             row = rows.setdefault((label, unit), Row(label.strip(), unit))
-            column = ROLES.get(impl)
-            if column is None:
-                continue
+            column = column_of(impl)
             row.values[column] = float(value)
             if column == "upstream":
                 row.upstream_name = impl
@@ -211,15 +238,17 @@ def _fmt(value: float | None) -> str:
     return f"{value:,.{digits}f}"
 
 
-def _cells(row: Row) -> list[str]:
+def _cells(table: Table, row: Row) -> list[str]:
     workload = row.workload
     if row.upstream_name not in (None, "torch"):
         workload += f" [upstream: {row.upstream_name}]"
-    return [workload, row.unit, *(_fmt(row.values.get(c)) for c in COLUMNS),
-            _fmt(row.ratio("upstream")), _fmt(row.ratio("raw"))]
+    return [workload, row.unit, *(_fmt(row.values.get(c)) for c in table.columns),
+            *(_fmt(row.ratio(baseline, subject)) for subject, baseline in table.ratio_columns)]
 
 
-HEADERS = ["workload", "unit", *COLUMNS, "ref/upstream", "ref/raw"]
+def headers(table: Table) -> list[str]:
+    """The table's column headings: workload, unit, the figures, then ``<impl>/<baseline>`` ratios."""
+    return ["workload", "unit", *table.columns, *(f"{subject}/{baseline}" for subject, baseline in table.ratio_columns)]
 
 
 def render(table: Table, fmt: str = "plain") -> str:
@@ -228,15 +257,18 @@ def render(table: Table, fmt: str = "plain") -> str:
         return json.dumps(
             {"caption": table.caption, "rows": [
                 {"workload": r.workload, "unit": r.unit, "upstream_impl": r.upstream_name, **r.values,
-                 "ref/upstream": r.ratio("upstream"), "ref/raw": r.ratio("raw")} for r in table.rows]},
+                 **{f"{subject}/{baseline}": r.ratio(baseline, subject) for subject, baseline in table.ratio_columns}}
+                for r in table.rows]},
             indent=2,
         )
     from tabulate import tabulate
 
     tablefmt = "github" if fmt == "markdown" else fmt
-    body = tabulate([_cells(r) for r in table.rows], headers=HEADERS, tablefmt=tablefmt, disable_numparse=True,
-                    colalign=("left", "left") + ("right",) * (len(HEADERS) - 2))
-    note = "ref/upstream, ref/raw: the reference's speed relative to each (> 1: reference faster; memory: uses less)"
+    heads = headers(table)
+    body = tabulate([_cells(table, r) for r in table.rows], headers=heads, tablefmt=tablefmt, disable_numparse=True,
+                    colalign=("left", "left") + ("right",) * (len(heads) - 2))
+    note = ("<impl>/upstream, <impl>/raw: the speed of the reference (or implementation under test) relative to "
+            "each (> 1: faster; memory: uses less)")
     if fmt == "markdown":
         return f"{table.caption}\n\n{body}\n\n{note}\n"
     return f"{table.caption}\n{body}\n{note}\n"

@@ -12,9 +12,10 @@ tensors grows with the size as in a real model. Two layouts:
     DTensors, ``Shard(0)`` over a 1-D mesh of all ranks (what FSDP2 holds). Each rank saves and loads
     its own shard.
 
-Implementations (``IMPLS``): ``reference`` (``reference.checkpoint``), ``torch``
-(``torch.distributed.checkpoint``), and the limits of the machine for the same bytes on the same
-ranks: ``raw`` (one plain file per rank, ``write`` + ``fsync`` as DCP's file writer does, and
+Implementations (:func:`impls`): every adapter through its ``CheckpointOps.save`` / ``load`` on the
+default process group: the reference, torch (DCP) and the implementations under test
+(``BENCH_IMPL``, see :mod:`bench.impls`); and the limits of the machine for the same bytes on the
+same ranks: ``raw`` (one plain file per rank, ``write`` + ``fsync`` as DCP's file writer does, and
 ``readinto`` the destination tensors) and ``memcpy`` (``Tensor.copy_`` of the same bytes).
 
 Devices: the state dicts live on the CPU (gloo ranks), or with ``device="cuda"`` on ``cuda:<rank>``
@@ -35,7 +36,6 @@ The rank-side functions (``prepare``, ``save_once``, ...) run on every rank of a
 from __future__ import annotations
 
 import gc
-import importlib.util
 import math
 import os
 import shutil
@@ -45,26 +45,35 @@ from typing import Any
 
 import torch
 
+from bench import impls as _impls
 from bench.ranks import RankGroup, peak_rss_bytes, peak_rss_reset, rss_bytes, timed
 
 __all__ = [
-    "IMPLS", "META_IMPLS", "LAYOUTS", "available", "train_state", "state_bytes", "HostStaging", "prepare",
-    "save_once", "load_once", "meta_load_once", "release", "Figures", "measure",
+    "CAPABILITY", "UPSTREAM", "impls", "meta_impls", "LAYOUTS", "available", "train_state", "state_bytes",
+    "HostStaging", "prepare", "save_once", "load_once", "meta_load_once", "release", "Figures", "measure",
 ]
 
-IMPLS: tuple[str, ...] = ("reference", "torch", "raw", "memcpy")
-#: memcpy has no meaning for a load into meta (there is no destination to copy into).
-META_IMPLS: tuple[str, ...] = ("reference", "torch", "raw")
+CAPABILITY = "checkpoint"
+#: The upstream baseline of this family (DCP).
+UPSTREAM: tuple[str, ...] = ("torch",)
 LAYOUTS: tuple[str, ...] = ("full", "sharded")
 
 _WIDTH = 1024  # weight is _WIDTH x _WIDTH fp32 = 4 MiB
 
 
+def impls() -> list[str]:
+    """reference, torch, the implementations under test, raw, memcpy."""
+    return _impls.family(UPSTREAM, limits=("raw", "memcpy"))
+
+
+def meta_impls() -> list[str]:
+    """:func:`impls` without memcpy, which has no meaning for a load into meta (nothing to copy into)."""
+    return [impl for impl in impls() if impl != "memcpy"]
+
+
 def available(impl: str) -> str | None:
-    """None if ``impl`` can run here, else why not (the reference module has not landed yet)."""
-    if impl == "reference" and importlib.util.find_spec("reference.checkpoint") is None:
-        return "reference.checkpoint is not available in this build"
-    return None
+    """None if ``impl`` can run here, else why not (its adapter has no ``CheckpointOps``)."""
+    return _impls.unavailable(impl, CAPABILITY)
 
 
 # -- the state dict -------------------------------------------------------------------------------
@@ -339,15 +348,10 @@ def _memcpy(source: dict[str, Any], dest: dict[str, Any], layout: str, *, only_w
 
 
 def _dcp_ops(impl: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    if impl == "reference":
-        import reference.checkpoint as ckpt
-
-        return ckpt.save, ckpt.load
-    if impl == "torch":
-        import torch.distributed.checkpoint as dcp
-
-        return dcp.save, dcp.load
-    raise ValueError(f"not a checkpoint library: {impl!r}")
+    """(save, load) of ``impl``'s ``CheckpointOps``, each ``(state_dict, directory)``, on the default
+    process group."""
+    ops = _impls.ops(impl, CAPABILITY)
+    return (lambda sd, directory: ops.save(sd, directory)), (lambda sd, directory: ops.load(sd, directory))
 
 
 # -- rank-side steps (run on every rank of a RankGroup) -----------------------------------------------
@@ -390,7 +394,7 @@ def save_once(impl: str, directory: str) -> float:
     if impl == "memcpy":
         return timed(lambda: _memcpy(source, _CACHE["dest"], layout, only_written=True))
     save, _ = _dcp_ops(impl)
-    return timed(lambda: save(source, checkpoint_id=directory))
+    return timed(lambda: save(source, directory))
 
 
 def _zero(sd: dict[str, Any]) -> None:
@@ -419,7 +423,7 @@ def load_once(impl: str, directory: str) -> float:
         seconds = timed(lambda: _memcpy(source, dest, layout, only_written=False))
     else:
         _, load = _dcp_ops(impl)
-        seconds = timed(lambda: load(dest, checkpoint_id=directory))
+        seconds = timed(lambda: load(dest, directory))
     _check_loaded(dest, state_bytes(source), impl)
     return seconds
 
@@ -435,7 +439,9 @@ def meta_load_once(impl: str, directory: str, nbytes: int, layout: str) -> tuple
     meta_sd = train_state(nbytes, layout, device="meta")
     local_bytes = _local_bytes(meta_sd)
     if impl != "raw":
-        _dcp_ops(impl)  # import the library first: a fresh process's imports are not the load's memory
+        # A load of nothing first: on a fresh process it imports the implementation and runs its code
+        # paths once, and that memory is not the load's.
+        _dcp_ops(impl)[1]({}, directory)
     gc.collect()
     if not peak_rss_reset():
         raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs): no peak-memory figure here")
@@ -444,7 +450,7 @@ def meta_load_once(impl: str, directory: str, nbytes: int, layout: str) -> tuple
         seconds = timed(lambda: _raw_meta_load(meta_sd, layout, directory))
     else:
         _, load = _dcp_ops(impl)
-        seconds = timed(lambda: load(meta_sd, checkpoint_id=directory))
+        seconds = timed(lambda: load(meta_sd, directory))
     peak = peak_rss_bytes() - before
     _check_loaded(meta_sd, nbytes, impl)
     return seconds, peak, local_bytes
@@ -489,7 +495,7 @@ def measure(
             save_s = min(save_s, group.run(save_once, impl, directory)[0])
             load_s = min(load_s, group.run(load_once, impl, directory)[0])
         meta_s = meta_ratio = meta_error = None
-        if impl in META_IMPLS:
+        if impl != "memcpy":
             try:
                 with RankGroup(group.world_size, backend=group.backend) as fresh:
                     results = fresh.run(meta_load_once, impl, directory, nbytes, layout)

@@ -5,44 +5,39 @@ The model is :func:`~bench.workloads.models.nested_model`: ``params`` parameters
 wrappers nested 16 deep and keys 16 segments long. The wrappers' key rewriting must not make
 ``state_dict()`` quadratic in depth or in keys.
 
-Implementations: ``reference`` (``reference.flat_param``), ``fairscale`` (its FlattenParamsWrapper:
-upstream torch has no public one, so fairscale is the upstream column here), and ``raw``: the same
-model unwrapped (``state_dict()`` of plain modules; for flattening, ``torch.cat`` of the same
+Implementations (:func:`impls`): every adapter through its ``FlatParamOps.wrap``: the reference,
+fairscale (upstream torch has no public FlattenParamsWrapper, so fairscale is the upstream column
+here) and the implementations under test (``BENCH_IMPL``, see :mod:`bench.impls`); and ``raw``: the
+same model unwrapped (``state_dict()`` of plain modules; for flattening, ``torch.cat`` of the same
 parameters).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from bench import impls as _impls
 from bench.workloads.models import Level, nested_model
 
-__all__ = ["IMPLS", "available", "wrapper_class", "wrap_all", "flatten_fn", "wrapped_model"]
+__all__ = ["CAPABILITY", "UPSTREAM", "impls", "available", "wrap_all", "flatten_fn", "wrapped_model"]
 
-IMPLS: tuple[str, ...] = ("reference", "fairscale", "raw")
+CAPABILITY = "flat_param"
+#: The upstream baseline of this family (torch has no public FlattenParamsWrapper).
+UPSTREAM: tuple[str, ...] = ("fairscale",)
+
+
+def impls() -> list[str]:
+    """reference, fairscale, the implementations under test, raw."""
+    return _impls.family(UPSTREAM)
 
 
 def available(impl: str) -> str | None:
-    """None if ``impl`` can run here, else why not."""
-    module = {"reference": "reference.flat_param", "fairscale": "fairscale"}.get(impl)
-    if module is not None and importlib.util.find_spec(module) is None:
-        return f"{module} is not available in this environment"
-    return None
-
-
-def wrapper_class(impl: str) -> type[nn.Module]:
-    if impl == "reference":
-        from reference.flat_param import FlattenParamsWrapper
-    elif impl == "fairscale":
-        from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
-    else:
-        raise ValueError(f"not a wrapper implementation: {impl!r}")
-    return FlattenParamsWrapper
+    """None if ``impl`` can run here, else why not (its adapter has no ``FlatParamOps``)."""
+    return _impls.unavailable(impl, CAPABILITY)
 
 
 def _levels(model: Level) -> list[Level]:
@@ -55,15 +50,19 @@ def _levels(model: Level) -> list[Level]:
 
 
 def wrap_all(impl: str, model: Level) -> nn.Module:
-    """Wrap each level of ``model`` in ``impl``'s wrapper over its own parameters, innermost first."""
-    wrapper = wrapper_class(impl)
+    """Wrap each level of ``model`` with ``impl``'s ``FlatParamOps.wrap`` over its own parameters,
+    innermost first."""
+    return _wrap_levels(_impls.ops(impl, CAPABILITY), model)
+
+
+def _wrap_levels(ops: Any, model: Level) -> nn.Module:
     levels = _levels(model)
     wrapped: nn.Module | None = None
     for level in reversed(levels):
         if wrapped is not None:
             level.child = wrapped
         own = list(level.params.parameters())
-        wrapped = wrapper(level, own)
+        wrapped = ops.wrap(level, own)
     assert wrapped is not None
     return wrapped
 
@@ -74,7 +73,8 @@ def flatten_fn(impl: str, params: int, depth: int) -> Callable[[], Any]:
     if impl == "raw":
         groups = [list(level.params.parameters()) for level in _levels(model)]
         return lambda: [torch.cat([p.detach().reshape(-1) for p in group]) for group in groups]
-    return lambda: wrap_all(impl, model)
+    ops = _impls.ops(impl, CAPABILITY)  # resolved here: the adapter's own set-up is not the wrapping
+    return lambda: _wrap_levels(ops, model)
 
 
 def wrapped_model(impl: str, params: int, depth: int) -> nn.Module:

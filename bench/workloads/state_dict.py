@@ -6,35 +6,41 @@ or ``64`` (every block, so the filter keeps everything and its cost is all overh
 tests every key against every submodule (torch's, see STYLE.md) costs keys x submodules; the
 reference's must stay linear in keys.
 
-Implementations: ``reference`` (``reference.state_dict``), ``torch``
-(``torch.distributed.checkpoint.state_dict``), and ``raw``: ``model.state_dict()`` and
-``optim.state_dict()`` (for set: ``load_state_dict`` of both), the plain calls every wrapper API
-builds on. Single process, no process group (plain modules need none).
+Implementations (:func:`impls`): every adapter through its ``StateDictOps`` (``get_state_dict`` /
+``set_state_dict`` with the ops' own ``options()``): the reference, torch, and the implementations
+under test (``BENCH_IMPL``, see :mod:`bench.impls`); and ``raw``: ``model.state_dict()`` and
+``optim.state_dict()`` (for set: ``load_state_dict`` of both), the plain calls every wrapper API builds
+on. Single process, no process group (plain modules need none).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
+from bench import impls as _impls
 from bench.workloads.models import adam_with_state, wide_model
 
-__all__ = ["IMPLS", "SUBMODULES", "N_BLOCKS", "available", "Case", "case", "get_fn", "set_fn"]
+__all__ = ["CAPABILITY", "UPSTREAM", "impls", "SUBMODULES", "N_BLOCKS", "available", "Case", "case", "get_fn", "set_fn"]
 
-IMPLS: tuple[str, ...] = ("reference", "torch", "raw")
+CAPABILITY = "state_dict"
+#: The upstream baseline of this family.
+UPSTREAM: tuple[str, ...] = ("torch",)
 SUBMODULES: tuple[str, ...] = ("none", "1", "64")
 N_BLOCKS = 64
 
 
+def impls() -> list[str]:
+    """reference, torch, the implementations under test, raw."""
+    return _impls.family(UPSTREAM)
+
+
 def available(impl: str) -> str | None:
-    """None if ``impl`` can run here, else why not."""
-    if impl == "reference" and importlib.util.find_spec("reference.state_dict") is None:
-        return "reference.state_dict is not available in this build"
-    return None
+    """None if ``impl`` can run here, else why not (its adapter has no ``StateDictOps``)."""
+    return _impls.unavailable(impl, CAPABILITY)
 
 
 class Case:
@@ -65,32 +71,27 @@ def case(keys: int) -> Case:
     return _CASES[keys]
 
 
-def _api(impl: str) -> Any:
-    if impl == "reference":
-        import reference.state_dict as api
-    elif impl == "torch":
-        import torch.distributed.checkpoint.state_dict as api
-    else:
-        raise ValueError(f"not a state_dict library: {impl!r}")
-    return api
+def _ops(impl: str) -> Any:
+    return _impls.ops(impl, CAPABILITY)
 
 
 def get_fn(impl: str, c: Case, submodules: str) -> Callable[[], Any]:
-    """The timed call: get the model and optimizer state dict of ``c`` (filtered by ``submodules``)."""
+    """The timed call: get the model and optimizer state dict of ``c`` (filtered by ``submodules``);
+    it returns ``(model_sd, optim_sd)``."""
     if impl == "raw":
         return lambda: (c.model.state_dict(), c.optim.state_dict())
-    api = _api(impl)
+    ops = _ops(impl)
     subs = c.submodules(submodules)
-    options = api.StateDictOptions()
+    options = ops.options()
     # torch deprecates submodules= (still present in 2.13); its warning is not what is measured.
     warnings.filterwarnings("ignore", message=".*submodules.*deprecated.*")
-    return lambda: api.get_state_dict(c.model, c.optim, submodules=subs, options=options)
+    return lambda: ops.get_state_dict(c.model, c.optim, submodules=subs, options=options)
 
 
 def set_fn(impl: str, c: Case) -> Callable[[], Any]:
     """The timed call: load the full model and optimizer state dict of ``c`` back into it."""
     if impl == "raw":
         return lambda: (c.model.load_state_dict(c.model_sd), c.optim.load_state_dict(c.optim_sd))
-    api = _api(impl)
-    model_sd, optim_sd = api.get_state_dict(c.model, c.optim)
-    return lambda: api.set_state_dict(c.model, c.optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    ops = _ops(impl)
+    model_sd, optim_sd = ops.get_state_dict(c.model, c.optim)
+    return lambda: ops.set_state_dict(c.model, c.optim, model_state_dict=model_sd, optim_state_dict=optim_sd)

