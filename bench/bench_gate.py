@@ -177,7 +177,7 @@ def _optim_state(impl: str) -> dict[str, Any]:
         osw.prepare(impl, OPTIM_PARAMS)  # shards, trains a step, gets one state dict (checked)
         return dict(osw._CACHE)
 
-    return _cached(("optim", impl), build)  # type: ignore[no-any-return]
+    return _cached(("optim", impl), build)
 
 
 class GateOptimStateDict(_Gate):
@@ -234,7 +234,7 @@ def _zeros_like(state: dict[str, Any]) -> dict[str, Any]:
 def _raw_save(state: dict[str, Any], directory: str) -> None:
     with open(os.path.join(directory, "raw.bin"), "wb") as f:
         for tensor in _tensors(state):
-            f.write(memoryview(tensor.numpy()).cast("B"))
+            f.write(tensor.numpy().data.cast("B"))
         f.flush()
         os.fsync(f.fileno())
 
@@ -242,7 +242,7 @@ def _raw_save(state: dict[str, Any], directory: str) -> None:
 def _raw_load(state: dict[str, Any], directory: str) -> None:
     with open(os.path.join(directory, "raw.bin"), "rb") as f:
         for tensor in _tensors(state):
-            f.readinto(memoryview(tensor.numpy()).cast("B"))
+            f.readinto(tensor.numpy().data.cast("B"))
 
 
 def _checkpoint_ops(impl: str) -> tuple[Callable[[dict, str], Any], Callable[[dict, str], Any]]:
@@ -265,7 +265,7 @@ def _new_checkpoint_dir(self: Any, impl: str) -> str:
     """An empty directory for this sample, removed by :func:`_remove_checkpoint_dir` (teardown, which
     asv calls after every sample: nothing is left behind in memory)."""
     self.directory = tempfile.mkdtemp(prefix=f"bench-gate-{impl.replace(':', '-')}-", dir=_scratch_root())
-    return self.directory  # type: ignore[no-any-return]
+    return self.directory
 
 
 def _remove_checkpoint_dir(self: Any) -> None:

@@ -251,7 +251,7 @@ class HostStaging:
                 upcoming = issue(k + 1)
             if done is not None:
                 done.synchronize()
-            yield memoryview(slot.numpy()).cast("B")
+            yield slot.numpy().data.cast("B")
 
     def from_host(self, tensors: list[torch.Tensor], read_into: Callable[[int, memoryview], None]) -> None:
         """Fill each tensor from a host buffer that ``read_into(k, view)`` fills with tensor ``k``'s
@@ -262,7 +262,7 @@ class HostStaging:
             if done[k % 2] is not None:
                 done[k % 2].synchronize()
             slot = self._slot(k, tensor)
-            read_into(k, memoryview(slot.numpy()).cast("B"))
+            read_into(k, slot.numpy().data.cast("B"))
             _as_bytes(tensor).copy_(slot, non_blocking=True)
             done[k % 2] = _copy_done(tensor.device)
         for event in done:
@@ -284,7 +284,7 @@ def _raw_save(sd: dict[str, Any], layout: str, directory: str) -> None:
     with open(_raw_path(directory, rank), "wb") as f:
         if staging is None:
             for tensor in mine:
-                f.write(memoryview(tensor.numpy()).cast("B"))
+                f.write(tensor.numpy().data.cast("B"))
         else:
             for view in staging.to_host(mine):
                 f.write(view)
@@ -308,7 +308,7 @@ def _raw_load(sd: dict[str, Any], layout: str, directory: str) -> None:
         staging = _staging_for(tensors)
         if staging is None:
             for k, tensor in enumerate(tensors):
-                read_into(k, memoryview(tensor.numpy()).cast("B"))
+                read_into(k, tensor.numpy().data.cast("B"))
         else:
             staging.from_host(tensors, read_into)
     finally:

@@ -41,9 +41,12 @@ def available(impl: str) -> str | None:
 
 
 def _levels(model: Level) -> list[Level]:
+    """The chain of levels of an unwrapped model, outermost first."""
     levels: list[Level] = []
-    level: Level | None = model
+    level: nn.Module | None = model
     while level is not None:
+        if not isinstance(level, Level):
+            raise TypeError(f"expected an unwrapped model, found a {type(level).__name__} in the chain")
         levels.append(level)
         level = level.child
     return levels

@@ -55,7 +55,8 @@ class Level(nn.Module):
         super().__init__()
         per_level = n // depth
         self.params = Block(per_level, offset).params
-        self.child = Level(n - per_level, depth - 1, offset + per_level) if depth > 1 else None
+        # A Level, or (once a wrapper has wrapped it, see bench.workloads.flat_param) that wrapper.
+        self.child: nn.Module | None = Level(n - per_level, depth - 1, offset + per_level) if depth > 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + torch.stack([p.sum() for p in self.params]).sum()

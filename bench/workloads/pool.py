@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 import tempfile
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from conformance.harness.worker import Task
 
 __all__ = ["IMPLS", "WORLD_SIZE", "available", "Pools"]
 
@@ -39,7 +43,7 @@ class Pools:
         self._tmp = tempfile.TemporaryDirectory(prefix="bench-pool-")
         self._reused = RankPool(world_size, "gloo")
 
-    def _task(self) -> object:
+    def _task(self) -> Task:
         import sys
 
         from conformance.harness.worker import Task
