@@ -10,7 +10,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankContext", "device_for_rank", "backend_for_device"]
+__all__ = ["RankContext", "device_for_rank", "backend_for_device", "per_group_cache", "clear_group_caches"]
+
+
+#: Every cache made by :func:`per_group_cache`, emptied together by :func:`clear_group_caches`.
+_GROUP_CACHES: list[dict[Any, Any]] = []
+
+
+def per_group_cache() -> dict[Any, Any]:
+    """A module-level dict for objects tied to the default process group (DeviceMeshes, subgroups).
+
+    A pool's rank keeps one default group for its lifetime; under torchrun a rank's default group is
+    replaced when the world size of the tests changes (and after a failure), which destroys every
+    group made from it. Such caches are emptied then, so a test never gets a mesh of a dead group.
+    """
+    cache: dict[Any, Any] = {}
+    _GROUP_CACHES.append(cache)
+    return cache
+
+
+def clear_group_caches() -> None:
+    """Empty every :func:`per_group_cache` (before the default group is destroyed)."""
+    for cache in _GROUP_CACHES:
+        cache.clear()
 
 
 def backend_for_device(device_type: str) -> str:
