@@ -46,6 +46,7 @@ import json
 import os
 import pickle
 import secrets
+import shutil
 import signal
 import socket
 import sys
@@ -69,8 +70,9 @@ from conformance.harness.worker import RankOutcome, Task, _run
 
 __all__ = ["Job", "TorchrunManager", "current_job", "manager_for", "job_cuda_count", "default_world_sizes", "after_unhealthy_run"]
 
-#: After a cut, how long the body gets to give the thread back before the rank ends the job.
-UNSTICK_S = 20.0
+#: After a cut, how long the body gets to give the thread back before the rank ends the job: its rank
+#: timeout, within these bounds (a gloo collective of the default group times out 5 s after the cut).
+UNSTICK_MIN_S, UNSTICK_MAX_S = 10.0, 30.0
 #: How long the other ranks wait, at exit, for rank 0 to have written the report.
 REPORT_WAIT_S = 60.0
 #: Exit status of a rank that hung and could not be freed.
@@ -304,7 +306,9 @@ def _private_dirs(config: pytest.Config, job: Job) -> None:
     """Each rank its own pytest ``basetemp`` (ranks collect and clean in parallel); ``tempfile`` under
     the shared scratch directory, so a directory rank 0 makes is one every rank can use."""
     given = config.option.basetemp
-    config.option.basetemp = str(Path(given) / f"rank{job.rank}") if given else str(job.base / f"rank{job.rank}" / "pytest")
+    basetemp = Path(given) / f"rank{job.rank}" if given else job.base / f"rank{job.rank}" / "pytest"
+    basetemp.parent.mkdir(parents=True, exist_ok=True)
+    config.option.basetemp = str(basetemp)
     shared_tmp = job.base / "tmp"
     shared_tmp.mkdir(parents=True, exist_ok=True)
     tempfile.tempdir = str(shared_tmp)
@@ -512,6 +516,10 @@ class TorchrunManager(PoolManager):
             job.control.put_bytes(f"run{k}/task", pickle.dumps(task, protocol=pickle.HIGHEST_PROTOCOL))
         else:
             make_task(fn, args, kwargs, tmp_dir=tmp_dir, seed=seed)  # the same check of fn on every rank
+        if job.group.current not in (None, (world_size, backend)):
+            # Every rank, member or not, leaves a group of another size: the members all make the new
+            # one together (a rank left holding an old group would skip joining it).
+            job.group.drop()
         run = PoolRun(world_size=world_size)
         try:
             if member:
@@ -569,6 +577,13 @@ def _member(job: Job, k: int, world_size: int, backend: str, timeout_s: float) -
         cut = watch.finish()
         output = capture.read()
     capture_path.unlink(missing_ok=True)
+    if not cut and outcome is not None and outcome.status == "fail" and any(
+        control.has(f"run{k}/hung/{r}") for r in range(world_size) if r != job.rank
+    ):
+        # This body failed once another member had been cut (freeing it closes the group under this
+        # one): it had no answer at that rank's deadline either, and a pool would call it hung.
+        control.put(f"run{k}/hung/{job.rank}", output + f"\n---------- rank {job.rank}: still running when another rank was cut ----------\n")
+        cut = True
     if cut:
         job.group.drop()
         control.put(f"run{k}/back/{job.rank}", True)
@@ -597,7 +612,7 @@ def _collect(job: Job, k: int, run: PoolRun, timeout_s: float, start: float) -> 
     pending = set(range(world_size))
     # A member that hangs with the GIL held cannot post: the others call it hung once its watchdog's
     # deadline and the time it gets to come back have passed.
-    hard_deadline = start + job.skew_s() + timeout_s + UNSTICK_S + 10.0
+    hard_deadline = start + job.skew_s() + timeout_s + _unstick_s(timeout_s) + 10.0
     what = f"waiting for the outcome of {job.test_label()} at world size {world_size}"
     pause = 0.005
     while pending:
@@ -620,7 +635,7 @@ def _collect(job: Job, k: int, run: PoolRun, timeout_s: float, start: float) -> 
     if run.hung:
         control.wait_keys(
             {r: [f"run{k}/back/{r}"] for r in run.hung},
-            deadline=time.monotonic() + UNSTICK_S + 10.0,
+            deadline=time.monotonic() + _unstick_s(timeout_s) + 10.0,
             what=f"waiting for hung rank(s) {run.hung} to get free",
         )
     if member and (not run.healthy or any(o.status == "fail" for o in run.outcomes.values())):
@@ -679,7 +694,7 @@ class _Watchdog:
     (:data:`~conformance.harness.pool.FAILURE_GRACE_S`) after another member failed or died, or when
     the job ends: posts ``hung`` with the body's output and Python stack, then gets the main thread
     free (:data:`CUT_SIGNAL`; nccl: the group's abort; gloo: the peers drop the group). A body that is
-    not free after :data:`UNSTICK_S` ends the job."""
+    not free after its rank timeout (10 to 30 s) ends the job."""
 
     def __init__(self, job: Job, k: int, world_size: int, timeout_s: float, capture: _Capture) -> None:
         self.job, self.k, self.world_size, self.timeout_s, self.capture = job, k, world_size, timeout_s, capture
@@ -731,10 +746,11 @@ class _Watchdog:
             return
         if not self._cut_body(store, reason):
             return
-        give_up = time.monotonic() + UNSTICK_S
+        unstick_s = _unstick_s(self.timeout_s)
+        give_up = time.monotonic() + unstick_s
         while not self._back.wait(1.0):
             if time.monotonic() >= give_up:
-                detail = f"hung in {job.test_label()} ({reason}) and could not be freed within {UNSTICK_S:.0f}s"
+                detail = f"hung in {job.test_label()} ({reason}) and could not be freed within {unstick_s:.0f}s"
                 _give_up(job, store, detail, self.capture.path.read_bytes().decode("utf-8", errors="replace"))
             try:
                 signal.pthread_kill(self._main, CUT_SIGNAL)  # again: a body may have caught the first
@@ -762,6 +778,10 @@ class _Watchdog:
         except (ProcessLookupError, OSError):
             pass
         return True
+
+
+def _unstick_s(timeout_s: float) -> float:
+    return min(UNSTICK_MAX_S, max(UNSTICK_MIN_S, timeout_s))
 
 
 def _body_stack(frame: FrameType | None) -> str:
@@ -1009,4 +1029,7 @@ def _at_exit(job: Job) -> None:
     except Exception:  # the store is gone: nobody is left to tell
         pass
     store.stop_heartbeat()
+    shutil.rmtree(job.base / f"rank{job.rank}", ignore_errors=True)
+    if job.is_reporter:
+        shutil.rmtree(job.base / "tmp", ignore_errors=True)
     _JOB = None
