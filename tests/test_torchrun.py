@@ -334,20 +334,31 @@ class Job:
                 proc.wait()
 
 
+#: The job each test of this module reads.
+JOB_OF_TEST = {
+    "test_a_slice_of_the_suite_on_two_nodes": "slice",
+    "test_different_collections_stop_every_rank": "mismatch",
+    "test_failures_hangs_and_deaths_on_two_nodes": "faults",
+    "test_ranks_that_cannot_be_freed_end_the_job_with_a_report": "deadlock",
+}
+
+
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Job]]:
-    """Every job of this module, started at once (they spend most of their time starting up)."""
+def jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Job]]:
+    """The jobs of the selected tests of this module, started at once (they spend most of their time
+    starting up)."""
     workdir = tmp_path_factory.mktemp("torchrun")
     (workdir / "test_faults.py").write_text(FAULTS)
     (workdir / "test_deadlock.py").write_text(DEADLOCK)
     (workdir / "test_mismatch.py").write_text(MISMATCH)
-    started = {
-        "slice": Job("slice", workdir, [*SLICE_FILES, "--impl", "reference,torch", "--world-size", "4,2,8", "-k", SLICE_K],
-                     nnodes=2, cwd=REPO_ROOT),
-        "faults": Job("faults", workdir, ["test_faults.py", "--world-size", "4,2", "--rank-timeout", "10"], nnodes=2, cwd=workdir),
-        "deadlock": Job("deadlock", workdir, ["test_deadlock.py", "--rank-timeout", "5"], nnodes=1, cwd=workdir),
-        "mismatch": Job("mismatch", workdir, ["test_mismatch.py"], nnodes=1, cwd=workdir),
+    wanted = {JOB_OF_TEST[item.name] for item in request.session.items if item.name in JOB_OF_TEST}
+    specs = {
+        "slice": ([*SLICE_FILES, "--impl", "reference,torch", "--world-size", "4,2,8", "-k", SLICE_K], 2, REPO_ROOT),
+        "faults": (["test_faults.py", "--world-size", "4,2", "--rank-timeout", "10"], 2, workdir),
+        "deadlock": (["test_deadlock.py", "--rank-timeout", "5"], 1, workdir),
+        "mismatch": (["test_mismatch.py"], 1, workdir),
     }
+    started = {name: Job(name, workdir, args, nnodes=nnodes, cwd=cwd) for name, (args, nnodes, cwd) in specs.items() if name in wanted}
     yield started
     for job in started.values():
         job.kill()

@@ -23,4 +23,10 @@ How a test uses it (the contract; see ``conformance/SPEC.md`` HX-*):
     values, rank order. For tests with several phases (save at 4 ranks, load at 2).
 ``world_size_pair``
     Argument parametrized over ordered pairs of distinct selected world sizes (ids ``ws4-ws2``).
+
+Under torchrun (:mod:`conformance.harness.torchrun`) the same contract holds with the job's ranks in
+place of the pools: a rank body of world size ``w`` runs on ranks ``0 .. w-1`` of the job, whose default
+process group is made for it and replaced when the world size changes. A module-level cache of
+meshes or groups must therefore be a :func:`~conformance.harness.context.per_group_cache`, emptied
+when its group goes.
 """

@@ -87,6 +87,8 @@ class ControlStore:
         self._raw = self._connect(is_master=hosting)
         self.store = dist.PrefixStore(self.prefix, self._raw)
         self.peers: dict[int, Peer] = {}
+        #: keys this rank set since it last forgot them (shared with :meth:`client` copies)
+        self.posted: list[str] = []
         self._beats: dict[int, _Beat] = {}
         self._beats_checked_at = 0.0
         #: set by the SIGTERM handler: the launcher is ending this rank (shared with :meth:`client` copies)
@@ -119,6 +121,18 @@ class ControlStore:
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self.store.set(key, data)  # type: ignore[arg-type]  # the stub says str; c10d stores bytes as they are
+        self.posted.append(key)
+
+    def forget(self, keep: str) -> None:
+        """Delete every key this rank posted but ``keep``: call it once every rank has read them (after
+        a wait for a key every rank posts after its reads), so that a long run does not fill the store."""
+        old, self.posted[:] = list(self.posted), [keep]
+        for key in old:
+            if key != keep:
+                try:
+                    self.store.delete_key(key)
+                except Exception:  # a key that is gone already is what was wanted
+                    pass
 
     def take_bytes(self, key: str) -> bytes:
         return bytes(self.store.get(key))

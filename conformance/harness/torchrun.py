@@ -79,8 +79,9 @@ REPORT_WAIT_S = 60.0
 EXIT_HUNG = 124
 #: The signal the watchdog sends the main thread to end a test body in Python code.
 CUT_SIGNAL = signal.SIGUSR2
-#: Seconds a rank may fall behind the others at the end of a test phase, as a multiple of --rank-timeout.
-SKEW_FACTOR = 2.0
+#: Seconds a rank may fall behind the others at the end of a test phase: this multiple of --rank-timeout,
+#: at least SKEW_MIN_S (a rank that is gone is noticed at once; this bounds one that is stuck).
+SKEW_FACTOR, SKEW_MIN_S = 2.0, 60.0
 #: How long the collection (every rank importing the suite) may take beyond the first rank's.
 COLLECT_WAIT_S = 900.0
 
@@ -114,8 +115,9 @@ class Job:
     terminal_fd: int
     log_path: Path | None = None
     thread_store: ControlStore | None = None
-    #: manager runs so far (every rank counts the same ones)
+    #: manager runs and report exchanges so far (every rank counts the same ones)
     runs: int = 0
+    exchanges: int = 0
     #: the test in progress (index, id, item)
     current: tuple[int, str, pytest.Item] | None = None
     #: why the job is ending, once it is
@@ -139,7 +141,7 @@ class Job:
         return self.rank == self.reporter
 
     def skew_s(self) -> float:
-        return SKEW_FACTOR * float(self.config.getoption("--rank-timeout"))
+        return max(SKEW_MIN_S, SKEW_FACTOR * float(self.config.getoption("--rank-timeout")))
 
     def test_label(self) -> str:
         return self.current[1] if self.current is not None else "(between tests)"
@@ -149,9 +151,10 @@ class Job:
         if self.stopping is None:
             self.stopping = f"the torchrun job is ending during {self.test_label()}: {exc.reason}"
             self.abort_info = {"test": self.current[1] if self.current else None, "reason": exc.reason, "ranks": exc.kinds}
-        # A rank the launcher terminates is still there to report; one that died, hung or ended is not.
-        lost = {r for r, kind in exc.kinds.items() if kind in ("died", "hung", "ended", "error")}
-        if self.reporter in lost:
+        # The reporter passes only when it is gone for sure (its process ended here, or its heartbeat
+        # stopped): a rank the launcher terminates, or one that is late, still reports.
+        if self.reporter != self.rank and self.control.gone(self.reporter) is not None:
+            lost = {r for r, kind in exc.kinds.items() if kind in ("died", "hung", "ended", "error")} | {self.reporter}
             alive = [r for r in range(self.world_size) if r not in lost and self.control.gone(r) is None]
             if alive and alive[0] != self.reporter:
                 self.reporter = alive[0]
@@ -902,7 +905,7 @@ class _Agreement:
             return report
         if job.stopping is None:
             try:
-                summaries = _exchange(job, f"rep/{item.stash.get(_INDEX, -1)}/{call.when}", _Summary.of(report))
+                summaries = _exchange(job, _Summary.of(report))
             except JobAborted as exc:
                 job.stop(exc)
                 if not report.failed:
@@ -922,15 +925,21 @@ def _lost_failures(exc: JobAborted) -> list[dict[str, Any]]:
     ]
 
 
-def _exchange(job: Job, key: str, mine: _Summary) -> dict[int, _Summary]:
+def _exchange(job: Job, mine: _Summary) -> dict[int, _Summary]:
+    """Every rank's summary of the phase that just ended (the ranks run the same phases in order)."""
     control = job.control
+    job.exchanges += 1
+    key = f"rep/{job.exchanges}"
     control.put(f"{key}/{job.rank}", mine)
     control.wait_keys(
         {r: [f"{key}/{r}"] for r in range(job.world_size) if r != job.rank},
         deadline=time.monotonic() + job.skew_s(),
         what=f"waiting for every rank to finish {job.test_label()}",
     )
-    return {r: (mine if r == job.rank else control.take(f"{key}/{r}")) for r in range(job.world_size)}
+    summaries = {r: (mine if r == job.rank else control.take(f"{key}/{r}")) for r in range(job.world_size)}
+    # Every rank posted this key after reading all it needed of this rank's earlier keys.
+    control.forget(keep=f"{key}/{job.rank}")
+    return summaries
 
 
 def _agree(report: pytest.TestReport, summaries: dict[int, _Summary]) -> None:
