@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import pytest
 
-from conformance.harness.launch_env import LaunchEnv, detect, hybrid_mesh_shape
+from conformance.harness.launch_env import LaunchEnv, detect, hybrid_mesh_shape, launcher_variables
 from conformance.harness.torchrun import _agree, _collection_difference, _Summary
 from tests.conftest import REPO_ROOT
 
@@ -79,6 +79,16 @@ def test_the_launchers_environment_is_read() -> None:
         detect(no_address)
     assert detect({**no_address, "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_STEP_TASKS_PER_NODE": "1"}) is None
     assert detect({**srun, "SLURM_STEP_ID": "batch"}) is None  # the batch script itself is no rank
+    # What a rank's children must not inherit (they would take themselves for ranks of this job).
+    launched = {**TORCHRUN_ENV, "GROUP_RANK": "0", "ROLE_NAME": "default", "TORCHELASTIC_ERROR_FILE": "/e", "PATH": "/bin"}
+    torchrun_env = detect(launched)
+    assert torchrun_env is not None
+    assert launcher_variables(launched, torchrun_env) == sorted(
+        [*TORCHRUN_ENV, "GROUP_RANK", "ROLE_NAME", "TORCHELASTIC_ERROR_FILE"]
+    )
+    srun_env = detect(srun)
+    assert srun_env is not None
+    assert launcher_variables(srun, srun_env) == ["MASTER_ADDR", "MASTER_PORT", "SLURM_LOCALID", "SLURM_PROCID"]
 
 
 @pytest.mark.req("HX-25")
@@ -141,10 +151,15 @@ import torch
 import torch.distributed as c10d
 
 from conformance.adapters.sharding import _mesh, hybrid_mesh_shape
+from conformance.harness.torchrun import current_job
+
+
+def test_launcher_variables_are_not_inherited():
+    assert not {"RANK", "LOCAL_RANK", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"} & set(os.environ)
 
 
 def test_controller_disagrees():
-    assert os.environ["RANK"] != "3", "rank three's controller disagrees"
+    assert current_job().rank != 3, "rank three's controller disagrees"
 
 
 def _echo(ctx, value):
@@ -152,7 +167,7 @@ def _echo(ctx, value):
 
 
 def test_pools_get_rank_0s_arguments(pools):
-    me = int(os.environ["RANK"])
+    me = current_job().rank
     for world_size in (4, 2):
         values = pools.run(world_size, _echo, me)
         assert [v[:2] for v in values] == [(0, world_size)] * world_size, values
@@ -161,17 +176,18 @@ def test_pools_get_rank_0s_arguments(pools):
 
 def test_layout(dist):
     assert (c10d.get_rank(), c10d.get_world_size()) == (dist.rank, dist.world_size)
-    where = dist.all_gather_object((int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"])))
+    where = dist.all_gather_object(os.getppid())  # the torchrun agent: one per node
     mesh = _mesh(dist.device, hybrid_mesh_shape(dist.world_size))
     replicas = c10d.get_process_group_ranks(mesh.get_group("replicate"))
     shards = c10d.get_process_group_ranks(mesh.get_group("shard"))
     print(f"layout ws{dist.world_size} rank {dist.rank}: where {where} replicas {replicas} shards {shards}")
     if dist.world_size == 4:
         assert hybrid_mesh_shape(4) == (2, 2)
-        assert len({where[r][0] for r in replicas}) == 2, (where, replicas)  # replicas on both nodes
-        assert len({where[r][0] for r in shards}) == 1, (where, shards)  # shards within one node
+        assert len(set(where)) == 2, where
+        assert len({where[r] for r in replicas}) == 2, (where, replicas)  # replicas on both nodes
+        assert len({where[r] for r in shards}) == 1, (where, shards)  # shards within one node
     else:
-        assert where == [(0, 0), (0, 1)]  # a subgroup of the first ranks: node 0
+        assert len(set(where)) == 1, where  # a subgroup of the first ranks: node 0
 
 
 @pytest.mark.world_size(4)
@@ -222,14 +238,14 @@ def test_never_runs(dist):
 '''
 
 MISMATCH = '''
-import os
+from conformance.harness.torchrun import current_job
 
 
 def test_everywhere():
     pass
 
 
-if os.environ["RANK"] == "1":
+if current_job().rank == 1:
     def test_only_on_rank_1():
         pass
 
@@ -277,7 +293,8 @@ class Finished:
 
     @property
     def out(self) -> str:
-        return self.outputs[0]
+        """The terminal of rank 0 (the agent the rendezvous made node 0; the others print no session)."""
+        return next((o for o in self.outputs if "test session starts" in o), self.outputs[0])
 
     def outcome(self, test_id: str) -> dict[str, Any]:
         assert self.report is not None, self.out
@@ -422,6 +439,7 @@ def test_failures_hangs_and_deaths_on_two_nodes(jobs: dict[str, Job]) -> None:
     # HX-24: subgroups of the job, rank 0's arguments for pools phases, world sizes above the job's skipped.
     assert outcome("test_layout[ws4]")["outcome"] == outcome("test_layout[ws2]")["outcome"] == "passed"
     assert outcome("test_pools_get_rank_0s_arguments")["outcome"] == "passed"
+    assert outcome("test_launcher_variables_are_not_inherited")["outcome"] == "passed"
     # HX-26: a failure on one rank fails the test everywhere with that rank's message.
     assert outcome("test_controller_disagrees")["outcome"] == "failed"
     assert failures("test_controller_disagrees") == [(3, "AssertionError")]

@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LaunchEnv", "detect", "hybrid_mesh_shape", "set_active_layout", "active_layout"]
+__all__ = ["LaunchEnv", "detect", "launcher_variables", "hybrid_mesh_shape", "set_active_layout", "active_layout"]
 
 #: What a torchrun worker needs; all or none must be set.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -137,6 +137,18 @@ def detect(env: Mapping[str, str]) -> LaunchEnv | None:
             launcher="srun",
         )
     return None
+
+
+def launcher_variables(env: Mapping[str, str], launched: LaunchEnv) -> list[str]:
+    """The names in ``env`` that make a process a rank of ``launched``'s job: torchrun's (``RANK`` ..
+    ``MASTER_PORT``, ``GROUP_*``, ``ROLE_*``, ``TORCHELASTIC_*``), or an srun task's identity and the
+    exported address. A process the rank starts must not inherit them: ``TORCHELASTIC_USE_AGENT_STORE``
+    alone makes torch's ``tcp://`` rendezvous in a child connect to a store nobody hosts."""
+    if launched.launcher == "srun":
+        names = {"SLURM_PROCID", "SLURM_LOCALID", "MASTER_ADDR", "MASTER_PORT"}
+    else:
+        names = set(TORCHRUN_VARS) | {n for n in env if n.startswith(("GROUP_", "ROLE_", "TORCHELASTIC_"))}
+    return sorted(n for n in names if n in env)
 
 
 #: ``(job world size, ranks per node)`` of the job this process is a rank of; None in pool mode.

@@ -64,7 +64,7 @@ import pytest
 
 from conformance.harness.control import ControlStore, DefaultGroup, JobAborted, Peer
 from conformance.harness.failures import DIED, HUNG, Failure
-from conformance.harness.launch_env import LaunchEnv, detect, set_active_layout
+from conformance.harness.launch_env import LaunchEnv, detect, launcher_variables, set_active_layout
 from conformance.harness.pool import FAILURE_GRACE_S, PoolManager, PoolRun, RankPool, make_task
 from conformance.harness.worker import RankOutcome, Task, _run
 
@@ -236,6 +236,10 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError("--launcher env: no launcher environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
         return
     _JOB = _join(config, env)
+    # Read once: from now on this process runs tests as pool mode's controller and ranks would, and the
+    # processes its tests start (a save killed on purpose, a second job) are not ranks of this job.
+    for name in launcher_variables(os.environ, env):
+        del os.environ[name]
     config.pluginmanager.register(_Agreement(), "conformance-torchrun-agreement")
 
 
