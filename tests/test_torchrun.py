@@ -470,7 +470,8 @@ def test_ranks_that_cannot_be_freed_end_the_job_with_a_report(jobs: dict[str, Jo
     assert "exitcode  : 124" in out, out  # the rank that gave up
     assert done.report is not None, out
     tests = done.report["tests"]
-    assert tests["test_deadlock.py::test_first[ws2]"]["outcome"] == "passed"  # --world-size: the job's
+    assert tests["test_deadlock.py::test_first[ws2]"]["outcome"] == "passed"
+    assert all(t.endswith("[ws2]") for t in tests), list(tests)  # --world-size: the job's
     deadlock = tests["test_deadlock.py::test_deadlock[ws2]"]
     assert deadlock["outcome"] == "failed" and deadlock["failures"][0]["type"] == "HUNG", deadlock
     assert "could not be freed" in deadlock["reason"]

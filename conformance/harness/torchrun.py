@@ -929,6 +929,10 @@ def _lost_failures(exc: JobAborted) -> list[dict[str, Any]]:
     ]
 
 
+#: How many different failure texts a test's agreed report shows (the JSON has every rank's).
+_MAX_SECTIONS = 4
+
+
 def _exchange(job: Job, mine: _Summary) -> dict[int, _Summary]:
     """Every rank's summary of the phase that just ended (the ranks run the same phases in order)."""
     control = job.control
@@ -957,7 +961,13 @@ def _agree(report: pytest.TestReport, summaries: dict[int, _Summary]) -> None:
     if failing:
         others = ", ".join(f"rank {r} {labels[r]}" for r in sorted(summaries) if r not in failing)
         head = f"failed on rank(s) {failing} of the torchrun job" + (f" ({others})" if others else "")
-        parts = [f"---------- rank {r} ----------\n{summaries[r].text.rstrip()}" for r in failing]
+        by_text: dict[str, list[int]] = {}
+        for r in failing:
+            by_text.setdefault(summaries[r].text.rstrip(), []).append(r)
+        parts = [f"---------- rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} ----------\n{text}"
+                 for text, ranks in list(by_text.items())[:_MAX_SECTIONS]]
+        if len(by_text) > _MAX_SECTIONS:
+            parts.append(f"(and {len(by_text) - _MAX_SECTIONS} more different messages: every failing rank's is in --report-json)")
     else:
         head = "the ranks of the torchrun job disagree: " + "; ".join(
             f"rank {r} {labels[r]}" + (f" ({summaries[r].text.strip().splitlines()[-1]})" if summaries[r].text.strip() else "")
