@@ -149,6 +149,7 @@ import os, time
 import pytest
 import torch
 import torch.distributed as c10d
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conformance.adapters.sharding import _mesh, hybrid_mesh_shape
 from conformance.harness.torchrun import current_job
@@ -164,6 +165,12 @@ def test_controller_disagrees():
 
 def _echo(ctx, value):
     return (value, ctx.world_size, str(ctx.tmp_dir))
+
+
+@settings(max_examples=5, derandomize=False, database=None, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 2**62))
+def test_random_draws_are_alike_on_every_rank(pools, drawn):
+    assert pools.run(2, _echo, drawn)[1][0] == drawn  # rank 0's draw is this rank's
 
 
 def test_pools_get_rank_0s_arguments(pools):
@@ -439,6 +446,7 @@ def test_failures_hangs_and_deaths_on_two_nodes(jobs: dict[str, Job]) -> None:
     # HX-24: subgroups of the job, rank 0's arguments for pools phases, world sizes above the job's skipped.
     assert outcome("test_layout[ws4]")["outcome"] == outcome("test_layout[ws2]")["outcome"] == "passed"
     assert outcome("test_pools_get_rank_0s_arguments")["outcome"] == "passed"
+    assert outcome("test_random_draws_are_alike_on_every_rank")["outcome"] == "passed"
     assert outcome("test_launcher_variables_are_not_inherited")["outcome"] == "passed"
     # HX-26: a failure on one rank fails the test everywhere with that rank's message.
     assert outcome("test_controller_disagrees")["outcome"] == "failed"

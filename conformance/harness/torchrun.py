@@ -252,9 +252,11 @@ def _join(config: pytest.Config, env: LaunchEnv) -> Job:
         root = Path(config.getoption("--shared-tmp") or tempfile.gettempdir()).resolve()
         base = root / f"sdc-torchrun-{_safe(env.run_id)}-{env.restart_count}-{secrets.token_hex(3)}"
         base.mkdir(parents=True)
+        control.put("seed", secrets.randbits(32))
         control.put("base", str(base))
     control.wait_keys({0: ["base"]}, deadline=time.monotonic() + 300.0, what="waiting for rank 0's scratch directory", check_liveness=False)
     base = Path(control.take("base"))
+    _same_draws(config, control.take("seed"))
     sees_base = base.is_dir()
     (base / "logs").mkdir(parents=True, exist_ok=True)
     has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > env.local_rank
@@ -303,6 +305,14 @@ def _join(config: pytest.Config, env: LaunchEnv) -> Job:
     signal.signal(CUT_SIGNAL, _on_cut)
     atexit.register(_at_exit, job)
     return job
+
+
+def _same_draws(config: pytest.Config, seed: int) -> None:
+    """Every rank draws hypothesis's random examples alike (they run the same controller code and must
+    call ``pools.run`` alike): rank 0's seed unless ``--hypothesis-seed`` gives one; a forced seed also
+    keeps hypothesis from replaying a per-node example database. Derandomized profiles are unaffected."""
+    if hasattr(config.option, "hypothesis_seed") and config.option.hypothesis_seed is None:
+        config.option.hypothesis_seed = str(seed)
 
 
 def _safe(text: str) -> str:
