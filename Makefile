@@ -5,7 +5,11 @@
 PYTHON     ?= python3
 VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-WORLD_SIZE ?= 1,2
+# `make conformance TORCHRUN="--nproc-per-node 8"`: the suite as the ranks of a torchrun job (its
+# world size by default, rank 0 prints the table); torchrun's own options go here.
+TORCHRUN   ?=
+WORLD_SIZE ?= $(if $(TORCHRUN),,$(POOL_WORLD_SIZE))
+POOL_WORLD_SIZE := 1,2
 IMPL       ?=
 PYTEST_ARGS ?=
 # `make mutation`: mutants per section (a number, or all), which sections, how many at once.
@@ -41,7 +45,7 @@ setup: $(STAMP)
 
 # The main job: run the suite and print the table of requirement ID x implementation.
 conformance: setup
-	$(PY) -m tools.report run --world-size $(WORLD_SIZE) $(IMPL_ARG) -- $(PYTEST_ARGS)
+	$(if $(TORCHRUN),$(VENV)/bin/torchrun $(TORCHRUN),$(PY)) -m tools.report run $(if $(WORLD_SIZE),--world-size $(WORLD_SIZE),) $(IMPL_ARG) -- $(PYTEST_ARGS)
 
 # Everything CI runs: lint and types first (fail fast; configured in pyproject.toml), then harness and
 # tool self-tests, the conformance suite, every benchmark once.

@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from conformance.adapters.base import Unsupported
-from conformance.adapters.sharding import ShardingPlan, child_units
+from conformance.adapters.sharding import ShardingPlan, child_units, hybrid_mesh_shape
 from conformance.asserts import assert_same_state, bits, expected_local_chunk, fail
 from conformance.fqn import canonical_fqn
 from conformance.values import EDGE_DTYPES, edge_values, perturb_hyperparameters
@@ -632,8 +632,7 @@ def _fsdp2_mesh(sharding: Sharding | None) -> tuple[int, ...]:
     """The mesh shape the torch-fsdp2 adapter shards on (conformance/adapters/optim_state.py)."""
     assert sharding is not None
     ws = sharding.world_size
-    replicate = 2 if ws % 2 == 0 else 1
-    return {"HYBRID_SHARD": (replicate, ws // replicate), "NO_SHARD": (ws, 1)}.get(sharding.strategy, (ws,))
+    return {"HYBRID_SHARD": hybrid_mesh_shape(ws), "NO_SHARD": (ws, 1)}.get(sharding.strategy, (ws,))
 
 
 def _max_names(spec: ModelSpec) -> int:

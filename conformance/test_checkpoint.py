@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conformance import models
 from conformance.adapters.base import Unsupported
-from conformance.adapters.sharding import ShardingPlan
+from conformance.adapters.sharding import ShardingPlan, hybrid_mesh_shape
 from conformance.asserts import (
     assert_bitwise_equal,
     assert_local_shard,
@@ -57,6 +57,7 @@ from conformance.asserts import (
 )
 from conformance.compare import fqn_keyed_optim, full_on_cpu
 from conformance.faults import failing_fsync, failing_reads, failing_writes, unreadable_bytes
+from conformance.harness.context import per_group_cache
 from conformance.values import EDGE_DTYPES, different_like, edge_tensors, perturb_hyperparameters
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -84,15 +85,15 @@ def _pg(dist: Any) -> Any:
 
 
 #: 2-D meshes by world size: building one creates process groups (collectively), so each rank builds
-#: it once and its tests reuse it (the pool's default group lives as long as the rank process).
-_MESHES_2D: dict[int, Any] = {}
+#: it once per default group and its tests reuse it.
+_MESHES_2D: dict[int, Any] = per_group_cache()
 
 
 def _mesh_2d(dist: Any) -> Any:
-    """The mesh (2, world_size / 2), or (1, world_size) at odd world sizes."""
+    """The 2-D mesh of HYBRID_SHARD's shape: (2, world_size / 2), (1, world_size) at odd world sizes,
+    and under torchrun (nodes, ranks per node) when the world fills whole nodes."""
     if dist.world_size not in _MESHES_2D:
-        shape = (2, dist.world_size // 2) if dist.world_size % 2 == 0 else (1, dist.world_size)
-        _MESHES_2D[dist.world_size] = dist.mesh(*shape)
+        _MESHES_2D[dist.world_size] = dist.mesh(*hybrid_mesh_shape(dist.world_size))
     return _MESHES_2D[dist.world_size]
 
 

@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 
 from conformance.adapters.unsupported import Unsupported
+from conformance.harness import launch_env
+from conformance.harness.context import per_group_cache
 
 __all__ = [
     "STRATEGIES",
@@ -89,9 +91,10 @@ def child_units(model: nn.Module) -> UnitPredicate:
 
 
 def hybrid_mesh_shape(world_size: int) -> tuple[int, int]:
-    """``(replicate, shard)`` for HYBRID_SHARD: two replicas when the world splits in two, else one."""
-    replicate = 2 if world_size % 2 == 0 else 1
-    return replicate, world_size // replicate
+    """``(replicate, shard)`` for HYBRID_SHARD: under torchrun, ``(nodes, ranks per node)`` when the
+    world fills whole nodes (replicas across nodes, shards within one); otherwise two replicas when the
+    world splits in two, else one (:func:`conformance.harness.launch_env.hybrid_mesh_shape`)."""
+    return launch_env.hybrid_mesh_shape(world_size)
 
 
 def strategy_layout(strategy: str, world_size: int) -> tuple[int, int]:
@@ -110,7 +113,8 @@ def strategy_layout(strategy: str, world_size: int) -> tuple[int, int]:
     return 1, world_size
 
 
-_MESHES: dict[tuple[str, tuple[int, ...]], Any] = {}
+#: Meshes by (device type, shape), per default process group (torchrun replaces it between world sizes).
+_MESHES: dict[tuple[str, tuple[int, ...]], Any] = per_group_cache()
 
 
 def _mesh(device: torch.device, shape: tuple[int, ...]) -> Any:

@@ -1,6 +1,7 @@
 """The conformance report: requirement ID x implementation, from a run of the suite or its JSON.
 
     statedict-report run [--world-size 1,2] [--impl reference,torch] [--format table] [-- PYTEST_ARGS]
+    torchrun --nproc-per-node 8 -m conformance.cli.report run --impl torch   # a job's ranks; rank 0 prints
     statedict-report show RESULTS.json [--format table|markdown|json]
     statedict-report diff BASE.json NEW.json [--impl NAME] [--base-impl NAME]
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -344,12 +346,19 @@ def _run(args: argparse.Namespace, pytest_args: Sequence[str]) -> int:
         json_path = Path(tmp) / "results.json"
         # --pyargs: the suite this module is part of, wherever it is installed (or this checkout, run from its root).
         cmd = [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-q", "-p", "no:cacheprovider",
-               "--world-size", args.world_size, "--report-json", str(json_path)]
+               "--report-json", str(json_path)]
+        if args.world_size:
+            cmd += ["--world-size", args.world_size]
         for impl in args.impl:
             cmd += ["--impl", impl]
         cmd += list(pytest_args)
         status = subprocess.call(cmd)
         if not json_path.exists():
+            if _launched_rank() not in (None, 0):
+                # Under torchrun rank 0 writes the results and prints the table; its exit status is the
+                # verdict. This rank does not fail the job for failed tests, which would make torchrun
+                # stop rank 0 before it printed.
+                return 0 if status in (0, 1) else status
             print(f"pytest exited with status {status} before writing results", file=sys.stderr)
             return status or 1
         payload = json.loads(json_path.read_text(encoding="utf-8"))
@@ -358,6 +367,17 @@ def _run(args: argparse.Namespace, pytest_args: Sequence[str]) -> int:
     print()
     print(render(payload, args.format))
     return status
+
+
+def _launched_rank() -> int | None:
+    """This process's rank in a torchrun/srun job, None outside one."""
+    from conformance.harness.launch_env import detect
+
+    try:
+        env = detect(os.environ)
+    except ValueError:
+        return None
+    return env.rank if env is not None else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -369,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="statedict-report", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the suite, then print the report")
-    run.add_argument("--world-size", default="1,2")
+    run.add_argument("--world-size", default=None, help="default 1,2; under torchrun the job's world size")
     run.add_argument("--impl", action="append", default=[])
     run.add_argument("--save", help="also keep the run's JSON here")
     show = sub.add_parser("show", help="print the report of a saved JSON result (--report-json)")

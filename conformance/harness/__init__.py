@@ -27,4 +27,10 @@ How a test uses it (the contract; see ``conformance/SPEC.md`` HX-*):
     A generated test names the families of cases it draws; the fixture gives the expected-failures
     entries ``exclude=NAME`` that apply to it for its adapter (inherited ones included), whose cases it
     then does not draw (see :mod:`conformance.harness.xfails`).
+
+Under torchrun (:mod:`conformance.harness.torchrun`) the same contract holds with the job's ranks in
+place of the pools: a rank body of world size ``w`` runs on ranks ``0 .. w-1`` of the job, whose default
+process group is made for it and replaced when the world size changes. A module-level cache of
+meshes or groups must therefore be a :func:`~conformance.harness.context.per_group_cache`, emptied
+when its group goes.
 """

@@ -10,7 +10,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankContext", "device_for_rank", "backend_for_device"]
+__all__ = ["RankContext", "device_for_rank", "backend_for_device", "per_group_cache", "clear_group_caches"]
+
+
+#: Every cache made by :func:`per_group_cache`, emptied together by :func:`clear_group_caches`.
+_GROUP_CACHES: list[dict[Any, Any]] = []
+
+
+def per_group_cache() -> dict[Any, Any]:
+    """A module-level dict for objects tied to the default process group (DeviceMeshes, subgroups).
+
+    A pool's rank keeps one default group for its lifetime; under torchrun a rank's default group is
+    replaced when the world size of the tests changes (and after a failure), which destroys every
+    group made from it. Such caches are emptied then, so a test never gets a mesh of a dead group.
+    """
+    cache: dict[Any, Any] = {}
+    _GROUP_CACHES.append(cache)
+    return cache
+
+
+def clear_group_caches() -> None:
+    """Empty every :func:`per_group_cache` (before the default group is destroyed)."""
+    for cache in _GROUP_CACHES:
+        cache.clear()
 
 
 def backend_for_device(device_type: str) -> str:
@@ -19,7 +41,8 @@ def backend_for_device(device_type: str) -> str:
 
 
 def device_for_rank(backend: str, rank: int) -> torch.device:
-    """The device a rank computes on: ``cuda:<rank>`` under nccl (one GPU per rank), else cpu."""
+    """The device a pool's rank computes on: ``cuda:<rank>`` under nccl (one GPU per rank), else cpu.
+    (Under torchrun a rank computes on ``cuda:LOCAL_RANK``.)"""
     if backend == "nccl":
         return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
     return torch.device("cpu")
@@ -27,10 +50,11 @@ def device_for_rank(backend: str, rank: int) -> torch.device:
 
 @dataclass(frozen=True)
 class RankContext:
-    """One rank of a pool, as seen by a test body running on it.
+    """One rank of a pool (or of a torchrun job), as seen by a test body running on it.
 
-    The default process group (``dist.group.WORLD``) spans all ``world_size`` ranks of the pool and
-    stays initialized across tests. ``tmp_dir`` is the same directory on every rank and fresh for each
+    The default process group (``dist.group.WORLD``) spans exactly the ``world_size`` ranks of the
+    test. A pool keeps it across tests; under torchrun it is made anew when the world size changes
+    (see :func:`per_group_cache`). ``tmp_dir`` is the same directory on every rank and fresh for each
     test, so a body can save on one world size and load on another through it.
     """
 

@@ -32,6 +32,10 @@ from conformance.harness.xfails import XfailEntry, as_run_by, matches_at_any_wor
 
 __all__ = ["DistSpec", "Pools", "StaleXfailWarning", "suite_test_id"]
 
+# The torchrun mode (every rank of a launched job a pytest process): its hooks, and the three hooks
+# here that consult it (the manager, the default world sizes, the GPUs per rank).
+pytest_plugins = ("conformance.harness.torchrun",)
+
 _CONFORMANCE_DIR = Path(__file__).resolve().parent.parent
 _MANAGER = pytest.StashKey[PoolManager]()
 #: The expected-failures entries of the session (loaded once, at configure).
@@ -64,7 +68,9 @@ class DistSpec:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("conformance", "statedict-conformance")
-    group.addoption("--world-size", default="1,2", help="world sizes to run rank tests at, e.g. 1,2,4 (default 1,2)")
+    group.addoption(
+        "--world-size", default=None, help="world sizes to run rank tests at, e.g. 1,2,4 (default 1,2; under torchrun the job's world size)"
+    )
     group.addoption(
         "--backend",
         default="auto",
@@ -104,7 +110,14 @@ def _impl_specs(config: pytest.Config) -> list[str]:
 
 
 def _cuda_count() -> int:
+    """CUDA devices for the ranks: this machine's; under torchrun, how many of the job's first ranks drive one."""
     import torch
+
+    from conformance.harness.torchrun import job_cuda_count
+
+    launched = job_cuda_count()
+    if launched is not None:
+        return launched
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -131,8 +144,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "case_families(*names): the families of generated cases this test draws, which an expected-failures entry "
         "may leave out for an adapter (exclude=NAME); the test reads them with the excluded_cases fixture",
     )
+    from conformance.harness.torchrun import default_world_sizes, manager_for
+
+    config.option.world_size = config.option.world_size or default_world_sizes() or "1,2"
     config.stash[_ENTRIES] = _load_xfail_entries(config)
-    manager = PoolManager(pg_timeout_s=max(60.0, config.getoption("--rank-timeout") * 2))
+    manager = manager_for(config) or PoolManager(pg_timeout_s=max(60.0, config.getoption("--rank-timeout") * 2))
     config.stash[_MANAGER] = manager
     _SESSION_RESULTS.clear()
     atexit.register(manager.stop_all)
@@ -635,9 +651,7 @@ def _format_run(run: PoolRun, backend: str, timeout_s: float, headline: str) -> 
     for rank in range(run.world_size):
         outcome = run.outcomes.get(rank)
         if rank in run.died:
-            code = run.died[rank]
-            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            lines.append(f"  rank {rank}: DIED ({how})")
+            lines.append(f"  rank {rank}: DIED ({_how_died(run.died[rank])})")
         elif rank in run.hung:
             lines.append(f"  rank {rank}: HUNG (no answer within {timeout_s:.0f}s; Python stacks in its output)")
         elif outcome is not None:
@@ -645,7 +659,9 @@ def _format_run(run: PoolRun, backend: str, timeout_s: float, headline: str) -> 
             reason = f": {outcome.error}" if outcome.status in ("skip", "xfail") else ""
             lines.append(f"  rank {rank}: {status}{reason}")
     if not run.healthy:
-        lines.append("  the pool was killed and is restarted for the next test")
+        from conformance.harness.torchrun import after_unhealthy_run
+
+        lines.append(f"  {after_unhealthy_run() or 'the pool was killed and is restarted for the next test'}")
     for rank in range(run.world_size):
         outcome = run.outcomes.get(rank)
         if outcome is not None and outcome.status == "fail":
@@ -655,6 +671,13 @@ def _format_run(run: PoolRun, backend: str, timeout_s: float, headline: str) -> 
         if text:
             lines += ["", f"---------- rank {rank} output ----------", text]
     return "\n".join(lines)
+
+
+def _how_died(code: int | None) -> str:
+    """A dead rank's exit status; None under torchrun, where only the launcher sees it."""
+    if code is None:
+        return "its process is gone; torchrun reports its exit status"
+    return f"signal {-code}" if code < 0 else f"exit code {code}"
 
 
 def _judge(run: PoolRun, backend: str, timeout_s: float) -> list[Any]:
@@ -686,9 +709,7 @@ def rank_failures(run: PoolRun, timeout_s: float) -> list[Failure]:
     for rank in range(run.world_size):
         outcome = run.outcomes.get(rank)
         if rank in run.died:
-            code = run.died[rank]
-            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            failures.append(Failure(rank=rank, type=DIED, message=f"the rank process died ({how})"))
+            failures.append(Failure(rank=rank, type=DIED, message=f"the rank process died ({_how_died(run.died[rank])})"))
         elif rank in run.hung:
             failures.append(Failure(rank=rank, type=HUNG, message=f"no answer within {timeout_s:.0f}s"))
         elif outcome is not None and outcome.status == "fail":

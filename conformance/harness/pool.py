@@ -23,7 +23,7 @@ from typing import Any
 
 from conformance.harness.worker import RankOutcome, Task, rank_main, recv_message, send_message
 
-__all__ = ["RankPool", "PoolManager", "PoolRun", "PoolStartError"]
+__all__ = ["RankPool", "PoolManager", "PoolRun", "PoolStartError", "make_task"]
 
 #: After the first rank fails, how long the others get to finish before they count as hung.
 FAILURE_GRACE_S = 10.0
@@ -211,6 +211,25 @@ class RankPool:
         return run
 
 
+def make_task(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, tmp_dir: str, seed: int = 0) -> Task:
+    """The task that runs ``fn(*args, **kwargs)`` on each rank; ``fn`` must be importable by name."""
+    task = Task(
+        module=fn.__module__,
+        qualname=fn.__qualname__,
+        args=args,
+        kwargs=kwargs,
+        tmp_dir=tmp_dir,
+        sys_path=tuple(sys.path),
+        seed=seed,
+    )
+    if "<locals>" in task.qualname or "<lambda>" in task.qualname:
+        raise ValueError(
+            f"{fn.__module__}.{task.qualname} cannot run on the ranks: the function must be defined at "
+            "module level so that every rank can import it"
+        )
+    return task
+
+
 class PoolManager:
     """The pools of one pytest session, keyed by (world size, backend); stops them all at exit."""
 
@@ -236,21 +255,7 @@ class PoolManager:
         timeout_s: float,
         seed: int = 0,
     ) -> PoolRun:
-        task = Task(
-            module=fn.__module__,
-            qualname=fn.__qualname__,
-            args=args,
-            kwargs=kwargs,
-            tmp_dir=tmp_dir,
-            sys_path=tuple(sys.path),
-            seed=seed,
-        )
-        if "<locals>" in task.qualname or "<lambda>" in task.qualname:
-            raise ValueError(
-                f"{fn.__module__}.{task.qualname} cannot run on the ranks: the function must be defined at "
-                "module level so that every rank can import it"
-            )
-        return self.get(world_size, backend).run(task, timeout_s)
+        return self.get(world_size, backend).run(make_task(fn, args, kwargs, tmp_dir=tmp_dir, seed=seed), timeout_s)
 
     def stop_all(self) -> None:
         for pool in self._pools.values():

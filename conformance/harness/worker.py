@@ -132,7 +132,8 @@ def _resolve(task: Task) -> Any:
     return obj
 
 
-def _run(task: Task, rank: int, world_size: int, backend: str) -> RankOutcome:
+def _run(task: Task, rank: int, world_size: int, backend: str, device: Any = None) -> RankOutcome:
+    """Run ``task`` as ``rank`` (on ``device``; default :func:`device_for_rank`), as one outcome."""
     import pytest
     import torch
 
@@ -142,7 +143,7 @@ def _run(task: Task, rank: int, world_size: int, backend: str) -> RankOutcome:
         rank=rank,
         world_size=world_size,
         backend=backend,
-        device=device_for_rank(backend, rank),
+        device=device if device is not None else device_for_rank(backend, rank),
         tmp_dir=Path(task.tmp_dir),
     )
     failures: list[Failure] = []
