@@ -98,7 +98,8 @@ SECTIONS: dict[str, Section] = {
         Section(
             "SD",
             ("reference/state_dict/*.py", "reference/fqn.py"),
-            ("conformance/test_state_dict.py", "conformance/test_training_states.py", "tests/reference/test_state_dict*.py", "tests/reference/test_fqn*.py"),
+            ("conformance/test_state_dict.py", "conformance/test_state_dict_options.py", "conformance/test_training_states.py",
+             "tests/reference/test_state_dict*.py", "tests/reference/test_fqn*.py"),
         ),
         Section(
             "OS",
@@ -116,7 +117,8 @@ SECTIONS: dict[str, Section] = {
         Section(
             "ML",
             ("reference/checkpoint/*.py",),
-            ("conformance/test_checkpoint.py", "tests/reference/test_checkpoint*.py", "tests/test_checkpoint_internals.py"),
+            ("conformance/test_checkpoint.py", "conformance/test_checkpoint_unpinned.py", "tests/reference/test_checkpoint*.py",
+             "tests/test_checkpoint_internals.py"),
         ),
     )
 }
