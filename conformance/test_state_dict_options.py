@@ -207,7 +207,7 @@ def _synthetic_grad(param: torch.Tensor, step: int, index: int, dist: Any) -> to
     full = torch.randn(param.shape, generator=torch.Generator().manual_seed(1000 * step + index)).to(dist.device)
     if not isinstance(param, DTensor):
         return full
-    piece, _ = expected_local_chunk(full, param.placements, tuple(param.device_mesh.shape), tuple(param.device_mesh.get_coordinate()))
+    piece, _ = expected_local_chunk(full, param.placements, tuple(param.device_mesh.shape), tuple(param.device_mesh.get_coordinate() or ()))
     return DTensor.from_local(piece.clone(), param.device_mesh, param.placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
@@ -308,7 +308,7 @@ class Case:
         with torch.no_grad():
             for name, buffer in target.named_buffers():
                 if name.endswith("scale"):
-                    buffer.copy_(different_like(self.oracle.scale))
+                    buffer.copy_(different_like(self.oracle.get_buffer("scale")))
         self.target, self.target_optim = target, optim
         full = self.ops.options(full_state_dict=True)
         self.own = {
@@ -452,7 +452,11 @@ def test_options_combine(dist: Any, impl: Any, kind: str) -> None:
     checks: dict[str, Callable[[], None]] = {}
     for index, row in enumerate(ROWS):
         label = f"row {index}: {describe(row)}"
-        checks[f"row{index}_get"] = lambda row=row, label=label: check_get(case, row, label)
+
+        def get(row: Mapping[str, Any] = row, label: str = label) -> None:
+            check_get(case, row, label)
+
+        checks[f"row{index}_get"] = get
 
         def set_then_restore(row: Mapping[str, Any] = row, label: str = label) -> None:
             try:

@@ -69,7 +69,7 @@ def test_a_pair_no_valid_row_holds_is_not_asked_for() -> None:
 
 
 def test_uncovered_pairs_names_what_is_missing_and_refuses_bad_rows() -> None:
-    factors = {"a": [0, 1], "b": ["x", "y"], "c": [True, False]}
+    factors: dict[str, list[Any]] = {"a": [0, 1], "b": ["x", "y"], "c": [True, False]}
     rows = pairwise(factors)
     dropped = rows[0]
     missing = uncovered_pairs(rows[1:], factors)
