@@ -1542,9 +1542,10 @@ class _ReadOnlyEntry(dict[str, Any]):
 
 class _Progress:
     """A top-level ``Stateful`` (DCP's convention: saved and loaded through ``state_dict()`` and
-    ``load_state_dict()``) holding non-tensor state. With ``refuse``, its ``load_state_dict`` raises
-    ``ValueError(refuse)`` and changes nothing, as a component does when a loaded value fails its own
-    checks."""
+    ``load_state_dict()``) holding non-tensor state. Its ``load_state_dict`` is collective (a barrier of
+    the default group first, as one that loads through ``set_state_dict`` may be), so a loader must
+    call it on every rank alike. With ``refuse``, it then raises ``ValueError(refuse)`` and changes
+    nothing, as a component does when a loaded value fails its own checks."""
 
     def __init__(self, epoch: int, tag: str, refuse: str | None = None) -> None:
         self.epoch, self.tag, self.refuse = epoch, tag, refuse
@@ -1553,6 +1554,10 @@ class _Progress:
         return {"epoch": self.epoch, "tag": self.tag}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        import torch.distributed as torch_dist
+
+        if torch_dist.is_available() and torch_dist.is_initialized():
+            torch_dist.barrier()
         if self.refuse is not None:
             raise ValueError(self.refuse)
         self.epoch, self.tag = state_dict["epoch"], state_dict["tag"]

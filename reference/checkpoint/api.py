@@ -163,9 +163,11 @@ def load(
     (putting built and non-tensor values into the state dict, calling the ``Stateful`` values'
     ``load_state_dict``) on any rank raises the same error on every rank (naming each failing rank
     and what it saw) and replaces nothing in any rank's state dict; what a failed commit had put in
-    is taken out again, and a ``Stateful`` already loaded gets back what its ``state_dict()`` returned
-    before. Tensors filled in place may hold partial data after a failure while reading, and the
-    saved data after a failure while committing.
+    is taken out again, and each ``Stateful`` gets back what its ``state_dict()`` returned before.
+    Every rank calls every ``Stateful``'s ``state_dict()``, ``load_state_dict`` and, after a failure
+    on any rank, the restoring ``load_state_dict`` in the same order, whatever failed on it, so
+    those calls may be collective. Tensors filled in place may hold partial data after a failure
+    while reading, and the saved data after a failure while committing.
     """
     user_state_dict, state_dict = state_dict, _expand_stateful(state_dict)
     reader = storage_reader if storage_reader is not None else FileSystemReader()
@@ -194,16 +196,36 @@ def load(
         reader.read_data(planner.finish_plan(plan), planner).wait()
 
     collective.all_succeed("reading", read)
+    statefuls = {key: value for key, value in user_state_dict.items() if isinstance(value, Stateful)}
     undo: list[Callable[[], None]] = []
 
     def commit() -> LoadResult:
-        result = planner.commit(undo)
-        for key, value in user_state_dict.items():
-            if isinstance(value, Stateful):
-                _load_stateful(key, value, state_dict[key], undo)
-            elif value is not state_dict[key]:  # commit replaced a top-level value in the expanded dict
-                user_state_dict[key] = state_dict[key]
-                undo.append(functools.partial(user_state_dict.__setitem__, key, value))
+        # Every rank makes the same calls in the same order whatever fails on it (a Stateful's
+        # state_dict/load_state_dict may be collective); the first failure is raised at the end.
+        previous = {key: value.state_dict() for key, value in statefuls.items()}
+        errors: list[Exception] = []
+        result = planner.result
+        try:
+            result = planner.commit(undo)
+            for key, value in user_state_dict.items():
+                if key not in statefuls and value is not state_dict[key]:  # commit replaced it in the expanded dict
+                    user_state_dict[key] = state_dict[key]
+                    undo.append(functools.partial(user_state_dict.__setitem__, key, value))
+        except Exception as exc:
+            errors.append(exc)
+        for key, value in statefuls.items():
+            try:
+                value.load_state_dict(state_dict[key])
+            except Exception as exc:
+                cls = StateDictError if isinstance(exc, (ValueError, TypeError)) else CheckpointError
+                error = cls(f"key {key!r}: {type(value).__name__}.load_state_dict raised {type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+                errors.append(error)
+                undo.append(functools.partial(_restore_stateful, value, previous[key], refused=True))
+            else:
+                undo.append(functools.partial(_restore_stateful, value, previous[key], refused=False))
+        if errors:
+            raise errors[0]
         return result
 
     try:
@@ -216,17 +238,15 @@ def load(
         raise
 
 
-def _load_stateful(key: str, value: Stateful, loaded: Any, undo: list[Callable[[], None]]) -> None:
-    """``value.load_state_dict(loaded)``; appends to ``undo`` the step that loads back what its
-    ``state_dict()`` returned before. Its error becomes one naming ``key`` (a ``ValueError`` or
-    ``TypeError``, a value it refuses, a :class:`StateDictError`)."""
-    previous = value.state_dict()
+def _restore_stateful(value: Stateful, previous: Any, *, refused: bool) -> None:
+    """Load back what ``value.state_dict()`` returned before the commit (on every rank, in the same
+    order as the loads, whatever failed where). A value that refused the loaded state may refuse this
+    too: it is then left as it is (its refusal is the error being raised)."""
     try:
-        value.load_state_dict(loaded)
-    except Exception as exc:
-        cls = StateDictError if isinstance(exc, (ValueError, TypeError)) else CheckpointError
-        raise cls(f"key {key!r}: {type(value).__name__}.load_state_dict raised {type(exc).__name__}: {exc}") from exc
-    undo.append(functools.partial(value.load_state_dict, previous))
+        value.load_state_dict(previous)
+    except Exception:
+        if not refused:
+            raise
 
 
 def _undo(steps: list[Callable[[], None]]) -> list[str]:
