@@ -45,6 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conformance import fqn
+from conformance.harness.failures import PropertiesFailed
 
 __all__ = [
     "check_each",
@@ -97,9 +98,7 @@ def check_each(**checks: Callable[[], Any]) -> None:
             text = getattr(exc, "msg", None) if isinstance(exc, pytest.fail.Exception) else f"{type(exc).__name__}: {exc}"
             parts.append(f"[{name}] {text}")
     if parts:
-        failed = pytest.fail.Exception("\n".join(parts), pytrace=False)
-        failed.parts = parts  # type: ignore[attr-defined]  # read by conformance.harness.failures.Failure.all_of
-        raise failed
+        raise PropertiesFailed(parts)
 
 
 def _short(value: Any, limit: int = 300) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankContext", "device_for_rank", "backend_for_device", "per_group_cache", "clear_group_caches"]
+__all__ = ["RankContext", "device_for_rank", "per_group_cache", "clear_group_caches"]
 
 
 #: Every cache made by :func:`per_group_cache`, emptied together by :func:`clear_group_caches`.
@@ -33,11 +33,6 @@ def clear_group_caches() -> None:
     """Empty every :func:`per_group_cache` (before the default group is destroyed)."""
     for cache in _GROUP_CACHES:
         cache.clear()
-
-
-def backend_for_device(device_type: str) -> str:
-    """The c10d backend that drives ``device_type``: nccl for cuda, gloo for cpu."""
-    return "nccl" if device_type == "cuda" else "gloo"
 
 
 def device_for_rank(backend: str, rank: int) -> torch.device:

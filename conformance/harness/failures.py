@@ -8,15 +8,28 @@ differently" without parsing tracebacks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Failure", "DIED", "HUNG"]
+import pytest
+
+__all__ = ["Failure", "PropertiesFailed", "DIED", "HUNG"]
 
 #: ``Failure.type`` of a rank that died during the test (its exit code or signal is the message).
 DIED = "DIED"
 #: ``Failure.type`` of a rank that gave no answer before the rank timeout.
 HUNG = "HUNG"
+
+
+class PropertiesFailed(pytest.fail.Exception):  # type: ignore[name-defined]  # pytest.fail.Exception is the public name of Failed
+    """pytest's ``Failed`` for a test that checked several properties and saw some fail: one message
+    per failed property in ``parts`` (each becomes its own :class:`Failure`, so that a pin on one
+    property does not hide another). Reported under the name ``Failed``, as any assertion of the suite."""
+
+    def __init__(self, parts: Sequence[str]) -> None:
+        super().__init__("\n".join(parts), pytrace=False)
+        self.parts = list(parts)
 
 
 @dataclass(frozen=True)
@@ -44,10 +57,9 @@ class Failure:
     def all_of(cls, exc: BaseException, rank: int | None) -> list[Failure]:
         """The failures ``exc`` stands for: one per property that failed when the test checked several
         with :func:`conformance.asserts.check_each` (its ``parts``), else one."""
-        parts = getattr(exc, "parts", None)
-        if isinstance(parts, list) and parts and all(isinstance(p, str) for p in parts):
+        if isinstance(exc, PropertiesFailed) and exc.parts:
             names = tuple(c.__name__ for c in type(exc).__mro__ if c is not object)
-            return [cls(rank=rank, type=type(exc).__name__, message=part, types=names) for part in parts]
+            return [cls(rank=rank, type="Failed", message=part, types=names) for part in exc.parts]
         return [cls.of(exc, rank)]
 
     def is_a(self, name: str) -> bool:

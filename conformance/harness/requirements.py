@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["SPEC_PATH", "REQ_ID", "load_spec", "ids_named_by_tests", "sort_key"]
+__all__ = ["SPEC_PATH", "REQ_ID", "load_spec", "ids_named_by_tests"]
 
 SPEC_PATH = Path(__file__).resolve().parent.parent / "SPEC.md"
 #: A requirement ID: two capital letters, a dash, a number.
@@ -27,12 +27,6 @@ def load_spec(path: Path = SPEC_PATH) -> dict[str, str]:
             raise ValueError(f"{path}:{lineno}: requirement {req_id} is listed twice")
         spec[req_id] = text.strip()
     return spec
-
-
-def sort_key(req_id: str) -> tuple[str, int]:
-    """Order IDs as SPEC.md sections do (FP-2 before FP-10)."""
-    prefix, _, number = req_id.partition("-")
-    return prefix, int(number) if number.isdigit() else 0
 
 
 def _req_calls(tree: ast.AST) -> Iterable[ast.Call]:
