@@ -1,4 +1,4 @@
-"""The layout of ``reference/`` (README's module table and ``reference/__init__.py``'s index): imports
+"""The layout of ``reference/`` (docs/design.md's package table and ``reference/__init__.py``'s index): imports
 go one way, and no module reads another module's private names. Checked on the source (AST), with
 function-local and ``TYPE_CHECKING`` imports counted like module-level ones."""
 
