@@ -1,4 +1,4 @@
-"""asv: save, load and load-into-meta of model + Adam state (issue 6): the reference, torch, the
+"""asv: save, load and load-into-meta of model + Adam state: the reference, torch, the
 implementations under test (``BENCH_IMPL``) and the raw limit, each through its adapter's ``CheckpointOps``.
 
 All figures of the grid (impl x size x world size x layout) are measured once, by one shared

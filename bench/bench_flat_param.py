@@ -1,4 +1,4 @@
-"""asv: FlattenParamsWrapper flattening time and state_dict() of wrapped models (issue 3).
+"""asv: FlattenParamsWrapper flattening time and state_dict() of wrapped models.
 
 Models of 100 / 1,000 / 10,000 parameters in a chain 1, 4 or 16 levels deep, one wrapper per level,
 wrapped through each adapter's ``FlatParamOps.wrap``: the reference, fairscale (the upstream wrapper:

@@ -1,4 +1,4 @@
-"""asv: full optimizer state dict of a sharded model and loading it back, world size 2 (issue 4): the
+"""asv: full optimizer state dict of a sharded model and loading it back, world size 2: the
 reference, torch (FSDP1), the implementations under test (``BENCH_IMPL``) and raw, each through its
 adapter's ``ShardingOps`` and ``OptimStateOps`` (see :mod:`bench.workloads.optim_state`).
 

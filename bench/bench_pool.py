@@ -1,4 +1,4 @@
-"""asv: per-test overhead of the conformance harness's rank pool at world size 4 (issue 2, Speed).
+"""asv: per-test overhead of the conformance harness's rank pool at world size 4.
 
 A test whose body only does a barrier, on the reused pool and on fresh processes per test (as torch's
 MultiProcessTestCase does). Target: ``track_pool_speedup`` >= 20.

@@ -1,4 +1,4 @@
-"""asv: get_state_dict / set_state_dict against the number of keys, with and without submodules (issue 5).
+"""asv: get_state_dict / set_state_dict against the number of keys, with and without submodules.
 
 Implementations: the reference, torch, the implementations under test (``BENCH_IMPL``) and raw, each
 through its adapter's ``StateDictOps`` (see :mod:`bench.workloads.state_dict`). ``time_*`` are asv's

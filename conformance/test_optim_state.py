@@ -4,7 +4,7 @@ Oracle: the unwrapped zoo model, built from the same seed and trained on the who
 every rank, while the sharded model trains on its rank's equal slice of it. Second oracle: the
 reference, for round trips across implementations. Goldens pin the structure of one state dict.
 
-How the tests are built (issue 10's habits):
+How the tests are built:
 
 * Every load goes into a target that differs from the source in what the load must change
   (:func:`load_target`): built from another seed, its optimizer over the parameters in reverse order

@@ -5,7 +5,7 @@ runs it on a :class:`conformance.harness.pool.RankPool` that was started beforeh
 the harness does for every test; ``fresh`` starts a pool, runs the body and stops the pool each time,
 which is what torch's ``MultiProcessTestCase`` does per test (spawn ``world_size`` processes that
 import torch and form a process group, run, tear down). Same code, so the ratio is the saving of
-reuse alone. The harness's promise (issue 2): at world size 4, ``pool`` at least 20x cheaper.
+reuse alone. The harness's promise: at world size 4, ``pool`` at least 20x cheaper.
 """
 
 from __future__ import annotations

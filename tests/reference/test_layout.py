@@ -1,4 +1,4 @@
-"""The layout of ``reference/`` (README's module table and ``reference/__init__.py``'s index): imports
+"""The layout of ``reference/`` (docs/design.md's package table and ``reference/__init__.py``'s index): imports
 go one way, and no module reads another module's private names. Checked on the source (AST), with
 function-local and ``TYPE_CHECKING`` imports counted like module-level ones."""
 
@@ -21,8 +21,7 @@ TORCH_PRIVATE_ATTRIBUTES = {
 }
 #: Private names that are part of the public API on purpose.
 PUBLIC_PRIVATE_NAMES = {"_OptimStateKey"}  # mirrors torch's private class name (SPEC OS)
-#: reference/checkpoint/ is checked for cycles with the rest, not for private access (another
-#: package's owner; see the report of issue 12).
+#: Packages checked for import cycles with the rest, but not for private access.
 PRIVATE_ACCESS_EXEMPT = ("reference.checkpoint",)
 
 
