@@ -144,8 +144,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "case_families(*names): the families of generated cases this test draws, which an expected-failures entry "
         "may leave out for an adapter (exclude=NAME); the test reads them with the excluded_cases fixture",
     )
-    from conformance.harness.torchrun import default_world_sizes, manager_for
+    from conformance.harness.torchrun import SESSION_FINISH, default_world_sizes, manager_for
 
+    config.stash[SESSION_FINISH] = pytest_sessionfinish
     config.option.world_size = config.option.world_size or default_world_sizes() or "1,2"
     config.stash[_ENTRIES] = _load_xfail_entries(config)
     manager = manager_for(config) or PoolManager(pg_timeout_s=max(60.0, config.getoption("--rank-timeout") * 2))

@@ -66,9 +66,12 @@ from conformance.harness.control import ControlStore, DefaultGroup, JobAborted, 
 from conformance.harness.failures import DIED, HUNG, Failure
 from conformance.harness.launch_env import LaunchEnv, detect, launcher_variables, set_active_layout
 from conformance.harness.pool import FAILURE_GRACE_S, PoolManager, PoolRun, RankPool, make_task
-from conformance.harness.worker import RankOutcome, Task, _run
+from conformance.harness.worker import RankOutcome, Task, run_task
 
-__all__ = ["Job", "TorchrunManager", "current_job", "manager_for", "job_cuda_count", "default_world_sizes", "after_unhealthy_run"]
+__all__ = [
+    "Job", "TorchrunManager", "current_job", "manager_for", "job_cuda_count", "default_world_sizes", "after_unhealthy_run",
+    "SESSION_FINISH",
+]
 
 #: After a cut, how long the body gets to give the thread back before the rank ends the job: its rank
 #: timeout, within these bounds (a gloo collective of the default group times out 5 s after the cut).
@@ -86,6 +89,9 @@ SKEW_FACTOR, SKEW_MIN_S = 2.0, 60.0
 COLLECT_WAIT_S = 900.0
 
 _INDEX = pytest.StashKey[int]()
+#: The plugin's ``pytest_sessionfinish`` (writes ``--report-json``), put here by the plugin at configure:
+#: a job that ends early finishes the session through it (the plugin imports this module, not back).
+SESSION_FINISH = pytest.StashKey[Callable[[pytest.Session, int], None]]()
 
 
 class _Cut(BaseException):
@@ -586,7 +592,7 @@ def _member(job: Job, k: int, world_size: int, backend: str, timeout_s: float) -
         outcome: RankOutcome | None = None
         job.in_body, job.cut_pending = True, False
         try:
-            outcome = _run(task, job.rank, world_size, backend, device=job.group.device)
+            outcome = run_task(task, job.rank, world_size, backend, device=job.group.device)
         except (_Cut, _Terminated):
             outcome = None
         finally:
@@ -804,7 +810,7 @@ def _unstick_s(timeout_s: float) -> float:
 def _body_stack(frame: FrameType | None) -> str:
     """The main thread's Python stack from the test body down (the harness frames above it left out)."""
     frames: list[tuple[FrameType, int]] = []
-    while frame is not None and frame.f_code is not _run.__code__:
+    while frame is not None and frame.f_code is not run_task.__code__:
         frames.append((frame, frame.f_lineno))
         frame = frame.f_back
     if not frames:
@@ -849,10 +855,8 @@ def _emergency_report(job: Job, store: ControlStore, reason: str, output: str) -
         except Exception:  # the report is written below whatever a reporter plugin thinks of it
             pass
     session = getattr(job.current[2], "session", None) if job.current is not None else None
-    if session is not None:
-        from conformance.harness import plugin
-
-        plugin.pytest_sessionfinish(session, int(pytest.ExitCode.INTERRUPTED))
+    if session is not None and SESSION_FINISH in config.stash:
+        config.stash[SESSION_FINISH](session, int(pytest.ExitCode.INTERRUPTED))
         _add_launch_info(job)
     written = f"; report written to {job.report_json}" if job.report_json else ""
     reporter = config.pluginmanager.getplugin("terminalreporter")

@@ -26,7 +26,7 @@ from typing import Any
 
 from conformance.harness.failures import Failure
 
-__all__ = ["Task", "RankOutcome", "DistArg", "DIST_ARG", "rank_main", "send_message", "recv_message"]
+__all__ = ["Task", "RankOutcome", "DistArg", "DIST_ARG", "rank_main", "run_task", "send_message", "recv_message"]
 
 
 def send_message(conn: Any, obj: Any) -> None:
@@ -132,7 +132,7 @@ def _resolve(task: Task) -> Any:
     return obj
 
 
-def _run(task: Task, rank: int, world_size: int, backend: str, device: Any = None) -> RankOutcome:
+def run_task(task: Task, rank: int, world_size: int, backend: str, device: Any = None) -> RankOutcome:
     """Run ``task`` as ``rank`` (on ``device``; default :func:`device_for_rank`), as one outcome."""
     import pytest
     import torch
@@ -220,7 +220,7 @@ def rank_main(
             continue
         if task is None:
             break
-        outcome = _run(task, rank, world_size, backend)
+        outcome = run_task(task, rank, world_size, backend)
         try:
             send_message(conn, outcome)
         except Exception:  # the value did not pickle: say so instead of dying

@@ -1,0 +1,47 @@
+"""The layout rules of ``reference/`` (``tests/reference/test_layout.py``) hold for the suite, the
+benchmarks and the tools as well: imports go one way (no cycle within or across ``conformance``,
+``bench``, ``tools`` and ``reference``, and ``reference`` imports none of the others), and no module
+imports another module's private names: what two modules share is public in one place. (Reading a
+private attribute of torch's objects stays allowed here: the suite inspects upstream's internals on
+purpose, where a comment says why.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.layout_rules import find_cycle, import_graph, modules_of, private_imports
+
+PACKAGES = ("conformance", "bench", "tools", "reference")
+MODULES = modules_of(*PACKAGES)
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles() -> None:
+    cycle = find_cycle(import_graph(MODULES))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_reference_imports_only_itself() -> None:
+    graph = import_graph(MODULES)
+    bad = {m: sorted(i for i in imported if not i.startswith("reference")) for m, imported in graph.items() if m.startswith("reference")}
+    assert not {m: i for m, i in bad.items() if i}, bad
+
+
+def test_the_private_import_finder_finds_one(tmp_path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text("from conformance.asserts import _short, check_each\nfrom os import _exit\n")
+    assert private_imports(source, PACKAGES) == ["line 1: imports _short from conformance.asserts"]
+
+
+#: Debt, not a decision: the helpers this module takes from test_checkpoint.py move to a module of their own.
+NOT_YET = {"conformance.test_checkpoint_unpinned"}
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if not m.startswith("reference") and m not in NOT_YET])
+def test_no_module_imports_another_modules_private_names(module: str) -> None:
+    bad = private_imports(MODULES[module], PACKAGES)
+    assert not bad, f"{module}: " + "; ".join(bad)
