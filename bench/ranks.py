@@ -12,6 +12,10 @@ its directory by file location and leaves ``sys.path`` alone; ``reference`` and 
 whatever the interpreter has installed (under pytest, the repository root is the working directory,
 so that is the working tree).
 
+This is the repository's second launcher of ranks, beside the suite's
+:class:`conformance.harness.pool.RankPool`, for the same reason: the pool's ranks find a task's function
+by importing its module by name, which a fresh process under asv cannot do for ``bench``.
+
 Timing is done by the ranks themselves (see :func:`timed`), between barriers, so the figures do not
 include the controller's messaging.
 """
