@@ -56,6 +56,7 @@ from conformance.asserts import (
     snapshot,
 )
 from conformance.compare import fqn_keyed_optim, full_on_cpu
+from conformance.dcp_files import read_metadata, storage_bytes_range
 from conformance.faults import failing_fsync, failing_reads, failing_writes, unreadable_bytes
 from conformance.harness.context import per_group_cache
 from conformance.values import EDGE_DTYPES, different_like, edge_tensors, perturb_hyperparameters
@@ -438,7 +439,6 @@ def test_views_are_saved_as_their_own_elements(dist, impl) -> None:
     """Save views of a 1 MiB storage (a slice at an offset, a strided slice, a DTensor whose local
     shard is such a view) and read the records' lengths from the metadata: each is at most its
     elements' bytes plus a fixed overhead, not the whole storage."""
-    from reference.checkpoint import read_metadata_file
 
     ops = _ops(impl)
     path = dist.tmp_dir / "ckpt"
@@ -454,7 +454,7 @@ def test_views_are_saved_as_their_own_elements(dist, impl) -> None:
     }
     ops.save(sd, path, process_group=_pg(dist))
     dist.barrier()
-    records = read_metadata_file(path).storage_data
+    records = read_metadata(path).storage_data
     for index, info in records.items():
         value = sd[index.fqn]
         chunk = value.to_local() if isinstance(value, DTensor) else value
@@ -678,7 +678,6 @@ def test_replicated_data_is_written_once(dist, impl) -> None:
     mesh; the metadata lists each chunk once, stores each once, and the chunks tile each tensor."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from reference.checkpoint import read_metadata_file
 
     ops = _ops(impl)
     path = dist.tmp_dir / "ckpt"
@@ -691,7 +690,7 @@ def test_replicated_data_is_written_once(dist, impl) -> None:
     ops.save(sd, path, process_group=_pg(dist))
     if dist.rank != 0:
         return
-    md = read_metadata_file(path)
+    md = read_metadata(path)
     chunks = {k: v.chunks for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     expected = {"plain": 1, "replicated": 1, "replicate_shard": min(mesh_2d.size(1), 10)}
     got = {k: len(v) for k, v in chunks.items()}
@@ -1312,9 +1311,8 @@ def test_a_second_save_while_one_is_in_progress_never_mixes(dist, impl) -> None:
 
 def _record(path: Path, fqn: str, offset: tuple[int, ...] | None = None) -> tuple[str, int, int]:
     """(file, byte offset, length) of the stored record of ``fqn`` (the chunk at ``offset``)."""
-    from reference.checkpoint import read_metadata_file
 
-    for index, info in read_metadata_file(path).storage_data.items():
+    for index, info in read_metadata(path).storage_data.items():
         if index.fqn == fqn and (offset is None or tuple(index.offset) == offset):
             return info.relative_path, info.offset, info.length
     raise LookupError(f"{path}: no record of {fqn!r} at {offset}")
@@ -1324,9 +1322,8 @@ def _file_read_by_one_rank(dist: Any, path: Path) -> tuple[str, int, int]:
     """(file, byte offset, length) of the record of one rank's shard of ``w`` in a data file that holds
     nothing else: with ``w`` loaded into the same layout, only that rank reads the file. The last
     such rank's (where replicated ``b`` went depends on the implementation's deduplication)."""
-    from reference.checkpoint import read_metadata_file
 
-    records = read_metadata_file(path).storage_data
+    records = read_metadata(path).storage_data
     for rank in reversed(range(dist.world_size)):
         name, offset, length = _record(path, "w", (4 * rank, 0))
         if [(i.fqn, tuple(i.offset or ())) for i, info in records.items() if info.relative_path == name] == [("w", (4 * rank, 0))]:
@@ -1651,22 +1648,18 @@ def _unreadable_records(path: Path, fqn: str) -> dict[str, list[tuple[int, int]]
     """file -> the byte ranges in the middle of the saved data of every chunk of ``fqn``: far from its
     records' headers and directories, so a reader that checks those while planning plans
     successfully, and fails when it reads the data."""
-    from reference.checkpoint import read_metadata_file
-    from reference.checkpoint.records import parse_tensor_record
 
     regions: dict[str, list[tuple[int, int]]] = {}
-    for index, info in read_metadata_file(path).storage_data.items():
+    for index, info in read_metadata(path).storage_data.items():
         if index.fqn != fqn:
             continue
         with open(path / info.relative_path, "rb", buffering=0) as file:
-            layout = parse_tensor_record(file, info.offset, info.length)
-        if layout is None:
-            fail("test set-up: a tensor record's data could not be located", info, "a record torch.save writes", f"{path}, key {fqn!r}")
-        nbytes = layout.storage_numel * torch.empty((), dtype=layout.dtype).element_size()
-        middle = layout.data_offset + max(0, nbytes - _UNREADABLE_BYTES) // 2
+            start, end = storage_bytes_range(file, info.offset, info.length)
+        nbytes = end - start
+        middle = start + max(0, nbytes - _UNREADABLE_BYTES) // 2
         regions.setdefault(info.relative_path, []).append((middle, middle + min(nbytes, _UNREADABLE_BYTES)))
     if not regions:
-        fail("test set-up: no record of the key", sorted(str(i.fqn) for i in read_metadata_file(path).storage_data), fqn, str(path))
+        fail("test set-up: no record of the key", sorted(str(i.fqn) for i in read_metadata(path).storage_data), fqn, str(path))
     return regions
 
 
