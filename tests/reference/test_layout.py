@@ -21,9 +21,6 @@ TORCH_PRIVATE_ATTRIBUTES = {
 }
 #: Private names that are part of the public API on purpose.
 PUBLIC_PRIVATE_NAMES = {"_OptimStateKey"}  # mirrors torch's private class name (SPEC OS)
-#: reference/checkpoint/ is checked for cycles with the rest, not for private access (another
-#: package's owner; see the report of issue 12).
-PRIVATE_ACCESS_EXEMPT = ("reference.checkpoint",)
 
 
 def _modules() -> dict[str, Path]:
@@ -109,7 +106,7 @@ def _defined_private_names(tree: ast.AST) -> set[str]:
     return {n for n in out if n.startswith("_") and not n.startswith("__")}
 
 
-@pytest.mark.parametrize("module", [m for m in _modules() if not m.startswith(PRIVATE_ACCESS_EXEMPT)])
+@pytest.mark.parametrize("module", list(_modules()))
 def test_no_module_reads_another_modules_private_names(module: str) -> None:
     """No ``from reference.x import _name`` and no ``obj._name`` for a ``_name`` this module does not
     define itself (besides the nn.Module internals listed above)."""
