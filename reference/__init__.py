@@ -17,8 +17,8 @@ Package index: one package per section of ``conformance/SPEC.md``, and two share
     - :mod:`reference.fsdp.optim_keys`   optimizer-state keying (_OptimStateKey, FSDPParamInfo)
 - :mod:`reference.checkpoint`    DCP save/load with meta-tensor loading                        (ML-*)
 - :mod:`reference.fqn`           the canonical-FQN rule; wrappers register their segments here
-- :mod:`reference.comm`          the communication layer of flat_param/fsdp/state_dict: every collective,
-                                 and agreement on failure (every rank raises the same error)
+- :mod:`reference.comm`          the communication layer of flat_param/fsdp/state_dict/checkpoint: every
+                                 collective, and agreement on failure (every rank raises the same error)
 
 Imports go one way: ``fqn`` and ``comm`` import no other module of the package; ``flat_param`` imports
 ``fqn``; ``fsdp`` imports those; ``state_dict`` imports all three (no cycles, checked by

@@ -1,5 +1,5 @@
-"""The one communication layer of the sharded reference: every c10d call of :mod:`reference.fsdp`
-and :mod:`reference.state_dict` goes through here.
+"""The one communication layer of the reference: every c10d call of :mod:`reference.fsdp`,
+:mod:`reference.state_dict` and :mod:`reference.checkpoint` goes through here.
 
 Vocabulary. A *group* is a ``torch.distributed`` process group, or ``None`` for "no group": a trivial
 axis of size 1 on which every function is a local no-op (never the default group; callers that mean
@@ -12,18 +12,25 @@ them, in the same order, with tensors of the same shape):
 
 * data movement: :func:`all_gather_flat`, :func:`reduce_scatter_mean`, :func:`all_reduce_mean`,
   :func:`all_gather_objects`, :func:`broadcast_tensor`;
-* agreement: :func:`agree`, :func:`gather_agreed` and :func:`broadcast_from_coordinator` run a local
-  step on every rank (or on the coordinator) and exchange its *outcome*: if the step raised on any rank,
-  every rank raises the same exception (type and message) instead of going on alone into a collective
-  that the failing rank never reaches. Every local step that may raise before a collective is run
-  through one of them.
+* agreement: :func:`agree`, :func:`gather_agreed`, :func:`broadcast_from_coordinator`,
+  :func:`gather_decide_scatter` and :func:`gather_decide_broadcast` run a local step on every rank (or
+  on the coordinator) and exchange its *outcome*: if the step raised on any rank, every rank raises one
+  agreed exception instead of going on alone into a collective that the failing rank never reaches.
+  Every local step that may raise before a collective is run through one of them.
+
+What the agreed exception is comes from an :class:`ErrorPolicy`: how a rank's exception becomes the
+:class:`Failure` record that travels, and how the failures by rank become the exception raised. The
+default, :class:`LowestFailingRank`, raises the lowest failing rank's error, its own type and message;
+the checkpoint's policy (:class:`reference.checkpoint.collective.CheckpointErrors`) raises one
+checkpoint error naming every failing rank. On every rank that raised, its own exception is the agreed
+error's ``__cause__``. In a group of one rank nothing is pickled: outcomes stay where they are.
 """
 
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar, cast
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, NamedTuple, NoReturn, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -41,9 +48,16 @@ __all__ = [
     "agree",
     "gather_agreed",
     "broadcast_from_coordinator",
+    "gather_decide_scatter",
+    "gather_decide_broadcast",
+    "Failure",
+    "ErrorPolicy",
+    "LowestFailingRank",
+    "LOWEST_FAILING_RANK",
 ]
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 # -- groups ---------------------------------------------------------------------------------------------
@@ -143,91 +157,243 @@ def broadcast_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> t
 # -- agreement on failure -------------------------------------------------------------------------------
 
 
-class _Failure(NamedTuple):
-    """What a rank sends instead of its result when its step raised."""
+class Failure(NamedTuple):
+    """What a rank sends instead of its result when its step raised: made by an :class:`ErrorPolicy`
+    from the local exception, read back by the same policy on every rank."""
 
-    kind: type[Exception]  #: the exception class (one that pickles by reference, else RuntimeError)
+    #: the error's class as the policy sends it: the class itself (one that pickles by reference) or a
+    #: name the policy resolves
+    kind: type[Exception] | str
     message: str
 
 
-def _failure(exc: Exception) -> _Failure:
-    kind: type[Exception] = type(exc)
-    try:
-        pickle.dumps(kind)  # a class defined in a function does not travel
-    except Exception:  # any pickling failure means: send the generic type
-        return _Failure(RuntimeError, f"{kind.__name__}: {exc}")
-    return _Failure(kind, str(exc))
+class ErrorPolicy(Protocol):
+    """How the agreement functions turn a step's exception into one error raised on every rank.
+
+    :meth:`record` runs on the rank where the step raised and makes what travels; :meth:`error` runs on
+    every rank with the same failures (by group rank, ascending) and builds the exception that rank
+    raises, so that every rank raises the same type with the same message."""
+
+    #: In a group of one rank (or no group), raise the step's own exception object unchanged instead of
+    #: :meth:`error`'s.
+    reraise_alone: ClassVar[bool]
+
+    def record(self, exc: Exception) -> Failure:
+        """What is sent for ``exc`` (picklable)."""
+        ...
+
+    def error(self, failures: Mapping[int, Failure], group: dist.ProcessGroup | None) -> Exception:
+        """The exception every rank of ``group`` raises for ``failures`` (non-empty, by group rank)."""
+        ...
 
 
-def _raise_agreed(outcomes: list[Any], local: Exception | None, world: int) -> None:
-    """Raise the failure of the lowest failing rank, built alike on every rank; no-op if none failed."""
-    failed = [(rank, o) for rank, o in enumerate(outcomes) if isinstance(o, _Failure)]
-    if not failed:
-        return
-    rank, failure = failed[0]
-    message = failure.message
-    if world > 1:
-        others = f" and {len(failed) - 1} other rank(s)" if len(failed) > 1 else ""
-        message = f"{message} (raised on rank {rank} of {world}{others}; every rank raises it)"
-    try:
-        agreed = failure.kind(message)
-    except Exception:  # an exception type whose constructor takes other arguments
-        agreed = RuntimeError(f"{failure.kind.__name__}: {message}")
-    raise agreed from local
+class LowestFailingRank:
+    """The default policy: every rank raises the error of the lowest failing rank, its own type, its
+    message followed by "(raised on rank r of w[ and n other rank(s)]; every rank raises it)" when the
+    group has more than one rank; a type that cannot travel (defined in a function) or whose constructor
+    takes no single message becomes a ``RuntimeError`` naming it. Alone, the step's own exception."""
+
+    reraise_alone: ClassVar[bool] = True
+
+    def record(self, exc: Exception) -> Failure:
+        kind: type[Exception] = type(exc)
+        try:
+            pickle.dumps(kind)  # a class defined in a function does not travel
+        except Exception:  # any pickling failure means: send the generic type
+            return Failure(RuntimeError, f"{kind.__name__}: {exc}")
+        return Failure(kind, str(exc))
+
+    def error(self, failures: Mapping[int, Failure], group: dist.ProcessGroup | None) -> Exception:
+        rank = min(failures)
+        failure = failures[rank]
+        kind = cast("type[Exception]", failure.kind)  # this policy's records hold the class
+        message = failure.message
+        world = group_size(group)
+        if world > 1:
+            others = f" and {len(failures) - 1} other rank(s)" if len(failures) > 1 else ""
+            message = f"{message} (raised on rank {rank} of {world}{others}; every rank raises it)"
+        try:
+            agreed = kind(message)
+        except Exception:  # an exception type whose constructor takes other arguments
+            agreed = RuntimeError(f"{kind.__name__}: {message}")
+        # As if raised ``from None`` on a rank whose step did not fail: the agreed error is shown alone,
+        # not as raised while handling whatever the caller was handling.
+        agreed.__suppress_context__ = True
+        return agreed
 
 
-def gather_agreed(group: dist.ProcessGroup | None, step: Callable[[], T]) -> list[T]:
+#: The policy of :func:`agree` and the others when none is given.
+LOWEST_FAILING_RANK = LowestFailingRank()
+
+
+class _Failed(NamedTuple):
+    """What the coordinator sends instead of its decision when a rank failed: the failures by rank."""
+
+    failures: dict[int, Failure]
+
+
+def _raise(errors: ErrorPolicy, failures: Mapping[int, Failure], local: Exception | None,
+           group: dist.ProcessGroup | None) -> NoReturn:
+    """Raise the agreed error for ``failures`` (non-empty), with this rank's own exception, if one of its
+    steps raised, as the ``__cause__``; in a group of one rank, under a policy that says so, that
+    exception itself."""
+    if local is not None and errors.reraise_alone and group_size(group) == 1:
+        raise local
+    error = errors.error(failures, group)
+    if local is not None:
+        raise error from local
+    raise error
+
+
+def _raise_alone(errors: ErrorPolicy, local: Exception, group: dist.ProcessGroup | None) -> NoReturn:
+    """A group of one rank whose step raised ``local``: raise without exchanging anything (and without
+    recording it under a policy that raises it as it is)."""
+    if errors.reraise_alone:
+        raise local
+    _raise(errors, {0: errors.record(local)}, local, group)
+
+
+def _failures(outcomes: list[Any]) -> dict[int, Failure]:
+    return {rank: o for rank, o in enumerate(outcomes) if isinstance(o, Failure)}
+
+
+def gather_agreed(group: dist.ProcessGroup | None, step: Callable[[], T], *,
+                  errors: ErrorPolicy = LOWEST_FAILING_RANK) -> list[T]:
     """``step()`` on every rank; every rank's result, in rank order, if it succeeded on every rank.
 
-    If it raised an ``Exception`` on any rank, every rank raises the error of the lowest failing rank,
-    same type and message (naming that rank when the group has more than one). Collective; results
-    must be picklable."""
+    If it raised an ``Exception`` on any rank, every rank raises the error that ``errors`` builds from
+    the failures by rank (by default the lowest failing rank's, same type and message, naming that rank
+    when the group has more than one: :class:`LowestFailingRank`), a failing rank with its own exception
+    as the cause. Collective over ``group``: one all-gather of the outcomes (none for one rank, where
+    nothing is pickled); results must be picklable."""
     local: Exception | None = None
+    outcome: Any = None
     try:
-        outcome: Any = step()
+        outcome = step()
     except Exception as exc:  # every failure is shared, whatever its type
-        local, outcome = exc, _failure(exc)
-    world = group_size(group)
-    if world == 1:
+        local = exc
+    if group_size(group) == 1:
         if local is not None:
-            raise local
+            _raise_alone(errors, local, group)
         return [outcome]
-    outcomes = all_gather_objects(outcome, group)
-    _raise_agreed(outcomes, local, world)
+    outcomes = all_gather_objects(outcome if local is None else errors.record(local), group)
+    if failures := _failures(outcomes):
+        _raise(errors, failures, local, group)
     return outcomes
 
 
-def agree(group: dist.ProcessGroup | None, step: Callable[[], T]) -> T:
+def agree(group: dist.ProcessGroup | None, step: Callable[[], T], *, errors: ErrorPolicy = LOWEST_FAILING_RANK) -> T:
     """``step()`` on every rank; its local result if it succeeded on every rank, else every rank raises
-    the same error (see :func:`gather_agreed`). Only the outcome travels, not the result. Collective."""
+    the agreed error (as :func:`gather_agreed`). Only the outcome travels (``None`` or a
+    :class:`Failure`), not the result. Collective over ``group``: one all-gather (none for one rank)."""
     local: Exception | None = None
     result: Any = None
     try:
         result = step()
     except Exception as exc:  # every failure is shared, whatever its type
         local = exc
-    world = group_size(group)
-    if world == 1:
+    if group_size(group) == 1:
         if local is not None:
-            raise local
+            _raise_alone(errors, local, group)
         return cast(T, result)
-    outcomes = all_gather_objects(None if local is None else _failure(local), group)
-    _raise_agreed(outcomes, local, world)
+    outcomes = all_gather_objects(None if local is None else errors.record(local), group)
+    if failures := _failures(outcomes):
+        _raise(errors, failures, local, group)
     return cast(T, result)
 
 
-def broadcast_from_coordinator(group: dist.ProcessGroup | None, step: Callable[[], T]) -> T:
+def _broadcast_outcome(group: dist.ProcessGroup | None, outcome: Any, local: Exception | None,
+                       errors: ErrorPolicy) -> Any:
+    """Send the coordinator's ``outcome`` (a value, or :class:`_Failed`) to every rank of ``group`` (of
+    more than one rank) and return it there, or raise the agreed error it carries."""
+    box: list[Any] = [outcome]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    if isinstance(box[0], _Failed):
+        _raise(errors, box[0].failures, local, group)
+    return box[0]
+
+
+def broadcast_from_coordinator(group: dist.ProcessGroup | None, step: Callable[[], T], *,
+                               errors: ErrorPolicy = LOWEST_FAILING_RANK) -> T:
     """``step()`` on the coordinator only; its picklable result on every rank. If it raised there,
-    every rank raises that error (same type and message). Collective."""
-    if group_size(group) == 1:
-        return step()
+    every rank raises the agreed error (by default that error, same type and message, naming the
+    coordinator as rank 0), the coordinator with its own exception as the cause. Collective over
+    ``group``: one broadcast from the coordinator (none for one rank)."""
     local: Exception | None = None
-    box: list[Any] = [None]
+    outcome: Any = None
     if is_coordinator(group):
         try:
-            box[0] = step()
+            outcome = step()
         except Exception as exc:  # every failure is shared, whatever its type
-            local, box[0] = exc, _failure(exc)
-    dist.broadcast_object_list(box, group=group, group_src=0)
-    _raise_agreed([box[0]], local, group_size(group))
-    return cast(T, box[0])
+            local = exc
+    if group_size(group) == 1:
+        if local is not None:
+            _raise_alone(errors, local, group)
+        return cast(T, outcome)
+    if local is not None:
+        outcome = _Failed({0: errors.record(local)})
+    return cast(T, _broadcast_outcome(group, outcome, local, errors))
+
+
+def _gather_and_decide(group: dist.ProcessGroup | None, local_step: Callable[[], T],
+                       decide: Callable[[list[T]], R], errors: ErrorPolicy) -> tuple[Any, Exception | None]:
+    """``local_step()`` on every rank, the outcomes gathered to the coordinator (rank order); there,
+    unless a rank failed, ``decide`` of the results. Returns this rank's exception, if any of its steps
+    raised, and on the coordinator the decision or :class:`_Failed` (on the other ranks ``None``)."""
+    local: Exception | None = None
+    outcome: Any = None
+    try:
+        outcome = local_step()
+    except Exception as exc:  # every failure is shared, whatever its type
+        local, outcome = exc, errors.record(exc)
+    world = group_size(group)
+    coordinator = is_coordinator(group)
+    if world > 1:
+        gathered: list[Any] = [None] * world if coordinator else []
+        dist.gather_object(outcome, gathered if coordinator else None, group=group, group_dst=0)
+    else:  # nothing pickled for one rank
+        gathered = [outcome]
+    if not coordinator:
+        return None, local
+    if failures := _failures(gathered):
+        return _Failed(failures), local
+    try:
+        return decide(gathered), local
+    except Exception as exc:  # every failure is shared, whatever its type
+        return _Failed({0: errors.record(exc)}), exc
+
+
+def gather_decide_scatter(group: dist.ProcessGroup | None, local_step: Callable[[], T],
+                          decide: Callable[[list[T]], list[R]], *, errors: ErrorPolicy = LOWEST_FAILING_RANK) -> R:
+    """``local_step()`` on every rank; ``decide`` on the coordinator with every rank's result (rank
+    order), returning one value per rank; each rank returns its value. If either step raised anywhere
+    (``decide`` runs only if no local step raised), every rank raises the agreed error (as
+    :func:`gather_agreed`; ``decide``'s failure is the coordinator's). Collective over ``group``: a
+    gather to the coordinator, then a scatter from it (neither for one rank, where nothing is pickled)."""
+    decision, local = _gather_and_decide(group, local_step, decide, errors)
+    world = group_size(group)
+    outgoing: list[Any] = []
+    if is_coordinator(group):
+        outgoing = [decision] * world if isinstance(decision, _Failed) else list(decision)
+    if world > 1:
+        received: list[Any] = [None]
+        dist.scatter_object_list(received, outgoing if is_coordinator(group) else None, group=group, group_src=0)
+        mine = received[0]
+    else:
+        mine = outgoing[0]
+    if isinstance(mine, _Failed):
+        _raise(errors, mine.failures, local, group)
+    return cast(R, mine)
+
+
+def gather_decide_broadcast(group: dist.ProcessGroup | None, local_step: Callable[[], T],
+                            decide: Callable[[list[T]], R], *, errors: ErrorPolicy = LOWEST_FAILING_RANK) -> R:
+    """``local_step()`` on every rank; ``decide`` on the coordinator with every rank's result (rank
+    order); every rank returns its value. Failures as in :func:`gather_decide_scatter`. Collective over
+    ``group``: a gather to the coordinator, then a broadcast from it (neither for one rank)."""
+    decision, local = _gather_and_decide(group, local_step, decide, errors)
+    if group_size(group) == 1:
+        if isinstance(decision, _Failed):
+            _raise(errors, decision.failures, local, group)
+        return cast(R, decision)
+    return cast(R, _broadcast_outcome(group, decision, local, errors))

@@ -13,7 +13,7 @@ One job per module:
 - :mod:`~reference.checkpoint.storage`      the directory layout (DCP StorageWriter/StorageReader)
 - :mod:`~reference.checkpoint.records`      one value in a data file: write, parse, read in place
 - :mod:`~reference.checkpoint.metadata_io`  the ``.metadata`` pickle, read with an allow-list
-- :mod:`~reference.checkpoint.collective`   every collective call, with cross-rank error agreement
+- :mod:`~reference.checkpoint.collective`   the steps' collectives: :mod:`reference.comm` with the checkpoint's error policy
 - :mod:`~reference.checkpoint.errors`       exceptions (all ``Exception`` subclasses)
 
 Typical meta-device load (PyTorch PR #113319's flow, no ``to_empty`` needed)::

@@ -56,9 +56,9 @@ def test_failure_of_an_unpicklable_exception_type_travels_as_runtime_error() -> 
     class Inner(Exception):
         pass
 
-    failure = comm._failure(Inner("bad"))
-    assert failure == comm._Failure(RuntimeError, "Inner: bad"), failure
-    assert comm._failure(ValueError("bad")) == comm._Failure(ValueError, "bad")
+    failure = comm.LOWEST_FAILING_RANK.record(Inner("bad"))
+    assert failure == comm.Failure(RuntimeError, "Inner: bad"), failure
+    assert comm.LOWEST_FAILING_RANK.record(ValueError("bad")) == comm.Failure(ValueError, "bad")
 
 
 # -- every collective path of the reference, one rank's input bad ---------------------------------------

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.layout_rules import ROOT, find_cycle, import_graph, modules_of
+
 PACKAGE = ROOT / "reference"
 
 #: nn.Module internals with no public equivalent, each used where a comment says why.
@@ -21,73 +22,16 @@ TORCH_PRIVATE_ATTRIBUTES = {
 }
 #: Private names that are part of the public API on purpose.
 PUBLIC_PRIVATE_NAMES = {"_OptimStateKey"}  # mirrors torch's private class name (SPEC OS)
-#: Packages checked for import cycles with the rest, but not for private access.
-PRIVATE_ACCESS_EXEMPT = ("reference.checkpoint",)
 
 
 def _modules() -> dict[str, Path]:
-    out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        out[name] = path
-    return out
-
-
-def _imports(module: str, path: Path, known: set[str]) -> set[str]:
-    """The modules of ``reference`` that ``module`` imports, at any depth of its code."""
-    out: set[str] = set()
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name in known)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-            for alias in node.names:
-                candidate = f"{base}.{alias.name}"
-                if candidate in known:
-                    out.add(candidate)
-                elif base in known:
-                    out.add(base)
-    out.discard(module)
-    return out
-
-
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}  # 1: on the stack, 2: done
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
-            if nxt not in state and (found := visit(nxt)):
-                return found
-        stack.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (found := visit(node)):
-            return found
-    return None
-
-
-def test_cycle_finder_finds_a_cycle() -> None:
-    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert _cycle({"a": {"b"}, "b": set()}) is None
+    return modules_of("reference")
 
 
 def test_no_import_cycles() -> None:
-    modules = _modules()
-    graph = {name: _imports(name, path, set(modules)) for name, path in modules.items()}
     # A package's __init__ re-exports its submodules; a submodule importing its own package back would
-    # be a cycle through the __init__, and is one here.
-    cycle = _cycle(graph)
+    # be a cycle through the __init__, and is one here. (The finder's self-test: tests/test_layout.py.)
+    cycle = find_cycle(import_graph(_modules()))
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
@@ -108,7 +52,7 @@ def _defined_private_names(tree: ast.AST) -> set[str]:
     return {n for n in out if n.startswith("_") and not n.startswith("__")}
 
 
-@pytest.mark.parametrize("module", [m for m in _modules() if not m.startswith(PRIVATE_ACCESS_EXEMPT)])
+@pytest.mark.parametrize("module", list(_modules()))
 def test_no_module_reads_another_modules_private_names(module: str) -> None:
     """No ``from reference.x import _name`` and no ``obj._name`` for a ``_name`` this module does not
     define itself (besides the nn.Module internals listed above)."""
