@@ -1,4 +1,4 @@
-"""Generated cases (conformance/generated.py): hypothesis-drawn models and their state, every capability.
+"""Generated cases (conformance/generated/): hypothesis-drawn models and their state, every capability.
 
 Each test draws a :class:`~conformance.generated.Case` (a model tree with ties, frozen leaves and
 buffers of every edge dtype; an optimizer with its param groups and order on both sides; shardings)

@@ -1,6 +1,7 @@
 """The layout of ``reference/`` (README's module table and ``reference/__init__.py``'s index): imports
 go one way, and no module reads another module's private names. Checked on the source (AST), with
-function-local and ``TYPE_CHECKING`` imports counted like module-level ones."""
+function-local and ``TYPE_CHECKING`` imports counted like module-level ones. The suite's package of
+generated cases (``conformance/generated/``) keeps the same two rules."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "reference"
+#: Other packages held to the same rules (no import cycles, no private names read across modules).
+OTHER_PACKAGES = ("conformance.generated",)
 
 #: nn.Module internals with no public equivalent, each used where a comment says why.
 TORCH_PRIVATE_ATTRIBUTES = {
@@ -26,9 +29,9 @@ PUBLIC_PRIVATE_NAMES = {"_OptimStateKey"}  # mirrors torch's private class name 
 PRIVATE_ACCESS_EXEMPT = ("reference.checkpoint",)
 
 
-def _modules() -> dict[str, Path]:
+def _modules(package: str = "reference") -> dict[str, Path]:
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(ROOT.joinpath(*package.split(".")).rglob("*.py")):
         parts = path.relative_to(ROOT).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = path
@@ -36,7 +39,7 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(module: str, path: Path, known: set[str]) -> set[str]:
-    """The modules of ``reference`` that ``module`` imports, at any depth of its code."""
+    """The modules of ``known`` (one package's) that ``module`` imports, at any depth of its code."""
     out: set[str] = set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
@@ -83,12 +86,23 @@ def test_cycle_finder_finds_a_cycle() -> None:
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_no_import_cycles() -> None:
-    modules = _modules()
+def _import_cycle(package: str) -> list[str] | None:
+    modules = _modules(package)
     graph = {name: _imports(name, path, set(modules)) for name, path in modules.items()}
     # A package's __init__ re-exports its submodules; a submodule importing its own package back would
     # be a cycle through the __init__, and is one here.
-    cycle = _cycle(graph)
+    return _cycle(graph)
+
+
+def test_no_import_cycles() -> None:
+    cycle = _import_cycle("reference")
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("package", OTHER_PACKAGES)
+def test_no_import_cycles_in_other_packages(package: str) -> None:
+    assert len(_modules(package)) > 1, f"{package}: no modules found"
+    cycle = _import_cycle(package)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
@@ -109,20 +123,35 @@ def _defined_private_names(tree: ast.AST) -> set[str]:
     return {n for n in out if n.startswith("_") and not n.startswith("__")}
 
 
-@pytest.mark.parametrize("module", [m for m in _modules() if not m.startswith(PRIVATE_ACCESS_EXEMPT)])
-def test_no_module_reads_another_modules_private_names(module: str) -> None:
-    """No ``from reference.x import _name`` and no ``obj._name`` for a ``_name`` this module does not
+def _private_reads(package: str, module: str) -> list[str]:
+    """``from <package>.x import _name`` and ``obj._name`` for a ``_name`` that ``module`` does not
     define itself (besides the nn.Module internals listed above)."""
-    tree = ast.parse(_modules()[module].read_text())
+    tree = ast.parse(_modules(package)[module].read_text())
     own = _defined_private_names(tree)
     bad = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("reference"):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package):
             bad += [f"line {node.lineno}: imports {a.name} from {node.module}" for a in node.names
                     if a.name.startswith("_") and a.name not in PUBLIC_PRIVATE_NAMES]
         elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             if node.attr not in own and node.attr not in TORCH_PRIVATE_ATTRIBUTES:
                 bad.append(f"line {node.lineno}: reads .{node.attr}")
+    return bad
+
+
+@pytest.mark.parametrize("module", [m for m in _modules() if not m.startswith(PRIVATE_ACCESS_EXEMPT)])
+def test_no_module_reads_another_modules_private_names(module: str) -> None:
+    """No ``from reference.x import _name`` and no ``obj._name`` for a ``_name`` this module does not
+    define itself (besides the nn.Module internals listed above)."""
+    bad = _private_reads("reference", module)
+    assert not bad, f"{module}: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("module", [m for package in OTHER_PACKAGES for m in _modules(package)])
+def test_no_module_of_other_packages_reads_private_names(module: str) -> None:
+    """The same rule for the modules of :data:`OTHER_PACKAGES`: shared helpers have public names."""
+    package = next(p for p in OTHER_PACKAGES if module == p or module.startswith(p + "."))
+    bad = _private_reads(package, module)
     assert not bad, f"{module}: " + "; ".join(bad)
 
 
