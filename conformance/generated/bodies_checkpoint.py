@@ -12,7 +12,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from conformance.adapters.sharding import ShardingPlan
+from conformance.adapters.base import Adapter
+from conformance.adapters.checkpoint import CheckpointOps
+from conformance.adapters.sharding import ShardingOps, ShardingPlan
 from conformance.fqn import canonical_fqn
 from conformance.generated.builders import build, make_optimizer
 from conformance.generated.execution import in_one_thread, rank_slice
@@ -32,6 +34,7 @@ from conformance.generated.oracles import (
     warm_target,
 )
 from conformance.generated.specs import Case, OptimPlan
+from conformance.harness.context import RankContext
 
 __all__ = ["checkpoint_save", "checkpoint_load"]
 
@@ -39,14 +42,14 @@ __all__ = ["checkpoint_save", "checkpoint_load"]
 class CheckpointRun(NamedTuple):
     """A model the adapter sharded (one unit, its own way), its optimizer, and the checkpoint ops."""
 
-    ops: Any
+    ops: CheckpointOps
     model: nn.Module
     optim: torch.optim.Optimizer
 
 
-def _ml_run(ctx: Any, impl: Any, case: Case, seed: int, plan: OptimPlan, *, perturb: bool) -> CheckpointRun:
-    ops = impl.require("checkpoint")
-    sharder = impl.require("sharding")
+def _ml_run(ctx: RankContext, impl: Adapter, case: Case, seed: int, plan: OptimPlan, *, perturb: bool) -> CheckpointRun:
+    ops: CheckpointOps = impl.require("checkpoint")
+    sharder: ShardingOps = impl.require("sharding")
     model = sharder.shard(build(case.model, seed, ctx.device), ShardingPlan(use_orig_params=True, device=ctx.device, mesh=ctx.mesh()))
     optim = make_optimizer(case.optimizer, plan, [((canonical_fqn(n),), p) for n, p in model.named_parameters()], perturb=perturb)
     return CheckpointRun(ops, model, optim)
@@ -58,7 +61,7 @@ def _state_dicts(run: CheckpointRun) -> TrainingState:
 
 
 @in_one_thread
-def checkpoint_save(ctx: Any, impl: Any, case: Case, path: str) -> TrainingState | None:
+def checkpoint_save(ctx: RankContext, impl: Adapter, case: Case, path: str) -> TrainingState | None:
     """Train the sharded source next to the oracle, save its sharded model and optimizer state dicts to
     ``path``; return their full values (CPU) from rank 0 (None from the other ranks)."""
     run = _ml_run(ctx, impl, case, 0, case.source, perturb=False)
@@ -78,7 +81,7 @@ def checkpoint_save(ctx: Any, impl: Any, case: Case, path: str) -> TrainingState
 
 
 @in_one_thread
-def checkpoint_load(ctx: Any, impl: Any, case: Case, path: str, saved: tuple[dict[str, Any], dict[str, Any]]) -> None:
+def checkpoint_load(ctx: RankContext, impl: Adapter, case: Case, path: str, saved: tuple[dict[str, Any], dict[str, Any]]) -> None:
     """Load the checkpoint at ``path`` into a sharded target of another seed (its optimizer in another
     order, hyperparameters perturbed, state of its own); every value equals the saved one bitwise;
     after ``case.more_steps`` more steps it matches the oracle that never stopped (ML-1, ML-8)."""

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from conformance.adapters.flat_param import FlatParamOps
 from conformance.fqn import canonical_fqn
 from conformance.generated.builders import build, make_optimizer
 from conformance.generated.execution import in_one_thread
@@ -43,7 +44,7 @@ def _parent(path: str) -> tuple[str, str]:
 
 
 def wrap_flat(
-    ops: Any, spec: ModelSpec, model: nn.Module, lists: Sequence[tuple[str, Sequence[str]]]
+    ops: FlatParamOps, spec: ModelSpec, model: nn.Module, lists: Sequence[tuple[str, Sequence[str]]]
 ) -> tuple[nn.Module, list[tuple[str, nn.Module]]]:
     """Wrap ``model`` at each path of ``lists`` (innermost first) flattening the listed key FQNs, in
     that order. Returns the model (the root wrapper when the root is wrapped) and (path, wrapper) pairs."""
@@ -62,7 +63,7 @@ def wrap_flat(
     return root, wrappers
 
 
-def flat_named_params(ops: Any, spec: ModelSpec, model: nn.Module, wrappers: Sequence[tuple[str, nn.Module]]) -> NamedParams:
+def flat_named_params(ops: FlatParamOps, spec: ModelSpec, model: nn.Module, wrappers: Sequence[tuple[str, nn.Module]]) -> NamedParams:
     """Every parameter of the wrapped ``model`` with the key FQNs it stands for (a flat parameter: those
     of its parameters, in flat order)."""
     key_of = {e.fqn: e.key for e in spec.params()}
@@ -77,7 +78,7 @@ def flat_named_params(ops: Any, spec: ModelSpec, model: nn.Module, wrappers: Seq
     return out
 
 
-def flat_fqn_keyed(ops: Any, named: Sequence[tuple[tuple[str, ...], nn.Parameter]], optim: torch.optim.Optimizer, spec: ModelSpec) -> dict[str, Any]:
+def flat_fqn_keyed(ops: FlatParamOps, named: Sequence[tuple[tuple[str, ...], nn.Parameter]], optim: torch.optim.Optimizer, spec: ModelSpec) -> dict[str, Any]:
     """The wrapped model's optimizer state keyed by FQN: a flat parameter's positional state cut into
     its parameters' pieces (flat order, their shapes), its scalar state given to each."""
     shapes = {e.key: e.shape for e in spec.params()}
@@ -104,7 +105,7 @@ def flat_fqn_keyed(ops: Any, named: Sequence[tuple[tuple[str, ...], nn.Parameter
 
 
 @in_one_thread
-def flat_param_round_trip(ops: Any, case: Case) -> None:
+def flat_param_round_trip(ops: FlatParamOps, case: Case) -> None:
     """FP-8, FP-12, FP-13 (with FP-6, FP-9 on the way): the wrapped model trains like the unwrapped one
     and shows its state dict, bitwise; its state dict loads (strict) into a model of another seed
     wrapped with another ``param_list`` order, and the optimizer state into that model's optimizer;

@@ -13,8 +13,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from conformance.adapters.base import Unsupported
-from conformance.adapters.sharding import ShardingPlan
+from conformance.adapters.base import Adapter, Unsupported
+from conformance.adapters.optim_state import OptimStateOps
+from conformance.adapters.sharding import ShardingOps, ShardingPlan
 from conformance.fqn import canonical_fqn
 from conformance.generated.builders import build, make_optimizer
 from conformance.generated.execution import Refused, in_one_thread, rank_slice
@@ -34,6 +35,7 @@ from conformance.generated.oracles import (
     warm_target,
 )
 from conformance.generated.specs import Case, OptimPlan, Sharding
+from conformance.harness.context import RankContext
 
 __all__ = ["SavedRun", "optim_state_save", "optim_state_load", "optim_state_both"]
 
@@ -41,7 +43,7 @@ __all__ = ["SavedRun", "optim_state_save", "optim_state_load", "optim_state_both
 class ShardedRun(NamedTuple):
     """A model the adapter sharded, its optimizer, and the adapter's ops for both."""
 
-    ops: Any
+    ops: OptimStateOps
     model: nn.Module
     optim: torch.optim.Optimizer
 
@@ -54,13 +56,13 @@ class SavedRun(NamedTuple):
     full_osd: dict[str, Any]
 
 
-def _os_run(ctx: Any, impl: Any, case: Case, sharding: Sharding, seed: int, plan: OptimPlan, *, perturb: bool) -> ShardedRun:
+def _os_run(ctx: RankContext, impl: Adapter, case: Case, sharding: Sharding, seed: int, plan: OptimPlan, *, perturb: bool) -> ShardedRun:
     """Model of ``seed`` sharded as ``sharding`` by the adapter, and its optimizer laid out by ``plan``."""
-    ops = impl.require("optim_state")
+    ops: OptimStateOps = impl.require("optim_state")
     model = build(case.model, seed, ctx.device)
     unit_ids = {id(model.get_submodule(path)) for path in sharding.units}
     sharding_plan = ShardingPlan(sharding.strategy, sharding.use_orig_params, units=lambda m: id(m) in unit_ids, device=ctx.device)
-    sharder = impl.require("sharding")
+    sharder: ShardingOps = impl.require("sharding")
     wrapped = sharder.shard(model, sharding_plan)
     optim = make_optimizer(case.optimizer, plan, [(tuple(canonical_fqn(f) for f in fqns), p) for fqns, p in ops.optimizer_params(wrapped)], perturb=perturb)
     return ShardedRun(ops, wrapped, optim)
@@ -71,7 +73,7 @@ def _full_state(run: ShardedRun) -> TrainingState:
     return TrainingState(to_cpu(run.ops.full_state_dict(run.model)), to_cpu(run.ops.optim_state_dict(run.model, run.optim)))
 
 
-def _save(ctx: Any, impl: Any, case: Case) -> SavedRun | Refused:
+def _save(ctx: RankContext, impl: Adapter, case: Case) -> SavedRun | Refused:
     assert case.save is not None
     try:
         run = _os_run(ctx, impl, case, case.save, 0, case.source, perturb=False)
@@ -89,7 +91,7 @@ def _save(ctx: Any, impl: Any, case: Case) -> SavedRun | Refused:
 
 
 @in_one_thread
-def optim_state_save(ctx: Any, impl: Any, case: Case) -> tuple[dict[str, Any], dict[str, Any]] | Refused:
+def optim_state_save(ctx: RankContext, impl: Adapter, case: Case) -> tuple[dict[str, Any], dict[str, Any]] | Refused:
     """Train the source sharded run ``case.steps`` steps next to the oracle; check it (OS-1, OS-3) and
     return the full model and optimizer state dicts (CPU, every rank)."""
     saved = _save(ctx, impl, case)
@@ -99,7 +101,7 @@ def optim_state_save(ctx: Any, impl: Any, case: Case) -> tuple[dict[str, Any], d
 
 
 @in_one_thread
-def optim_state_load(ctx: Any, impl: Any, case: Case, saved: tuple[dict[str, Any], dict[str, Any], dict[str, Any]]) -> Refused | None:
+def optim_state_load(ctx: RankContext, impl: Adapter, case: Case, saved: tuple[dict[str, Any], dict[str, Any], dict[str, Any]]) -> Refused | None:
     """Load what the source saved (full model state dict, full optimizer state dict, the optimizer
     state dict to load) into a target of another seed, sharded as ``case.load``, whose optimizer has
     the target plan and perturbed hyperparameters; check the load bitwise, continue
@@ -128,7 +130,7 @@ def optim_state_load(ctx: Any, impl: Any, case: Case, saved: tuple[dict[str, Any
 
 
 @in_one_thread
-def optim_state_both(ctx: Any, impl: Any, case: Case) -> Refused | None:
+def optim_state_both(ctx: RankContext, impl: Adapter, case: Case) -> Refused | None:
     """Save and load in one pool (the same world size); the sharded optimizer state dict is checked rank by
     rank against the full one (OS-5) and passed as is."""
     assert case.save is not None

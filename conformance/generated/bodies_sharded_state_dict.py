@@ -6,13 +6,13 @@ Rank bodies, run on every rank of a pool by ``pools.run(world_size, body, impl, 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
-from conformance.adapters.base import Unsupported
+from conformance.adapters.base import Adapter, Unsupported
 from conformance.adapters.sharding import ShardingPlan, child_units
+from conformance.adapters.state_dict import StateDictOps
 from conformance.fqn import canonical_fqn
 from conformance.generated.builders import build, make_optimizer
 from conformance.generated.execution import Refused, in_one_thread, rank_slice
@@ -34,6 +34,7 @@ from conformance.generated.oracles import (
     warm_target,
 )
 from conformance.generated.specs import Case, ModelSpec, Sharding
+from conformance.harness.context import RankContext
 
 __all__ = ["sd_named_params", "sharded_state_dict_round_trip"]
 
@@ -57,20 +58,20 @@ def sd_named_params(spec: ModelSpec, units: Sequence[str], model: nn.Module) -> 
     return out
 
 
-def _sd_shard(impl: Any, case: Case, sharding: Sharding, seed: int, device: torch.device) -> nn.Module:
+def _sd_shard(impl: Adapter, case: Case, sharding: Sharding, seed: int, device: torch.device) -> nn.Module:
     """The SD tests' sharding (see conformance.test_state_dict.sd_shard); Unsupported if the adapter lacks it."""
     model = build(case.model, seed, device)
     return impl.sharding().shard(model, ShardingPlan(strategy=sharding.strategy, units=child_units(model), device=device))
 
 
 @in_one_thread
-def sharded_state_dict_round_trip(ctx: Any, impl: Any, case: Case) -> Refused | None:
+def sharded_state_dict_round_trip(ctx: RankContext, impl: Adapter, case: Case) -> Refused | None:
     """SD-12/SD-13 (and SD-11 on sharded models): get_state_dict of a sharded model trained next to the
     unwrapped one equals it (within the tolerance of averaged gradients); set into a sharded model of
     another seed (optimizer reordered, perturbed, with state of its own) gives back the saved values
     bitwise; training on matches the run that never stopped."""
     assert case.save is not None and case.load is not None
-    ops: Any = impl.require("state_dict")
+    ops: StateDictOps = impl.require("state_dict")
     full = case.option("state dicts", "").startswith("full")
     options = ops.options(full_state_dict=full)
     full_options = ops.options(full_state_dict=True)

@@ -6,11 +6,11 @@ Run on the controller (no process group): a plain model's get and set need none.
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 from torch import nn
 
+from conformance.adapters.state_dict import StateDictOps
 from conformance.asserts import assert_same_state
 from conformance.generated.builders import build, make_optimizer, oracle_params
 from conformance.generated.execution import in_one_thread
@@ -46,7 +46,7 @@ def wrap_for_state_dict(model: nn.Module, how: str) -> nn.Module:
 
 
 @in_one_thread
-def state_dict_round_trip(ops: Any, case: Case) -> None:
+def state_dict_round_trip(ops: StateDictOps, case: Case) -> None:
     """SD-11 (with SD-1, SD-2 on the way): get from a model trained ``case.steps`` steps equals the
     unwrapped model's own state dicts; set into a model of another seed whose optimizer has other
     groups, another order and perturbed hyperparameters makes every get equal the saved one, bitwise;
