@@ -1,4 +1,4 @@
-"""Generated cases (conformance/generated.py): hypothesis-drawn models and their state, every capability.
+"""Generated cases (conformance/generated/): hypothesis-drawn models and their state, every capability.
 
 Each test draws a :class:`~conformance.generated.Case` (a model tree with ties, frozen leaves and
 buffers of every edge dtype; an optimizer with its param groups and order on both sides; shardings)
@@ -25,7 +25,11 @@ from hypothesis import strategies as st
 
 from conformance import generated as gen
 from conformance.adapters.sharding import ShardingPlan
+from conformance.harness.plugin import selected_world_sizes
 
+# The test functions' source and signatures are part of their derandomized draws (hypothesis seeds the
+# ci profile from a digest of them): an edit of a @given test's code or signature draws other cases.
+#
 # The pools and excluded_cases fixtures are function-scoped, which hypothesis warns about because they
 # are not reset between examples. They hold no per-example state (a handle on the session's rank pools,
 # each pools.run with a fresh tmp_dir; the test's exclusions, a tuple), so reusing them across examples
@@ -40,8 +44,9 @@ def _excluded(excluded_cases: Any, test: str) -> tuple[gen.CaseFamily, ...]:
 
 
 def _world_sizes(config: pytest.Config) -> list[int]:
-    """The selected ``--world-size`` values that split a generated global batch evenly."""
-    sizes = sorted({int(part) for part in str(config.getoption("--world-size")).split(",") if part.strip()})
+    """The selected world sizes (``--world-size``, as the harness parsed it) that split a generated
+    global batch evenly."""
+    sizes = selected_world_sizes(config)
     usable = gen.usable_world_sizes(sizes)
     if not usable:
         pytest.skip(f"no selected world size divides the generated global batch of {gen.GLOBAL_BATCH} rows: {sizes}")

@@ -30,7 +30,7 @@ from conformance.harness.requirements import load_spec
 from conformance.harness.worker import DIST_ARG
 from conformance.harness.xfails import XfailEntry, as_run_by, matches_at_any_world_size, parse_xfails
 
-__all__ = ["DistSpec", "Pools", "StaleXfailWarning", "suite_test_id"]
+__all__ = ["DistSpec", "Pools", "StaleXfailWarning", "selected_world_sizes", "suite_test_id"]
 
 # The torchrun mode (every rank of a launched job a pytest process): its hooks, and the three hooks
 # here that consult it (the manager, the default world sizes, the GPUs per rank).
@@ -93,7 +93,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--report-json", default=None, help="write each test's outcome, requirement IDs and axes to this JSON file")
 
 
-def _world_sizes(config: pytest.Config) -> list[int]:
+def selected_world_sizes(config: pytest.Config) -> list[int]:
+    """The world sizes ``--world-size`` selects (the default when it is not given), sorted, each once; a
+    usage error for anything but positive integers. Tests that pick their own world sizes read them here."""
     raw = config.getoption("--world-size")
     try:
         sizes = sorted({int(part) for part in str(raw).split(",") if part.strip()})
@@ -163,7 +165,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> list[str]:
     import torch
 
-    sizes = _world_sizes(config)
+    sizes = selected_world_sizes(config)
     backends = ", ".join(f"ws{ws}={_backend_for(config, ws)}" for ws in sizes)
     return [
         f"conformance: torch {torch.__version__}, cuda devices {_cuda_count()}",
@@ -232,7 +234,7 @@ def _parametrized_by_the_test(metafunc: pytest.Metafunc, name: str) -> bool:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     config = metafunc.config
-    sizes = _world_sizes(config)
+    sizes = selected_world_sizes(config)
     if "dist" in metafunc.fixturenames and not _parametrized_by_the_test(metafunc, "dist"):
         allowed, need = _allowed_sizes(metafunc, sizes)
         if allowed:
@@ -939,7 +941,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
         payload = {
             "torch": torch.__version__,
-            "world_sizes": _world_sizes(config),
+            "world_sizes": selected_world_sizes(config),
             "backend": config.getoption("--backend"),
             "impls": [load_adapter(s).name for s in _impl_specs(config)],
             "spec": load_spec(),

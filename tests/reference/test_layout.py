@@ -1,6 +1,8 @@
 """The layout of ``reference/`` (docs/design.md's package table and ``reference/__init__.py``'s index): imports
 go one way, and no module reads another module's private names. Checked on the source (AST), with
-function-local and ``TYPE_CHECKING`` imports counted like module-level ones."""
+function-local and ``TYPE_CHECKING`` imports counted like module-level ones. The suite's package of
+generated cases (``conformance/generated/``) keeps the same private-name rule; import cycles of every
+package are checked by ``tests/test_layout.py``."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import pytest
 from tests.layout_rules import ROOT, find_cycle, import_graph, modules_of
 
 PACKAGE = ROOT / "reference"
+#: Other packages held to the private-name rule (no private names read across their modules).
+OTHER_PACKAGES = ("conformance.generated",)
 
 #: nn.Module internals with no public equivalent, each used where a comment says why.
 TORCH_PRIVATE_ATTRIBUTES = {
@@ -26,6 +30,16 @@ PUBLIC_PRIVATE_NAMES = {"_OptimStateKey"}  # mirrors torch's private class name 
 
 def _modules() -> dict[str, Path]:
     return modules_of("reference")
+
+
+def _other_modules() -> dict[str, tuple[str, Path]]:
+    """Module -> (its package among OTHER_PACKAGES, its file)."""
+    out = {}
+    for package in OTHER_PACKAGES:
+        for name, path in modules_of(package.split(".")[0]).items():
+            if name == package or name.startswith(package + "."):
+                out[name] = (package, path)
+    return out
 
 
 def test_no_import_cycles() -> None:
@@ -52,20 +66,35 @@ def _defined_private_names(tree: ast.AST) -> set[str]:
     return {n for n in out if n.startswith("_") and not n.startswith("__")}
 
 
-@pytest.mark.parametrize("module", list(_modules()))
-def test_no_module_reads_another_modules_private_names(module: str) -> None:
-    """No ``from reference.x import _name`` and no ``obj._name`` for a ``_name`` this module does not
-    define itself (besides the nn.Module internals listed above)."""
-    tree = ast.parse(_modules()[module].read_text())
+def _private_reads(package: str, path: Path) -> list[str]:
+    """``from <package>.x import _name`` and ``obj._name`` for a ``_name`` that the module at ``path``
+    does not define itself (besides the nn.Module internals listed above)."""
+    tree = ast.parse(path.read_text())
     own = _defined_private_names(tree)
     bad = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("reference"):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package):
             bad += [f"line {node.lineno}: imports {a.name} from {node.module}" for a in node.names
                     if a.name.startswith("_") and a.name not in PUBLIC_PRIVATE_NAMES]
         elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             if node.attr not in own and node.attr not in TORCH_PRIVATE_ATTRIBUTES:
                 bad.append(f"line {node.lineno}: reads .{node.attr}")
+    return bad
+
+
+@pytest.mark.parametrize("module", list(_modules()))
+def test_no_module_reads_another_modules_private_names(module: str) -> None:
+    """No ``from reference.x import _name`` and no ``obj._name`` for a ``_name`` this module does not
+    define itself (besides the nn.Module internals listed above)."""
+    bad = _private_reads("reference", _modules()[module])
+    assert not bad, f"{module}: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("module", list(_other_modules()))
+def test_no_module_of_other_packages_reads_private_names(module: str) -> None:
+    """The same rule for the modules of :data:`OTHER_PACKAGES`: shared helpers have public names."""
+    package, path = _other_modules()[module]
+    bad = _private_reads(package, path)
     assert not bad, f"{module}: " + "; ".join(bad)
 
 
