@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import pytest
 import torch
@@ -775,7 +775,9 @@ def _tp_model(dist: Any, seed: int, device: str | torch.device) -> nn.Module:
 def _fsdp2_model(dist: Any, name: str, seed: int, device: str | torch.device) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    return fully_shard(_zoo_model(dist, name, seed, device), mesh=dist.mesh())
+    model = _zoo_model(dist, name, seed, device)
+    fully_shard(model, mesh=dist.mesh())  # shards in place (and returns ``model``, typed as an FSDPModule)
+    return model
 
 
 def _saved_model_state(model: nn.Module) -> _State:
@@ -838,7 +840,7 @@ def test_meta_load_keeps_tied_storage_shared(dist, impl) -> None:
         fail("tied values shared a storage on meta but not after loading", f"{hex(embed)} and {hex(head)}", "one storage",
              "embed.weight, head.weight")
     meta_model.load_state_dict(sd, assign=True)
-    meta_model.head.weight = meta_model.embed.weight  # assign=True makes one Parameter per key: re-tie
+    meta_model.get_submodule("head").weight = meta_model.get_parameter("embed.weight")  # assign=True makes one Parameter per key: re-tie
     inputs = models.batch("tied", seed=1, device=dist.device)
     assert_bitwise_equal(meta_model(inputs).detach(), model(inputs).detach(), what="output of the re-tied model")
 
@@ -974,8 +976,13 @@ def test_reshard_tensor_parallel_model(pools, world_size_pair, impl, reference_i
 
 
 _TRAIN_STEPS = 2
+class _Tolerance(TypedDict):
+    atol: float
+    rtol: float
+
+
 #: Training on N ranks sums gradients in another order than one process: compare within this.
-_TRAINING_TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
+_TRAINING_TOLERANCE: _Tolerance = {"atol": 1e-5, "rtol": 1e-5}
 
 
 def _optimizer(model: nn.Module, *, reverse: bool = False) -> torch.optim.Optimizer:

@@ -106,7 +106,9 @@ def wrap(model: nn.Module, how: str) -> nn.Module:
         for name, child in list(model.named_children()):
             setattr(model, name, checkpoint_wrapper(child))
     if "compile" in parts:
-        model = torch.compile(model)  # compiles lazily, on the first forward: the tests never run one
+        compiled = torch.compile(model)  # compiles lazily, on the first forward: the tests never run one
+        assert isinstance(compiled, nn.Module)  # an OptimizedModule; torch.compile's stubs say a callable
+        model = compiled
     if "ddp" in parts:
         model = nn.parallel.DistributedDataParallel(model)
     return model
@@ -226,6 +228,7 @@ def _localized(got: Any, expected: Any) -> tuple[Any, Any]:
         if tuple(got.shape) != tuple(expected.shape):
             fail("DTensor: global shape differs", tuple(got.shape), tuple(expected.shape))
         coordinate = got.device_mesh.get_coordinate()
+        assert coordinate is not None, "a DTensor of a mesh this rank is not in"
         piece, _ = expected_local_chunk(expected, got.placements, tuple(got.device_mesh.shape), tuple(coordinate))
         return got.to_local(), piece
     if isinstance(got, Mapping) and isinstance(expected, Mapping):
@@ -233,8 +236,8 @@ def _localized(got: Any, expected: Any) -> tuple[Any, Any]:
         return ({k: pairs[k][0] if k in pairs else v for k, v in got.items()},
                 {k: pairs[k][1] if k in pairs else v for k, v in expected.items()})
     if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)) and len(got) == len(expected):
-        pairs = [_localized(g, e) for g, e in zip(got, expected)]
-        return type(got)(p[0] for p in pairs), type(expected)(p[1] for p in pairs)
+        elementwise = [_localized(g, e) for g, e in zip(got, expected)]
+        return type(got)(p[0] for p in elementwise), type(expected)(p[1] for p in elementwise)
     return got, expected
 
 
@@ -671,6 +674,13 @@ class ErrorCase:
     needle: str | None = None
     strict: bool = True
 
+    @property
+    def fqn(self) -> str:
+        """``key``, for a kind whose fault sits at one key (``ValueError`` for a case without one)."""
+        if self.key is None:
+            raise ValueError(f"error case {self.kind!r} for {self.model!r} names no key")
+        return self.key
+
 
 #: The marks of the requirements a parametrization checks, spelled out: tests/test_spec_coverage.py reads
 #: the IDs from the source.
@@ -716,11 +726,11 @@ def break_input(case: ErrorCase, model_sd: dict[str, Any], optim_sd: dict[str, A
     """``(model_sd, optim_sd)`` with ``case``'s fault (copies; the inputs stay as they are)."""
     model_sd, optim_sd = dict(model_sd), {"state": dict(optim_sd["state"]), "param_groups": optim_sd["param_groups"]}
     if case.kind == "missing":
-        del model_sd[case.key]
+        del model_sd[case.fqn]
     elif case.kind in ("unexpected", "non-persistent"):
-        model_sd[case.key] = torch.zeros(3, device=next(iter(model_sd.values())).device)
+        model_sd[case.fqn] = torch.zeros(3, device=next(iter(model_sd.values())).device)
     elif case.kind.startswith("shape"):
-        model_sd[case.key] = _wrong_shape_like(model_sd[case.key])
+        model_sd[case.fqn] = _wrong_shape_like(model_sd[case.fqn])
     elif case.kind == "empty":
         model_sd = {}
     elif case.kind == "optim-missing":
@@ -778,7 +788,7 @@ def check_error(case: ErrorCase, exc: BaseException | None, model_sd: Mapping[st
     if case.kind == "empty" and not any(_names(message, k) for k in expected_keys):
         fail("empty: the message names no entry of the model", message, f"one of {expected_keys}", where)
     if case.kind.startswith("shape"):
-        shape = tuple(model_sd[case.key].shape)
+        shape = tuple(model_sd[case.fqn].shape)
         assert_names_shapes(message, (*shape[:-1], shape[-1] + 1), shape)
 
 
@@ -887,7 +897,7 @@ def test_empty_get_is_not_an_error(impl: Any, case: str) -> None:
     model = zoo.build("mlp")
     with recording_deprecations(ops) if case == "stateless-submodule" else contextlib.nullcontext():
         if case == "stateless-submodule":
-            got = ops.get_model_state_dict(model, submodules={model.net[1]})  # a ReLU
+            got = ops.get_model_state_dict(model, submodules={model.get_submodule("net.1")})  # a ReLU
         elif case == "all-frozen":
             model.requires_grad_(False)
             got = ops.get_model_state_dict(model, options=ops.options(ignore_frozen_params=True))

@@ -29,6 +29,7 @@ from conformance.asserts import (
     raised,
     snapshot,
 )
+from conformance.harness.failures import PropertiesFailed
 from conformance.values import EDGE_DTYPES, different_like, edge_tensors, edge_values, perturb_hyperparameters
 
 Failed = pytest.fail.Exception
@@ -388,8 +389,9 @@ def test_different_like_differs_in_every_element() -> None:
 
 def test_perturb_hyperparameters_changes_every_one() -> None:
     params = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))]
+    groups: list[dict[str, Any]] = [{"params": params[:1]}, {"params": params[1:], "lr": 0.5}]
     for optim in (
-        torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "lr": 0.5}]),
+        torch.optim.AdamW(groups),
         torch.optim.SGD(params, lr=0.1, momentum=0.9),
     ):
         before = [dict(g) for g in optim.param_groups]
@@ -409,7 +411,7 @@ def test_check_each_runs_every_check_and_fails_with_one_part_per_property() -> N
         ran.append("b")
         raise KeyError("w")
 
-    with pytest.raises(pytest.fail.Exception) as info:
+    with pytest.raises(PropertiesFailed) as info:
         check_each(a=lambda: fail("a broke", 1, 2), b=broken, c=lambda: ran.append("c"))
     assert ran == ["b", "c"]
     assert info.value.parts == ["[a] a broke\n  got:      1\n  expected: 2", "[b] KeyError: 'w'"]

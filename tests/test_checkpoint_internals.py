@@ -9,10 +9,13 @@ import io
 import itertools
 import pickle
 import zipfile
+from typing import Any
 
 import pytest
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict as dcp_flatten  # the oracle
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
 
 from reference.checkpoint import CheckpointFormatError, StateDictError, load, save
 from reference.checkpoint.flatten import flatten_state_dict, set_value
@@ -83,13 +86,16 @@ def test_overlaps_of_uneven_row_shards() -> None:
 )
 def test_check_tiling(chunks: list[Chunk], problem: str | None) -> None:
     result = check_tiling("k", (5,), chunks)
-    assert result is None if problem is None else (problem in result and "'k'" in result)
+    if problem is None:
+        assert result is None
+    else:
+        assert result is not None and problem in result and "'k'" in result
 
 
 # -- planners, with plans as values --------------------------------------------------------------
 
 
-def _local_plan(sd: dict) -> object:
+def _local_plan(sd: dict) -> SavePlan:
     planner = ReferenceSavePlanner()
     planner.set_up_planner(sd)
     return planner.create_local_plan()
@@ -119,7 +125,7 @@ def test_meta_tensors_cannot_be_saved() -> None:
         ReferenceSavePlanner().set_up_planner({"w": torch.empty(2, device="meta")})
 
 
-def _metadata(sd: dict) -> object:
+def _metadata(sd: dict) -> Metadata:
     _, metadata = ReferenceSavePlanner().create_global_plan([_local_plan(sd)])
     return metadata
 
@@ -264,7 +270,7 @@ def test_top_level_values_are_replaced_in_the_callers_dict(tmp_path) -> None:
     from reference import checkpoint
 
     checkpoint.save({"counter": _Counter(2), "w": torch.ones(2), "name": "x"}, checkpoint_id=tmp_path)
-    sd = {"counter": _Counter(0), "w": torch.empty(2, device="meta"), "name": ""}
+    sd: dict[str, Any] = {"counter": _Counter(0), "w": torch.empty(2, device="meta"), "name": ""}
     checkpoint.load(sd, checkpoint_id=tmp_path)
     assert sd["w"].device.type == "cpu" and torch.equal(sd["w"], torch.ones(2)) and sd["name"] == "x"
 
@@ -306,7 +312,7 @@ def test_a_failed_commit_is_undone(tmp_path, refuser: str) -> None:
     meta = torch.empty(2, device="meta")
     first = _Epoch(0)
     extra = _FrozenNote(step=0, note="") if refuser == "mapping" else {"step": 0, "note": ""}
-    sd = {"a": first, "b": _Epoch(0, refuse=refuser == "stateful"), "w": meta, "extra": extra, "top": ""}
+    sd: dict[str, Any] = {"a": first, "b": _Epoch(0, refuse=refuser == "stateful"), "w": meta, "extra": extra, "top": ""}
     key = "b" if refuser == "stateful" else "extra.note"
     with pytest.raises(StateDictError, match=rf"key '{key}': .*(out of range|note is frozen)"):
         checkpoint.load(sd, checkpoint_id=tmp_path)

@@ -98,7 +98,7 @@ def _test(outcome: str, reqs: list[str], impl: str | None, *failures: tuple[int 
             **({"failures": [{"rank": r, "type": t, "message": m} for r, t, m in failures]} if failures else {})}
 
 
-BASE = {
+BASE: dict[str, Any] = {
     "spec": {"SD-1": "", "SD-2": "", "OS-1": "", "ML-1": ""},
     "tests": {
         "t.py::a[ws2-torch]": _test("passed", ["SD-1"], "torch"),

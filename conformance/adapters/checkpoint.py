@@ -114,7 +114,9 @@ class ReferenceCheckpointOps:
     def get_state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         from reference.fsdp import FullyShardedDataParallel, sharded_state_dict
 
-        return sharded_state_dict(model), FullyShardedDataParallel.optim_state_dict(model, optimizer, sharded=True)
+        # reference.fsdp attaches this static method to the class when it is imported (torch's
+        # API, see its module docstring); a type checker sees only the class body.
+        return sharded_state_dict(model), FullyShardedDataParallel.optim_state_dict(model, optimizer, sharded=True)  # type: ignore[attr-defined]
 
     def set_state_dicts(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict
@@ -122,7 +124,9 @@ class ReferenceCheckpointOps:
         from reference.fsdp import FullyShardedDataParallel, load_sharded_state_dict
 
         load_sharded_state_dict(model, model_sd)
-        optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, optim_sd))
+        # reference.fsdp attaches this static method to the class when it is imported (torch's
+        # API, see its module docstring); a type checker sees only the class body.
+        optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, optim_sd))  # type: ignore[attr-defined]
 
 
 class TorchCheckpointOps(_TorchStateDicts):

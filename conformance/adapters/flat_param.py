@@ -180,7 +180,11 @@ class FairscaleFlatParamOps:
         return FlattenParamsWrapper(module, param_list=list(param_list))
 
     def flat_param(self, wrapper: nn.Module) -> nn.Parameter | None:
-        flat_params = wrapper.flat_params  # type: ignore[attr-defined]
+        from fairscale.nn.misc.flatten_params_wrapper import FlattenParamsWrapper
+
+        if not isinstance(wrapper, FlattenParamsWrapper):
+            raise TypeError(f"fairscale flat_param: expected the FlattenParamsWrapper that wrap() returns, got {type(wrapper).__name__}")
+        flat_params: list[nn.Parameter] = wrapper.flat_params
         return flat_params[0] if flat_params else None
 
     def unflatten_params(self, wrapper: nn.Module) -> AbstractContextManager[None]:

@@ -69,12 +69,16 @@ class ReferenceOptimStateOps:
     def optim_state_dict(self, model, optim, *, rank0_only=False, cpu_offload=False, sharded=False):
         from reference.fsdp import FullyShardedDataParallel
 
-        return FullyShardedDataParallel.optim_state_dict(model, optim, rank0_only=rank0_only, cpu_offload=cpu_offload, sharded=sharded)
+        # reference.fsdp attaches this static method to the class when it is imported (torch's
+        # API, see its module docstring); a type checker sees only the class body.
+        return FullyShardedDataParallel.optim_state_dict(model, optim, rank0_only=rank0_only, cpu_offload=cpu_offload, sharded=sharded)  # type: ignore[attr-defined]
 
     def load_optim_state_dict(self, model, optim, osd):
         from reference.fsdp import FullyShardedDataParallel
 
-        optim.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(model, optim, osd))
+        # reference.fsdp attaches this static method to the class when it is imported (torch's
+        # API, see its module docstring); a type checker sees only the class body.
+        optim.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(model, optim, osd))  # type: ignore[attr-defined]
 
     def full_state_dict(self, model):
         from reference.fsdp import full_state_dict

@@ -64,8 +64,8 @@ def _whole_words(candidate: str, line: str, start: int) -> str:
         cut = re.search(r"\s", candidate)
         candidate = candidate[cut.start() :] if cut else ""
     if end < len(line) and not line[end].isspace():
-        cut = max((m.start() for m in re.finditer(r"\s", candidate)), default=-1)
-        candidate = candidate[:cut] if cut >= 0 else ""
+        last = max((m.start() for m in re.finditer(r"\s", candidate)), default=-1)
+        candidate = candidate[:last] if last >= 0 else ""
     return candidate.strip()
 
 

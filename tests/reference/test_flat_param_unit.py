@@ -42,6 +42,14 @@ class CheckpointLike(nn.Module):
         return checkpoint(self._checkpoint_wrapped_module, x, use_reentrant=False)
 
 
+def _metadata(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The ``_metadata`` that ``nn.Module.state_dict`` sets on the dict it returns (torch's stubs type
+    that dict as a plain one)."""
+    metadata = getattr(state_dict, "_metadata", None)
+    assert isinstance(metadata, dict), f"a state dict without _metadata: {type(state_dict).__name__}"
+    return metadata
+
+
 def _fpw_all(module: nn.Module) -> FlattenParamsWrapper:
     return FlattenParamsWrapper(module, list(module.parameters()))
 
@@ -68,7 +76,7 @@ def test_prefix_hooks_show_unwrapped_keys_and_metadata(name, build) -> None:
     sd_plain, sd_wrapped = plain.state_dict(), wrapped.state_dict()
     assert list(sd_wrapped) == list(sd_plain)
     assert all(torch.equal(sd_wrapped[k], v) for k, v in sd_plain.items())
-    assert list(sd_wrapped._metadata) == list(sd_plain._metadata)
+    assert list(_metadata(sd_wrapped)) == list(_metadata(sd_plain))
     x = models.batch(name)
     assert torch.equal(wrapped(x), plain(x))
 
@@ -96,7 +104,7 @@ def _deep_wrappers(depth: int) -> tuple[nn.Module, nn.Module]:
 def test_nested_state_dict_renames_each_key_once_and_survives_errors() -> None:
     plain, wrapped = _deep_wrappers(6)
     sd = wrapped.state_dict()
-    assert list(sd) == list(plain.state_dict()) and list(sd._metadata) == list(plain.state_dict()._metadata)
+    assert list(sd) == list(plain.state_dict()) and list(_metadata(sd)) == list(_metadata(plain.state_dict()))
     # A state_dict that raises inside the nesting leaves no state behind for the next call.
     deepest = [m for m in wrapped.modules() if isinstance(m, (FlattenParamsWrapper, CheckpointLike))][-1]
     handle = deepest.register_state_dict_pre_hook(lambda *_: (_ for _ in ()).throw(OSError("disk")))
@@ -195,7 +203,7 @@ def test_wrapper_own_entries_keep_their_keys_and_collisions_are_named() -> None:
     wrapped = WithOwnBuffer(nn.Linear(2, 2))
     assert list(wrapped.state_dict()) == ["calls", "weight", "bias"]
     wrapped.load_state_dict({"calls": torch.ones(()), "weight": torch.ones(2, 2), "bias": torch.ones(2)})
-    assert wrapped.calls.item() == 1.0 and bool((wrapped._checkpoint_wrapped_module.weight == 1).all())
+    assert wrapped.get_buffer("calls").item() == 1.0 and bool((wrapped._checkpoint_wrapped_module.weight == 1).all())
     clash = WithOwnBuffer(nn.Module())
     clash._checkpoint_wrapped_module.register_buffer("calls", torch.zeros(()))
     with pytest.raises(RuntimeError, match="'calls' is written twice"):
@@ -302,7 +310,7 @@ def test_storage_tie_found_behind_a_nearer_unlisted_span() -> None:
     nearer but ends before it."""
     module = _spans_module([(0, 50), (10, 20), (40, 45)])
     with pytest.raises(ValueError, match="'p2' shares memory with 'p0'"):
-        FlattenParamsWrapper(module, [module.p2])
+        FlattenParamsWrapper(module, [module.get_parameter("p2")])
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -387,7 +395,7 @@ def test_to_inside_unflatten_params_keeps_values() -> None:
 
 def test_param_order_restored_when_only_some_params_of_a_module_are_listed() -> None:
     layer = nn.Linear(3, 3)
-    wrapped = FlattenParamsWrapper(layer, [layer.weight])
+    wrapped = FlattenParamsWrapper(layer, [layer.get_parameter("weight")])
     assert list(wrapped.state_dict()) == ["weight", "bias"]
     with wrapped.unflatten_params():
         assert [n for n, _ in layer.named_parameters()] == ["weight", "bias"]
@@ -441,7 +449,7 @@ def test_wrapped_modules_see_registered_parameters_in_state_dict_and_load() -> N
     old = plain.state_dict()
     old["0.w"] = torch.full((2, 3), 7.0)
     del old["0.weight"]
-    old._metadata["0"]["version"] = 1
+    _metadata(old)["0"]["version"] = 1
     wrapped.load_state_dict(old)
     assert torch.equal(wrapped.flat_param[:6], torch.full((6,), 7.0))
 

@@ -45,6 +45,7 @@ def _compiled_fsdp(dist: Any, use_orig_params: bool) -> tuple[nn.Module, torch.o
         inner, auto_wrap_policy=lambda m: m is getattr(inner, "1"), use_orig_params=use_orig_params, device_id=dist.device
     )
     model = torch.compile(sharded)
+    assert isinstance(model, nn.Module)  # an OptimizedModule; torch.compile's stubs say a callable
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     models.loss(sharded(models.batch("nested", device=dist.device))).backward()  # eager: no compile cost
     optim.step()

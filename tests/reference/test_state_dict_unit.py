@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from reference.fqn import FQNResolver, named_parameter_fqns, submodule_paths
+from reference.fqn import FQNResolver, ResolvedPath, named_parameter_fqns, submodule_paths
 from reference.state_dict import optim_fqn as optim_sd
 
 
@@ -21,11 +21,26 @@ def _nested() -> nn.Module:
     return root
 
 
+def _sequential(model: nn.Module, path: str) -> nn.Sequential:
+    """The ``nn.Sequential`` at ``path`` of a :func:`_nested` model."""
+    module = model.get_submodule(path)
+    assert isinstance(module, nn.Sequential), (path, type(module).__name__)
+    return module
+
+
+def _owner(resolver: FQNResolver, raw_key: str) -> ResolvedPath:
+    """The resolution of the module that owns ``raw_key``."""
+    resolved = resolver.resolve_key(raw_key)
+    assert resolved is not None, f"{raw_key!r} resolves to no module"
+    return resolved[1]
+
+
 def test_wrapper_segments_are_optional_in_raw_paths() -> None:
     model = _nested()
     inner = model.get_submodule("1")
     model.add_module("1", checkpoint_wrapper(inner))
     compiled = torch.compile(model)
+    assert isinstance(compiled, nn.Module)  # an OptimizedModule; torch.compile's stubs say a callable
     resolver = FQNResolver(compiled)
     for raw in ("_orig_mod.1._checkpoint_wrapped_module.0.weight", "_orig_mod.1.0.weight", "1.0.weight"):
         assert resolver.clean_key(raw) == "1.0.weight", raw
@@ -39,17 +54,15 @@ def test_selection_matches_at_dot_boundaries_and_through_wrappers() -> None:
     one = model.get_submodule("1")
     model.add_module("1", checkpoint_wrapper(one))
     resolver = FQNResolver(model, frozenset({id(one)}))  # the inner module, not the wrapper
-    _, owner = resolver.resolve_key("1.0.weight")
-    assert owner.selected == ("1",)
-    _, owner = resolver.resolve_key("10.0.weight")
-    assert owner.selected == ()
+    assert _owner(resolver, "1.0.weight").selected == ("1",)
+    assert _owner(resolver, "10.0.weight").selected == ()
 
 
 def test_submodule_paths_of_a_shared_module_and_of_a_stranger() -> None:
     model = _nested()
     shared = nn.Linear(2, 2)
-    model.get_submodule("1").append(shared)
-    model.get_submodule("10").append(shared)
+    _sequential(model, "1").append(shared)
+    _sequential(model, "10").append(shared)
     assert submodule_paths(model, [shared])[id(shared)] == {"1.1", "10.1"}
     with pytest.raises(ValueError, match="Linear"):
         submodule_paths(model, [nn.Linear(1, 1)])
