@@ -19,11 +19,8 @@ The inspector's requirements (ML-16, ML-17) are tested in ``tests/test_ckpt_insp
 from __future__ import annotations
 
 import contextlib
-import errno
-import gc
 import math
 import os
-import pickle
 import re
 import struct
 import time
@@ -38,7 +35,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conformance import models
-from conformance.adapters.base import Unsupported
 from conformance.adapters.sharding import ShardingPlan, hybrid_mesh_shape
 from conformance.asserts import (
     assert_bitwise_equal,
@@ -55,34 +51,32 @@ from conformance.asserts import (
     reraise,
     snapshot,
 )
+from conformance.checkpoint_support import (
+    assert_same_bits,
+    call_or_skip,
+    checkpoint_ops,
+    damage,
+    dtensor_of,
+    exact,
+    group_of,
+    injected_fault,
+    peak_bytes_during,
+    record_location,
+    sharded_values,
+    zoo_model,
+)
 from conformance.compare import fqn_keyed_optim, full_on_cpu
 from conformance.dcp_files import read_metadata, storage_bytes_range
-from conformance.faults import failing_fsync, failing_reads, failing_writes, unreadable_bytes
+from conformance.faults import failing_reads, failing_writes, unreadable_bytes
 from conformance.harness.context import per_group_cache
 from conformance.values import EDGE_DTYPES, different_like, edge_tensors, perturb_hyperparameters
 
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def _ops(impl: Any) -> Any:
-    return impl.require("checkpoint")
-
-
 def _shard(impl: Any, model: nn.Module, dist: Any) -> nn.Module:
     """``model`` sharded by ``impl`` over the pool's 1-D mesh (FULL_SHARD, original parameters, one unit)."""
     return impl.require("sharding").shard(model, ShardingPlan(use_orig_params=True, device=dist.device, mesh=dist.mesh()))
-
-
-def _call(fn: Callable[[], Any]) -> Any:
-    """Run an ops call; an option the implementation lacks is a skip naming it."""
-    try:
-        return fn()
-    except Unsupported as exc:
-        pytest.skip(str(exc))
-
-
-def _pg(dist: Any) -> Any:
-    return dist.group
 
 
 #: 2-D meshes by world size: building one creates process groups (collectively), so each rank builds
@@ -115,7 +109,7 @@ def _fails_alike(dist: Any, fn: Callable[[], Any], *, keys: tuple[str, ...] = ()
     """``fn()`` raises on this rank (any type: ML-15 checks the type), naming every key of ``keys``
     whole and containing every string of ``needles``; then every rank compares what it raised: the
     same type and message everywhere (a rank that returned fails the test on every rank)."""
-    exc = raised(lambda: _call(fn))
+    exc = raised(lambda: call_or_skip(fn))
     assert_same_error_on_every_rank(dist, exc, what=what)
     assert exc is not None  # assert_same_error_on_every_rank fails when any rank returned
     return expect_error(lambda: reraise(exc), BaseException, keys=keys, needles=needles, what=what,
@@ -123,42 +117,12 @@ def _fails_alike(dist: Any, fn: Callable[[], Any], *, keys: tuple[str, ...] = ()
 
 
 def _is_same_bits(got: Any, expected: Any) -> bool:
-    """Whether :func:`_assert_same_bits` holds (for trying several candidates)."""
+    """Whether :func:`assert_same_bits` holds (for trying several candidates)."""
     try:
-        _assert_same_bits(got, expected)
+        assert_same_bits(got, expected)
     except pytest.fail.Exception:
         return False
     return True
-
-
-@dataclass(frozen=True)
-class _Float:
-    """A Python float compared by its bits: ``-0.0`` is not ``0.0`` and a NaN's payload counts (``==``
-    says otherwise, so :func:`assert_same_state` alone would miss a loader that canonicalises them)."""
-
-    bits: int
-
-    def __repr__(self) -> str:
-        return f"{struct.unpack('<d', struct.pack('<Q', self.bits))[0]!r} (bits {self.bits:#018x})"
-
-
-def _exact(value: Any) -> Any:
-    """``value`` with every Python float replaced by its :class:`_Float` (containers rebuilt, tensors
-    and other leaves as they are): compare the results with :func:`assert_same_state`."""
-    if type(value) is float:
-        return _Float(struct.unpack("<Q", struct.pack("<d", value))[0])
-    if isinstance(value, Mapping):
-        return {k: _exact(v) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_exact(v) for v in value)
-    return value
-
-
-def _assert_same_bits(got: Any, expected: Any, *, what: str = "loaded state", check_order: bool = True) -> None:
-    """Nested state equal bit for bit: tensors (DTensors by placements, global shape and local shard),
-    non-tensor values of the same type, Python floats by their bits."""
-    __tracebackhide__ = True
-    assert_same_state(_exact(got), _exact(expected), what=what, check_order=check_order)
 
 
 def _at(state: Any, path: tuple[Any, ...]) -> Any:
@@ -178,14 +142,6 @@ def _assert_local_shards(dist: Any, got: Any, fulls: dict[tuple[Any, ...], torch
 
 
 # -- the values a checkpoint holds ---------------------------------------------------------------
-
-
-def _dtensor(full: torch.Tensor, mesh: Any, placements: list[Any]) -> DTensor:
-    """A DTensor of ``full`` on ``mesh``, built from this rank's documented piece without any
-    collective (so every dtype works on gloo); ``full`` on meta gives a meta DTensor."""
-    coordinate = mesh.get_coordinate()
-    piece, _ = expected_local_chunk(full, placements, tuple(mesh.shape), tuple(coordinate))
-    return DTensor.from_local(piece.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
 #: Sharded layouts over a 1-D mesh: uneven at every world size > 1; "one" leaves every rank but 0
@@ -341,7 +297,7 @@ def _state(dist: Any, kind: str, role: str, seed: int = 1) -> _State:
     for key, (full, placements) in _edge_sharded_fulls(specs, seed).items():
         fulls[(key,)] = full
         start = {"saved": full, "target": different_like(full), "meta": full.to("meta")}[role]
-        values[key] = _dtensor(start, mesh, placements)
+        values[key] = dtensor_of(start, mesh, placements)
     return _State(values, fulls)
 
 
@@ -366,14 +322,14 @@ def test_round_trip_restores_every_value(dist, impl, kind: str) -> None:
     dtype (Shard/Replicate, uneven, empty local shards, 1-D and 2-D meshes), and non-tensor values
     of every kind; load into a state dict of the same layout whose every value differs; compare bit
     for bit, and each DTensor's local shard on every rank against the documented layout."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     saved = _state(dist, kind, "saved")
-    ops.save(saved.values, path, process_group=_pg(dist))
+    ops.save(saved.values, path, process_group=group_of(dist))
     target = _state(dist, kind, "target")
-    _call(lambda: ops.load(target.values, path, process_group=_pg(dist)))
+    call_or_skip(lambda: ops.load(target.values, path, process_group=group_of(dist)))
     _assert_local_shards(dist, target.values, saved.fulls, what="loaded")
-    _assert_same_bits(target.values, _state(dist, kind, "saved").values)
+    assert_same_bits(target.values, _state(dist, kind, "saved").values)
 
 
 @pytest.mark.req("ML-22")
@@ -381,7 +337,7 @@ def test_values_held_by_some_ranks_only_are_saved(dist, impl) -> None:
     """Keys that only some ranks hold (a non-tensor and a tensor on the last rank only, a value on every
     rank but the first) are saved and load back on exactly those ranks, with the values each held;
     the coordinator not holding a key loses nothing (pytorch/pytorch PR #125334)."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     last = dist.rank == dist.world_size - 1
 
@@ -394,10 +350,10 @@ def test_values_held_by_some_ranks_only_are_saved(dist, impl) -> None:
             values[f"rank{dist.rank}_note"] = f"rank {dist.rank}: {fill}"
         return values
 
-    ops.save(state(1.0), path, process_group=_pg(dist))
+    ops.save(state(1.0), path, process_group=group_of(dist))
     target = state(-2.0)
-    _call(lambda: ops.load(target, path, process_group=_pg(dist)))
-    _assert_same_bits(target, state(1.0))
+    call_or_skip(lambda: ops.load(target, path, process_group=group_of(dist)))
+    assert_same_bits(target, state(1.0))
 
 
 # -- ML-18 loads fill tensors in place / ML-19 views are saved compactly ----------------------------
@@ -408,15 +364,15 @@ def test_load_fills_tensors_in_place(dist, impl) -> None:
     """Load into plain tensors laid out as the saved ones (views included), whose storages hold a
     pattern outside their elements, and into DTensors: every entry stays the same object over the
     same memory, takes the saved bits, and no byte outside its elements changes."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     saved = {"plain": _state(dist, "plain", "saved").values, "sharded": _state(dist, "dtensor-1d", "saved").values}
-    ops.save(saved, path, process_group=_pg(dist))
+    ops.save(saved, path, process_group=group_of(dist))
     target = {"plain": _state(dist, "plain", "target").values, "sharded": _state(dist, "dtensor-1d", "target").values}
     entries = {(part, key): value for part, values in target.items() for key, value in values.items()}
     memory = {where: (v.to_local() if isinstance(v, DTensor) else v).data_ptr() for where, v in entries.items()}
     outside = {where: _outside_bytes(v) for where, v in entries.items() if not isinstance(v, DTensor)}
-    _call(lambda: ops.load(target, path, process_group=_pg(dist)))
+    call_or_skip(lambda: ops.load(target, path, process_group=group_of(dist)))
     for (part, key), value in entries.items():
         got = target[part][key]
         if got is not value:
@@ -427,7 +383,7 @@ def test_load_fills_tensors_in_place(dist, impl) -> None:
         if (part, key) in outside:
             assert_bitwise_equal(_outside_bytes(got), outside[(part, key)], what="storage bytes outside the view's elements",
                                  where=f"{part}.{key} (shape {tuple(got.shape)}, stride {got.stride()}, offset {got.storage_offset()})")
-    _assert_same_bits(target, saved)
+    assert_same_bits(target, saved)
 
 
 #: Bytes a record may take beyond its elements' (torch.save's zip headers: about 1.5 KiB).
@@ -440,7 +396,7 @@ def test_views_are_saved_as_their_own_elements(dist, impl) -> None:
     shard is such a view) and read the records' lengths from the metadata: each is at most its
     elements' bytes plus a fixed overhead, not the whole storage."""
 
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     big = torch.randn(2**18, generator=torch.Generator().manual_seed(3))
     full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(4))
@@ -452,7 +408,7 @@ def test_views_are_saved_as_their_own_elements(dist, impl) -> None:
         "strided": big[100:400:37],
         "shard": DTensor.from_local(local, dist.mesh(), [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()),
     }
-    ops.save(sd, path, process_group=_pg(dist))
+    ops.save(sd, path, process_group=group_of(dist))
     dist.barrier()
     records = read_metadata(path).storage_data
     for index, info in records.items():
@@ -463,10 +419,10 @@ def test_views_are_saved_as_their_own_elements(dist, impl) -> None:
             fail(f"the record of {index.fqn!r} is larger than its elements", f"{info.length} bytes",
                  f"at most {elements} + {_RECORD_OVERHEAD} (the view's storage is {big.untyped_storage().nbytes()} bytes)",
                  f"chunk at {list(index.offset or [])}, rank {dist.rank}")
-    target = {k: _target_like(v) if not isinstance(v, DTensor) else _dtensor(different_like(full), dist.mesh(), [Shard(0)]) for k, v in sd.items()}
-    _call(lambda: ops.load(target, path, process_group=_pg(dist)))
+    target = {k: _target_like(v) if not isinstance(v, DTensor) else dtensor_of(different_like(full), dist.mesh(), [Shard(0)]) for k, v in sd.items()}
+    call_or_skip(lambda: ops.load(target, path, process_group=group_of(dist)))
     assert_local_shard(target["shard"], full, what="loaded shard")
-    _assert_same_bits({k: target[k] for k in ("slice", "strided")}, {k: sd[k] for k in ("slice", "strided")})
+    assert_same_bits({k: target[k] for k in ("slice", "strided")}, {k: sd[k] for k in ("slice", "strided")})
 
 
 # -- ML-2 cross-implementation ------------------------------------------------------------------
@@ -480,15 +436,15 @@ def test_checkpoint_loads_across_implementations(dist, impl, reference_impl, sav
     whose every value differs; bitwise, with per-rank local shards."""
     if impl.name == reference_impl.name and saver == "reference-saves":
         pytest.skip("for the reference itself this is the impl-saves case")
-    ops, ref = _ops(impl), _ops(reference_impl)
+    ops, ref = checkpoint_ops(impl), checkpoint_ops(reference_impl)
     writer, reader = (ops, ref) if saver == "impl-saves" else (ref, ops)
     path = dist.tmp_dir / "ckpt"
     saved = _mixed(dist, "saved", seed=2)
-    writer.save(saved.values, path, process_group=_pg(dist))
+    writer.save(saved.values, path, process_group=group_of(dist))
     target = _mixed(dist, "target", seed=2)
-    _call(lambda: reader.load(target.values, path, process_group=_pg(dist)))
+    call_or_skip(lambda: reader.load(target.values, path, process_group=group_of(dist)))
     _assert_local_shards(dist, target.values, saved.fulls, what="loaded")
-    _assert_same_bits(target.values, _mixed(dist, "saved", seed=2).values)
+    assert_same_bits(target.values, _mixed(dist, "saved", seed=2).values)
 
 
 # -- ML-25 the on-disk format, read and written by upstream DCP whatever --impl selects ----------------------
@@ -503,7 +459,7 @@ def _upstream_save(dist: Any, state: dict[str, Any], path: str) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns on overwrite
-        dcp.save(state, checkpoint_id=path, process_group=_pg(dist))
+        dcp.save(state, checkpoint_id=path, process_group=group_of(dist))
 
 
 def _upstream_load(dist: Any, state: dict[str, Any], path: str) -> None:
@@ -514,7 +470,7 @@ def _upstream_load(dist: Any, state: dict[str, Any], path: str) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=_pg(dist))
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group_of(dist))
 
 
 def _optimizer_state(dist: Any, role: str, seed: int) -> _State:
@@ -544,7 +500,7 @@ def _optimizer_state(dist: Any, role: str, seed: int) -> _State:
         for moment in ("exp_avg", "exp_avg_sq"):
             full = s[moment].detach().clone()
             fulls[("state", name, moment)] = full
-            entry[moment] = _dtensor(full if role == "saved" else different_like(full), dist.mesh(), [Shard(0)])
+            entry[moment] = dtensor_of(full if role == "saved" else different_like(full), dist.mesh(), [Shard(0)])
         state[name] = entry
     groups = []
     for group in optimizer.param_groups:
@@ -602,7 +558,7 @@ def _format_save(dist: Any, impl: Any, route: str, path: str, seed: int) -> None
     if route == "upstream-saves":
         _upstream_save(dist, saved, path)
         return
-    _call(lambda: _ops(impl).save(saved, path, process_group=_pg(dist)))
+    call_or_skip(lambda: checkpoint_ops(impl).save(saved, path, process_group=group_of(dist)))
     _upstream_save(dist, _format_state(dist, "saved", seed).values, path + "-by-upstream")  # the same state dict
 
 
@@ -615,23 +571,23 @@ def _format_load(dist: Any, impl: Any, route: str, path: str, seed: int, out: st
 
     def metadata() -> None:
         if route == "impl-saves" and dist.rank == 0:
-            _assert_same_bits(_metadata_layout(path), _metadata_layout(path + "-by-upstream"), check_order=False,
+            assert_same_bits(_metadata_layout(path), _metadata_layout(path + "-by-upstream"), check_order=False,
                               what=f"{impl.name}'s checkpoint metadata vs upstream's of the same state dict")
 
     def loaded() -> None:  # collective: every rank loads, whatever the other checks found
         if route == "upstream-saves":
-            _call(lambda: _ops(impl).load(target.values, path, process_group=_pg(dist)))
+            call_or_skip(lambda: checkpoint_ops(impl).load(target.values, path, process_group=group_of(dist)))
         else:
             _upstream_load(dist, target.values, path)
         _assert_local_shards(dist, target.values, saved.fulls, what="loaded")
-        _assert_same_bits(target.values, saved.values, what=f"loaded by {'upstream' if route == 'impl-saves' else impl.name}")
+        assert_same_bits(target.values, saved.values, what=f"loaded by {'upstream' if route == 'impl-saves' else impl.name}")
 
     def converted() -> None:
         if route == "impl-saves" and dist.rank == 0:
             from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
             dcp_to_torch_save(path, out)  # upstream rebuilds the nested state dict from the metadata alone
-            _assert_same_bits(torch.load(out, weights_only=False), _full_values(saved.values, saved.fulls), check_order=False,
+            assert_same_bits(torch.load(out, weights_only=False), _full_values(saved.values, saved.fulls), check_order=False,
                               what="upstream's dcp_to_torch_save of the checkpoint (nesting from planner_data)")
 
     check_each(metadata=metadata, loaded=loaded, converted=converted)
@@ -679,15 +635,15 @@ def test_replicated_data_is_written_once(dist, impl) -> None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     mesh_2d = _mesh_2d(dist)
     sd = {
         "plain": torch.arange(12.0).reshape(3, 4),
-        "replicated": _dtensor(torch.arange(15.0), dist.mesh(), [Replicate()]),
-        "replicate_shard": _dtensor(torch.arange(30.0).reshape(10, 3), mesh_2d, [Replicate(), Shard(0)]),
+        "replicated": dtensor_of(torch.arange(15.0), dist.mesh(), [Replicate()]),
+        "replicate_shard": dtensor_of(torch.arange(30.0).reshape(10, 3), mesh_2d, [Replicate(), Shard(0)]),
     }
-    ops.save(sd, path, process_group=_pg(dist))
+    ops.save(sd, path, process_group=group_of(dist))
     if dist.rank != 0:
         return
     md = read_metadata(path)
@@ -729,7 +685,7 @@ def _check_built(dist: Any, loaded: dict[str, Any], saved: _State) -> None:
                 fail("a meta DTensor's global shape/stride changed", (tuple(got.shape), got.stride()),
                      (tuple(want.shape), want.stride()), key)
     _assert_local_shards(dist, loaded, saved.fulls, what="built")
-    _assert_same_bits(loaded, saved.values)
+    assert_same_bits(loaded, saved.values)
 
 
 @pytest.mark.req("ML-4")
@@ -737,13 +693,13 @@ def test_meta_load_builds_every_value(dist, impl) -> None:
     """Edge values of every dtype, plain (views too) and as DTensors on 1-D and 2-D meshes, loaded into
     meta tensors of the same layout: each becomes a tensor on the process group's device with the
     saved bits, each DTensor keeping its layout and holding its documented local shard."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     kinds = ("plain", "dtensor-1d", "dtensor-2d")
     saved = {kind: _state(dist, kind, "saved") for kind in kinds}
-    ops.save({kind: state.values for kind, state in saved.items()}, path, process_group=_pg(dist))
+    ops.save({kind: state.values for kind, state in saved.items()}, path, process_group=group_of(dist))
     target = {kind: _state(dist, kind, "meta").values for kind in kinds}
-    _call(lambda: ops.load(target, path, process_group=_pg(dist)))
+    call_or_skip(lambda: ops.load(target, path, process_group=group_of(dist)))
     for kind in kinds:
         _check_built(dist, target[kind], saved[kind])
 
@@ -757,25 +713,16 @@ def _tp_plan() -> dict[str, Any]:
     return {"net.0": RowwiseParallel(input_layouts=Replicate()), "net.2": ColwiseParallel(output_layouts=Replicate())}
 
 
-def _zoo_model(dist: Any, name: str, seed: int, device: str | torch.device) -> nn.Module:
-    """Zoo model ``name`` built from ``seed`` on this rank's device, or, for ``device="meta"``, with
-    every tensor on meta (the seed does not matter there)."""
-    if str(device) == "meta":
-        with torch.device("meta"):
-            return models.ZOO[name]()
-    return models.build(name, seed=seed, device=dist.device)
-
-
 def _tp_model(dist: Any, seed: int, device: str | torch.device) -> nn.Module:
     from torch.distributed.tensor.parallel import parallelize_module
 
-    return parallelize_module(_zoo_model(dist, "mlp", seed, device), dist.mesh(), _tp_plan())
+    return parallelize_module(zoo_model(dist, "mlp", seed, device), dist.mesh(), _tp_plan())
 
 
 def _fsdp2_model(dist: Any, name: str, seed: int, device: str | torch.device) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    model = _zoo_model(dist, name, seed, device)
+    model = zoo_model(dist, name, seed, device)
     fully_shard(model, mesh=dist.mesh())  # shards in place (and returns ``model``, typed as an FSDPModule)
     return model
 
@@ -791,11 +738,11 @@ def _assert_meta_load_rebuilds(dist: Any, ops: Any, name: str, model: nn.Module,
     save), check what the load built, assign it and compare outputs with ``model``'s exactly."""
     path = dist.tmp_dir / "ckpt"
     saved = _saved_model_state(model)
-    ops.save(saved.values, path, process_group=_pg(dist))
+    ops.save(saved.values, path, process_group=group_of(dist))
 
     target = meta_model()
     sd = target.state_dict()
-    _call(lambda: ops.load(sd, path, process_group=_pg(dist)))
+    call_or_skip(lambda: ops.load(sd, path, process_group=group_of(dist)))
     _check_built(dist, sd, saved)
     target.load_state_dict(sd, assign=True)
     inputs = models.batch(name, seed=3, device=dist.device)
@@ -805,7 +752,7 @@ def _assert_meta_load_rebuilds(dist: Any, ops: Any, name: str, model: nn.Module,
 @pytest.mark.req("ML-4")
 def test_meta_load_tensor_parallel_model(dist, impl) -> None:
     """PR #113319's test: a tensor-parallel model with uneven shards, loaded into a meta copy."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     model = _tp_model(dist, seed=5, device=dist.device)
     _assert_meta_load_rebuilds(dist, ops, "mlp", model, lambda: _tp_model(dist, seed=0, device="meta"))
 
@@ -814,7 +761,7 @@ def test_meta_load_tensor_parallel_model(dist, impl) -> None:
 @pytest.mark.parametrize("name", ["mlp", "nested", "groups", "dtypes"])
 def test_meta_load_fsdp2_model(dist, impl, name: str) -> None:
     """An FSDP2 model (``dtypes``: float64 parameters, a buffer per edge dtype) loaded into a meta copy."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     model = _fsdp2_model(dist, name, seed=6, device=dist.device)
     _assert_meta_load_rebuilds(dist, ops, name, model, lambda: _fsdp2_model(dist, name, seed=0, device="meta"))
 
@@ -826,14 +773,14 @@ def test_meta_load_fsdp2_model(dist, impl, name: str) -> None:
 def test_meta_load_keeps_tied_storage_shared(dist, impl) -> None:
     """Zoo ``tied`` built on meta: after the load its two tied entries share one storage, and the model
     assigned from them (re-tied) computes what the saved model computes."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     model = models.build("tied", seed=2, device=dist.device)
-    ops.save(model.state_dict(), path, process_group=_pg(dist))
+    ops.save(model.state_dict(), path, process_group=group_of(dist))
 
-    meta_model = _zoo_model(dist, "tied", seed=0, device="meta")
+    meta_model = zoo_model(dist, "tied", seed=0, device="meta")
     sd = meta_model.state_dict()
-    _call(lambda: ops.load(sd, path, process_group=_pg(dist)))
+    call_or_skip(lambda: ops.load(sd, path, process_group=group_of(dist)))
     _check_built(dist, sd, _State(model.state_dict(), {}))
     embed, head = sd["embed.weight"].untyped_storage().data_ptr(), sd["head.weight"].untyped_storage().data_ptr()
     if embed != head:
@@ -870,14 +817,14 @@ def test_meta_value_of_unknown_type_is_an_error(dist, impl, who: str) -> None:
     """A meta tensor subclass under ``proj.weight`` (on every rank, or on the last rank only while the
     others hold a plain meta tensor): every rank raises the same error naming the key and the type,
     and the state dict, meta entries and their identities, is unchanged on every rank."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
-    ops.save(_error_checkpoint(), path, process_group=_pg(dist))
+    ops.save(_error_checkpoint(), path, process_group=group_of(dist))
     weight = torch.empty(4, 3, device="meta")
     sd = {"proj.weight": weight.as_subclass(MarkedTensor) if _bad_here(dist, who) else weight,
           "proj.bias": torch.empty(2, device="meta")}
     before = snapshot(state_dict=sd)
-    exc = raised(lambda: ops.load(sd, path, process_group=_pg(dist)))
+    exc = raised(lambda: ops.load(sd, path, process_group=group_of(dist)))
     check_each(
         raises=lambda: _fails_alike(dist, lambda: reraise(exc), keys=("proj.weight",), needles=("MarkedTensor",),
                                     what="load into a meta MarkedTensor"),
@@ -888,47 +835,20 @@ def test_meta_value_of_unknown_type_is_an_error(dist, impl, who: str) -> None:
 # -- ML-7 peak memory of a meta load -----------------------------------------------------------------------
 
 
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _peak_bytes_during(device: torch.device, fn: Callable[[], Any]) -> tuple[int, str]:
-    """Bytes by which ``fn`` raised the peak memory of ``device`` above what was in use before it,
-    and what was measured: the CUDA caching allocator's peak on a GPU (host memory does not grow when
-    tensors are built there), the process's peak RSS (VmHWM, reset first) on the CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        baseline = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - baseline, f"peak CUDA memory of {device}"
-    if not Path("/proc/self/clear_refs").exists():
-        pytest.skip("peak RSS is measured through Linux's /proc/self/clear_refs and VmHWM")
-    gc.collect()
-    baseline = _rss_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
-    fn()
-    return (_rss_kib("VmHWM") - baseline) * 1024, "peak RSS"
-
-
 @pytest.mark.req("ML-7")
 def test_meta_load_allocates_local_shards_once(dist, impl) -> None:
     """The peak memory of a 64 MiB-per-rank meta load, on the device the shards are built on (RSS on
     the CPU, the allocator's peak on a GPU), stays below 1.5 times the local shard bytes."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     rows = 4096 * dist.world_size
     full = torch.randn(rows, 4096, generator=torch.Generator().manual_seed(0))  # 64 MiB per rank
-    saved = {"w": _dtensor(full, dist.mesh(), [Shard(0)])}
-    ops.save(saved, path, process_group=_pg(dist))
+    saved = {"w": dtensor_of(full, dist.mesh(), [Shard(0)])}
+    ops.save(saved, path, process_group=group_of(dist))
     local_bytes = saved["w"].to_local().numel() * 4
     del full
-    sd = {"w": _dtensor(torch.empty(rows, 4096, device="meta"), dist.mesh(), [Shard(0)])}
-    peak, measured = _peak_bytes_during(dist.device, lambda: _call(lambda: ops.load(sd, path, process_group=_pg(dist))))
+    sd = {"w": dtensor_of(torch.empty(rows, 4096, device="meta"), dist.mesh(), [Shard(0)])}
+    peak, measured = peak_bytes_during(dist.device, lambda: call_or_skip(lambda: ops.load(sd, path, process_group=group_of(dist))))
     assert_bitwise_equal(sd["w"].to_local(), saved["w"].to_local(), what="local shard loaded into meta")
     if sd["w"].to_local().device != dist.device:
         fail("the meta load built the shard on another device", sd["w"].to_local().device, dist.device, f"rank {dist.rank}")
@@ -942,13 +862,13 @@ def test_meta_load_allocates_local_shards_once(dist, impl) -> None:
 
 def _save_tp(dist: Any, impl: Any, path: str) -> None:
     model = _tp_model(dist, seed=8, device=dist.device)
-    _ops(impl).save(model.state_dict(), path, process_group=_pg(dist))
+    checkpoint_ops(impl).save(model.state_dict(), path, process_group=group_of(dist))
 
 
 def _load_tp(dist: Any, impl: Any, path: str) -> None:
     meta_model = _tp_model(dist, seed=0, device="meta")
     sd = meta_model.state_dict()
-    _call(lambda: _ops(impl).load(sd, path, process_group=_pg(dist)))
+    call_or_skip(lambda: checkpoint_ops(impl).load(sd, path, process_group=group_of(dist)))
     oracle = models.build("mlp", seed=8, device=dist.device)
     expected = _tp_model(dist, seed=8, device=dist.device).state_dict()  # the layout at this world size
     unsharded = oracle.state_dict()
@@ -1012,14 +932,14 @@ def _hyperparameters(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _save_training(dist: Any, impl: Any, name: str, path: str, saved_path: str) -> None:
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     model = _shard(impl, models.build(name, seed=11, device=dist.device), dist)
     optimizer = _optimizer(model)
     _train(model, optimizer, name, range(_TRAIN_STEPS), dist.device)
     model_sd, optim_sd = ops.get_state_dicts(model, optimizer)
     if dist.world_size > 1:  # otherwise this test would not reshard anything
         assert any(isinstance(v, DTensor) for v in model_sd.values()), "the sharded model state dict holds no DTensor"
-    ops.save({"model": model_sd, "optim": optim_sd}, path, process_group=_pg(dist))
+    ops.save({"model": model_sd, "optim": optim_sd}, path, process_group=group_of(dist))
     full = full_on_cpu({"model": model_sd, "optim": optim_sd})  # collective
     if dist.rank == 0:
         torch.save(full, saved_path)  # the saved values, full, for the loading world size to compare with
@@ -1040,22 +960,22 @@ def _assert_matches_full(dist: Any, got: Any, full: Any, where: str) -> None:
     elif isinstance(got, DTensor):
         assert_local_shard(got, full, what="resharded value", where=f"{where}, rank {dist.rank} of {dist.world_size}")
     else:
-        assert_same_state(_exact(got), _exact(full), what="resharded value", where=where, check_order=False)
+        assert_same_state(exact(got), exact(full), what="resharded value", where=where, check_order=False)
 
 
 def _load_training(dist: Any, impl: Any, name: str, path: str, saved_path: str) -> None:
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     model = _shard(impl, models.build(name, seed=99, device=dist.device), dist)
     optimizer = _optimizer(model, reverse=True)
     perturb_hyperparameters(optimizer)
     _train(model, optimizer, name, range(50, 51), dist.device)  # optimizer state to load into, from another batch
     model_sd, optim_sd = ops.get_state_dicts(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    _call(lambda: ops.load(state, path, process_group=_pg(dist)))
+    call_or_skip(lambda: ops.load(state, path, process_group=group_of(dist)))
     saved = torch.load(saved_path, weights_only=False)
     _assert_matches_full(dist, state, saved, "loaded")
     ops.set_state_dicts(model, optimizer, state["model"], state["optim"])
-    _assert_same_bits(_hyperparameters(optimizer.param_groups), _hyperparameters(saved["optim"]["param_groups"]),
+    assert_same_bits(_hyperparameters(optimizer.param_groups), _hyperparameters(saved["optim"]["param_groups"]),
                       what="optimizer hyperparameters after loading")
     got_model, got_optim = ops.get_state_dicts(model, optimizer)
     _assert_matches_full(dist, {"model": got_model, "state": got_optim["state"]},
@@ -1106,10 +1026,10 @@ def test_per_rank_value_under_one_key_is_an_error(dist, impl, who: str) -> None:
     error, naming the key."""
     if who == "one-rank" and dist.world_size < 3:
         pytest.skip("at world size 2 one differing rank is every rank differing: the every-rank case covers it")
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     seed = 1000 + (dist.rank if who == "every-rank" else int(dist.rank == dist.world_size - 1))
     sd = {"w": torch.ones(3), "rank_seed": seed}
-    _fails_alike(dist, lambda: ops.save(sd, dist.tmp_dir / "ckpt", process_group=_pg(dist)), keys=("rank_seed",),
+    _fails_alike(dist, lambda: ops.save(sd, dist.tmp_dir / "ckpt", process_group=group_of(dist)), keys=("rank_seed",),
                  what="save of a per-rank value")
 
 
@@ -1146,15 +1066,15 @@ def test_strict_load_names_the_key_and_changes_nothing(dist, impl, mismatch: str
     rank only while the others ask for exactly the checkpoint), loading into CPU tensors and then into
     meta tensors: every rank raises the same error naming the key (with both shapes or dtypes), and
     every rank's state dict is unchanged, deeply (meta entries and identities included)."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
-    ops.save(_error_checkpoint(), path, process_group=_pg(dist))
+    ops.save(_error_checkpoint(), path, process_group=group_of(dist))
     spec, key, needles = _MISMATCHES[mismatch]
     asked = spec if _bad_here(dist, who) else _GOOD
     for device in ("cpu", "meta"):
         sd = _asking_for(asked, device)
         before = snapshot(state_dict=sd)
-        _fails_alike(dist, lambda: ops.load(sd, path, process_group=_pg(dist)), keys=(key,), needles=needles,
+        _fails_alike(dist, lambda: ops.load(sd, path, process_group=group_of(dist)), keys=(key,), needles=needles,
                      what=f"strict load into {device} tensors with a {mismatch} mismatch")
         assert_unchanged(before, state_dict=sd, where=f"rank {dist.rank}, {device} tensors")
 
@@ -1163,16 +1083,16 @@ def test_strict_load_names_the_key_and_changes_nothing(dist, impl, mismatch: str
 def test_non_strict_load_skips_missing_keys(dist, impl) -> None:
     """With strict loading off, a key missing from the checkpoint keeps its object and value; the
     others take the saved bits."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     saved = _error_checkpoint()
-    ops.save(saved, path, process_group=_pg(dist))
+    ops.save(saved, path, process_group=group_of(dist))
     extra = torch.tensor([1.25, -0.0])
     sd = {"proj.weight": different_like(saved["proj.weight"]), "extra.scale": extra}
-    _call(lambda: ops.load(sd, path, process_group=_pg(dist), strict=False))
+    call_or_skip(lambda: ops.load(sd, path, process_group=group_of(dist), strict=False))
     if sd["extra.scale"] is not extra:
         fail("a non-strict load replaced the entry of a missing key", type(sd["extra.scale"]).__name__, "the same tensor", "extra.scale")
-    _assert_same_bits(sd, {"proj.weight": saved["proj.weight"], "extra.scale": torch.tensor([1.25, -0.0])})
+    assert_same_bits(sd, {"proj.weight": saved["proj.weight"], "extra.scale": torch.tensor([1.25, -0.0])})
 
 
 @pytest.mark.req("ML-11")
@@ -1182,18 +1102,18 @@ def test_unexpected_keys_can_be_an_error(dist, impl, who: str) -> None:
     """A checkpoint key the state dict does not ask for is allowed by default (the rest loads), and with
     ``allow_unexpected=False`` is an error naming it, raised alike by every rank also when only the
     last rank lacks the key; every state dict is then unchanged."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     saved = {"proj.weight": torch.arange(12.0).reshape(4, 3), "surplus.scale": torch.tensor([2.0, -0.0])}
-    ops.save(saved, path, process_group=_pg(dist))
+    ops.save(saved, path, process_group=group_of(dist))
     sd = {"proj.weight": different_like(saved["proj.weight"])}
-    _call(lambda: ops.load(sd, path, process_group=_pg(dist)))  # allowed by default
+    call_or_skip(lambda: ops.load(sd, path, process_group=group_of(dist)))  # allowed by default
     assert_bitwise_equal(sd["proj.weight"], saved["proj.weight"], what="proj.weight loaded beside an unexpected key")
     sd = {"proj.weight": different_like(saved["proj.weight"])}
     if not _bad_here(dist, who):
         sd["surplus.scale"] = different_like(saved["surplus.scale"])
     before = snapshot(state_dict=sd)
-    exc = raised(lambda: ops.load(sd, path, process_group=_pg(dist), allow_unexpected=False))
+    exc = raised(lambda: ops.load(sd, path, process_group=group_of(dist), allow_unexpected=False))
     check_each(
         raises=lambda: _fails_alike(dist, lambda: reraise(exc), keys=("surplus.scale",), what="load with an unexpected key"),
         unchanged=lambda: assert_unchanged(before, state_dict=sd, where=f"rank {dist.rank}"),
@@ -1212,13 +1132,13 @@ def test_save_and_load_without_a_process_group(impl, tmp_path: Path, target: str
 
     if torch_dist.is_available() and torch_dist.is_initialized():
         pytest.skip("torch.distributed is initialized in the controller process")
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     saved = {"plain": edge_tensors(3), "objects": _objects("saved")}
     ops.save(saved, tmp_path / "ckpt")
     make = _target_like if target == "filled" else _meta_like
     state = {"plain": {k: make(v) for k, v in edge_tensors(3).items()}, "objects": _objects("target")}
-    _call(lambda: ops.load(state, tmp_path / "ckpt"))
-    _assert_same_bits(state, {"plain": edge_tensors(3), "objects": _objects("saved")})
+    call_or_skip(lambda: ops.load(state, tmp_path / "ckpt"))
+    assert_same_bits(state, {"plain": edge_tensors(3), "objects": _objects("saved")})
 
 
 # -- ML-13 failed saves ----------------------------------------------------------------------------------------
@@ -1228,22 +1148,6 @@ def test_save_and_load_without_a_process_group(impl, tmp_path: Path, target: str
 #: a few bytes of it (ENOSPC), every fsync fails (EIO), or the file system is read-only (EROFS), on the last
 #: rank only or on every rank.
 SAVE_FAULTS = ("full-disk-before-data", "full-disk-mid-data", "fsync-fails", "read-only")
-
-
-def _fault(dist: Any, path: Path, fault: str, where: str) -> contextlib.AbstractContextManager[None]:
-    if where == "last-rank" and dist.rank != dist.world_size - 1:
-        return contextlib.nullcontext()
-    if fault == "fsync-fails":
-        return failing_fsync()
-    if fault == "read-only":  # every file of the directory, metadata too (root ignores chmod, so it is injected)
-        return failing_writes(path, code=errno.EROFS, which=lambda name: True, at_open=True)
-    return failing_writes(path, after_bytes=0 if fault == "full-disk-before-data" else 64)
-
-
-def _sharded_values(dist: Any, fill: float) -> dict[str, Any]:
-    """A state dict every rank writes a part of (a sharded DTensor, 4 rows per rank) and a replicated value."""
-    full = torch.arange(4 * dist.world_size * 3, dtype=torch.float32).reshape(-1, 3) + fill
-    return {"w": _dtensor(full, dist.mesh(), [Shard(0)]), "step": int(fill)}
 
 
 @pytest.mark.req("ML-13")
@@ -1257,15 +1161,15 @@ def test_failed_save_leaves_the_previous_checkpoint_whole(dist, impl, directory:
     file in it, and afterwards the directory holds exactly what it held before: the previous
     checkpoint, which loads whole with its own values (never a mix of old and new), or, in a fresh
     directory, nothing that loads."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     if directory == "overwrite":
-        ops.save(_sharded_values(dist, 1.0), path, process_group=_pg(dist))
+        ops.save(sharded_values(dist, 1.0), path, process_group=group_of(dist))
     dist.barrier()
 
     def failing_save() -> None:
-        with _fault(dist, path, fault, where):
-            ops.save(_sharded_values(dist, 50.0), path, process_group=_pg(dist))
+        with injected_fault(dist, path, fault, where):
+            ops.save(sharded_values(dist, 50.0), path, process_group=group_of(dist))
 
     exc = raised(failing_save)
     if exc is None:
@@ -1273,15 +1177,15 @@ def test_failed_save_leaves_the_previous_checkpoint_whole(dist, impl, directory:
     if str(path) not in str(exc) and path.name not in str(exc):
         fail(f"the error of a save with {fault}", f"{type(exc).__name__}: {exc}"[:400], f"a message naming {str(path)!r}", f"rank {dist.rank}")
     dist.barrier()
-    target = _sharded_values(dist, -7.0)
-    loaded = raised(lambda: ops.load(target, path, process_group=_pg(dist)))
+    target = sharded_values(dist, -7.0)
+    loaded = raised(lambda: ops.load(target, path, process_group=group_of(dist)))
     if directory == "fresh":
         if loaded is None:
             fail("a fresh directory after a failed save", "a checkpoint that loads", "nothing that loads", f"rank {dist.rank}")
         return
     if loaded is not None:
         fail("the previous checkpoint after a failed overwrite", f"{type(loaded).__name__}: {loaded}"[:400], "loads whole", f"rank {dist.rank}")
-    _assert_same_bits(target, _sharded_values(dist, 1.0), what="the previous checkpoint after a failed overwrite")
+    assert_same_bits(target, sharded_values(dist, 1.0), what="the previous checkpoint after a failed overwrite")
 
 
 @pytest.mark.req("ML-13")
@@ -1290,9 +1194,9 @@ def test_a_second_save_while_one_is_in_progress_never_mixes(dist, impl) -> None:
     """A save into a directory whose previous save still holds it (its writer locked it and has not
     published): either the second save is refused with an error naming the directory, or it wins
     whole; what loads afterwards is one save's values, never a mix of two."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
-    ops.save(_sharded_values(dist, 1.0), path, process_group=_pg(dist))
+    ops.save(sharded_values(dist, 1.0), path, process_group=group_of(dist))
     dist.barrier()
     holder = None
     if dist.rank == 0 and (path / ".lock").exists():
@@ -1302,77 +1206,18 @@ def test_a_second_save_while_one_is_in_progress_never_mixes(dist, impl) -> None:
         fcntl.flock(holder, fcntl.LOCK_EX)  # as a save in progress in another job holds it
     dist.barrier()
     try:
-        second = raised(lambda: ops.save(_sharded_values(dist, 2.0), path, process_group=_pg(dist)))
+        second = raised(lambda: ops.save(sharded_values(dist, 2.0), path, process_group=group_of(dist)))
     finally:
         if holder is not None:
             os.close(holder)
     dist.barrier()
-    target = _sharded_values(dist, -7.0)
-    _call(lambda: ops.load(target, path, process_group=_pg(dist)))
-    expected = _sharded_values(dist, 1.0 if second is not None else 2.0)
-    _assert_same_bits(target, expected, what=f"the checkpoint after a {'refused' if second is not None else 'concurrent'} second save")
+    target = sharded_values(dist, -7.0)
+    call_or_skip(lambda: ops.load(target, path, process_group=group_of(dist)))
+    expected = sharded_values(dist, 1.0 if second is not None else 2.0)
+    assert_same_bits(target, expected, what=f"the checkpoint after a {'refused' if second is not None else 'concurrent'} second save")
 
 
 # -- ML-14 / ML-15 bad checkpoints and error types ---------------------------------------------------------------------
-
-
-def _record(path: Path, fqn: str, offset: tuple[int, ...] | None = None) -> tuple[str, int, int]:
-    """(file, byte offset, length) of the stored record of ``fqn`` (the chunk at ``offset``)."""
-
-    for index, info in read_metadata(path).storage_data.items():
-        if index.fqn == fqn and (offset is None or tuple(index.offset) == offset):
-            return info.relative_path, info.offset, info.length
-    raise LookupError(f"{path}: no record of {fqn!r} at {offset}")
-
-
-def _file_read_by_one_rank(dist: Any, path: Path) -> tuple[str, int, int]:
-    """(file, byte offset, length) of the record of one rank's shard of ``w`` in a data file that holds
-    nothing else: with ``w`` loaded into the same layout, only that rank reads the file. The last
-    such rank's (where replicated ``b`` went depends on the implementation's deduplication)."""
-
-    records = read_metadata(path).storage_data
-    for rank in reversed(range(dist.world_size)):
-        name, offset, length = _record(path, "w", (4 * rank, 0))
-        if [(i.fqn, tuple(i.offset or ())) for i, info in records.items() if info.relative_path == name] == [("w", (4 * rank, 0))]:
-            return name, offset, length
-    listing = sorted((info.relative_path, i.fqn, tuple(i.offset or ())) for i, info in records.items())
-    fail("test set-up: no data file holds one rank's shard alone", listing, "a file holding only one shard of 'w'", str(path))
-    raise AssertionError  # unreachable: fail() raises
-
-
-def _damage(dist: Any, path: Path, case: str, who: str) -> str:
-    """Damage the checkpoint at ``path`` (call on rank 0); returns what the error must name.
-
-    Data files: for ``every-rank`` the file holding ``b``, which every rank reads; for ``one-rank`` a
-    file holding one rank's shard of ``w`` and nothing else, which only that rank reads.
-    A truncation cuts that record in half."""
-    meta = path / ".metadata"
-    if case in ("missing-data-file", "truncated-data-file"):
-        if who == "every-rank":
-            name, offset, length = _record(path, "b")
-        else:
-            name, offset, length = _file_read_by_one_rank(dist, path)
-        data = path / name
-        if case == "missing-data-file":
-            data.unlink()
-        else:
-            with open(data, "r+b") as f:
-                f.truncate(offset + length // 2)
-        return name
-    if case == "missing-metadata":
-        meta.unlink()
-        return ".metadata"
-    if case == "corrupt-metadata":
-        meta.write_bytes(meta.read_bytes()[:40] + b"\x00garbage")
-        return ".metadata"
-    if case == "unknown-version":
-        with open(meta, "rb") as f:
-            metadata = pickle.load(f)  # our own file, written a moment ago
-        metadata.version = "99.0.0"
-        with open(meta, "wb") as f:
-            pickle.dump(metadata, f)
-        return "99.0.0"
-    raise ValueError(case)
 
 
 _BAD_CHECKPOINTS = [
@@ -1394,16 +1239,16 @@ def test_bad_checkpoint_fails_fast_naming_the_file(dist, impl, case: str, who: s
     metadata); every rank's load raises the same error naming the file (or the version) within
     seconds, and every rank's state dict is unchanged."""
     _bad_here(dist, who)  # skips the one-rank case at world size 1
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(5))
-    ops.save({"w": _dtensor(full, dist.mesh(), [Shard(0)]), "b": torch.arange(5.0)}, path, process_group=_pg(dist))
+    ops.save({"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "b": torch.arange(5.0)}, path, process_group=group_of(dist))
     dist.barrier()
-    needle = dist.broadcast_object(_damage(dist, path, case, who) if dist.rank == 0 else None)
-    target = {"w": _dtensor(different_like(full), dist.mesh(), [Shard(0)]), "b": different_like(torch.arange(5.0))}
+    needle = dist.broadcast_object(damage(dist, path, case, who) if dist.rank == 0 else None)
+    target = {"w": dtensor_of(different_like(full), dist.mesh(), [Shard(0)]), "b": different_like(torch.arange(5.0))}
     before = snapshot(state_dict=target)
     start = time.monotonic()
-    exc = raised(lambda: ops.load(target, path, process_group=_pg(dist)))
+    exc = raised(lambda: ops.load(target, path, process_group=group_of(dist)))
     elapsed = time.monotonic() - start
 
     def raises() -> None:
@@ -1423,22 +1268,22 @@ def test_failed_read_replaces_nothing(dist, impl, who: str) -> None:
     it, so they read everything else successfully). Targets: a DTensor on meta and a non-tensor
     value. Every rank raises the same error naming the file and the key, and no rank's state dict has
     a meta entry or a non-tensor value replaced."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(6))
-    ops.save({"w": _dtensor(full, dist.mesh(), [Shard(0)]), "step": 7, "note": "saved"}, path, process_group=_pg(dist))
+    ops.save({"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "step": 7, "note": "saved"}, path, process_group=group_of(dist))
     dist.barrier()
     if dist.rank == 0:
-        name, offset, length = _record(path, "note")
+        name, offset, length = record_location(path, "note")
         with open(path / name, "r+b") as f:
             f.seek(offset)
             f.write(b"\0" * length)
     name = dist.broadcast_object(name if dist.rank == 0 else None)
-    sd: dict[str, Any] = {"w": _dtensor(full.to("meta"), dist.mesh(), [Shard(0)]), "step": 0}
+    sd: dict[str, Any] = {"w": dtensor_of(full.to("meta"), dist.mesh(), [Shard(0)]), "step": 0}
     if _bad_here(dist, who):
         sd["note"] = ""
     before = snapshot(state_dict=sd)
-    exc = raised(lambda: ops.load(sd, path, process_group=_pg(dist)))
+    exc = raised(lambda: ops.load(sd, path, process_group=group_of(dist)))
     check_each(
         raises=lambda: _fails_alike(dist, lambda: reraise(exc), keys=("note",), needles=(name,),
                                     what="load of a checkpoint with a corrupt record"),
@@ -1453,16 +1298,16 @@ def test_errors_are_exceptions_alike_on_every_rank(dist, impl, failure: str) -> 
     """A load of a key the checkpoint lacks, of a directory without metadata, and a save whose data
     file rank 0 cannot write: each raises an ``Exception`` (``except Exception`` catches it), the same
     type and message on every rank."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     if failure == "save-fails-on-rank-0":
         def call() -> None:
             with failing_writes(path) if dist.rank == 0 else contextlib.nullcontext():
-                ops.save(_sharded_values(dist, 3.0), path, process_group=_pg(dist))
+                ops.save(sharded_values(dist, 3.0), path, process_group=group_of(dist))
     else:
         if failure == "missing-key":
-            ops.save({"w": torch.ones(2)}, path, process_group=_pg(dist))
-        call = lambda: ops.load({"w": torch.zeros(2), "v": torch.zeros(2)}, path, process_group=_pg(dist))  # noqa: E731
+            ops.save({"w": torch.ones(2)}, path, process_group=group_of(dist))
+        call = lambda: ops.load({"w": torch.zeros(2), "v": torch.zeros(2)}, path, process_group=group_of(dist))  # noqa: E731
     exc = _fails_alike(dist, call, what=failure)
     if not isinstance(exc, Exception):
         fail("the error is not an Exception: `except Exception` misses it",
@@ -1479,17 +1324,17 @@ def test_files_that_vanish_or_shrink_during_a_load_fail_it_cleanly(dist, impl, h
     its reads (another job cleaning up, a copy in progress), on the last rank or on every rank: the
     load raises an ``Exception`` on every rank, naming the data file, and replaces nothing in the
     state dict (no non-tensor value is loaded; tensors filled in place may hold partial data)."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
-    ops.save(_sharded_values(dist, 1.0), path, process_group=_pg(dist))
+    ops.save(sharded_values(dist, 1.0), path, process_group=group_of(dist))
     dist.barrier()
-    target = _sharded_values(dist, -7.0)
+    target = sharded_values(dist, -7.0)
     entries = dict(target)
     faulty = where == "every-rank" or dist.rank == dist.world_size - 1
 
     def load() -> None:
         with failing_reads(path, how) if faulty else contextlib.nullcontext():
-            ops.load(target, path, process_group=_pg(dist))
+            ops.load(target, path, process_group=group_of(dist))
 
     exc = _fails_alike(dist, load, what=f"a load whose data files {how}")
     if not isinstance(exc, Exception):
@@ -1587,13 +1432,13 @@ def _step_state(dist: Any, target: str, *, saved: bool, planning: str | None = N
             shape = shape[::-1] if len(shape) > 1 else (shape[0] + 1,)
         full = _step_full(key, shape)
         if saved:
-            model[key] = full if target == "plain" else _dtensor(full, dist.mesh(), [placement])
+            model[key] = full if target == "plain" else dtensor_of(full, dist.mesh(), [placement])
         elif target == "plain":
             model[key] = different_like(full)
         elif target == "dtensor":
-            model[key] = _dtensor(different_like(full), dist.mesh(), [placement])
+            model[key] = dtensor_of(different_like(full), dist.mesh(), [placement])
         elif key == "w":
-            model[key] = _dtensor(full.to("meta"), dist.mesh(), [placement])
+            model[key] = dtensor_of(full.to("meta"), dist.mesh(), [placement])
         elif key == "b":
             model[key] = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))
         else:
@@ -1623,8 +1468,8 @@ def _skeleton(value: Any) -> Any:
         where = value.device.type if value.device.type == "meta" else (str(value.device), value.data_ptr())
         return ("tensor", type(value).__name__, value.dtype, tuple(value.shape), value.stride(), where)
     if isinstance(value, Stateful):
-        return ("stateful", type(value).__name__, _exact(value.state_dict()))
-    return _exact(value)
+        return ("stateful", type(value).__name__, exact(value.state_dict()))
+    return exact(value)
 
 
 @dataclass(frozen=True)
@@ -1696,7 +1541,7 @@ def _load_with_faults(dist: Any, ops: Any, path: Path, target: str, faults: dict
     if step == "reading":
         fault = unreadable_bytes(path, _unreadable_records(path, _STEP_FAULTS["reading"][which]))
     with fault:
-        exc = raised(lambda: _call(lambda: ops.load(state, path, process_group=_pg(dist))))
+        exc = raised(lambda: call_or_skip(lambda: ops.load(state, path, process_group=group_of(dist))))
     return _StepLoad(state, before, skeleton, exc)
 
 
@@ -1740,9 +1585,9 @@ def test_a_load_failing_at_any_step_replaces_nothing(dist, impl, target: str, ca
         pytest.skip("at world size 1 the first rank is the last: the first rank's cases cover it")
     if case.first is None and dist.world_size == 1:
         pytest.skip("at world size 1 the last rank is the first: the first rank's cases cover it")
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
-    ops.save(_step_state(dist, target, saved=True), path, process_group=_pg(dist))
+    ops.save(_step_state(dist, target, saved=True), path, process_group=group_of(dist))
     dist.barrier()
     faults = case.faults(dist.world_size)
     earliest = min(_STEPS.index(step) for step, _ in faults.values())
@@ -1784,7 +1629,7 @@ def test_a_load_failing_at_any_step_replaces_nothing(dist, impl, target: str, ca
         if earliest == 0:
             assert_unchanged(load.before, state_dict=load.state, stateful=_stateful_states(load.state), where=f"rank {dist.rank}, failed while planning")
         else:
-            _assert_same_bits(_skeleton(load.state), load.skeleton, what=f"the state dict after a load that failed while {_STEPS[earliest]} "
+            assert_same_bits(_skeleton(load.state), load.skeleton, what=f"the state dict after a load that failed while {_STEPS[earliest]} "
                               "(entries replaced, meta built, non-tensor or Stateful values loaded)")
 
     check_each(
@@ -1868,7 +1713,7 @@ def _check_after_kill(impl: Any, path: Path, directory: str, kill: tuple[str, in
     __tracebackhide__ = True
     from conformance.crash_child import crash_state
 
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     if directory == "overwrite":
         assert _child_save(impl, path, 1.0) == 0
     status = _child_save(impl, path, 2.0, kill, world, killed)
@@ -1897,7 +1742,7 @@ def test_two_jobs_saving_to_one_directory_at_once_never_mix(impl: Any, tmp_path:
 
     from conformance.crash_child import crash_state
 
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = tmp_path / "ckpt"
     if directory == "overwrite":
         assert _child_save(impl, path, 1.0) == 0

@@ -39,20 +39,21 @@ from conformance.asserts import (
     raised,
     snapshot,
 )
-from conformance.faults import failing_reads, failing_writes
-from conformance.test_checkpoint import (
-    SAVE_FAULTS,
-    _assert_same_bits,
-    _call,
-    _damage,
-    _dtensor,
-    _fault,
-    _ops,
-    _pg,
-    _record,
-    _sharded_values,
-    _zoo_model,
+from conformance.checkpoint_support import (
+    assert_same_bits,
+    call_or_skip,
+    checkpoint_ops,
+    damage,
+    dtensor_of,
+    group_of,
+    injected_fault,
+    peak_bytes_during,
+    record_location,
+    sharded_values,
+    zoo_model,
 )
+from conformance.faults import failing_reads, failing_writes
+from conformance.test_checkpoint import SAVE_FAULTS
 from conformance.values import different_like
 
 #: Seconds within which every rank must have raised ("promptly", "within seconds").
@@ -75,15 +76,15 @@ def test_meta_load_of_tied_values_restores_the_saved_model(dist, impl) -> None:
     meta, and each holds the saved bits (a loader that builds only the first name of a tie, or fills
     the second from another value, fails); the model assigned from them and re-tied computes what the
     saved model computes, and one SGD step of each on the same batch leaves them equal bit for bit."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     model = models.build("tied", seed=2, device=dist.device)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
-    ops.save(model.state_dict(), path, process_group=_pg(dist))
+    ops.save(model.state_dict(), path, process_group=group_of(dist))
 
-    meta_model: Any = _zoo_model(dist, "tied", seed=0, device="meta")
+    meta_model: Any = zoo_model(dist, "tied", seed=0, device="meta")
     sd = meta_model.state_dict()
-    _call(lambda: ops.load(sd, path, process_group=_pg(dist)))
+    call_or_skip(lambda: ops.load(sd, path, process_group=group_of(dist)))
     for key, value in sd.items():
         if value.device != dist.device:
             fail("a tied value loaded into meta was built on another device", value.device, dist.device, f"{key}, rank {dist.rank}")
@@ -113,17 +114,15 @@ def test_meta_load_of_many_records_allocates_once(dist, impl) -> None:
     every shard is built on the process group's device with the saved bits. A loader that reads a
     whole data file (or every record) before building the shards, or keeps a copy of each, needs
     about twice."""
-    from conformance.test_checkpoint import _peak_bytes_during
-
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     rows = _ROWS * dist.world_size
     gen = torch.Generator().manual_seed(3)
-    saved = {f"w{i:02d}": _dtensor(torch.randn(rows, 1024, generator=gen), dist.mesh(), [Shard(0)]) for i in range(_RECORDS)}
-    ops.save(saved, path, process_group=_pg(dist))
+    saved = {f"w{i:02d}": dtensor_of(torch.randn(rows, 1024, generator=gen), dist.mesh(), [Shard(0)]) for i in range(_RECORDS)}
+    ops.save(saved, path, process_group=group_of(dist))
     local_bytes = sum(v.to_local().numel() * 4 for v in saved.values())
-    sd = {k: _dtensor(torch.empty(rows, 1024, device="meta"), dist.mesh(), [Shard(0)]) for k in saved}
-    peak, measured = _peak_bytes_during(dist.device, lambda: _call(lambda: ops.load(sd, path, process_group=_pg(dist))))
+    sd = {k: dtensor_of(torch.empty(rows, 1024, device="meta"), dist.mesh(), [Shard(0)]) for k in saved}
+    peak, measured = peak_bytes_during(dist.device, lambda: call_or_skip(lambda: ops.load(sd, path, process_group=group_of(dist))))
     for key, value in sd.items():
         if value.to_local().device != dist.device:
             fail("the meta load built a shard on another device", value.to_local().device, dist.device, f"{key}, rank {dist.rank}")
@@ -146,21 +145,21 @@ def test_failed_save_raises_everywhere_and_leaves_a_usable_directory(dist, impl,
     rank raises ([raises]), each error names the directory or a file in it
     ([names]); afterwards the directory holds nothing that loads ([nothing-loads]), and the next save
     into it succeeds on every rank and loads back whole ([next-save])."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
 
     def failing_save() -> None:
-        with _fault(dist, path, fault, where):
-            ops.save(_sharded_values(dist, 50.0), path, process_group=_pg(dist))
+        with injected_fault(dist, path, fault, where):
+            ops.save(sharded_values(dist, 50.0), path, process_group=group_of(dist))
 
     exc = raised(failing_save)
     kinds = dist.all_gather_object(None if exc is None else type(exc).__name__)
     dist.barrier()
-    loaded = raised(lambda: ops.load(_sharded_values(dist, -7.0), path, process_group=_pg(dist)))
+    loaded = raised(lambda: ops.load(sharded_values(dist, -7.0), path, process_group=group_of(dist)))
     dist.barrier()
-    again = raised(lambda: ops.save(_sharded_values(dist, 2.0), path, process_group=_pg(dist)))
-    target = _sharded_values(dist, -7.0)
-    reloaded = raised(lambda: ops.load(target, path, process_group=_pg(dist))) if again is None else again
+    again = raised(lambda: ops.save(sharded_values(dist, 2.0), path, process_group=group_of(dist)))
+    target = sharded_values(dist, -7.0)
+    reloaded = raised(lambda: ops.load(target, path, process_group=group_of(dist))) if again is None else again
 
     def raises() -> None:
         if None in kinds:
@@ -180,7 +179,7 @@ def test_failed_save_raises_everywhere_and_leaves_a_usable_directory(dist, impl,
         if reloaded is not None:
             fail("the next save into the directory of a failed one, loaded back", f"{type(reloaded).__name__}: {reloaded}"[:400],
                  "a save that succeeds and loads whole", f"rank {dist.rank}")
-        _assert_same_bits(target, _sharded_values(dist, 2.0), what="the next save after a failed one, loaded back")
+        assert_same_bits(target, sharded_values(dist, 2.0), what="the next save after a failed one, loaded back")
 
     check_each(raises=raises, names=names, nothing_loads=nothing_loads, next_save=next_save)
 
@@ -200,18 +199,18 @@ def test_bad_checkpoint_fails_alike_on_every_rank_and_changes_nothing(dist, impl
     missing or corrupt: the load raises on every rank the same type with the same message, within
     seconds, and every rank's state dict (a DTensor shard and a plain tensor, each differing from the
     saved values) is unchanged."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(5))
-    ops.save({"w": _dtensor(full, dist.mesh(), [Shard(0)]), "b": torch.arange(5.0)}, path, process_group=_pg(dist))
+    ops.save({"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "b": torch.arange(5.0)}, path, process_group=group_of(dist))
     dist.barrier()
     if dist.rank == 0:
-        _damage(dist, path, case, "every-rank")
+        damage(dist, path, case, "every-rank")
     dist.barrier()
-    target = {"w": _dtensor(different_like(full), dist.mesh(), [Shard(0)]), "b": different_like(torch.arange(5.0))}
+    target = {"w": dtensor_of(different_like(full), dist.mesh(), [Shard(0)]), "b": different_like(torch.arange(5.0))}
     before = snapshot(state_dict=target)
     start = time.monotonic()
-    exc = raised(lambda: ops.load(target, path, process_group=_pg(dist)))
+    exc = raised(lambda: ops.load(target, path, process_group=group_of(dist)))
     elapsed = time.monotonic() - start
 
     def raises() -> None:
@@ -229,23 +228,23 @@ def test_errors_of_save_and_load_are_alike_on_every_rank(dist, impl, failure: st
     """A load of a key the checkpoint lacks, a load of a shape the checkpoint does not hold, and a save
     whose data file one rank (the first or the last) cannot write: every rank raises, the same type
     with the same message."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     if failure.startswith("save-fails"):
         failing_rank = 0 if failure.endswith("rank-0") else dist.world_size - 1
 
         def call() -> None:
             with failing_writes(path) if dist.rank == failing_rank else contextlib.nullcontext():
-                ops.save(_sharded_values(dist, 3.0), path, process_group=_pg(dist))
+                ops.save(sharded_values(dist, 3.0), path, process_group=group_of(dist))
     else:
-        ops.save({"w": torch.ones(2)}, path, process_group=_pg(dist))
+        ops.save({"w": torch.ones(2)}, path, process_group=group_of(dist))
         dist.barrier()
         target = {"w": torch.zeros(2), "v": torch.zeros(2)} if failure == "missing-key" else {"w": torch.zeros(3)}
 
         def call() -> None:
-            ops.load(target, path, process_group=_pg(dist))
+            ops.load(target, path, process_group=group_of(dist))
 
-    _alike(dist, raised(lambda: _call(call)), failure)
+    _alike(dist, raised(lambda: call_or_skip(call)), failure)
 
 
 # -- ML-20 / ML-14 reads that fail: the same error everywhere, nothing replaced ------------------------------
@@ -260,22 +259,22 @@ def test_unreadable_record_fails_alike_and_replaces_nothing(dist, impl, who: str
     entry replaced (the meta DTensor is not built into it, ``step`` and ``note`` keep their values)."""
     if who == "one-rank" and dist.world_size == 1:
         pytest.skip("at world size 1 the one rank is every rank: the every-rank case covers it")
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(6))
-    ops.save({"w": _dtensor(full, dist.mesh(), [Shard(0)]), "step": 7, "note": "saved"}, path, process_group=_pg(dist))
+    ops.save({"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "step": 7, "note": "saved"}, path, process_group=group_of(dist))
     dist.barrier()
     if dist.rank == 0:
-        name, offset, length = _record(path, "note")
+        name, offset, length = record_location(path, "note")
         with open(path / name, "r+b") as f:
             f.seek(offset)
             f.write(b"\0" * length)
     dist.barrier()
-    sd: dict[str, Any] = {"w": _dtensor(full.to("meta"), dist.mesh(), [Shard(0)]), "step": 0}
+    sd: dict[str, Any] = {"w": dtensor_of(full.to("meta"), dist.mesh(), [Shard(0)]), "step": 0}
     if who == "every-rank" or dist.rank == dist.world_size - 1:
         sd["note"] = ""
     before = snapshot(state_dict=sd)
-    exc = raised(lambda: ops.load(sd, path, process_group=_pg(dist)))
+    exc = raised(lambda: ops.load(sd, path, process_group=group_of(dist)))
     check_each(
         raises=lambda: _alike(dist, exc, "load of a checkpoint with a corrupt record"),
         unchanged=lambda: assert_unchanged(before, state_dict=sd, where=f"rank {dist.rank}"),
@@ -291,17 +290,17 @@ def test_files_that_vanish_or_shrink_during_a_load_replace_nothing(dist, impl, h
     its reads (on the last rank, or on every rank): every rank raises the same error type and message,
     naming the data file, and no entry of any rank's state dict is replaced (the same objects, the
     non-tensor ``step`` not loaded)."""
-    ops = _ops(impl)
+    ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
-    ops.save(_sharded_values(dist, 1.0), path, process_group=_pg(dist))
+    ops.save(sharded_values(dist, 1.0), path, process_group=group_of(dist))
     dist.barrier()
-    target = _sharded_values(dist, -7.0)
+    target = sharded_values(dist, -7.0)
     entries = dict(target)
     faulty = where == "every-rank" or dist.rank == dist.world_size - 1
 
     def load() -> None:
         with failing_reads(path, how) if faulty else contextlib.nullcontext():
-            ops.load(target, path, process_group=_pg(dist))
+            ops.load(target, path, process_group=group_of(dist))
 
     exc = raised(load)
 

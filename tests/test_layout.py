@@ -37,11 +37,7 @@ def test_the_private_import_finder_finds_one(tmp_path) -> None:
     assert private_imports(source, PACKAGES) == ["line 1: imports _short from conformance.asserts"]
 
 
-#: Debt, not a decision: the helpers this module takes from test_checkpoint.py move to a module of their own.
-NOT_YET = {"conformance.test_checkpoint_unpinned"}
-
-
-@pytest.mark.parametrize("module", [m for m in MODULES if not m.startswith("reference") and m not in NOT_YET])
+@pytest.mark.parametrize("module", [m for m in MODULES if not m.startswith("reference")])
 def test_no_module_imports_another_modules_private_names(module: str) -> None:
     bad = private_imports(MODULES[module], PACKAGES)
     assert not bad, f"{module}: " + "; ".join(bad)

@@ -1,0 +1,213 @@
+"""Helpers the checkpoint sections' test files share (``test_checkpoint.py``,
+``test_checkpoint_unpinned.py``): the adapter's ops, values and DTensors to save, bit-exact comparison,
+faults and damage applied to a saved checkpoint, and memory measurement. Self-tests:
+``tests/test_checkpoint_support.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import gc
+import pickle
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+
+from conformance import models
+from conformance.adapters.base import Unsupported
+from conformance.asserts import (
+    assert_same_state,
+    expected_local_chunk,
+    fail,
+)
+from conformance.dcp_files import read_metadata
+from conformance.faults import failing_fsync, failing_writes
+
+__all__ = [
+    "ExactFloat",
+    "exact",
+    "assert_same_bits",
+    "call_or_skip",
+    "dtensor_of",
+    "checkpoint_ops",
+    "group_of",
+    "record_location",
+    "file_read_by_one_rank",
+    "damage",
+    "injected_fault",
+    "sharded_values",
+    "zoo_model",
+    "rss_kib",
+    "peak_bytes_during",
+]
+
+
+def checkpoint_ops(impl: Any) -> Any:
+    return impl.require("checkpoint")
+
+
+def call_or_skip(fn: Callable[[], Any]) -> Any:
+    """Run an ops call; an option the implementation lacks is a skip naming it."""
+    try:
+        return fn()
+    except Unsupported as exc:
+        pytest.skip(str(exc))
+
+
+def group_of(dist: Any) -> Any:
+    return dist.group
+
+
+@dataclass(frozen=True)
+class ExactFloat:
+    """A Python float compared by its bits: ``-0.0`` is not ``0.0`` and a NaN's payload counts (``==``
+    says otherwise, so :func:`assert_same_state` alone would miss a loader that canonicalises them)."""
+
+    bits: int
+
+    def __repr__(self) -> str:
+        return f"{struct.unpack('<d', struct.pack('<Q', self.bits))[0]!r} (bits {self.bits:#018x})"
+
+
+def exact(value: Any) -> Any:
+    """``value`` with every Python float replaced by its :class:`ExactFloat` (containers rebuilt, tensors
+    and other leaves as they are): compare the results with :func:`assert_same_state`."""
+    if type(value) is float:
+        return ExactFloat(struct.unpack("<Q", struct.pack("<d", value))[0])
+    if isinstance(value, Mapping):
+        return {k: exact(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(exact(v) for v in value)
+    return value
+
+
+def assert_same_bits(got: Any, expected: Any, *, what: str = "loaded state", check_order: bool = True) -> None:
+    """Nested state equal bit for bit: tensors (DTensors by placements, global shape and local shard),
+    non-tensor values of the same type, Python floats by their bits."""
+    __tracebackhide__ = True
+    assert_same_state(exact(got), exact(expected), what=what, check_order=check_order)
+
+
+def dtensor_of(full: torch.Tensor, mesh: Any, placements: list[Any]) -> DTensor:
+    """A DTensor of ``full`` on ``mesh``, built from this rank's documented piece without any
+    collective (so every dtype works on gloo); ``full`` on meta gives a meta DTensor."""
+    coordinate = mesh.get_coordinate()
+    piece, _ = expected_local_chunk(full, placements, tuple(mesh.shape), tuple(coordinate))
+    return DTensor.from_local(piece.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+
+
+def zoo_model(dist: Any, name: str, seed: int, device: str | torch.device) -> nn.Module:
+    """Zoo model ``name`` built from ``seed`` on this rank's device, or, for ``device="meta"``, with
+    every tensor on meta (the seed does not matter there)."""
+    if str(device) == "meta":
+        with torch.device("meta"):
+            return models.ZOO[name]()
+    return models.build(name, seed=seed, device=dist.device)
+
+
+def rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def peak_bytes_during(device: torch.device, fn: Callable[[], Any]) -> tuple[int, str]:
+    """Bytes by which ``fn`` raised the peak memory of ``device`` above what was in use before it,
+    and what was measured: the CUDA caching allocator's peak on a GPU (host memory does not grow when
+    tensors are built there), the process's peak RSS (VmHWM, reset first) on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - baseline, f"peak CUDA memory of {device}"
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("peak RSS is measured through Linux's /proc/self/clear_refs and VmHWM")
+    gc.collect()
+    baseline = rss_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+    fn()
+    return (rss_kib("VmHWM") - baseline) * 1024, "peak RSS"
+
+
+def injected_fault(dist: Any, path: Path, fault: str, where: str) -> contextlib.AbstractContextManager[None]:
+    if where == "last-rank" and dist.rank != dist.world_size - 1:
+        return contextlib.nullcontext()
+    if fault == "fsync-fails":
+        return failing_fsync()
+    if fault == "read-only":  # every file of the directory, metadata too (root ignores chmod, so it is injected)
+        return failing_writes(path, code=errno.EROFS, which=lambda name: True, at_open=True)
+    return failing_writes(path, after_bytes=0 if fault == "full-disk-before-data" else 64)
+
+
+def sharded_values(dist: Any, fill: float) -> dict[str, Any]:
+    """A state dict every rank writes a part of (a sharded DTensor, 4 rows per rank) and a replicated value."""
+    full = torch.arange(4 * dist.world_size * 3, dtype=torch.float32).reshape(-1, 3) + fill
+    return {"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "step": int(fill)}
+
+
+def record_location(path: Path, fqn: str, offset: tuple[int, ...] | None = None) -> tuple[str, int, int]:
+    """(file, byte offset, length) of the stored record of ``fqn`` (the chunk at ``offset``)."""
+    for index, info in read_metadata(path).storage_data.items():
+        if index.fqn == fqn and (offset is None or tuple(index.offset) == offset):
+            return info.relative_path, info.offset, info.length
+    raise LookupError(f"{path}: no record of {fqn!r} at {offset}")
+
+
+def file_read_by_one_rank(dist: Any, path: Path) -> tuple[str, int, int]:
+    """(file, byte offset, length) of the record of one rank's shard of ``w`` in a data file that holds
+    nothing else: with ``w`` loaded into the same layout, only that rank reads the file. The last
+    such rank's (where replicated ``b`` went depends on the implementation's deduplication)."""
+
+    records = read_metadata(path).storage_data
+    for rank in reversed(range(dist.world_size)):
+        name, offset, length = record_location(path, "w", (4 * rank, 0))
+        if [(i.fqn, tuple(i.offset or ())) for i, info in records.items() if info.relative_path == name] == [("w", (4 * rank, 0))]:
+            return name, offset, length
+    listing = sorted((info.relative_path, i.fqn, tuple(i.offset or ())) for i, info in records.items())
+    fail("test set-up: no data file holds one rank's shard alone", listing, "a file holding only one shard of 'w'", str(path))
+    raise AssertionError  # unreachable: fail() raises
+
+
+def damage(dist: Any, path: Path, case: str, who: str) -> str:
+    """Damage the checkpoint at ``path`` (call on rank 0); returns what the error must name.
+
+    Data files: for ``every-rank`` the file holding ``b``, which every rank reads; for ``one-rank`` a
+    file holding one rank's shard of ``w`` and nothing else, which only that rank reads.
+    A truncation cuts that record in half."""
+    meta = path / ".metadata"
+    if case in ("missing-data-file", "truncated-data-file"):
+        if who == "every-rank":
+            name, offset, length = record_location(path, "b")
+        else:
+            name, offset, length = file_read_by_one_rank(dist, path)
+        data = path / name
+        if case == "missing-data-file":
+            data.unlink()
+        else:
+            with open(data, "r+b") as f:
+                f.truncate(offset + length // 2)
+        return name
+    if case == "missing-metadata":
+        meta.unlink()
+        return ".metadata"
+    if case == "corrupt-metadata":
+        meta.write_bytes(meta.read_bytes()[:40] + b"\x00garbage")
+        return ".metadata"
+    if case == "unknown-version":
+        with open(meta, "rb") as f:
+            metadata = pickle.load(f)  # our own file, written a moment ago
+        metadata.version = "99.0.0"
+        with open(meta, "wb") as f:
+            pickle.dump(metadata, f)
+        return "99.0.0"
+    raise ValueError(case)
