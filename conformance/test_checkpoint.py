@@ -67,6 +67,7 @@ from conformance.checkpoint_support import (
 )
 from conformance.compare import fqn_keyed_optim, full_on_cpu
 from conformance.dcp_files import read_metadata, storage_bytes_range
+from conformance.error_cases import WHERE, bad_input_here
 from conformance.faults import failing_reads, failing_writes, unreadable_bytes
 from conformance.harness.context import per_group_cache
 from conformance.values import EDGE_DTYPES, different_like, edge_tensors, perturb_hyperparameters
@@ -90,18 +91,6 @@ def _mesh_2d(dist: Any) -> Any:
     if dist.world_size not in _MESHES_2D:
         _MESHES_2D[dist.world_size] = dist.mesh(*hybrid_mesh_shape(dist.world_size))
     return _MESHES_2D[dist.world_size]
-
-
-#: Who sees the bad input of an error test: every rank, or only the last one.
-_WHO = ["every-rank", "one-rank"]
-
-
-def _bad_here(dist: Any, who: str) -> bool:
-    """Whether this rank gets the bad input; skips the one-rank case at world size 1, where it is the
-    every-rank case."""
-    if who == "one-rank" and dist.world_size == 1:
-        pytest.skip("at world size 1 the one rank is every rank: the every-rank case covers it")
-    return who == "every-rank" or dist.rank == dist.world_size - 1
 
 
 def _fails_alike(dist: Any, fn: Callable[[], Any], *, keys: tuple[str, ...] = (), needles: tuple[str, ...] = (),
@@ -812,7 +801,7 @@ def _error_checkpoint() -> dict[str, torch.Tensor]:
 
 @pytest.mark.req("ML-6")
 @pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("who", _WHO)
+@pytest.mark.parametrize("who", WHERE)
 def test_meta_value_of_unknown_type_is_an_error(dist, impl, who: str) -> None:
     """A meta tensor subclass under ``proj.weight`` (on every rank, or on the last rank only while the
     others hold a plain meta tensor): every rank raises the same error naming the key and the type,
@@ -821,7 +810,7 @@ def test_meta_value_of_unknown_type_is_an_error(dist, impl, who: str) -> None:
     path = dist.tmp_dir / "ckpt"
     ops.save(_error_checkpoint(), path, process_group=group_of(dist))
     weight = torch.empty(4, 3, device="meta")
-    sd = {"proj.weight": weight.as_subclass(MarkedTensor) if _bad_here(dist, who) else weight,
+    sd = {"proj.weight": weight.as_subclass(MarkedTensor) if bad_input_here(dist, who) else weight,
           "proj.bias": torch.empty(2, device="meta")}
     before = snapshot(state_dict=sd)
     exc = raised(lambda: ops.load(sd, path, process_group=group_of(dist)))
@@ -1020,7 +1009,7 @@ def test_reshard_model_and_optimizer_state(pools, world_size_pair, impl, tmp_pat
 @pytest.mark.req("ML-9")
 @pytest.mark.rank_timeout(30)
 @pytest.mark.world_size(min=2)
-@pytest.mark.parametrize("who", _WHO)
+@pytest.mark.parametrize("who", WHERE)
 def test_per_rank_value_under_one_key_is_an_error(dist, impl, who: str) -> None:
     """``rank_seed`` differs on every rank, or only on the last: every rank's save raises the same
     error, naming the key."""
@@ -1059,7 +1048,7 @@ def _asking_for(spec: dict[str, tuple[tuple[int, ...], torch.dtype]], device: st
 
 @pytest.mark.req("ML-10")
 @pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("who", _WHO)
+@pytest.mark.parametrize("who", WHERE)
 @pytest.mark.parametrize("mismatch", list(_MISMATCHES))
 def test_strict_load_names_the_key_and_changes_nothing(dist, impl, mismatch: str, who: str) -> None:
     """A key missing from the checkpoint, a shape or a dtype that differs (on every rank, or on the last
@@ -1070,7 +1059,7 @@ def test_strict_load_names_the_key_and_changes_nothing(dist, impl, mismatch: str
     path = dist.tmp_dir / "ckpt"
     ops.save(_error_checkpoint(), path, process_group=group_of(dist))
     spec, key, needles = _MISMATCHES[mismatch]
-    asked = spec if _bad_here(dist, who) else _GOOD
+    asked = spec if bad_input_here(dist, who) else _GOOD
     for device in ("cpu", "meta"):
         sd = _asking_for(asked, device)
         before = snapshot(state_dict=sd)
@@ -1097,7 +1086,7 @@ def test_non_strict_load_skips_missing_keys(dist, impl) -> None:
 
 @pytest.mark.req("ML-11")
 @pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("who", _WHO)
+@pytest.mark.parametrize("who", WHERE)
 def test_unexpected_keys_can_be_an_error(dist, impl, who: str) -> None:
     """A checkpoint key the state dict does not ask for is allowed by default (the rest loads), and with
     ``allow_unexpected=False`` is an error naming it, raised alike by every rank also when only the
@@ -1110,7 +1099,7 @@ def test_unexpected_keys_can_be_an_error(dist, impl, who: str) -> None:
     call_or_skip(lambda: ops.load(sd, path, process_group=group_of(dist)))  # allowed by default
     assert_bitwise_equal(sd["proj.weight"], saved["proj.weight"], what="proj.weight loaded beside an unexpected key")
     sd = {"proj.weight": different_like(saved["proj.weight"])}
-    if not _bad_here(dist, who):
+    if not bad_input_here(dist, who):
         sd["surplus.scale"] = different_like(saved["surplus.scale"])
     before = snapshot(state_dict=sd)
     exc = raised(lambda: ops.load(sd, path, process_group=group_of(dist), allow_unexpected=False))
@@ -1238,7 +1227,7 @@ def test_bad_checkpoint_fails_fast_naming_the_file(dist, impl, case: str, who: s
     """Damage a checkpoint (a data file every rank reads or only one rank reads, or the
     metadata); every rank's load raises the same error naming the file (or the version) within
     seconds, and every rank's state dict is unchanged."""
-    _bad_here(dist, who)  # skips the one-rank case at world size 1
+    bad_input_here(dist, who)  # skips the one-rank case at world size 1
     ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(5))
@@ -1261,7 +1250,7 @@ def test_bad_checkpoint_fails_fast_naming_the_file(dist, impl, case: str, who: s
 
 @pytest.mark.req("ML-20")
 @pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("who", _WHO)
+@pytest.mark.parametrize("who", WHERE)
 def test_failed_read_replaces_nothing(dist, impl, who: str) -> None:
     """The record of the non-tensor value ``note`` is overwritten with zeros (planning cannot see it;
     reading fails), and it is asked for by every rank, or only by the last (the others do not ask for
@@ -1280,7 +1269,7 @@ def test_failed_read_replaces_nothing(dist, impl, who: str) -> None:
             f.write(b"\0" * length)
     name = dist.broadcast_object(name if dist.rank == 0 else None)
     sd: dict[str, Any] = {"w": dtensor_of(full.to("meta"), dist.mesh(), [Shard(0)]), "step": 0}
-    if _bad_here(dist, who):
+    if bad_input_here(dist, who):
         sd["note"] = ""
     before = snapshot(state_dict=sd)
     exc = raised(lambda: ops.load(sd, path, process_group=group_of(dist)))

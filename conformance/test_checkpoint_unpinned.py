@@ -52,6 +52,7 @@ from conformance.checkpoint_support import (
     sharded_values,
     zoo_model,
 )
+from conformance.error_cases import WHERE, bad_input_here
 from conformance.faults import failing_reads, failing_writes
 from conformance.test_checkpoint import SAVE_FAULTS
 from conformance.values import different_like
@@ -252,13 +253,12 @@ def test_errors_of_save_and_load_are_alike_on_every_rank(dist, impl, failure: st
 
 @pytest.mark.req("ML-20")
 @pytest.mark.rank_timeout(PROMPTLY_S)
-@pytest.mark.parametrize("who", ["every-rank", "one-rank"])
+@pytest.mark.parametrize("who", WHERE)
 def test_unreadable_record_fails_alike_and_replaces_nothing(dist, impl, who: str) -> None:
     """The record of the non-tensor value ``note`` is overwritten with zeros, and it is asked for by
     every rank or by the last only: every rank raises the same error, and no rank's state dict has an
     entry replaced (the meta DTensor is not built into it, ``step`` and ``note`` keep their values)."""
-    if who == "one-rank" and dist.world_size == 1:
-        pytest.skip("at world size 1 the one rank is every rank: the every-rank case covers it")
+    asks_for_note = bad_input_here(dist, who)
     ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(6))
@@ -271,7 +271,7 @@ def test_unreadable_record_fails_alike_and_replaces_nothing(dist, impl, who: str
             f.write(b"\0" * length)
     dist.barrier()
     sd: dict[str, Any] = {"w": dtensor_of(full.to("meta"), dist.mesh(), [Shard(0)]), "step": 0}
-    if who == "every-rank" or dist.rank == dist.world_size - 1:
+    if asks_for_note:
         sd["note"] = ""
     before = snapshot(state_dict=sd)
     exc = raised(lambda: ops.load(sd, path, process_group=group_of(dist)))
