@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 from conformance import models
 from conformance.adapters.sharding import STRATEGIES, ShardingPlan, hybrid_mesh_shape, strategy_layout
@@ -110,7 +111,7 @@ def _build(name: str, seed: int, device: torch.device, *, oracle: bool = False) 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     model = models.build("mlp", seed=seed, device=device)
-    model.net[2] = checkpoint_wrapper(model.net[2])
+    model.get_submodule("net").register_module("2", checkpoint_wrapper(model.get_submodule("net.2")))
     return model
 
 
@@ -447,7 +448,9 @@ class Layout:
         a DTensor's ``torch.chunk`` piece, a flat parameter's chunk, or an original parameter's part."""
         if isinstance(param, DTensor):
             mesh = param.device_mesh
-            piece, _ = expected_local_chunk(fulls[fqns[0]], param.placements, tuple(mesh.shape), tuple(mesh.get_coordinate()))
+            coordinate = mesh.get_coordinate()
+            assert coordinate is not None, "a DTensor of a mesh this rank is not in"
+            piece, _ = expected_local_chunk(fulls[fqns[0]], param.placements, tuple(mesh.shape), tuple(coordinate))
             full = fulls[fqns[0]]
             return DTensor.from_local(piece.clone(), mesh, param.placements, run_check=False, shape=full.shape, stride=full.stride())
         if flat:
@@ -1040,7 +1043,7 @@ def _bad_layout(kind: str, bad: bool, device: Any) -> tuple[nn.Module, tuple[str
     if kind == "mixed-dtype":  # one unit (the root) would flatten float32 and float64 parameters together
         model = models.build("mlp", device=device)
         if bad:
-            model.net[2].double()
+            model.get_submodule("net.2").double()
         return model, (), ("net.2.weight", "net.2.bias"), True
     if kind == "shared-across-units":  # embed.weight is head.weight: a unit at `embed` and the root would both hold it
         return models.build("tied", device=device), ("embed",), ("embed.weight", "head.weight"), True
@@ -1216,12 +1219,13 @@ class InjectedFault(RuntimeError):
     """Raised by a hook the test installs, from inside an implementation's state-dict call."""
 
 
-def _fail_once(register: Callable[[Callable[..., Any]], Any]) -> None:
+def _fail_once(register: Callable[[Callable[..., Any]], RemovableHandle]) -> None:
     """Register, through ``register``, a hook that raises :class:`InjectedFault` the first time it runs
     and removes itself."""
-    handle = None
+    handle: RemovableHandle | None = None
 
     def hook(*args: Any) -> None:
+        assert handle is not None  # registered before anything can run it
         handle.remove()
         raise InjectedFault("fault injected by the test inside a state-dict call")
 
