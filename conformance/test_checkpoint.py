@@ -38,7 +38,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conformance import models
-from conformance.adapters.base import Unsupported
+from conformance.adapters.base import Adapter, Unsupported
+from conformance.adapters.checkpoint import CheckpointOps
 from conformance.adapters.sharding import ShardingPlan, hybrid_mesh_shape
 from conformance.asserts import (
     assert_bitwise_equal,
@@ -63,11 +64,11 @@ from conformance.values import EDGE_DTYPES, different_like, edge_tensors, pertur
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def _ops(impl: Any) -> Any:
+def _ops(impl: Adapter) -> CheckpointOps:
     return impl.require("checkpoint")
 
 
-def _shard(impl: Any, model: nn.Module, dist: Any) -> nn.Module:
+def _shard(impl: Adapter, model: nn.Module, dist: Any) -> nn.Module:
     """``model`` sharded by ``impl`` over the pool's 1-D mesh (FULL_SHARD, original parameters, one unit)."""
     return impl.require("sharding").shard(model, ShardingPlan(use_orig_params=True, device=dist.device, mesh=dist.mesh()))
 
@@ -597,7 +598,7 @@ def _metadata_layout(path: str) -> dict[str, Any]:
     return {"keys": keys, "stored chunks": stored, "planner_data": planner_data, "version": md.version}
 
 
-def _format_save(dist: Any, impl: Any, route: str, path: str, seed: int) -> None:
+def _format_save(dist: Any, impl: Adapter, route: str, path: str, seed: int) -> None:
     saved = _format_state(dist, "saved", seed).values
     if route == "upstream-saves":
         _upstream_save(dist, saved, path)
@@ -606,7 +607,7 @@ def _format_save(dist: Any, impl: Any, route: str, path: str, seed: int) -> None
     _upstream_save(dist, _format_state(dist, "saved", seed).values, path + "-by-upstream")  # the same state dict
 
 
-def _format_load(dist: Any, impl: Any, route: str, path: str, seed: int, out: str) -> None:
+def _format_load(dist: Any, impl: Adapter, route: str, path: str, seed: int, out: str) -> None:
     """Load what :func:`_format_save` saved (the other side loads) and check it; with ``impl-saves``,
     also the metadata against upstream's save of the same state dict and, on rank 0, upstream's
     ``dcp_to_torch_save`` of the checkpoint. Each property is reported even when another failed."""
@@ -941,12 +942,12 @@ def test_meta_load_allocates_local_shards_once(dist, impl) -> None:
 # -- ML-8 resharding across world sizes ----------------------------------------------------------------------
 
 
-def _save_tp(dist: Any, impl: Any, path: str) -> None:
+def _save_tp(dist: Any, impl: Adapter, path: str) -> None:
     model = _tp_model(dist, seed=8, device=dist.device)
     _ops(impl).save(model.state_dict(), path, process_group=_pg(dist))
 
 
-def _load_tp(dist: Any, impl: Any, path: str) -> None:
+def _load_tp(dist: Any, impl: Adapter, path: str) -> None:
     meta_model = _tp_model(dist, seed=0, device="meta")
     sd = meta_model.state_dict()
     _call(lambda: _ops(impl).load(sd, path, process_group=_pg(dist)))
@@ -1012,7 +1013,7 @@ def _hyperparameters(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in group.items() if k != "params"} for group in groups]
 
 
-def _save_training(dist: Any, impl: Any, name: str, path: str, saved_path: str) -> None:
+def _save_training(dist: Any, impl: Adapter, name: str, path: str, saved_path: str) -> None:
     ops = _ops(impl)
     model = _shard(impl, models.build(name, seed=11, device=dist.device), dist)
     optimizer = _optimizer(model)
@@ -1044,7 +1045,7 @@ def _assert_matches_full(dist: Any, got: Any, full: Any, where: str) -> None:
         assert_same_state(_exact(got), _exact(full), what="resharded value", where=where, check_order=False)
 
 
-def _load_training(dist: Any, impl: Any, name: str, path: str, saved_path: str) -> None:
+def _load_training(dist: Any, impl: Adapter, name: str, path: str, saved_path: str) -> None:
     ops = _ops(impl)
     model = _shard(impl, models.build(name, seed=99, device=dist.device), dist)
     optimizer = _optimizer(model, reverse=True)
@@ -1830,7 +1831,7 @@ def _two_rank_kills() -> tuple[tuple[tuple[str, int], str], ...]:
     return QUICK_TWO_RANK_KILLS
 
 
-def _child_save(impl: Any, path: Path, fill: float, kill: tuple[str, int] | None = None, world: int = 1, killed: str = "all") -> int:
+def _child_save(impl: Adapter, path: Path, fill: float, kill: tuple[str, int] | None = None, world: int = 1, killed: str = "all") -> int:
     import subprocess
     import sys
 
@@ -1852,7 +1853,7 @@ def _child_save(impl: Any, path: Path, fill: float, kill: tuple[str, int] | None
 @pytest.mark.req("ML-13")
 @pytest.mark.parametrize("kill", _kill_points(), ids=[f"{op}-{n}" for op, n in _kill_points()])
 @pytest.mark.parametrize("directory", ["fresh", "overwrite"])
-def test_a_killed_save_leaves_one_whole_checkpoint(impl: Any, tmp_path: Path, directory: str, kill: tuple[str, int]) -> None:
+def test_a_killed_save_leaves_one_whole_checkpoint(impl: Adapter, tmp_path: Path, directory: str, kill: tuple[str, int]) -> None:
     """A process saving a checkpoint is killed (SIGKILL: no cleanup) at a step of the save: the
     directory then holds the previous checkpoint whole (overwrite), nothing that loads (fresh), or,
     if the kill came after publication, the new one whole; never a mix. One process, no group (ML-12)."""
@@ -1862,7 +1863,7 @@ def test_a_killed_save_leaves_one_whole_checkpoint(impl: Any, tmp_path: Path, di
 @pytest.mark.req("ML-13")
 @pytest.mark.parametrize("kill, killed", _two_rank_kills(), ids=[f"{op}-{n}-rank-{who}" for (op, n), who in _two_rank_kills()])
 @pytest.mark.parametrize("directory", ["fresh", "overwrite"])
-def test_a_save_killed_on_one_rank_of_two_leaves_one_whole_checkpoint(impl: Any, tmp_path: Path, directory: str, kill: tuple[str, int],
+def test_a_save_killed_on_one_rank_of_two_leaves_one_whole_checkpoint(impl: Adapter, tmp_path: Path, directory: str, kill: tuple[str, int],
                                                                       killed: str) -> None:
     """A two-rank save (a sharded tensor: each rank writes a part) in which one rank, or both, are
     killed at a step of the save: the survivor fails or is stopped, and the directory holds the
@@ -1871,7 +1872,7 @@ def test_a_save_killed_on_one_rank_of_two_leaves_one_whole_checkpoint(impl: Any,
     _check_after_kill(impl, tmp_path / "ckpt", directory, kill, world=2, killed=killed)
 
 
-def _check_after_kill(impl: Any, path: Path, directory: str, kill: tuple[str, int], *, world: int, killed: str) -> None:
+def _check_after_kill(impl: Adapter, path: Path, directory: str, kill: tuple[str, int], *, world: int, killed: str) -> None:
     __tracebackhide__ = True
     from conformance.crash_child import crash_state
 
@@ -1895,7 +1896,7 @@ def _check_after_kill(impl: Any, path: Path, directory: str, kill: tuple[str, in
 
 @pytest.mark.req("ML-13")
 @pytest.mark.parametrize("directory", ["fresh", "overwrite"])
-def test_two_jobs_saving_to_one_directory_at_once_never_mix(impl: Any, tmp_path: Path, directory: str) -> None:
+def test_two_jobs_saving_to_one_directory_at_once_never_mix(impl: Adapter, tmp_path: Path, directory: str) -> None:
     """Two independent jobs (two processes, no shared group) save different values into one directory
     at the same moment: each either finishes or is refused with an error, and what loads afterwards is
     one save's values whole (or, in a fresh directory, nothing if both were refused); never a mix."""

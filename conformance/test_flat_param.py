@@ -33,7 +33,7 @@ import torch.nn as nn
 from expecttest import assert_expected_inline
 
 from conformance import models
-from conformance.adapters.base import Unsupported
+from conformance.adapters.base import Adapter, Unsupported
 from conformance.adapters.flat_param import FlatParamInfo, FlatParamOps, ShardInfo
 from conformance.asserts import (
     WRAPPER_SEGMENTS,
@@ -66,7 +66,7 @@ def _dtype_id(dtype: torch.dtype) -> str:
 
 
 @pytest.fixture
-def ops(impl: Any) -> FlatParamOps:
+def ops(impl: Adapter) -> FlatParamOps:
     return impl.require("flat_param")
 
 

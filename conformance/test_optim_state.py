@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from conformance import models
+from conformance.adapters.base import Adapter
 from conformance.adapters.sharding import STRATEGIES, ShardingPlan, hybrid_mesh_shape, strategy_layout
 from conformance.asserts import (
     assert_bitwise_equal,
@@ -167,7 +168,7 @@ class Run:
     Built on every rank; ``train`` steps both (the oracle on the whole batch, the model on this rank's
     slice). Skips when the implementation cannot run ``setup``."""
 
-    def __init__(self, dist: Any, impl: Any, setup: Setup) -> None:
+    def __init__(self, dist: Any, impl: Adapter, setup: Setup) -> None:
         if GLOBAL_BATCH % dist.world_size:
             pytest.skip(f"the global batch of {GLOBAL_BATCH} does not split evenly over {dist.world_size} ranks")
         ops, sharding = impl.require("optim_state"), impl.require("sharding")
@@ -204,7 +205,7 @@ class Run:
         return next(m for n, m in self.model.named_modules() if canonical_fqn(n) == fqn)
 
 
-def load_target(dist: Any, impl: Any, setup: Setup) -> Run:
+def load_target(dist: Any, impl: Adapter, setup: Setup) -> Run:
     """A run to load into that differs from any source of ``setup`` in every respect a load must
     change: built from another seed; its optimizer (and its oracle's) over the parameters in reverse
     order, param groups reversed too; stepped once, so it holds state and a step count of its own;
@@ -651,7 +652,7 @@ def test_load_into_other_strategy(dist, impl, trip) -> None:
     assert_continues(target, source, where=_trip_id(trip))
 
 
-def _save_phase(ctx: Any, impl: Any, setup: Setup, steps: int) -> tuple[dict, dict] | None:
+def _save_phase(ctx: Any, impl: Adapter, setup: Setup, steps: int) -> tuple[dict, dict] | None:
     ops = impl.require("optim_state")
     run = Run(ctx, impl, setup)
     run.train(steps)
@@ -659,7 +660,7 @@ def _save_phase(ctx: Any, impl: Any, setup: Setup, steps: int) -> tuple[dict, di
     return saved if ctx.rank == 0 else None
 
 
-def _load_phase(ctx: Any, impl: Any, setup: Setup, steps: int, saved: tuple[dict, dict]) -> None:
+def _load_phase(ctx: Any, impl: Adapter, setup: Setup, steps: int, saved: tuple[dict, dict]) -> None:
     model_sd, osd = saved
     target = load_target(ctx, impl, setup)
     model_sd = {k: v.to(ctx.device) for k, v in model_sd.items()}
