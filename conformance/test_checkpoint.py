@@ -58,7 +58,7 @@ from conformance.asserts import (
 )
 from conformance.compare import fqn_keyed_optim, full_on_cpu
 from conformance.faults import failing_fsync, failing_reads, failing_writes, unreadable_bytes
-from conformance.harness.context import per_group_cache
+from conformance.harness.context import RankContext, per_group_cache
 from conformance.values import EDGE_DTYPES, different_like, edge_tensors, perturb_hyperparameters
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -68,7 +68,7 @@ def _ops(impl: Adapter) -> CheckpointOps:
     return impl.require("checkpoint")
 
 
-def _shard(impl: Adapter, model: nn.Module, dist: Any) -> nn.Module:
+def _shard(impl: Adapter, model: nn.Module, dist: RankContext) -> nn.Module:
     """``model`` sharded by ``impl`` over the pool's 1-D mesh (FULL_SHARD, original parameters, one unit)."""
     return impl.require("sharding").shard(model, ShardingPlan(use_orig_params=True, device=dist.device, mesh=dist.mesh()))
 
@@ -81,7 +81,7 @@ def _call(fn: Callable[[], Any]) -> Any:
         pytest.skip(str(exc))
 
 
-def _pg(dist: Any) -> Any:
+def _pg(dist: RankContext) -> Any:
     return dist.group
 
 
@@ -90,7 +90,7 @@ def _pg(dist: Any) -> Any:
 _MESHES_2D: dict[int, Any] = per_group_cache()
 
 
-def _mesh_2d(dist: Any) -> Any:
+def _mesh_2d(dist: RankContext) -> Any:
     """The 2-D mesh of HYBRID_SHARD's shape: (2, world_size / 2), (1, world_size) at odd world sizes,
     and under torchrun (nodes, ranks per node) when the world fills whole nodes."""
     if dist.world_size not in _MESHES_2D:
@@ -102,7 +102,7 @@ def _mesh_2d(dist: Any) -> Any:
 _WHO = ["every-rank", "one-rank"]
 
 
-def _bad_here(dist: Any, who: str) -> bool:
+def _bad_here(dist: RankContext, who: str) -> bool:
     """Whether this rank gets the bad input; skips the one-rank case at world size 1, where it is the
     every-rank case."""
     if who == "one-rank" and dist.world_size == 1:
@@ -110,7 +110,7 @@ def _bad_here(dist: Any, who: str) -> bool:
     return who == "every-rank" or dist.rank == dist.world_size - 1
 
 
-def _fails_alike(dist: Any, fn: Callable[[], Any], *, keys: tuple[str, ...] = (), needles: tuple[str, ...] = (),
+def _fails_alike(dist: RankContext, fn: Callable[[], Any], *, keys: tuple[str, ...] = (), needles: tuple[str, ...] = (),
                  what: str) -> BaseException:
     """``fn()`` raises on this rank (any type: ML-15 checks the type), naming every key of ``keys``
     whole and containing every string of ``needles``; then every rank compares what it raised: the
@@ -167,7 +167,7 @@ def _at(state: Any, path: tuple[Any, ...]) -> Any:
     return state
 
 
-def _assert_local_shards(dist: Any, got: Any, fulls: dict[tuple[Any, ...], torch.Tensor], *, what: str) -> None:
+def _assert_local_shards(dist: RankContext, got: Any, fulls: dict[tuple[Any, ...], torch.Tensor], *, what: str) -> None:
     """Per-rank truth: every DTensor of ``got`` at a path of ``fulls`` holds, on this rank, exactly the
     piece of that full value that the documented layout (``torch.chunk`` per sharded mesh dim) gives
     this rank, empty shards included; no rank gathers anything."""
@@ -325,7 +325,7 @@ class _State:
     fulls: dict[tuple[Any, ...], torch.Tensor]
 
 
-def _state(dist: Any, kind: str, role: str, seed: int = 1) -> _State:
+def _state(dist: RankContext, kind: str, role: str, seed: int = 1) -> _State:
     """The ``kind`` of state (``plain``, ``objects``, ``dtensor-1d``, ``dtensor-2d``) as saved
     (``role="saved"``), as a load target whose every value differs (``"target"``), or with every
     tensor on meta (``"meta"``). ``fulls`` are the saved full values whatever the role."""
@@ -348,7 +348,7 @@ def _state(dist: Any, kind: str, role: str, seed: int = 1) -> _State:
 _KINDS = ["plain", "objects", "int-keys", "dtensor-1d", "dtensor-2d"]
 
 
-def _mixed(dist: Any, role: str, seed: int) -> _State:
+def _mixed(dist: RankContext, role: str, seed: int) -> _State:
     """Every kind in one nested state dict (but ``int-keys``: ML-1 checks those; ML-2 is about the format)."""
     parts = {kind: _state(dist, kind, role, seed) for kind in _KINDS if kind != "int-keys"}
     fulls = {(kind, *path): full for kind, part in parts.items() for path, full in part.fulls.items()}
@@ -495,7 +495,7 @@ def test_checkpoint_loads_across_implementations(dist, impl, reference_impl, sav
 # -- ML-25 the on-disk format, read and written by upstream DCP whatever --impl selects ----------------------
 
 
-def _upstream_save(dist: Any, state: dict[str, Any], path: str) -> None:
+def _upstream_save(dist: RankContext, state: dict[str, Any], path: str) -> None:
     """Upstream ``torch.distributed.checkpoint.save`` (default planner, ``FileSystemWriter``), called
     directly: the counterpart of every implementation, whatever ``--impl`` selects."""
     import warnings
@@ -507,7 +507,7 @@ def _upstream_save(dist: Any, state: dict[str, Any], path: str) -> None:
         dcp.save(state, checkpoint_id=path, process_group=_pg(dist))
 
 
-def _upstream_load(dist: Any, state: dict[str, Any], path: str) -> None:
+def _upstream_load(dist: RankContext, state: dict[str, Any], path: str) -> None:
     """Upstream ``torch.distributed.checkpoint.load`` with its ``FileSystemReader``, called directly."""
     import warnings
 
@@ -518,7 +518,7 @@ def _upstream_load(dist: Any, state: dict[str, Any], path: str) -> None:
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=_pg(dist))
 
 
-def _optimizer_state(dist: Any, role: str, seed: int) -> _State:
+def _optimizer_state(dist: RankContext, role: str, seed: int) -> _State:
     """AdamW's state after two steps of a small model, in one process, keyed as a sharded optimizer's
     state dict is (``torch.distributed.checkpoint.state_dict``'s layout): ``state`` by parameter FQN with
     ``step`` a 0-d tensor and the moments as DTensors sharded by rows over the 1-D mesh (uneven at 2
@@ -559,7 +559,7 @@ def _optimizer_state(dist: Any, role: str, seed: int) -> _State:
     return _State({"state": state, "param_groups": groups}, fulls)
 
 
-def _format_state(dist: Any, role: str, seed: int) -> _State:
+def _format_state(dist: RankContext, role: str, seed: int) -> _State:
     """Every kind of value in one nested state dict (edge tensors of every dtype, edge DTensors on 1-D and
     2-D meshes, non-tensor values of every kind) and an optimizer's state under ``optim``."""
     mixed, optim = _mixed(dist, role, seed), _optimizer_state(dist, role, seed)
@@ -598,7 +598,7 @@ def _metadata_layout(path: str) -> dict[str, Any]:
     return {"keys": keys, "stored chunks": stored, "planner_data": planner_data, "version": md.version}
 
 
-def _format_save(dist: Any, impl: Adapter, route: str, path: str, seed: int) -> None:
+def _format_save(dist: RankContext, impl: Adapter, route: str, path: str, seed: int) -> None:
     saved = _format_state(dist, "saved", seed).values
     if route == "upstream-saves":
         _upstream_save(dist, saved, path)
@@ -607,7 +607,7 @@ def _format_save(dist: Any, impl: Adapter, route: str, path: str, seed: int) -> 
     _upstream_save(dist, _format_state(dist, "saved", seed).values, path + "-by-upstream")  # the same state dict
 
 
-def _format_load(dist: Any, impl: Adapter, route: str, path: str, seed: int, out: str) -> None:
+def _format_load(dist: RankContext, impl: Adapter, route: str, path: str, seed: int, out: str) -> None:
     """Load what :func:`_format_save` saved (the other side loads) and check it; with ``impl-saves``,
     also the metadata against upstream's save of the same state dict and, on rank 0, upstream's
     ``dcp_to_torch_save`` of the checkpoint. Each property is reported even when another failed."""
@@ -712,7 +712,7 @@ def test_replicated_data_is_written_once(dist, impl) -> None:
 # -- ML-4 meta loading ------------------------------------------------------------------------------
 
 
-def _check_built(dist: Any, loaded: dict[str, Any], saved: _State) -> None:
+def _check_built(dist: RankContext, loaded: dict[str, Any], saved: _State) -> None:
     """ML-4's checks of a meta load: every value built on the process group's device, no meta left,
     DTensors keep mesh, placements, global shape and stride, and every value (each rank's local
     shard of a DTensor) holds the saved bits."""
@@ -759,7 +759,7 @@ def _tp_plan() -> dict[str, Any]:
     return {"net.0": RowwiseParallel(input_layouts=Replicate()), "net.2": ColwiseParallel(output_layouts=Replicate())}
 
 
-def _zoo_model(dist: Any, name: str, seed: int, device: str | torch.device) -> nn.Module:
+def _zoo_model(dist: RankContext, name: str, seed: int, device: str | torch.device) -> nn.Module:
     """Zoo model ``name`` built from ``seed`` on this rank's device, or, for ``device="meta"``, with
     every tensor on meta (the seed does not matter there)."""
     if str(device) == "meta":
@@ -768,13 +768,13 @@ def _zoo_model(dist: Any, name: str, seed: int, device: str | torch.device) -> n
     return models.build(name, seed=seed, device=dist.device)
 
 
-def _tp_model(dist: Any, seed: int, device: str | torch.device) -> nn.Module:
+def _tp_model(dist: RankContext, seed: int, device: str | torch.device) -> nn.Module:
     from torch.distributed.tensor.parallel import parallelize_module
 
     return parallelize_module(_zoo_model(dist, "mlp", seed, device), dist.mesh(), _tp_plan())
 
 
-def _fsdp2_model(dist: Any, name: str, seed: int, device: str | torch.device) -> nn.Module:
+def _fsdp2_model(dist: RankContext, name: str, seed: int, device: str | torch.device) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     model = _zoo_model(dist, name, seed, device)
@@ -788,7 +788,7 @@ def _saved_model_state(model: nn.Module) -> _State:
     return _State(sd, {(k,): v.full_tensor() for k, v in sd.items() if isinstance(v, DTensor)})
 
 
-def _assert_meta_load_rebuilds(dist: Any, ops: Any, name: str, model: nn.Module, meta_model: Callable[[], nn.Module]) -> None:
+def _assert_meta_load_rebuilds(dist: RankContext, ops: Any, name: str, model: nn.Module, meta_model: Callable[[], nn.Module]) -> None:
     """Save ``model``'s state dict, load it into the state dict of ``meta_model()`` (built after the
     save), check what the load built, assign it and compare outputs with ``model``'s exactly."""
     path = dist.tmp_dir / "ckpt"
@@ -942,12 +942,12 @@ def test_meta_load_allocates_local_shards_once(dist, impl) -> None:
 # -- ML-8 resharding across world sizes ----------------------------------------------------------------------
 
 
-def _save_tp(dist: Any, impl: Adapter, path: str) -> None:
+def _save_tp(dist: RankContext, impl: Adapter, path: str) -> None:
     model = _tp_model(dist, seed=8, device=dist.device)
     _ops(impl).save(model.state_dict(), path, process_group=_pg(dist))
 
 
-def _load_tp(dist: Any, impl: Adapter, path: str) -> None:
+def _load_tp(dist: RankContext, impl: Adapter, path: str) -> None:
     meta_model = _tp_model(dist, seed=0, device="meta")
     sd = meta_model.state_dict()
     _call(lambda: _ops(impl).load(sd, path, process_group=_pg(dist)))
@@ -1013,7 +1013,7 @@ def _hyperparameters(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in group.items() if k != "params"} for group in groups]
 
 
-def _save_training(dist: Any, impl: Adapter, name: str, path: str, saved_path: str) -> None:
+def _save_training(dist: RankContext, impl: Adapter, name: str, path: str, saved_path: str) -> None:
     ops = _ops(impl)
     model = _shard(impl, models.build(name, seed=11, device=dist.device), dist)
     optimizer = _optimizer(model)
@@ -1027,7 +1027,7 @@ def _save_training(dist: Any, impl: Adapter, name: str, path: str, saved_path: s
         torch.save(full, saved_path)  # the saved values, full, for the loading world size to compare with
 
 
-def _assert_matches_full(dist: Any, got: Any, full: Any, where: str) -> None:
+def _assert_matches_full(dist: RankContext, got: Any, full: Any, where: str) -> None:
     """``got`` (a state dict of the loading world size) holds exactly the saved values ``full`` (the
     same state gathered at the saving world size): each DTensor's local shard is its documented piece
     of the full value, every other value equal bit for bit. Dict order is not compared (the target's
@@ -1045,7 +1045,7 @@ def _assert_matches_full(dist: Any, got: Any, full: Any, where: str) -> None:
         assert_same_state(_exact(got), _exact(full), what="resharded value", where=where, check_order=False)
 
 
-def _load_training(dist: Any, impl: Adapter, name: str, path: str, saved_path: str) -> None:
+def _load_training(dist: RankContext, impl: Adapter, name: str, path: str, saved_path: str) -> None:
     ops = _ops(impl)
     model = _shard(impl, models.build(name, seed=99, device=dist.device), dist)
     optimizer = _optimizer(model, reverse=True)
@@ -1232,7 +1232,7 @@ def test_save_and_load_without_a_process_group(impl, tmp_path: Path, target: str
 SAVE_FAULTS = ("full-disk-before-data", "full-disk-mid-data", "fsync-fails", "read-only")
 
 
-def _fault(dist: Any, path: Path, fault: str, where: str) -> contextlib.AbstractContextManager[None]:
+def _fault(dist: RankContext, path: Path, fault: str, where: str) -> contextlib.AbstractContextManager[None]:
     if where == "last-rank" and dist.rank != dist.world_size - 1:
         return contextlib.nullcontext()
     if fault == "fsync-fails":
@@ -1242,7 +1242,7 @@ def _fault(dist: Any, path: Path, fault: str, where: str) -> contextlib.Abstract
     return failing_writes(path, after_bytes=0 if fault == "full-disk-before-data" else 64)
 
 
-def _sharded_values(dist: Any, fill: float) -> dict[str, Any]:
+def _sharded_values(dist: RankContext, fill: float) -> dict[str, Any]:
     """A state dict every rank writes a part of (a sharded DTensor, 4 rows per rank) and a replicated value."""
     full = torch.arange(4 * dist.world_size * 3, dtype=torch.float32).reshape(-1, 3) + fill
     return {"w": _dtensor(full, dist.mesh(), [Shard(0)]), "step": int(fill)}
@@ -1328,7 +1328,7 @@ def _record(path: Path, fqn: str, offset: tuple[int, ...] | None = None) -> tupl
     raise LookupError(f"{path}: no record of {fqn!r} at {offset}")
 
 
-def _file_read_by_one_rank(dist: Any, path: Path) -> tuple[str, int, int]:
+def _file_read_by_one_rank(dist: RankContext, path: Path) -> tuple[str, int, int]:
     """(file, byte offset, length) of the record of one rank's shard of ``w`` in a data file that holds
     nothing else: with ``w`` loaded into the same layout, only that rank reads the file. The last
     such rank's (where replicated ``b`` went depends on the implementation's deduplication)."""
@@ -1344,7 +1344,7 @@ def _file_read_by_one_rank(dist: Any, path: Path) -> tuple[str, int, int]:
     raise AssertionError  # unreachable: fail() raises
 
 
-def _damage(dist: Any, path: Path, case: str, who: str) -> str:
+def _damage(dist: RankContext, path: Path, case: str, who: str) -> str:
     """Damage the checkpoint at ``path`` (call on rank 0); returns what the error must name.
 
     Data files: for ``every-rank`` the file holding ``b``, which every rank reads; for ``one-rank`` a
@@ -1578,7 +1578,7 @@ def _step_full(key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
     return torch.arange(math.prod(shape), dtype=torch.float64).add(1.5).neg().reshape(shape).to(dtype)
 
 
-def _step_state(dist: Any, target: str, *, saved: bool, planning: str | None = None, refusing: str | None = None) -> dict[str, Any]:
+def _step_state(dist: RankContext, target: str, *, saved: bool, planning: str | None = None, refusing: str | None = None) -> dict[str, Any]:
     """The state dict of the step tests, as saved (``saved=True``: tensors plain for ``target="plain"``,
     DTensors otherwise) or as a load target whose every value differs from the saved one: ``plain``
     tensors and ``dtensor`` DTensors filled in place, or ``meta`` (a meta DTensor, a meta Parameter, a
@@ -1693,7 +1693,7 @@ def _stateful_states(state: dict[str, Any]) -> list[tuple[str, tuple[tuple[str, 
     return [(k, tuple(v.state_dict().items())) for k, v in state.items() if isinstance(v, _Progress)]
 
 
-def _load_with_faults(dist: Any, ops: Any, path: Path, target: str, faults: dict[int, tuple[str, int]]) -> _StepLoad:
+def _load_with_faults(dist: RankContext, ops: Any, path: Path, target: str, faults: dict[int, tuple[str, int]]) -> _StepLoad:
     """A load into a fresh ``target`` state dict with this rank's fault of ``faults``, if any."""
     step, which = faults.get(dist.rank, (None, 0))
     state = _step_state(dist, target, saved=False, planning=_STEP_FAULTS["planning"][which] if step == "planning" else None,

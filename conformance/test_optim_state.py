@@ -54,6 +54,7 @@ from conformance.asserts import (
 )
 from conformance.compare import fqn_keyed_optim
 from conformance.fqn import canonical_fqn
+from conformance.harness.context import RankContext
 from conformance.values import EDGE_DTYPES, edge_values, perturb_hyperparameters
 
 GLOBAL_BATCH = 8  # divisible by every world size the suite is run at (1, 2, 4, 8)
@@ -168,7 +169,7 @@ class Run:
     Built on every rank; ``train`` steps both (the oracle on the whole batch, the model on this rank's
     slice). Skips when the implementation cannot run ``setup``."""
 
-    def __init__(self, dist: Any, impl: Adapter, setup: Setup) -> None:
+    def __init__(self, dist: RankContext, impl: Adapter, setup: Setup) -> None:
         if GLOBAL_BATCH % dist.world_size:
             pytest.skip(f"the global batch of {GLOBAL_BATCH} does not split evenly over {dist.world_size} ranks")
         ops, sharding = impl.require("optim_state"), impl.require("sharding")
@@ -205,7 +206,7 @@ class Run:
         return next(m for n, m in self.model.named_modules() if canonical_fqn(n) == fqn)
 
 
-def load_target(dist: Any, impl: Adapter, setup: Setup) -> Run:
+def load_target(dist: RankContext, impl: Adapter, setup: Setup) -> Run:
     """A run to load into that differs from any source of ``setup`` in every respect a load must
     change: built from another seed; its optimizer (and its oracle's) over the parameters in reverse
     order, param groups reversed too; stepped once, so it holds state and a step count of its own;
@@ -652,7 +653,7 @@ def test_load_into_other_strategy(dist, impl, trip) -> None:
     assert_continues(target, source, where=_trip_id(trip))
 
 
-def _save_phase(ctx: Any, impl: Adapter, setup: Setup, steps: int) -> tuple[dict, dict] | None:
+def _save_phase(ctx: RankContext, impl: Adapter, setup: Setup, steps: int) -> tuple[dict, dict] | None:
     ops = impl.require("optim_state")
     run = Run(ctx, impl, setup)
     run.train(steps)
@@ -660,7 +661,7 @@ def _save_phase(ctx: Any, impl: Adapter, setup: Setup, steps: int) -> tuple[dict
     return saved if ctx.rank == 0 else None
 
 
-def _load_phase(ctx: Any, impl: Adapter, setup: Setup, steps: int, saved: tuple[dict, dict]) -> None:
+def _load_phase(ctx: RankContext, impl: Adapter, setup: Setup, steps: int, saved: tuple[dict, dict]) -> None:
     model_sd, osd = saved
     target = load_target(ctx, impl, setup)
     model_sd = {k: v.to(ctx.device) for k, v in model_sd.items()}
@@ -921,7 +922,7 @@ def _same_partition(info: dict[str, tuple[int, int]]) -> bool:
 WHERE = ["every-rank", "one-rank"]
 
 
-def _bad_here(dist: Any, where: str) -> bool:
+def _bad_here(dist: RankContext, where: str) -> bool:
     """Whether this rank gets the bad input; skips the one-rank case at world size 1 (it is the
     every-rank case)."""
     if where == "one-rank" and dist.world_size == 1:
@@ -929,7 +930,7 @@ def _bad_here(dist: Any, where: str) -> bool:
     return where == "every-rank" or dist.rank == dist.world_size - 1
 
 
-def _check_error(dist: Any, exc: BaseException | None, types: tuple[type[BaseException], ...], keys: tuple[str, ...], where: str) -> None:
+def _check_error(dist: RankContext, exc: BaseException | None, types: tuple[type[BaseException], ...], keys: tuple[str, ...], where: str) -> None:
     """Every rank raised the same error (type and message), of ``types``, naming every key whole."""
     __tracebackhide__ = True
     assert_same_error_on_every_rank(dist, exc, what=where)
