@@ -21,7 +21,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from conformance import models
-from conformance.adapters.base import Unsupported
+from conformance.adapters.base import Adapter, Unsupported
+from conformance.adapters.checkpoint import CheckpointOps
 from conformance.asserts import (
     assert_same_state,
     expected_local_chunk,
@@ -29,6 +30,7 @@ from conformance.asserts import (
 )
 from conformance.dcp_files import read_metadata
 from conformance.faults import failing_fsync, failing_writes
+from conformance.harness.context import RankContext
 
 __all__ = [
     "ExactFloat",
@@ -49,7 +51,7 @@ __all__ = [
 ]
 
 
-def checkpoint_ops(impl: Any) -> Any:
+def checkpoint_ops(impl: Adapter) -> CheckpointOps:
     return impl.require("checkpoint")
 
 
@@ -61,7 +63,7 @@ def call_or_skip(fn: Callable[[], Any]) -> Any:
         pytest.skip(str(exc))
 
 
-def group_of(dist: Any) -> Any:
+def group_of(dist: RankContext) -> Any:
     return dist.group
 
 
@@ -103,7 +105,7 @@ def dtensor_of(full: torch.Tensor, mesh: Any, placements: list[Any]) -> DTensor:
     return DTensor.from_local(piece.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
-def zoo_model(dist: Any, name: str, seed: int, device: str | torch.device) -> nn.Module:
+def zoo_model(dist: RankContext, name: str, seed: int, device: str | torch.device) -> nn.Module:
     """Zoo model ``name`` built from ``seed`` on this rank's device, or, for ``device="meta"``, with
     every tensor on meta (the seed does not matter there)."""
     if str(device) == "meta":
@@ -139,7 +141,7 @@ def peak_bytes_during(device: torch.device, fn: Callable[[], Any]) -> tuple[int,
     return (rss_kib("VmHWM") - baseline) * 1024, "peak RSS"
 
 
-def injected_fault(dist: Any, path: Path, fault: str, where: str) -> contextlib.AbstractContextManager[None]:
+def injected_fault(dist: RankContext, path: Path, fault: str, where: str) -> contextlib.AbstractContextManager[None]:
     if where == "last-rank" and dist.rank != dist.world_size - 1:
         return contextlib.nullcontext()
     if fault == "fsync-fails":
@@ -149,7 +151,7 @@ def injected_fault(dist: Any, path: Path, fault: str, where: str) -> contextlib.
     return failing_writes(path, after_bytes=0 if fault == "full-disk-before-data" else 64)
 
 
-def sharded_values(dist: Any, fill: float) -> dict[str, Any]:
+def sharded_values(dist: RankContext, fill: float) -> dict[str, Any]:
     """A state dict every rank writes a part of (a sharded DTensor, 4 rows per rank) and a replicated value."""
     full = torch.arange(4 * dist.world_size * 3, dtype=torch.float32).reshape(-1, 3) + fill
     return {"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "step": int(fill)}
@@ -163,7 +165,7 @@ def record_location(path: Path, fqn: str, offset: tuple[int, ...] | None = None)
     raise LookupError(f"{path}: no record of {fqn!r} at {offset}")
 
 
-def file_read_by_one_rank(dist: Any, path: Path) -> tuple[str, int, int]:
+def file_read_by_one_rank(dist: RankContext, path: Path) -> tuple[str, int, int]:
     """(file, byte offset, length) of the record of one rank's shard of ``w`` in a data file that holds
     nothing else: with ``w`` loaded into the same layout, only that rank reads the file. The last
     such rank's (where replicated ``b`` went depends on the implementation's deduplication)."""
@@ -178,7 +180,7 @@ def file_read_by_one_rank(dist: Any, path: Path) -> tuple[str, int, int]:
     raise AssertionError  # unreachable: fail() raises
 
 
-def damage(dist: Any, path: Path, case: str, who: str) -> str:
+def damage(dist: RankContext, path: Path, case: str, who: str) -> str:
     """Damage the checkpoint at ``path`` (call on rank 0); returns what the error must name.
 
     Data files: for ``every-rank`` the file holding ``b``, which every rank reads; for ``one-rank`` a

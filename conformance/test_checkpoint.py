@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conformance import models
+from conformance.adapters.base import Adapter
 from conformance.adapters.sharding import ShardingPlan, hybrid_mesh_shape
 from conformance.asserts import (
     assert_bitwise_equal,
@@ -69,13 +70,13 @@ from conformance.compare import fqn_keyed_optim, full_on_cpu
 from conformance.dcp_files import read_metadata, storage_bytes_range
 from conformance.error_cases import WHERE, bad_input_here
 from conformance.faults import failing_reads, failing_writes, unreadable_bytes
-from conformance.harness.context import per_group_cache
+from conformance.harness.context import RankContext, per_group_cache
 from conformance.values import EDGE_DTYPES, different_like, edge_tensors, perturb_hyperparameters
 
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def _shard(impl: Any, model: nn.Module, dist: Any) -> nn.Module:
+def _shard(impl: Adapter, model: nn.Module, dist: RankContext) -> nn.Module:
     """``model`` sharded by ``impl`` over the pool's 1-D mesh (FULL_SHARD, original parameters, one unit)."""
     return impl.require("sharding").shard(model, ShardingPlan(use_orig_params=True, device=dist.device, mesh=dist.mesh()))
 
@@ -85,7 +86,7 @@ def _shard(impl: Any, model: nn.Module, dist: Any) -> nn.Module:
 _MESHES_2D: dict[int, Any] = per_group_cache()
 
 
-def _mesh_2d(dist: Any) -> Any:
+def _mesh_2d(dist: RankContext) -> Any:
     """The 2-D mesh of HYBRID_SHARD's shape: (2, world_size / 2), (1, world_size) at odd world sizes,
     and under torchrun (nodes, ranks per node) when the world fills whole nodes."""
     if dist.world_size not in _MESHES_2D:
@@ -93,7 +94,7 @@ def _mesh_2d(dist: Any) -> Any:
     return _MESHES_2D[dist.world_size]
 
 
-def _fails_alike(dist: Any, fn: Callable[[], Any], *, keys: tuple[str, ...] = (), needles: tuple[str, ...] = (),
+def _fails_alike(dist: RankContext, fn: Callable[[], Any], *, keys: tuple[str, ...] = (), needles: tuple[str, ...] = (),
                  what: str) -> BaseException:
     """``fn()`` raises on this rank (any type: ML-15 checks the type), naming every key of ``keys``
     whole and containing every string of ``needles``; then every rank compares what it raised: the
@@ -120,7 +121,7 @@ def _at(state: Any, path: tuple[Any, ...]) -> Any:
     return state
 
 
-def _assert_local_shards(dist: Any, got: Any, fulls: dict[tuple[Any, ...], torch.Tensor], *, what: str) -> None:
+def _assert_local_shards(dist: RankContext, got: Any, fulls: dict[tuple[Any, ...], torch.Tensor], *, what: str) -> None:
     """Per-rank truth: every DTensor of ``got`` at a path of ``fulls`` holds, on this rank, exactly the
     piece of that full value that the documented layout (``torch.chunk`` per sharded mesh dim) gives
     this rank, empty shards included; no rank gathers anything."""
@@ -270,7 +271,7 @@ class _State:
     fulls: dict[tuple[Any, ...], torch.Tensor]
 
 
-def _state(dist: Any, kind: str, role: str, seed: int = 1) -> _State:
+def _state(dist: RankContext, kind: str, role: str, seed: int = 1) -> _State:
     """The ``kind`` of state (``plain``, ``objects``, ``dtensor-1d``, ``dtensor-2d``) as saved
     (``role="saved"``), as a load target whose every value differs (``"target"``), or with every
     tensor on meta (``"meta"``). ``fulls`` are the saved full values whatever the role."""
@@ -293,7 +294,7 @@ def _state(dist: Any, kind: str, role: str, seed: int = 1) -> _State:
 _KINDS = ["plain", "objects", "int-keys", "dtensor-1d", "dtensor-2d"]
 
 
-def _mixed(dist: Any, role: str, seed: int) -> _State:
+def _mixed(dist: RankContext, role: str, seed: int) -> _State:
     """Every kind in one nested state dict (but ``int-keys``: ML-1 checks those; ML-2 is about the format)."""
     parts = {kind: _state(dist, kind, role, seed) for kind in _KINDS if kind != "int-keys"}
     fulls = {(kind, *path): full for kind, part in parts.items() for path, full in part.fulls.items()}
@@ -439,7 +440,7 @@ def test_checkpoint_loads_across_implementations(dist, impl, reference_impl, sav
 # -- ML-25 the on-disk format, read and written by upstream DCP whatever --impl selects ----------------------
 
 
-def _upstream_save(dist: Any, state: dict[str, Any], path: str) -> None:
+def _upstream_save(dist: RankContext, state: dict[str, Any], path: str) -> None:
     """Upstream ``torch.distributed.checkpoint.save`` (default planner, ``FileSystemWriter``), called
     directly: the counterpart of every implementation, whatever ``--impl`` selects."""
     import warnings
@@ -451,7 +452,7 @@ def _upstream_save(dist: Any, state: dict[str, Any], path: str) -> None:
         dcp.save(state, checkpoint_id=path, process_group=group_of(dist))
 
 
-def _upstream_load(dist: Any, state: dict[str, Any], path: str) -> None:
+def _upstream_load(dist: RankContext, state: dict[str, Any], path: str) -> None:
     """Upstream ``torch.distributed.checkpoint.load`` with its ``FileSystemReader``, called directly."""
     import warnings
 
@@ -462,7 +463,7 @@ def _upstream_load(dist: Any, state: dict[str, Any], path: str) -> None:
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group_of(dist))
 
 
-def _optimizer_state(dist: Any, role: str, seed: int) -> _State:
+def _optimizer_state(dist: RankContext, role: str, seed: int) -> _State:
     """AdamW's state after two steps of a small model, in one process, keyed as a sharded optimizer's
     state dict is (``torch.distributed.checkpoint.state_dict``'s layout): ``state`` by parameter FQN with
     ``step`` a 0-d tensor and the moments as DTensors sharded by rows over the 1-D mesh (uneven at 2
@@ -503,7 +504,7 @@ def _optimizer_state(dist: Any, role: str, seed: int) -> _State:
     return _State({"state": state, "param_groups": groups}, fulls)
 
 
-def _format_state(dist: Any, role: str, seed: int) -> _State:
+def _format_state(dist: RankContext, role: str, seed: int) -> _State:
     """Every kind of value in one nested state dict (edge tensors of every dtype, edge DTensors on 1-D and
     2-D meshes, non-tensor values of every kind) and an optimizer's state under ``optim``."""
     mixed, optim = _mixed(dist, role, seed), _optimizer_state(dist, role, seed)
@@ -542,7 +543,7 @@ def _metadata_layout(path: str) -> dict[str, Any]:
     return {"keys": keys, "stored chunks": stored, "planner_data": planner_data, "version": md.version}
 
 
-def _format_save(dist: Any, impl: Any, route: str, path: str, seed: int) -> None:
+def _format_save(dist: RankContext, impl: Adapter, route: str, path: str, seed: int) -> None:
     saved = _format_state(dist, "saved", seed).values
     if route == "upstream-saves":
         _upstream_save(dist, saved, path)
@@ -551,7 +552,7 @@ def _format_save(dist: Any, impl: Any, route: str, path: str, seed: int) -> None
     _upstream_save(dist, _format_state(dist, "saved", seed).values, path + "-by-upstream")  # the same state dict
 
 
-def _format_load(dist: Any, impl: Any, route: str, path: str, seed: int, out: str) -> None:
+def _format_load(dist: RankContext, impl: Adapter, route: str, path: str, seed: int, out: str) -> None:
     """Load what :func:`_format_save` saved (the other side loads) and check it; with ``impl-saves``,
     also the metadata against upstream's save of the same state dict and, on rank 0, upstream's
     ``dcp_to_torch_save`` of the checkpoint. Each property is reported even when another failed."""
@@ -655,7 +656,7 @@ def test_replicated_data_is_written_once(dist, impl) -> None:
 # -- ML-4 meta loading ------------------------------------------------------------------------------
 
 
-def _check_built(dist: Any, loaded: dict[str, Any], saved: _State) -> None:
+def _check_built(dist: RankContext, loaded: dict[str, Any], saved: _State) -> None:
     """ML-4's checks of a meta load: every value built on the process group's device, no meta left,
     DTensors keep mesh, placements, global shape and stride, and every value (each rank's local
     shard of a DTensor) holds the saved bits."""
@@ -702,13 +703,13 @@ def _tp_plan() -> dict[str, Any]:
     return {"net.0": RowwiseParallel(input_layouts=Replicate()), "net.2": ColwiseParallel(output_layouts=Replicate())}
 
 
-def _tp_model(dist: Any, seed: int, device: str | torch.device) -> nn.Module:
+def _tp_model(dist: RankContext, seed: int, device: str | torch.device) -> nn.Module:
     from torch.distributed.tensor.parallel import parallelize_module
 
     return parallelize_module(zoo_model(dist, "mlp", seed, device), dist.mesh(), _tp_plan())
 
 
-def _fsdp2_model(dist: Any, name: str, seed: int, device: str | torch.device) -> nn.Module:
+def _fsdp2_model(dist: RankContext, name: str, seed: int, device: str | torch.device) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     model = zoo_model(dist, name, seed, device)
@@ -722,7 +723,7 @@ def _saved_model_state(model: nn.Module) -> _State:
     return _State(sd, {(k,): v.full_tensor() for k, v in sd.items() if isinstance(v, DTensor)})
 
 
-def _assert_meta_load_rebuilds(dist: Any, ops: Any, name: str, model: nn.Module, meta_model: Callable[[], nn.Module]) -> None:
+def _assert_meta_load_rebuilds(dist: RankContext, ops: Any, name: str, model: nn.Module, meta_model: Callable[[], nn.Module]) -> None:
     """Save ``model``'s state dict, load it into the state dict of ``meta_model()`` (built after the
     save), check what the load built, assign it and compare outputs with ``model``'s exactly."""
     path = dist.tmp_dir / "ckpt"
@@ -849,12 +850,12 @@ def test_meta_load_allocates_local_shards_once(dist, impl) -> None:
 # -- ML-8 resharding across world sizes ----------------------------------------------------------------------
 
 
-def _save_tp(dist: Any, impl: Any, path: str) -> None:
+def _save_tp(dist: RankContext, impl: Adapter, path: str) -> None:
     model = _tp_model(dist, seed=8, device=dist.device)
     checkpoint_ops(impl).save(model.state_dict(), path, process_group=group_of(dist))
 
 
-def _load_tp(dist: Any, impl: Any, path: str) -> None:
+def _load_tp(dist: RankContext, impl: Adapter, path: str) -> None:
     meta_model = _tp_model(dist, seed=0, device="meta")
     sd = meta_model.state_dict()
     call_or_skip(lambda: checkpoint_ops(impl).load(sd, path, process_group=group_of(dist)))
@@ -920,7 +921,7 @@ def _hyperparameters(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in group.items() if k != "params"} for group in groups]
 
 
-def _save_training(dist: Any, impl: Any, name: str, path: str, saved_path: str) -> None:
+def _save_training(dist: RankContext, impl: Adapter, name: str, path: str, saved_path: str) -> None:
     ops = checkpoint_ops(impl)
     model = _shard(impl, models.build(name, seed=11, device=dist.device), dist)
     optimizer = _optimizer(model)
@@ -934,7 +935,7 @@ def _save_training(dist: Any, impl: Any, name: str, path: str, saved_path: str) 
         torch.save(full, saved_path)  # the saved values, full, for the loading world size to compare with
 
 
-def _assert_matches_full(dist: Any, got: Any, full: Any, where: str) -> None:
+def _assert_matches_full(dist: RankContext, got: Any, full: Any, where: str) -> None:
     """``got`` (a state dict of the loading world size) holds exactly the saved values ``full`` (the
     same state gathered at the saving world size): each DTensor's local shard is its documented piece
     of the full value, every other value equal bit for bit. Dict order is not compared (the target's
@@ -952,7 +953,7 @@ def _assert_matches_full(dist: Any, got: Any, full: Any, where: str) -> None:
         assert_same_state(exact(got), exact(full), what="resharded value", where=where, check_order=False)
 
 
-def _load_training(dist: Any, impl: Any, name: str, path: str, saved_path: str) -> None:
+def _load_training(dist: RankContext, impl: Adapter, name: str, path: str, saved_path: str) -> None:
     ops = checkpoint_ops(impl)
     model = _shard(impl, models.build(name, seed=99, device=dist.device), dist)
     optimizer = _optimizer(model, reverse=True)
@@ -1408,7 +1409,7 @@ def _step_full(key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
     return torch.arange(math.prod(shape), dtype=torch.float64).add(1.5).neg().reshape(shape).to(dtype)
 
 
-def _step_state(dist: Any, target: str, *, saved: bool, planning: str | None = None, refusing: str | None = None) -> dict[str, Any]:
+def _step_state(dist: RankContext, target: str, *, saved: bool, planning: str | None = None, refusing: str | None = None) -> dict[str, Any]:
     """The state dict of the step tests, as saved (``saved=True``: tensors plain for ``target="plain"``,
     DTensors otherwise) or as a load target whose every value differs from the saved one: ``plain``
     tensors and ``dtensor`` DTensors filled in place, or ``meta`` (a meta DTensor, a meta Parameter, a
@@ -1519,7 +1520,7 @@ def _stateful_states(state: dict[str, Any]) -> list[tuple[str, tuple[tuple[str, 
     return [(k, tuple(v.state_dict().items())) for k, v in state.items() if isinstance(v, _Progress)]
 
 
-def _load_with_faults(dist: Any, ops: Any, path: Path, target: str, faults: dict[int, tuple[str, int]]) -> _StepLoad:
+def _load_with_faults(dist: RankContext, ops: Any, path: Path, target: str, faults: dict[int, tuple[str, int]]) -> _StepLoad:
     """A load into a fresh ``target`` state dict with this rank's fault of ``faults``, if any."""
     step, which = faults.get(dist.rank, (None, 0))
     state = _step_state(dist, target, saved=False, planning=_STEP_FAULTS["planning"][which] if step == "planning" else None,
@@ -1657,7 +1658,7 @@ def _two_rank_kills() -> tuple[tuple[tuple[str, int], str], ...]:
     return QUICK_TWO_RANK_KILLS
 
 
-def _child_save(impl: Any, path: Path, fill: float, kill: tuple[str, int] | None = None, world: int = 1, killed: str = "all") -> int:
+def _child_save(impl: Adapter, path: Path, fill: float, kill: tuple[str, int] | None = None, world: int = 1, killed: str = "all") -> int:
     import subprocess
     import sys
 
@@ -1679,7 +1680,7 @@ def _child_save(impl: Any, path: Path, fill: float, kill: tuple[str, int] | None
 @pytest.mark.req("ML-13")
 @pytest.mark.parametrize("kill", _kill_points(), ids=[f"{op}-{n}" for op, n in _kill_points()])
 @pytest.mark.parametrize("directory", ["fresh", "overwrite"])
-def test_a_killed_save_leaves_one_whole_checkpoint(impl: Any, tmp_path: Path, directory: str, kill: tuple[str, int]) -> None:
+def test_a_killed_save_leaves_one_whole_checkpoint(impl: Adapter, tmp_path: Path, directory: str, kill: tuple[str, int]) -> None:
     """A process saving a checkpoint is killed (SIGKILL: no cleanup) at a step of the save: the
     directory then holds the previous checkpoint whole (overwrite), nothing that loads (fresh), or,
     if the kill came after publication, the new one whole; never a mix. One process, no group (ML-12)."""
@@ -1689,7 +1690,7 @@ def test_a_killed_save_leaves_one_whole_checkpoint(impl: Any, tmp_path: Path, di
 @pytest.mark.req("ML-13")
 @pytest.mark.parametrize("kill, killed", _two_rank_kills(), ids=[f"{op}-{n}-rank-{who}" for (op, n), who in _two_rank_kills()])
 @pytest.mark.parametrize("directory", ["fresh", "overwrite"])
-def test_a_save_killed_on_one_rank_of_two_leaves_one_whole_checkpoint(impl: Any, tmp_path: Path, directory: str, kill: tuple[str, int],
+def test_a_save_killed_on_one_rank_of_two_leaves_one_whole_checkpoint(impl: Adapter, tmp_path: Path, directory: str, kill: tuple[str, int],
                                                                       killed: str) -> None:
     """A two-rank save (a sharded tensor: each rank writes a part) in which one rank, or both, are
     killed at a step of the save: the survivor fails or is stopped, and the directory holds the
@@ -1698,7 +1699,7 @@ def test_a_save_killed_on_one_rank_of_two_leaves_one_whole_checkpoint(impl: Any,
     _check_after_kill(impl, tmp_path / "ckpt", directory, kill, world=2, killed=killed)
 
 
-def _check_after_kill(impl: Any, path: Path, directory: str, kill: tuple[str, int], *, world: int, killed: str) -> None:
+def _check_after_kill(impl: Adapter, path: Path, directory: str, kill: tuple[str, int], *, world: int, killed: str) -> None:
     __tracebackhide__ = True
     from conformance.crash_child import crash_state
 
@@ -1722,7 +1723,7 @@ def _check_after_kill(impl: Any, path: Path, directory: str, kill: tuple[str, in
 
 @pytest.mark.req("ML-13")
 @pytest.mark.parametrize("directory", ["fresh", "overwrite"])
-def test_two_jobs_saving_to_one_directory_at_once_never_mix(impl: Any, tmp_path: Path, directory: str) -> None:
+def test_two_jobs_saving_to_one_directory_at_once_never_mix(impl: Adapter, tmp_path: Path, directory: str) -> None:
     """Two independent jobs (two processes, no shared group) save different values into one directory
     at the same moment: each either finishes or is refused with an error, and what loads afterwards is
     one save's values whole (or, in a fresh directory, nothing if both were refused); never a mix."""

@@ -20,6 +20,7 @@ Habits that make these tests catch a wrong implementation (see ``conformance/ass
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import pickle
 import re
@@ -32,7 +33,7 @@ import torch.nn as nn
 from expecttest import assert_expected_inline
 
 from conformance import models
-from conformance.adapters.base import Unsupported
+from conformance.adapters.base import Adapter, Unsupported
 from conformance.adapters.flat_param import FlatParamInfo, FlatParamOps, ShardInfo
 from conformance.asserts import (
     WRAPPER_SEGMENTS,
@@ -65,7 +66,7 @@ def _dtype_id(dtype: torch.dtype) -> str:
 
 
 @pytest.fixture
-def ops(impl: Any) -> FlatParamOps:
+def ops(impl: Adapter) -> FlatParamOps:
     return impl.require("flat_param")
 
 
@@ -110,6 +111,37 @@ def _pair(ops: FlatParamOps, name: str, seed: int = 0) -> tuple[nn.Module, nn.Mo
 
 def _flat_params(ops: FlatParamOps, model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if ops.is_flat_param(p)]
+
+
+def _flat(ops: FlatParamOps, wrapper: nn.Module) -> nn.Parameter:
+    """The wrapper's flat parameter, which it must have (it flattened something)."""
+    flat = ops.flat_param(wrapper)
+    if flat is None:
+        fail("the wrapper has no flat parameter", None, "its flat parameter")
+    return flat
+
+
+def _inner(wrapper: nn.Module) -> nn.Module:
+    """The module a wrapper wraps, as its ``module`` attribute gives it."""
+    inner = wrapper.module
+    assert isinstance(inner, nn.Module), f"the wrapper's module is a {type(inner).__name__}"
+    return inner
+
+
+def _tensor(module: nn.Module, path: str) -> torch.Tensor:
+    """The tensor attribute at the dotted ``path`` of ``module``: a parameter, or the view that a
+    wrapper puts in a flattened parameter's place."""
+    owner, _, name = path.rpartition(".")
+    value = getattr(module.get_submodule(owner), name)
+    assert isinstance(value, torch.Tensor), f"{path} is a {type(value).__name__}"
+    return value
+
+
+def _grad(param: torch.Tensor, name: str) -> torch.Tensor:
+    """``param.grad``, which a backward must have given it."""
+    if param.grad is None:
+        fail("no gradient reached the parameter", None, "a gradient", name)
+    return param.grad
 
 
 def _plain_name(name: str) -> str:
@@ -379,7 +411,7 @@ def _flat_with_empties(ops: FlatParamOps) -> nn.Parameter:
 
 #: Flat parameters for the element-walk tests, by id.
 SHARD_FLATS: dict[str, Callable[[FlatParamOps], nn.Parameter]] = {
-    **{name: (lambda ops, name=name: _zoo_flat(ops, name)) for name in models.ZOO},
+    **{name: functools.partial(_zoo_flat, name=name) for name in models.ZOO},
     "with-empty-params": _flat_with_empties,
 }
 
@@ -563,7 +595,7 @@ def test_bad_shard_is_rejected_and_changes_nothing(ops: FlatParamOps, args: tupl
     """A rejected ``shard_by_offsets`` raises the SPEC's type and leaves the flat parameter (values,
     grad, metadata) and its recorded shard exactly as they were."""
     wrapped = _flatten_all(ops, models.build("tiny"))
-    flat = ops.flat_param(wrapped)
+    flat = _flat(ops, wrapped)
     models.loss(wrapped(models.batch("tiny"))).backward()
     _shard(ops, flat, 4, 7, 0)
     before, flats_before = snapshot(model=wrapped), _flat_state(ops, wrapped)
@@ -591,7 +623,7 @@ def test_wrapped_model_computes_the_same(ops: FlatParamOps, name: str) -> None:
 @pytest.mark.req("FP-6")
 def test_unlisted_params_stay_registered(ops: FlatParamOps) -> None:
     model = models.build("mlp")
-    head = model.net[4]
+    head = model.get_submodule("net.4")
     listed = [p for n, p in model.named_parameters() if not n.startswith("net.4.")]
     wrapped = ops.wrap(model, listed)
     others = [p for p in wrapped.parameters() if not ops.is_flat_param(p)]
@@ -603,9 +635,9 @@ def test_unlisted_params_stay_registered(ops: FlatParamOps) -> None:
 @pytest.mark.req("FP-7")
 def test_attributes_are_views_of_the_flat_param(ops: FlatParamOps) -> None:
     plain, wrapped = _pair(ops, "mlp")
-    flat = ops.flat_param(wrapped)
-    first = wrapped.module.net[0].weight
-    assert first.shape == plain.net[0].weight.shape and torch.equal(first, plain.net[0].weight)
+    flat = _flat(ops, wrapped)
+    first = _tensor(wrapped, "module.net.0.weight")
+    assert first.shape == plain.get_parameter("net.0.weight").shape and torch.equal(first, plain.get_parameter("net.0.weight"))
     assert first.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
     with torch.no_grad():
         flat.mul_(0.5)
@@ -613,7 +645,7 @@ def test_attributes_are_views_of_the_flat_param(ops: FlatParamOps) -> None:
             p.mul_(0.5)
     x = models.batch("mlp")
     assert torch.equal(wrapped(x), plain(x))
-    assert torch.equal(wrapped.module.net[2].bias, plain.net[2].bias)
+    assert torch.equal(_tensor(wrapped, "module.net.2.bias"), plain.get_parameter("net.2.bias"))
 
 
 @pytest.mark.req("FP-8")
@@ -627,7 +659,7 @@ def test_grad_reaches_flat_param(ops: FlatParamOps, name: str) -> None:
     for prefix, flat in _flats_with_prefix(ops, wrapped):
         assert flat.grad is not None, "no gradient reached the flat parameter"
         names = [_plain_name(prefix + n) for n in ops.info(flat).names]
-        want = torch.cat([grads[n].grad.reshape(-1) for n in names])
+        want = torch.cat([_grad(grads[n], n).reshape(-1) for n in names])
         assert_bitwise_equal(flat.grad, want, what=f"flat grad vs unwrapped grads of {names}")
 
 
@@ -646,15 +678,15 @@ def test_training_matches_unwrapped(ops: FlatParamOps, name: str) -> None:
 @pytest.mark.req("FP-9")
 def test_tied_params_are_flattened_once(ops: FlatParamOps) -> None:
     plain, wrapped = _pair(ops, "tied")
-    flat = ops.flat_param(wrapped)
+    flat = _flat(ops, wrapped)
     names = ops.info(flat).names
     assert "embed.weight" in names and "head.weight" not in names, f"tied weight flattened as {names}"
     assert flat.numel() == sum(p.numel() for p in plain.parameters())  # parameters() yields a tied one once
-    module = wrapped.module
-    assert module.embed.weight is module.head.weight, "the tied names do not share one view"
+    module = _inner(wrapped)
+    assert _tensor(module, "embed.weight") is _tensor(module, "head.weight"), "the tied names do not share one view"
     with torch.no_grad():
         flat.add_(1.0)
-    assert torch.equal(module.head.weight, plain.embed.weight + 1.0)
+    assert torch.equal(_tensor(module, "head.weight"), plain.get_parameter("embed.weight") + 1.0)
     sd = wrapped.state_dict()
     assert {"embed.weight", "head.weight"} <= set(sd) and torch.equal(sd["embed.weight"], sd["head.weight"])
 
@@ -682,7 +714,7 @@ def test_attributes_and_indexing_fall_through(ops: FlatParamOps) -> None:
     assert wrapped.net is model.net
     seq = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
     wrapped_seq = _flatten_all(ops, seq)
-    assert wrapped_seq[1] is seq[1]
+    assert wrapped_seq[1] is seq[1]  # type: ignore[index]  # the wrapper's indexing is the test (nn.Module declares none)
     with pytest.raises(AttributeError):
         wrapped.no_such_attribute
 
@@ -772,7 +804,7 @@ def test_wrapper_round_trips_every_bit(ops: FlatParamOps, dtype: torch.dtype) ->
 
     before = snapshot(model=wrapped)
     with ops.unflatten_params(wrapped):
-        inside = dict(wrapped.module.named_parameters())
+        inside = dict(_inner(wrapped).named_parameters())
         assert list(inside) == [n for n, _ in plain.named_parameters()], "parameter names inside unflatten_params()"
         for key, param in plain.named_parameters():
             assert type(inside[key]) is nn.Parameter, f"{key} inside unflatten_params() is a {type(inside[key]).__name__}"
@@ -947,17 +979,17 @@ def test_unflatten_params_restores_real_params(ops: FlatParamOps, name: str) -> 
     plain, wrapped = _pair(ops, name)
     before = snapshot(model=wrapped)
     with ops.unflatten_params(wrapped):
-        inner_flats = _flat_params(ops, wrapped.module)
+        inner_flats = _flat_params(ops, _inner(wrapped))
         assert bool(inner_flats) == (name == "nested"), "only the wrappers nested inside stay flattened"
         outer_flats = [p for p in wrapped.parameters(recurse=False) if ops.is_flat_param(p)]
         assert outer_flats == [], "the flat parameter is still registered inside unflatten_params()"
-        own = dict(wrapped.module.named_parameters())
+        own = dict(_inner(wrapped).named_parameters())
         for key, param in plain.named_parameters():
             if key in own:
                 assert type(own[key]) is nn.Parameter
                 assert_bitwise_equal(own[key].detach(), param.detach(), what="inside unflatten_params()", where=key)
         if name == "mlp":
-            assert [k for k, _ in wrapped.module.named_parameters()] == [k for k, _ in plain.named_parameters()]
+            assert [k for k, _ in _inner(wrapped).named_parameters()] == [k for k, _ in plain.named_parameters()]
     assert _flat_params(ops, wrapped)
     assert_unchanged(before, model=wrapped, where="after leaving unflatten_params() untouched")
     x = models.batch(name)
@@ -969,14 +1001,14 @@ def test_unflatten_params_restores_real_params(ops: FlatParamOps, name: str) -> 
 def test_changes_inside_unflatten_params_are_kept(ops: FlatParamOps, how: str) -> None:
     plain, wrapped = _pair(ops, "mlp")
     with ops.unflatten_params(wrapped):
-        layer = wrapped.module.net[2]
+        layer = _inner(wrapped).get_submodule("net.2")
         if how == "in-place":
             with torch.no_grad():
-                layer.weight.mul_(3.0)
+                _tensor(layer, "weight").mul_(3.0)
         else:
-            layer.weight = nn.Parameter(layer.weight.detach() * 3.0)
+            layer.weight = nn.Parameter(_tensor(layer, "weight").detach() * 3.0)
     with torch.no_grad():
-        plain.net[2].weight.mul_(3.0)
+        plain.get_parameter("net.2.weight").mul_(3.0)
     assert_same_state(wrapped.state_dict(), plain.state_dict(), what=f"after a change ({how}) inside unflatten_params")
     x = models.batch("mlp")
     assert torch.equal(wrapped(x), plain(x))
@@ -1004,8 +1036,8 @@ def test_unflatten_params_keeps_unlisted_params_in_their_place(ops: FlatParamOps
     plain, model = _UnlistedFirst(), _UnlistedFirst()
     wrapped = ops.wrap(model, [model.w, model.b])
     with ops.unflatten_params(wrapped):
-        inside = [name for name, _ in wrapped.module.named_parameters()]
-        values = {name: p.detach().clone() for name, p in wrapped.module.named_parameters()}
+        inside = [name for name, _ in _inner(wrapped).named_parameters()]
+        values = {name: p.detach().clone() for name, p in _inner(wrapped).named_parameters()}
     assert inside == [name for name, _ in plain.named_parameters()], f"order inside unflatten_params(): {inside}"
     assert_same_state(values, {n: p.detach() for n, p in plain.named_parameters()}, what="values inside unflatten_params()")
 
@@ -1016,15 +1048,16 @@ def test_unflatten_params_keeps_requires_grad(ops: FlatParamOps) -> None:
     its parameters are real parameters that are still frozen (as every parameter keeps its own
     ``requires_grad``), and the flat parameter is still frozen afterwards."""
     plain, model = models.build("frozen"), models.build("frozen")
-    model.stem = ops.wrap(model.stem, list(model.stem.parameters()))
-    with ops.unflatten_params(model.stem):
-        inside = {name: (type(p).__name__, p.requires_grad) for name, p in model.stem.module.named_parameters()}
-    want = {name: ("Parameter", p.requires_grad) for name, p in plain.stem.named_parameters()}
+    stem = ops.wrap(model.get_submodule("stem"), list(model.get_submodule("stem").parameters()))
+    model.stem = stem
+    with ops.unflatten_params(stem):
+        inside = {name: (type(p).__name__, p.requires_grad) for name, p in _inner(stem).named_parameters()}
+    want = {name: ("Parameter", p.requires_grad) for name, p in plain.get_submodule("stem").named_parameters()}
     assert_same_state(inside, want, what="(type, requires_grad) of the parameters inside unflatten_params()")
     kept = {key: value.requires_grad for key, value in model.state_dict(keep_vars=True).items()}
     assert_same_state(kept, {key: value.requires_grad for key, value in plain.state_dict(keep_vars=True).items()},
                       what="requires_grad of state_dict(keep_vars=True) values")
-    assert ops.flat_param(model.stem).requires_grad is False, "the frozen flat parameter requires grad afterwards"
+    assert _flat(ops, stem).requires_grad is False, "the frozen flat parameter requires grad afterwards"
 
 
 class _Boom(Exception):
@@ -1038,12 +1071,12 @@ def test_unflatten_params_reflattens_on_error(ops: FlatParamOps) -> None:
     with pytest.raises(_Boom):
         with ops.unflatten_params(wrapped):
             with torch.no_grad():
-                wrapped.module.net[0].bias.add_(1.0)
+                _tensor(wrapped, "module.net.0.bias").add_(1.0)
             raise _Boom()
     assert [n for n, _ in wrapped.named_parameters()] == names_before
     assert ops.is_flat_param(ops.flat_param(wrapped))
     with torch.no_grad():
-        plain.net[0].bias.add_(1.0)
+        plain.get_parameter("net.0.bias").add_(1.0)
     x = models.batch("mlp")
     assert torch.equal(wrapped(x), plain(x))
 
@@ -1072,13 +1105,14 @@ def test_error_inside_unflatten_params_changes_nothing(ops: FlatParamOps, name: 
 
 def _mixed_dtype(ops: FlatParamOps) -> Any:
     model = models.build("mlp")
-    model.net[2].double()
+    model.get_submodule("net.2").double()
     return ops.wrap(model, list(model.parameters()))
 
 
 def _listed_flat_param(ops: FlatParamOps) -> Any:
     model = models.build("mlp")
-    model.net[0] = ops.wrap(model.net[0], list(model.net[0].parameters()))
+    first = model.get_submodule("net.0")
+    model.get_submodule("net").register_module("0", ops.wrap(first, list(first.parameters())))
     return ops.wrap(model, list(model.parameters()))
 
 
@@ -1117,7 +1151,7 @@ class _StorageTied(nn.Module):
 @pytest.mark.parametrize("listed", ["all-tied", "some-tied"])
 def test_listed_param_tied_by_storage_to_unlisted_is_rejected(ops: FlatParamOps, listed: str) -> None:
     model = _StorageTied()
-    params = [model.a.weight] if listed == "all-tied" else [model.a.weight, model.a.bias]
+    params = [model.a.get_parameter("weight")] if listed == "all-tied" else [model.a.get_parameter("weight"), model.a.get_parameter("bias")]
     with pytest.raises(ValueError, match=r"a\.weight.*b\.weight|b\.weight.*a\.weight"):
         ops.wrap(model, params)
 
@@ -1125,7 +1159,7 @@ def test_listed_param_tied_by_storage_to_unlisted_is_rejected(ops: FlatParamOps,
 @pytest.mark.req("FP-19")
 def test_params_tied_by_storage_may_be_listed_together(ops: FlatParamOps) -> None:
     model = _StorageTied()
-    wrapped = ops.wrap(model, [model.a.weight, model.b.weight])
+    wrapped = ops.wrap(model, [model.a.get_parameter("weight"), model.b.get_parameter("weight")])
     flat = ops.flat_param(wrapped)
     assert flat is not None and flat.numel() == 18
 
@@ -1289,7 +1323,7 @@ def test_to_device_moves_flat_param_and_views(ops: FlatParamOps) -> None:
     plain.to("cuda")
     wrapped.to("cuda")
     flat = ops.flat_param(wrapped)
-    assert ops.is_flat_param(flat) and flat.device.type == "cuda"
+    assert flat is not None and ops.is_flat_param(flat) and flat.device.type == "cuda"
     x = models.batch("mlp", device="cuda")
     assert torch.equal(wrapped(x), plain(x))
 

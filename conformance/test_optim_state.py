@@ -30,8 +30,10 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 from conformance import models
+from conformance.adapters.base import Adapter
 from conformance.adapters.sharding import STRATEGIES, ShardingPlan, hybrid_mesh_shape, strategy_layout
 from conformance.asserts import (
     assert_bitwise_equal,
@@ -52,6 +54,7 @@ from conformance.asserts import (
 )
 from conformance.compare import fqn_keyed_optim
 from conformance.fqn import canonical_fqn
+from conformance.harness.context import RankContext
 from conformance.values import EDGE_DTYPES, edge_values, perturb_hyperparameters
 
 GLOBAL_BATCH = 8  # divisible by every world size the suite is run at (1, 2, 4, 8)
@@ -110,7 +113,7 @@ def _build(name: str, seed: int, device: torch.device, *, oracle: bool = False) 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     model = models.build("mlp", seed=seed, device=device)
-    model.net[2] = checkpoint_wrapper(model.net[2])
+    model.get_submodule("net").register_module("2", checkpoint_wrapper(model.get_submodule("net.2")))
     return model
 
 
@@ -166,7 +169,7 @@ class Run:
     Built on every rank; ``train`` steps both (the oracle on the whole batch, the model on this rank's
     slice). Skips when the implementation cannot run ``setup``."""
 
-    def __init__(self, dist: Any, impl: Any, setup: Setup) -> None:
+    def __init__(self, dist: RankContext, impl: Adapter, setup: Setup) -> None:
         if GLOBAL_BATCH % dist.world_size:
             pytest.skip(f"the global batch of {GLOBAL_BATCH} does not split evenly over {dist.world_size} ranks")
         ops, sharding = impl.require("optim_state"), impl.require("sharding")
@@ -203,7 +206,7 @@ class Run:
         return next(m for n, m in self.model.named_modules() if canonical_fqn(n) == fqn)
 
 
-def load_target(dist: Any, impl: Any, setup: Setup) -> Run:
+def load_target(dist: RankContext, impl: Adapter, setup: Setup) -> Run:
     """A run to load into that differs from any source of ``setup`` in every respect a load must
     change: built from another seed; its optimizer (and its oracle's) over the parameters in reverse
     order, param groups reversed too; stepped once, so it holds state and a step count of its own;
@@ -447,7 +450,9 @@ class Layout:
         a DTensor's ``torch.chunk`` piece, a flat parameter's chunk, or an original parameter's part."""
         if isinstance(param, DTensor):
             mesh = param.device_mesh
-            piece, _ = expected_local_chunk(fulls[fqns[0]], param.placements, tuple(mesh.shape), tuple(mesh.get_coordinate()))
+            coordinate = mesh.get_coordinate()
+            assert coordinate is not None, "a DTensor of a mesh this rank is not in"
+            piece, _ = expected_local_chunk(fulls[fqns[0]], param.placements, tuple(mesh.shape), tuple(coordinate))
             full = fulls[fqns[0]]
             return DTensor.from_local(piece.clone(), mesh, param.placements, run_check=False, shape=full.shape, stride=full.stride())
         if flat:
@@ -648,7 +653,7 @@ def test_load_into_other_strategy(dist, impl, trip) -> None:
     assert_continues(target, source, where=_trip_id(trip))
 
 
-def _save_phase(ctx: Any, impl: Any, setup: Setup, steps: int) -> tuple[dict, dict] | None:
+def _save_phase(ctx: RankContext, impl: Adapter, setup: Setup, steps: int) -> tuple[dict, dict] | None:
     ops = impl.require("optim_state")
     run = Run(ctx, impl, setup)
     run.train(steps)
@@ -656,7 +661,7 @@ def _save_phase(ctx: Any, impl: Any, setup: Setup, steps: int) -> tuple[dict, di
     return saved if ctx.rank == 0 else None
 
 
-def _load_phase(ctx: Any, impl: Any, setup: Setup, steps: int, saved: tuple[dict, dict]) -> None:
+def _load_phase(ctx: RankContext, impl: Adapter, setup: Setup, steps: int, saved: tuple[dict, dict]) -> None:
     model_sd, osd = saved
     target = load_target(ctx, impl, setup)
     model_sd = {k: v.to(ctx.device) for k, v in model_sd.items()}
@@ -917,7 +922,7 @@ def _same_partition(info: dict[str, tuple[int, int]]) -> bool:
 WHERE = ["every-rank", "one-rank"]
 
 
-def _bad_here(dist: Any, where: str) -> bool:
+def _bad_here(dist: RankContext, where: str) -> bool:
     """Whether this rank gets the bad input; skips the one-rank case at world size 1 (it is the
     every-rank case)."""
     if where == "one-rank" and dist.world_size == 1:
@@ -925,7 +930,7 @@ def _bad_here(dist: Any, where: str) -> bool:
     return where == "every-rank" or dist.rank == dist.world_size - 1
 
 
-def _check_error(dist: Any, exc: BaseException | None, types: tuple[type[BaseException], ...], keys: tuple[str, ...], where: str) -> None:
+def _check_error(dist: RankContext, exc: BaseException | None, types: tuple[type[BaseException], ...], keys: tuple[str, ...], where: str) -> None:
     """Every rank raised the same error (type and message), of ``types``, naming every key whole."""
     __tracebackhide__ = True
     assert_same_error_on_every_rank(dist, exc, what=where)
@@ -1040,7 +1045,7 @@ def _bad_layout(kind: str, bad: bool, device: Any) -> tuple[nn.Module, tuple[str
     if kind == "mixed-dtype":  # one unit (the root) would flatten float32 and float64 parameters together
         model = models.build("mlp", device=device)
         if bad:
-            model.net[2].double()
+            model.get_submodule("net.2").double()
         return model, (), ("net.2.weight", "net.2.bias"), True
     if kind == "shared-across-units":  # embed.weight is head.weight: a unit at `embed` and the root would both hold it
         return models.build("tied", device=device), ("embed",), ("embed.weight", "head.weight"), True
@@ -1216,12 +1221,13 @@ class InjectedFault(RuntimeError):
     """Raised by a hook the test installs, from inside an implementation's state-dict call."""
 
 
-def _fail_once(register: Callable[[Callable[..., Any]], Any]) -> None:
+def _fail_once(register: Callable[[Callable[..., Any]], RemovableHandle]) -> None:
     """Register, through ``register``, a hook that raises :class:`InjectedFault` the first time it runs
     and removes itself."""
-    handle = None
+    handle: RemovableHandle | None = None
 
     def hook(*args: Any) -> None:
+        assert handle is not None  # registered before anything can run it
         handle.remove()
         raise InjectedFault("fault injected by the test inside a state-dict call")
 

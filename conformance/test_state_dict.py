@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from conformance import models as zoo
-from conformance.adapters.base import Unsupported, load_adapter
+from conformance.adapters.base import Adapter, Unsupported, load_adapter
 from conformance.adapters.sharding import STRATEGIES, ShardingPlan, child_units, strategy_layout
 from conformance.adapters.state_dict import SHARDING_STRATEGIES, StateDictOps
 from conformance.asserts import (
@@ -61,6 +61,7 @@ from conformance.asserts import (
     snapshot,
 )
 from conformance.compare import fqn_keyed_optim
+from conformance.harness.context import RankContext
 from conformance.values import different_like, perturb_hyperparameters
 
 # -- set-up -------------------------------------------------------------------------------------------
@@ -81,11 +82,11 @@ TARGET_ONLY_KEY = "sdc_target_only"
 PROMPTLY_S = 30
 
 
-def sd_ops(impl: Any) -> StateDictOps:
+def sd_ops(impl: Adapter) -> StateDictOps:
     return impl.require("state_dict")
 
 
-def sd_shard(impl: Any, model: nn.Module, device: torch.device, strategy: str = "FULL_SHARD") -> nn.Module:
+def sd_shard(impl: Adapter, model: nn.Module, device: torch.device, strategy: str = "FULL_SHARD") -> nn.Module:
     """``model`` sharded by ``impl`` as the SD tests shard: ``strategy``, each parameter-holding child
     a unit (:func:`child_units`), the implementation's own ``use_orig_params``."""
     return impl.require("sharding").shard(model, ShardingPlan(strategy=strategy, units=child_units(model), device=device))
@@ -319,7 +320,7 @@ def assert_names_shapes(message: str, got_shape: tuple[int, ...], want_shape: tu
 @pytest.mark.req("SD-1")
 @pytest.mark.parametrize("how", LOCAL_WRAPPERS)
 @pytest.mark.parametrize("name", tuple(zoo.ZOO))
-def test_model_keys_are_canonical_fqns(impl: Any, name: str, how: str) -> None:
+def test_model_keys_are_canonical_fqns(impl: Adapter, name: str, how: str) -> None:
     """get of the wrapped model == nn.Module.state_dict() of the unwrapped one: keys in order, dtypes,
     and bits (the ``dtypes`` model's NaN payloads, -0.0 and int64 beyond 2**53 included)."""
     ops = sd_ops(impl)
@@ -332,7 +333,7 @@ def test_model_keys_are_canonical_fqns(impl: Any, name: str, how: str) -> None:
 @pytest.mark.req("SD-2")
 @pytest.mark.parametrize("how", ("plain", "checkpoint+compile"))
 @pytest.mark.parametrize("name", ("mlp", "tied", "frozen", "nested", "groups", "dtypes"))
-def test_optimizer_state_keyed_by_fqn(impl: Any, name: str, how: str) -> None:
+def test_optimizer_state_keyed_by_fqn(impl: Adapter, name: str, how: str) -> None:
     """Two param groups with extra keys, two steps of Adam: state and param_groups keyed by FQN, in the
     optimizer's order, equal to the oracle bit for bit."""
     ops = sd_ops(impl)
@@ -345,7 +346,7 @@ def test_optimizer_state_keyed_by_fqn(impl: Any, name: str, how: str) -> None:
 
 @pytest.mark.req("SD-2")
 @pytest.mark.parametrize("name", ("tied", "nested", "dtypes"))
-def test_flattened_optimizer_state_dict(impl: Any, name: str) -> None:
+def test_flattened_optimizer_state_dict(impl: Adapter, name: str) -> None:
     """flatten_optimizer_state_dict: one flat dict, state.<fqn>.<name> and param_groups.<fqn>.<key>."""
     ops = sd_ops(impl)
     model = zoo.build(name)
@@ -375,7 +376,7 @@ class _NestedStateAdam(torch.optim.Adam):
 
 
 @pytest.mark.req("SD-2")
-def test_flattened_nested_state_round_trips(impl: Any) -> None:
+def test_flattened_nested_state_round_trips(impl: Adapter) -> None:
     """Per-parameter state that holds dicts (by name and by int) flattens to ``state.<fqn>.ema.fast`` and
     ``state.<fqn>.history.0``, and a set of that flat dict into a target whose nested state differs
     restores it as it was: int keys as ints, every tensor bit for bit."""
@@ -403,7 +404,7 @@ def test_flattened_nested_state_round_trips(impl: Any) -> None:
 
 @pytest.mark.req("SD-1", "SD-2", "SD-11")
 @pytest.mark.parametrize("name", ("tied", "buffers", "nested"))
-def test_round_trip_through_ddp(dist: Any, impl: Any, name: str) -> None:
+def test_round_trip_through_ddp(dist: RankContext, impl: Adapter, name: str) -> None:
     """DDP(compile(checkpointed children)): get is keyed by clean FQNs and equals the oracle; set of it
     into a differing target through the same wrappers makes the target equal, and a step keeps it so."""
     ops = sd_ops(impl)
@@ -427,7 +428,7 @@ def test_round_trip_through_ddp(dist: Any, impl: Any, name: str) -> None:
 
 @pytest.mark.req("SD-3")
 @pytest.mark.parametrize("how", ("plain", "checkpoint+compile"))
-def test_ignore_frozen_params(impl: Any, how: str) -> None:
+def test_ignore_frozen_params(impl: Adapter, how: str) -> None:
     """get leaves out exactly the frozen parameters; set with the option loads that dict strictly into
     a target differing everywhere, loading the trainable entries and leaving the frozen ones as they were."""
     ops = sd_ops(impl)
@@ -464,7 +465,7 @@ SELECTIONS = [
 @pytest.mark.req("SD-4")
 @pytest.mark.parametrize("how", ("plain", "checkpoint+compile"))
 @pytest.mark.parametrize("name, paths", SELECTIONS)
-def test_submodules_select_entries(impl: Any, name: str, paths: tuple[str, ...], how: str) -> None:
+def test_submodules_select_entries(impl: Adapter, name: str, paths: tuple[str, ...], how: str) -> None:
     """Exactly the entries under the selected modules, full FQNs, '.'-boundary matching, bit for bit."""
     ops = sd_ops(impl)
     model = zoo.build(name)
@@ -477,7 +478,7 @@ def test_submodules_select_entries(impl: Any, name: str, paths: tuple[str, ...],
 
 
 @pytest.mark.req("SD-4")
-def test_submodule_not_in_model_is_an_error(impl: Any) -> None:
+def test_submodule_not_in_model_is_an_error(impl: Adapter) -> None:
     ops = sd_ops(impl)
     model = zoo.build("nested")
     stranger = nn.Linear(2, 2)
@@ -489,7 +490,7 @@ def test_submodule_not_in_model_is_an_error(impl: Any) -> None:
 @pytest.mark.req("SD-5")
 @pytest.mark.parametrize("how", ("plain", "checkpoint+compile"))
 @pytest.mark.parametrize("name, path", [("nested", "1"), ("nested", "10"), ("nested", "1.inner"), ("tied", "head"), ("buffers", "norm")])
-def test_strip_submodule_prefixes(impl: Any, name: str, path: str, how: str) -> None:
+def test_strip_submodule_prefixes(impl: Adapter, name: str, path: str, how: str) -> None:
     """keep_submodule_prefixes=False with one submodule gives that submodule's own state_dict()."""
     ops = sd_ops(impl)
     model = zoo.build(name)
@@ -502,7 +503,7 @@ def test_strip_submodule_prefixes(impl: Any, name: str, path: str, how: str) -> 
 
 
 @pytest.mark.req("SD-5")
-def test_stripped_prefixes_collide(impl: Any) -> None:
+def test_stripped_prefixes_collide(impl: Adapter) -> None:
     """Stripping '1.' and '10.' makes '1.inner.0.weight' and '10.inner.0.weight' both 'inner.0.weight'."""
     ops = sd_ops(impl)
     model = zoo.build("nested")
@@ -520,7 +521,7 @@ def test_stripped_prefixes_collide(impl: Any) -> None:
 @pytest.mark.req("SD-6")
 @pytest.mark.parametrize("strict", (True, False), ids=("strict", "nonstrict"))
 @pytest.mark.parametrize("how", ("plain", "checkpoint+compile"))
-def test_submodule_keyed_load(impl: Any, how: str, strict: bool) -> None:
+def test_submodule_keyed_load(impl: Adapter, how: str, strict: bool) -> None:
     """{model.1: sd_of_1} into a target differing everywhere: '1.*' loaded bit for bit, '10.*' left as
     it was and reported missing."""
     ops = sd_ops(impl)
@@ -552,7 +553,7 @@ class _SharedChild(nn.Module):
 
 
 @pytest.mark.req("SD-6")
-def test_submodule_key_reachable_at_two_paths_is_an_error(impl: Any) -> None:
+def test_submodule_key_reachable_at_two_paths_is_an_error(impl: Adapter) -> None:
     """A submodule key stands for one path; a module reachable at two has no single FQN to load at."""
     ops = sd_ops(impl)
     model = _SharedChild()
@@ -564,7 +565,7 @@ def test_submodule_key_reachable_at_two_paths_is_an_error(impl: Any) -> None:
 
 
 @pytest.mark.req("SD-6")
-def test_entry_given_under_two_submodule_keys_is_an_error(impl: Any) -> None:
+def test_entry_given_under_two_submodule_keys_is_an_error(impl: Adapter) -> None:
     """{model.1: ..., model.1.inner: ...} gives the entries of ``1.inner`` twice: which one wins is not
     defined, so the load is refused naming a twice-given FQN, and nothing changes."""
     ops = sd_ops(impl)
@@ -583,7 +584,7 @@ def test_entry_given_under_two_submodule_keys_is_an_error(impl: Any) -> None:
 
 @pytest.mark.req("SD-6")
 @pytest.mark.parametrize("path", ("1", "10"))
-def test_sharded_submodule_keyed_load(dist: Any, impl: Any, path: str) -> None:
+def test_sharded_submodule_keyed_load(dist: RankContext, impl: Adapter, path: str) -> None:
     """A full dict keyed by a submodule (the user's handle, taken before sharding) into a sharded model
     of another seed: that submodule's entries equal the source's on every rank, the rest is as it was."""
     ops = sd_ops(impl)
@@ -610,7 +611,7 @@ def test_sharded_submodule_keyed_load(dist: Any, impl: Any, path: str) -> None:
 
 
 @pytest.mark.req("SD-7")
-def test_nonstrict_partial_load_reports_keys(impl: Any) -> None:
+def test_nonstrict_partial_load_reports_keys(impl: Adapter) -> None:
     ops = sd_ops(impl)
     source, target = zoo.build("nested", seed=0), zoo.build("nested", seed=1)
     make_differ(target, source)
@@ -628,7 +629,7 @@ def test_nonstrict_partial_load_reports_keys(impl: Any) -> None:
 
 
 @pytest.mark.req("SD-7")
-def test_nonstrict_optimizer_load_keeps_state_not_given(impl: Any) -> None:
+def test_nonstrict_optimizer_load_keeps_state_not_given(impl: Adapter) -> None:
     """A non-strict optimizer load that gives state for only some parameters: those take the given state,
     the others keep their own (bit for bit), whatever the order of the target's parameters."""
     ops = sd_ops(impl)
@@ -647,7 +648,7 @@ def test_nonstrict_optimizer_load_keeps_state_not_given(impl: Any) -> None:
 
 
 @pytest.mark.req("SD-7", "SD-8")
-def test_non_persistent_buffer_is_not_loaded(impl: Any) -> None:
+def test_non_persistent_buffer_is_not_loaded(impl: Adapter) -> None:
     """A non-persistent buffer is not part of the state dict: without strict it is reported unexpected
     and not loaded (the strict case is an error case of test_load_error)."""
     ops = sd_ops(impl)
@@ -806,7 +807,7 @@ def _plain_error_params() -> list[Any]:
 
 
 @pytest.mark.parametrize("kind, api, how", _plain_error_params())
-def test_load_error(impl: Any, kind: str, api: str, how: str) -> None:
+def test_load_error(impl: Adapter, kind: str, api: str, how: str) -> None:
     """A wrong model or optimizer dict, or bad options: the error type, the canonical key named whole
     (no wrapper segment), and model and optimizer unchanged. "single" loads the wrong part alone
     (set_model_state_dict / set_optimizer_state_dict); "set_state_dict" loads it with a valid other
@@ -836,7 +837,7 @@ def test_load_error(impl: Any, kind: str, api: str, how: str) -> None:
 @pytest.mark.req("SD-8", "SD-7")
 @pytest.mark.parametrize("how", ("plain", "checkpoint+compile"))
 @pytest.mark.parametrize("kind", ("missing", "unexpected", "non-persistent", "optim-missing"))
-def test_strict_decides_whether_a_mismatch_is_an_error(impl: Any, kind: str, how: str) -> None:
+def test_strict_decides_whether_a_mismatch_is_an_error(impl: Adapter, kind: str, how: str) -> None:
     """One wrong dict (a model entry missing, an entry the model lacks, a non-persistent buffer, or an
     optimizer parameter that no saved group lists), set twice into a target that differs everywhere.
     ``strict=True``: a ``RuntimeError`` naming the canonical key whole (no wrapper segment); for the
@@ -880,7 +881,7 @@ def test_strict_decides_whether_a_mismatch_is_an_error(impl: Any, kind: str, how
 
 
 @pytest.mark.req("SD-10")
-def test_empty_nonstrict_load_reports_everything_missing(impl: Any) -> None:
+def test_empty_nonstrict_load_reports_everything_missing(impl: Adapter) -> None:
     ops = sd_ops(impl)
     model = zoo.build("mlp")
     before = snapshot(model=model)
@@ -891,7 +892,7 @@ def test_empty_nonstrict_load_reports_everything_missing(impl: Any) -> None:
 
 @pytest.mark.req("SD-10")
 @pytest.mark.parametrize("case", ("stateless-submodule", "all-frozen", "stateless-model"))
-def test_empty_get_is_not_an_error(impl: Any, case: str) -> None:
+def test_empty_get_is_not_an_error(impl: Adapter, case: str) -> None:
     """A selection, or a model, that has no entries gives {}."""
     ops = sd_ops(impl)
     model = zoo.build("mlp")
@@ -935,7 +936,7 @@ ROUND_TRIPS = [
 @pytest.mark.req("SD-11")
 @pytest.mark.parametrize("how, form, layout, api", [pytest.param(*row, id="-".join(row)) for row in ROUND_TRIPS])
 @pytest.mark.parametrize("name", tuple(zoo.ZOO))
-def test_round_trip(impl: Any, name: str, how: str, form: str, layout: str, api: str) -> None:
+def test_round_trip(impl: Adapter, name: str, how: str, form: str, layout: str, api: str) -> None:
     """set(get(source)) into a target differing in values, hyperparameters (initial_lr, a custom key, a
     key of its own) and param-group layout: get of the target then equals get of the source bit for
     bit (per parameter for the optimizer), and one more step keeps source and target equal."""
@@ -979,7 +980,7 @@ class Sharded:
             zoo.train_step(self.model, self.optim, batch)
 
 
-def sharded_pair(impl: Any, dist: Any, name: str, strategy: str = "FULL_SHARD", steps: int = 2) -> Sharded:
+def sharded_pair(impl: Adapter, dist: RankContext, name: str, strategy: str = "FULL_SHARD", steps: int = 2) -> Sharded:
     """Zoo ``name`` (seed 0) sharded with ``strategy`` and unwrapped, ``steps`` steps each; a skip if
     the implementation lacks the strategy."""
     oracle = zoo.build(name, seed=0, device=dist.device)
@@ -999,7 +1000,7 @@ def _clean(name: str) -> str:
 
 
 @torch.no_grad()
-def sharded_target(impl: Any, dist: Any, name: str, source_state: Mapping[str, torch.Tensor],
+def sharded_target(impl: Adapter, dist: RankContext, name: str, source_state: Mapping[str, torch.Tensor],
                    strategy: str = "FULL_SHARD", *, extra_key: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Zoo ``name`` from seed 1, sharded, with a perturbed optimizer over its parameters in reverse
     order, trained one step on another batch; its persistent buffers (plain on every rank) set to
@@ -1019,7 +1020,7 @@ def sharded_target(impl: Any, dist: Any, name: str, source_state: Mapping[str, t
     return model, optim
 
 
-def assert_dtensor_params(model_sd: Mapping[str, Any], oracle: nn.Module, dist: Any) -> None:
+def assert_dtensor_params(model_sd: Mapping[str, Any], oracle: nn.Module, dist: RankContext) -> None:
     """SD-13: at world size > 1 every parameter entry of a sharded get is a DTensor."""
     __tracebackhide__ = True
     if dist.world_size == 1:
@@ -1047,7 +1048,7 @@ SHARDED_ROUND_TRIPS = [
 
 @pytest.mark.req("SD-11")
 @pytest.mark.parametrize("name, form, api", SHARDED_ROUND_TRIPS)
-def test_sharded_round_trip(dist: Any, impl: Any, name: str, form: str, api: str) -> None:
+def test_sharded_round_trip(dist: RankContext, impl: Adapter, name: str, form: str, api: str) -> None:
     """get of a sharded model (full; sharded; full and flattened) equals the unwrapped oracle on every
     rank (DTensors by their local shards: bit for bit before training, within float tolerance after);
     set of it into a sharded target differing in values, hyperparameters and parameter order makes the
@@ -1091,7 +1092,7 @@ def test_sharded_round_trip(dist: Any, impl: Any, name: str, form: str, api: str
 @pytest.mark.req("SD-12")
 @pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
 @pytest.mark.parametrize("name", ("nested", "tied"))
-def test_sharded_full_state_dict(dist: Any, impl: Any, name: str, strategy: str) -> None:
+def test_sharded_full_state_dict(dist: RankContext, impl: Adapter, name: str, strategy: str) -> None:
     """Every strategy: full_state_dict gives plain tensors equal to the oracle on every rank (the zoo
     under FULL_SHARD is covered by test_sharded_round_trip)."""
     ops = sd_ops(impl)
@@ -1106,7 +1107,7 @@ def test_sharded_full_state_dict(dist: Any, impl: Any, name: str, strategy: str)
                       atol=ATOL, where=f"rank {dist.rank}")
 
 
-def assert_planned_get(got: Mapping[str, Any], expected: Mapping[str, Any], strategy: str, dist: Any, what: str) -> None:
+def assert_planned_get(got: Mapping[str, Any], expected: Mapping[str, Any], strategy: str, dist: RankContext, what: str) -> None:
     """Every positional tensor of ``got`` (a model state dict, or one parameter's optimizer state) is a
     DTensor laid out as ``strategy`` asks (:func:`~conformance.asserts.assert_planned_shard`: mesh
     ranks and groups, placements, coordinate, this rank's piece of ``expected`` to float tolerance);
@@ -1128,7 +1129,7 @@ def assert_planned_get(got: Mapping[str, Any], expected: Mapping[str, Any], stra
 
 @pytest.mark.req("SD-13")
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_sharded_get_follows_the_plan(dist: Any, impl: Any, strategy: str) -> None:
+def test_sharded_get_follows_the_plan(dist: RankContext, impl: Adapter, strategy: str) -> None:
     """``full_state_dict=False`` on a model sharded with each strategy: every parameter and every
     positional optimizer state is a DTensor on the mesh the plan asked for (FULL_SHARD and
     SHARD_GRAD_OP: ``Shard(0)`` over every rank; NO_SHARD: ``Replicate()``; HYBRID_SHARD: the 2-D mesh
@@ -1150,7 +1151,7 @@ def test_sharded_get_follows_the_plan(dist: Any, impl: Any, strategy: str) -> No
 
 @pytest.mark.req("SD-12")
 @pytest.mark.parametrize("part", ("model", "optimizer"))
-def test_sharded_full_state_dict_cpu_offload(dist: Any, impl: Any, part: str) -> None:
+def test_sharded_full_state_dict_cpu_offload(dist: RankContext, impl: Adapter, part: str) -> None:
     """full_state_dict + cpu_offload: rank 0 holds the full dict on CPU, the other ranks {}."""
     ops = sd_ops(impl)
     pair = sharded_pair(impl, dist, "nested")
@@ -1172,7 +1173,7 @@ def test_sharded_full_state_dict_cpu_offload(dist: Any, impl: Any, part: str) ->
         assert_same_optim(got, expected, "full optimizer state dict", atol=ATOL)
 
 
-def dtensor_model(name: str, seed: int, dist: Any) -> nn.Module:
+def dtensor_model(name: str, seed: int, dist: RankContext) -> nn.Module:
     """Zoo model ``name`` whose every parameter is a DTensor sharded on dim 0 over all ranks, with no
     FSDP wrapper (how tensor parallelism leaves a model); buffers stay plain."""
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -1186,7 +1187,7 @@ def dtensor_model(name: str, seed: int, dist: Any) -> nn.Module:
 
 
 @pytest.mark.req("SD-12", "SD-19")
-def test_dtensor_parameters_full_cpu_offload(dist: Any, impl: Any) -> None:
+def test_dtensor_parameters_full_cpu_offload(dist: RankContext, impl: Adapter) -> None:
     """full_state_dict + cpu_offload on a DTensor-parameter model: rank 0 holds the full values on the
     CPU, every other rank ``{}``."""
     ops = sd_ops(impl)
@@ -1204,7 +1205,7 @@ def test_dtensor_parameters_full_cpu_offload(dist: Any, impl: Any) -> None:
 @pytest.mark.req("SD-19")
 @pytest.mark.parametrize("form", ("full", "sharded"))
 @pytest.mark.parametrize("name", ("nested", "tiny", "dtypes"))
-def test_dtensor_parameters_without_fsdp(dist: Any, impl: Any, name: str, form: str) -> None:
+def test_dtensor_parameters_without_fsdp(dist: RankContext, impl: Adapter, name: str, form: str) -> None:
     """Parameters that are DTensors without any FSDP unit: ``full_state_dict=True`` gives the plain full
     values on every rank, ``False`` the DTensors (each rank's local shard as the layout says), and a set
     of either form into a model of another seed restores the source bit for bit on every rank."""
@@ -1232,7 +1233,7 @@ def test_dtensor_parameters_without_fsdp(dist: Any, impl: Any, name: str, form: 
 @pytest.mark.req("SD-4", "SD-5")
 @pytest.mark.parametrize("keep", (True, False), ids=("keep-prefixes", "strip-prefixes"))
 @pytest.mark.parametrize("path", ("1", "10", "1.inner"))
-def test_sharded_submodule_selection(dist: Any, impl: Any, path: str, keep: bool) -> None:
+def test_sharded_submodule_selection(dist: RankContext, impl: Adapter, path: str, keep: bool) -> None:
     """Selecting a module of the user's model after it was sharded (inside a sharding unit): the
     oracle's entries of that module, bit for bit (nothing was trained), on every rank."""
     ops = sd_ops(impl)
@@ -1253,7 +1254,7 @@ def test_sharded_submodule_selection(dist: Any, impl: Any, path: str, keep: bool
 
 
 @pytest.mark.req("SD-3")
-def test_sharded_ignore_frozen_params(dist: Any, impl: Any) -> None:
+def test_sharded_ignore_frozen_params(dist: RankContext, impl: Adapter) -> None:
     ops = sd_ops(impl)
     pair = sharded_pair(impl, dist, "frozen")
     frozen = {n for n, p in pair.oracle.named_parameters() if not p.requires_grad}
@@ -1270,7 +1271,7 @@ def _oracle_state(name: str, device: Any) -> tuple[dict[str, Any], dict[str, Any
     return copy.deepcopy(oracle.state_dict()), copy.deepcopy(fqn_keyed_optim(oracle, oracle_optim))
 
 
-def _broadcast_target(impl: Any, dist: Any, name: str, sharded: bool, expected_model: Mapping[str, Any]
+def _broadcast_target(impl: Adapter, dist: RankContext, name: str, sharded: bool, expected_model: Mapping[str, Any]
                       ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A target for rank 0's state: sharded, or plain and differing everywhere; one param group, like
     the source (a split target is test_round_trip's)."""
@@ -1282,7 +1283,7 @@ def _broadcast_target(impl: Any, dist: Any, name: str, sharded: bool, expected_m
     return pair.target, optim
 
 
-def _check_broadcast_result(ops: StateDictOps, dist: Any, model: nn.Module, optim: torch.optim.Optimizer,
+def _check_broadcast_result(ops: StateDictOps, dist: RankContext, model: nn.Module, optim: torch.optim.Optimizer,
                             expected_model: dict[str, Any], expected_optim: dict[str, Any]) -> None:
     __tracebackhide__ = True
     got_model, got_optim = ops.get_state_dict(model, optim, options=ops.options(full_state_dict=True))
@@ -1293,7 +1294,7 @@ def _check_broadcast_result(ops: StateDictOps, dist: Any, model: nn.Module, opti
 @pytest.mark.req("SD-14")
 @pytest.mark.parametrize("sharded", (False, True), ids=("plain", "sharded"))
 @pytest.mark.parametrize("name", ("nested", "dtypes"))
-def test_broadcast_from_rank0(dist: Any, impl: Any, name: str, sharded: bool) -> None:
+def test_broadcast_from_rank0(dist: RankContext, impl: Adapter, name: str, sharded: bool) -> None:
     """Rank 0 holds the oracle's full model and optimizer state, the other ranks pass {} to
     set_model_state_dict and set_optimizer_state_dict; every rank ends with rank 0's state bit for bit,
     hyperparameters included, in a target that differed everywhere."""
@@ -1309,7 +1310,7 @@ def test_broadcast_from_rank0(dist: Any, impl: Any, name: str, sharded: bool) ->
 
 @pytest.mark.req("SD-16")
 @pytest.mark.rank_timeout(PROMPTLY_S)
-def test_set_state_dict_broadcast_with_empty_dicts_on_other_ranks(dist: Any, impl: Any) -> None:
+def test_set_state_dict_broadcast_with_empty_dicts_on_other_ranks(dist: RankContext, impl: Adapter) -> None:
     """One set_state_dict call on every rank of a sharded model, ranks > 0 passing {} for both the model
     and the optimizer state: it completes, and every rank ends with rank 0's state (checked on each
     rank, bit for bit). (Sharded only: a wrong implementation hangs here, and each hang costs the timeout.)"""
@@ -1324,7 +1325,7 @@ def test_set_state_dict_broadcast_with_empty_dicts_on_other_ranks(dist: Any, imp
 
 @pytest.mark.req("SD-14", "SD-7")
 @pytest.mark.parametrize("sharded", (False, True), ids=("plain", "sharded"))
-def test_broadcast_with_cpu_offload_not_strict_skips_unknown_keys(dist: Any, impl: Any, sharded: bool) -> None:
+def test_broadcast_with_cpu_offload_not_strict_skips_unknown_keys(dist: RankContext, impl: Adapter, sharded: bool) -> None:
     """``broadcast_from_rank0`` with ``cpu_offload`` and ``strict=False``, rank 0's dict holding a key the
     model does not have: the rest loads on every rank and the key is reported unexpected, not a
     ``KeyError`` from inside the broadcast (pytorch/pytorch#149516, PR #150239)."""
@@ -1343,7 +1344,7 @@ def test_broadcast_with_cpu_offload_not_strict_skips_unknown_keys(dist: Any, imp
 
 
 @pytest.mark.req("SD-8", "SD-19")
-def test_strict_load_into_dtensor_parameters_names_the_missing_key(dist: Any, impl: Any) -> None:
+def test_strict_load_into_dtensor_parameters_names_the_missing_key(dist: RankContext, impl: Adapter) -> None:
     """A model whose parameters are DTensors (tensor parallel, no FSDP unit) honours ``strict``: a full or
     sharded dict without one key is a ``RuntimeError`` naming it, on every rank, and the model is left
     as it was (pytorch/pytorch#126285: the missing key loaded silently)."""
@@ -1371,7 +1372,7 @@ SHARDED_ERROR_KINDS = ("missing", "unexpected", "shape", "shape-dtensor", "empty
 ONE_RANK_ERROR_KINDS = ("missing", "shape-dtensor", "empty", "optim-missing", "broadcast-options")
 
 
-def sharded_error_run(dist: Any, impl: Any, kind: str, bad_ranks: set[int]) -> None:
+def sharded_error_run(dist: RankContext, impl: Adapter, kind: str, bad_ranks: set[int]) -> None:
     """A sharded nested model and its optimizer (trained, perturbed, like every target) get a set whose
     input is wrong on ``bad_ranks`` only. Every rank raises the same error type with the same message
     (naming the canonical key) and keeps its model and optimizer exactly as they were."""
@@ -1407,7 +1408,7 @@ def sharded_error_run(dist: Any, impl: Any, kind: str, bad_ranks: set[int]) -> N
 
 @pytest.mark.rank_timeout(PROMPTLY_S)
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=REQ_MARKS[ERROR_CASES[k].req]) for k in SHARDED_ERROR_KINDS])
-def test_sharded_load_error(dist: Any, impl: Any, kind: str) -> None:
+def test_sharded_load_error(dist: RankContext, impl: Adapter, kind: str) -> None:
     """Every rank's input is wrong: every rank raises the same error and changes nothing."""
     sharded_error_run(dist, impl, kind, bad_ranks=set(range(dist.world_size)))
 
@@ -1415,7 +1416,7 @@ def test_sharded_load_error(dist: Any, impl: Any, kind: str) -> None:
 @pytest.mark.world_size(min=2)
 @pytest.mark.rank_timeout(PROMPTLY_S)
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=REQ_MARKS[ERROR_CASES[k].req]) for k in ONE_RANK_ERROR_KINDS])
-def test_sharded_load_error_on_one_rank(dist: Any, impl: Any, kind: str) -> None:
+def test_sharded_load_error_on_one_rank(dist: RankContext, impl: Adapter, kind: str) -> None:
     """Only the last rank's input is wrong: still every rank raises the same error, promptly (a rank
     left waiting in a collective is cut by the timeout), and no rank changes anything."""
     sharded_error_run(dist, impl, kind, bad_ranks={dist.world_size - 1})
@@ -1424,7 +1425,7 @@ def test_sharded_load_error_on_one_rank(dist: Any, impl: Any, kind: str) -> None
 @pytest.mark.req("SD-8", "SD-7")
 @pytest.mark.rank_timeout(PROMPTLY_S)
 @pytest.mark.parametrize("kind", ("missing", "unexpected", "optim-missing"))
-def test_sharded_strict_decides_whether_a_mismatch_is_an_error(dist: Any, impl: Any, kind: str) -> None:
+def test_sharded_strict_decides_whether_a_mismatch_is_an_error(dist: RankContext, impl: Adapter, kind: str) -> None:
     """On a sharded model, one wrong full dict (an entry missing, an entry the model lacks, an
     optimizer parameter no saved group lists) on every rank, set twice into a differing target.
     ``strict=True``: every rank raises the same ``RuntimeError`` naming the canonical key whole; for
@@ -1488,7 +1489,7 @@ def form_of(tree: Any) -> Any:
 @pytest.mark.req("SD-18")
 @pytest.mark.rank_timeout(PROMPTLY_S)
 @pytest.mark.parametrize("kind", ("unexpected", "shape", "optim-missing"))
-def test_failed_set_restores_state_dict_config(dist: Any, impl: Any, kind: str) -> None:
+def test_failed_set_restores_state_dict_config(dist: RankContext, impl: Adapter, kind: str) -> None:
     """A full_state_dict set that raises leaves the model's state-dict configuration as it was: the
     default get then has the form it had before (sharded DTensors with the same placements and local
     shapes, the same keys), and a valid default set then loads bit for bit. Checked by behaviour, so it
@@ -1524,7 +1525,7 @@ PARAM_GROUP_PATHS = ("plain", "plain-flat", "plain-full", "plain-broadcast", "sh
 
 @pytest.mark.req("SD-11")
 @pytest.mark.parametrize("path", PARAM_GROUP_PATHS)
-def test_load_replaces_param_groups_whole(dist: Any, impl: Any, path: str) -> None:
+def test_load_replaces_param_groups_whole(dist: RankContext, impl: Adapter, path: str) -> None:
     """A loaded param group replaces the target's whole, as ``Optimizer.load_state_dict`` does: a key
     that only the target's groups have (say a scheduler's ``initial_lr`` added after the checkpoint was
     written) is gone after the load, the values are as saved (``betas`` stays a tuple), and get of the
@@ -1555,7 +1556,7 @@ def test_load_replaces_param_groups_whole(dist: Any, impl: Any, path: str) -> No
 @pytest.mark.req("SD-15")
 @pytest.mark.parametrize("direction", ("reference-to-impl", "impl-to-reference"))
 @pytest.mark.parametrize("name", ("tied", "frozen", "buffers", "nested", "dtypes"))
-def test_cross_implementation_plain(impl: Any, reference_impl: Any, name: str, direction: str) -> None:
+def test_cross_implementation_plain(impl: Adapter, reference_impl: Any, name: str, direction: str) -> None:
     """One implementation's get loads through the other into a differing target: the target equals the
     source bit for bit, model and optimizer (per parameter). (No step after: source and target are
     wrapped differently, and activation checkpointing runs BatchNorm's forward twice.)"""
@@ -1573,7 +1574,7 @@ def test_cross_implementation_plain(impl: Any, reference_impl: Any, name: str, d
 @pytest.mark.parametrize("full_state_dict", (True, False), ids=("full", "sharded"))
 @pytest.mark.parametrize("direction", ("reference-to-impl", "impl-to-reference"))
 @pytest.mark.parametrize("name", ("nested", "buffers"))
-def test_cross_implementation_sharded(dist: Any, impl: Any, name: str, direction: str, full_state_dict: bool) -> None:
+def test_cross_implementation_sharded(dist: RankContext, impl: Adapter, name: str, direction: str, full_state_dict: bool) -> None:
     """Sharded by one implementation, loaded by the other into a differing sharded target: the
     consumer's full get equals the oracle on every rank."""
     # reference_impl is a controller-side fixture; on the ranks the adapter is loaded by name.

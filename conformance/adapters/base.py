@@ -29,7 +29,7 @@ they pickle by spec, not by value: keep per-process state out of them.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
 
 from conformance.adapters.unsupported import Unsupported
 
@@ -113,8 +113,22 @@ class Adapter:
             return str(exc)
         return None
 
+    @overload
+    def require(self, capability: Literal["flat_param"]) -> FlatParamOps: ...
+    @overload
+    def require(self, capability: Literal["state_dict"]) -> StateDictOps: ...
+    @overload
+    def require(self, capability: Literal["optim_state"]) -> OptimStateOps: ...
+    @overload
+    def require(self, capability: Literal["checkpoint"]) -> CheckpointOps: ...
+    @overload
+    def require(self, capability: Literal["sharding"]) -> ShardingOps: ...
+    @overload
+    def require(self, capability: str) -> Any: ...
+
     def require(self, capability: str) -> Any:
-        """The ops of ``capability``, or a pytest skip naming the adapter, capability and reason."""
+        """The ops of ``capability``, or a pytest skip naming the adapter, capability and reason. Typed by
+        the capability's name (``require("checkpoint")`` is a ``CheckpointOps``)."""
         try:
             return getattr(self, capability)()
         except Unsupported as exc:
