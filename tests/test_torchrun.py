@@ -34,7 +34,8 @@ from typing import Any, Literal
 import pytest
 
 from conformance.harness.launch_env import LaunchEnv, detect, hybrid_mesh_shape, launcher_variables
-from conformance.harness.torchrun import _agree, _collection_difference, _Summary
+from conformance.harness.torchrun import _collection_difference
+from conformance.harness.torchrun_agreement import Summary, agree
 from tests.conftest import REPO_ROOT
 
 # -- the pieces, without a launcher ------------------------------------------------------------------
@@ -124,9 +125,9 @@ def _report(
 def test_reports_that_differ_between_ranks_fail_everywhere() -> None:
     passed = _report("passed")
     failed = _report("failed", "E   AssertionError: rank three", [{"rank": None, "type": "AssertionError", "message": "rank three"}])
-    summaries = {0: _Summary.of(passed), 1: _Summary.of(passed), 3: _Summary.of(failed)}
+    summaries = {0: Summary.of(passed), 1: Summary.of(passed), 3: Summary.of(failed)}
     mine = _report("passed")
-    _agree(mine, summaries)
+    agree(mine, summaries)
     assert mine.failed
     assert mine.longreprtext.startswith("failed on rank(s) [3] of the torchrun job (rank 0 passed, rank 1 passed)")
     assert "---------- rank 3 ----------\nE   AssertionError: rank three" in mine.longreprtext
@@ -134,10 +135,10 @@ def test_reports_that_differ_between_ranks_fail_everywhere() -> None:
     # Every rank xfailed alike: unchanged. One rank skipped where the others xfailed: a failure.
     xfailed = _report("skipped", "reason", xfail="known")
     same = _report("skipped", "reason", xfail="known")
-    _agree(same, {0: _Summary.of(xfailed), 1: _Summary.of(xfailed)})
+    agree(same, {0: Summary.of(xfailed), 1: Summary.of(xfailed)})
     assert same.skipped and same.wasxfail == "known"
     mixed = _report("skipped", "reason", xfail="known")
-    _agree(mixed, {0: _Summary.of(xfailed), 1: _Summary.of(_report("skipped", "no GPU"))})
+    agree(mixed, {0: Summary.of(xfailed), 1: Summary.of(_report("skipped", "no GPU"))})
     assert mixed.failed and not hasattr(mixed, "wasxfail")
     assert "the ranks of the torchrun job disagree: rank 0 xfailed" in mixed.longreprtext and "rank 1 skipped (no GPU)" in mixed.longreprtext
 

@@ -3,6 +3,11 @@
 Loaded by ``conformance/conftest.py`` and ``tests/conftest.py`` (``pytest_plugins``; registered once),
 and by the self-tests' subprocess runs with ``-p conformance.harness.plugin``.
 How tests use it is in :mod:`conformance.harness`.
+
+The hooks and fixtures are here; what they call lives in modules of its own: the axes and test ids
+(:mod:`~conformance.harness.axes`), the expected-failures machinery
+(:mod:`~conformance.harness.known_deviations`), the ``--report-json`` document
+(:mod:`~conformance.harness.report_json`), and the torchrun mode (:mod:`~conformance.harness.torchrun`).
 """
 
 from __future__ import annotations
@@ -12,31 +17,42 @@ import inspect
 import itertools
 import json
 import shutil
-import sys
 import tempfile
-import warnings
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
 
 from conformance.adapters.base import SHIPPED, Adapter, capability_of, load_adapter
+from conformance.harness.axes import CONFORMANCE_DIR, DistSpec, backend_for, cuda_count, impl_specs, item_impl, selected_world_sizes, suite_test_id
 from conformance.harness.failures import DIED, HUNG, Failure
+from conformance.harness.known_deviations import (
+    AdapterFile,
+    StaleXfailWarning,
+    adapter_xfail_files,
+    applicable_entries,
+    check_exclusions,
+    entries_header,
+    entry_for,
+    entry_json,
+    exclusions_for,
+    load_xfail_entries,
+    no_longer_deviates,
+    warn_stale,
+)
 from conformance.harness.pool import PoolManager, PoolRun, PoolStartError
+from conformance.harness.report_json import SESSION_RESULTS, record_report, report_payload
 from conformance.harness.requirements import load_spec
 from conformance.harness.worker import DIST_ARG
-from conformance.harness.xfails import XfailEntry, as_run_by, matches_at_any_world_size, parse_xfails
+from conformance.harness.xfails import XfailEntry
 
-__all__ = ["DistSpec", "Pools", "StaleXfailWarning", "selected_world_sizes", "suite_test_id"]
+__all__ = ["DistSpec", "Pools", "StaleXfailWarning", "selected_world_sizes", "suite_test_id", "AdapterFile", "adapter_xfail_files"]
 
-# The torchrun mode (every rank of a launched job a pytest process): its hooks, and the three hooks
-# here that consult it (the manager, the default world sizes, the GPUs per rank).
+# The torchrun mode (every rank of a launched job a pytest process): its hooks, and the hooks here
+# that consult it (the manager, the default world sizes; the GPUs per rank are conformance.harness.axes').
 pytest_plugins = ("conformance.harness.torchrun",)
 
-_CONFORMANCE_DIR = Path(__file__).resolve().parent.parent
 _MANAGER = pytest.StashKey[PoolManager]()
 #: The expected-failures entries of the session (loaded once, at configure).
 _ENTRIES = pytest.StashKey[list[XfailEntry]]()
@@ -46,21 +62,6 @@ _ENTRY = pytest.StashKey[XfailEntry]()
 _EXCLUSIONS = pytest.StashKey[tuple[XfailEntry, ...]]()
 #: (world size, failures) of a test's last rank run.
 _RANK_FAILURES = pytest.StashKey[tuple[int, list[Failure]]]()
-
-
-class StaleXfailWarning(UserWarning):
-    """An expected-failures entry matched no collected test of its file."""
-
-
-@dataclass(frozen=True)
-class DistSpec:
-    """The value the controller holds for ``dist`` until the body runs on the ranks."""
-
-    world_size: int
-    backend: str
-
-    def __repr__(self) -> str:
-        return f"ws{self.world_size}"
 
 
 # -- options and configuration ---------------------------------------------------------------------
@@ -93,44 +94,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--report-json", default=None, help="write each test's outcome, requirement IDs and axes to this JSON file")
 
 
-def selected_world_sizes(config: pytest.Config) -> list[int]:
-    """The world sizes ``--world-size`` selects (the default when it is not given), sorted, each once; a
-    usage error for anything but positive integers. Tests that pick their own world sizes read them here."""
-    raw = config.getoption("--world-size")
-    try:
-        sizes = sorted({int(part) for part in str(raw).split(",") if part.strip()})
-    except ValueError:
-        raise pytest.UsageError(f"--world-size expects integers like 1,2,4; got {raw!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise pytest.UsageError(f"--world-size expects positive integers; got {raw!r}")
-    return sizes
-
-
-def _impl_specs(config: pytest.Config) -> list[str]:
-    specs = [s.strip() for opt in config.getoption("--impl") for s in opt.split(",") if s.strip()]
-    return list(dict.fromkeys(specs)) or list(SHIPPED)
-
-
-def _cuda_count() -> int:
-    """CUDA devices for the ranks: this machine's; under torchrun, how many of the job's first ranks drive one."""
-    import torch
-
-    from conformance.harness.torchrun import job_cuda_count
-
-    launched = job_cuda_count()
-    if launched is not None:
-        return launched
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _backend_for(config: pytest.Config, world_size: int) -> str:
-    choice = config.getoption("--backend")
-    if choice == "auto":
-        return "nccl" if _cuda_count() >= world_size else "gloo"
-    return choice
-
-
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "req(*ids): the SPEC.md requirement IDs this test checks")
     config.addinivalue_line(
@@ -150,10 +113,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
     config.stash[SESSION_FINISH] = pytest_sessionfinish
     config.option.world_size = config.option.world_size or default_world_sizes() or "1,2"
-    config.stash[_ENTRIES] = _load_xfail_entries(config)
+    config.stash[_ENTRIES] = load_xfail_entries(config)
     manager = manager_for(config) or PoolManager(pg_timeout_s=max(60.0, config.getoption("--rank-timeout") * 2))
     config.stash[_MANAGER] = manager
-    _SESSION_RESULTS.clear()
+    SESSION_RESULTS.clear()
     atexit.register(manager.stop_all)
 
 
@@ -166,43 +129,13 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     import torch
 
     sizes = selected_world_sizes(config)
-    backends = ", ".join(f"ws{ws}={_backend_for(config, ws)}" for ws in sizes)
+    backends = ", ".join(f"ws{ws}={backend_for(config, ws)}" for ws in sizes)
     return [
-        f"conformance: torch {torch.__version__}, cuda devices {_cuda_count()}",
+        f"conformance: torch {torch.__version__}, cuda devices {cuda_count()}",
         f"conformance: world sizes {sizes}, backends {backends}, rank timeout {config.getoption('--rank-timeout')}s",
-        f"conformance: implementations {', '.join(_impl_specs(config))}",
-        *_entries_header(config),
+        f"conformance: implementations {', '.join(impl_specs(config))}",
+        *entries_header(config.stash.get(_ENTRIES, [])),
     ]
-
-
-def _entries_header(config: pytest.Config) -> list[str]:
-    """One line per expected-failures file: its entries, how many are active for this torch and
-    which backends/devices they need; then every entry that is not active everywhere, by name."""
-    import torch
-
-    by_file: dict[str, list[XfailEntry]] = {}
-    for entry in config.stash.get(_ENTRIES, []):
-        by_file.setdefault(entry.source.rsplit(":", 1)[0], []).append(entry)
-    lines = []
-    for path, entries in by_file.items():
-        inactive = [e for e in entries if not e.when.holds_for_torch(torch.__version__)]
-        conditional = [e for e in entries if e not in inactive and (e.when.backend or e.when.device)]
-        pinned = sum(1 for e in entries if e.pin)
-        excluded = sum(1 for e in entries if e.exclude and not e.removes)
-        flaky = sum(1 for e in entries if e.flaky)
-        counts = Counter(e.when.describe() for e in inactive)
-        lines.append(
-            f"conformance: known deviations {path}: {len(entries)} entries, {len(entries) - len(inactive)} active for torch "
-            f"{torch.__version__} ({len(conditional)} of them only on some backends/devices), {pinned} pinned"
-            + (f", {flaky} flaky" if flaky else "")
-            + (f", {excluded} exclusions of generated cases" if excluded else "")
-            + (f"; inactive: {', '.join(f'{n} x {c}' for c, n in counts.items())}" if inactive else "")
-        )
-        for entry in inactive:
-            lines.append(f"conformance:   inactive ({entry.when.describe()}): {entry.source} {entry.pattern}")
-        for entry in conditional:
-            lines.append(f"conformance:   only where {entry.when.describe()}: {entry.source} {entry.pattern}")
-    return lines
 
 
 # -- parametrization over the axes ----------------------------------------------------------------
@@ -238,7 +171,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "dist" in metafunc.fixturenames and not _parametrized_by_the_test(metafunc, "dist"):
         allowed, need = _allowed_sizes(metafunc, sizes)
         if allowed:
-            specs = [DistSpec(ws, _backend_for(config, ws)) for ws in allowed]
+            specs = [DistSpec(ws, backend_for(config, ws)) for ws in allowed]
             metafunc.parametrize("dist", specs, ids=[f"ws{s.world_size}" for s in specs])
         else:
             reason = f"needs {need}; selected --world-size {','.join(map(str, sizes))}"
@@ -253,7 +186,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             metafunc.parametrize("world_size_pair", [pytest.param(None, marks=pytest.mark.skip(reason=reason))], ids=["ws-none"])
     if "impl" in metafunc.fixturenames and not _parametrized_by_the_test(metafunc, "impl"):
         adapters = []
-        for spec in _impl_specs(config):
+        for spec in impl_specs(config):
             try:
                 adapters.append(load_adapter(spec))
             except ValueError as exc:
@@ -274,113 +207,12 @@ def _item_reqs(item: pytest.Item) -> list[str]:
     return [req for marker in item.iter_markers("req") for req in marker.args]
 
 
-def _item_impl(item: pytest.Item) -> Adapter | None:
-    callspec = getattr(item, "callspec", None)
-    value = callspec.params.get("impl") if callspec is not None else None
-    return value if isinstance(value, Adapter) else None
-
-
-@dataclass(frozen=True)
-class AdapterFile:
-    """One expected-failures file of an adapter's class hierarchy."""
-
-    name: str  #: the ``name`` of the class that sets ``xfails_file``: its patterns are written with it
-    path: Path
-    cls: str  #: that class, ``module.QualName``, for messages
-    #: the names of the adapters that class derives from: its patterns may be written with those too
-    aliases: tuple[str, ...]
-
-
-#: adapter class -> its expected-failures files (resolved once: the plugin asks for every test).
-_XFAIL_FILES: dict[type, tuple[AdapterFile, ...]] = {}
-
-
-def adapter_xfail_files(adapter: Adapter) -> list[AdapterFile]:
-    adapter_cls = type(adapter)
-    if adapter_cls not in _XFAIL_FILES:
-        _XFAIL_FILES[adapter_cls] = _xfail_files_of(adapter_cls, adapter.name)
-    return list(_XFAIL_FILES[adapter_cls])
-
-
-def _adapter_names(adapter_cls: type) -> list[str]:
-    """The names of the adapter classes in ``adapter_cls``'s MRO that set one, in MRO order."""
-    names: list[str] = []
-    for cls in adapter_cls.__mro__:
-        name = cls.__dict__.get("name")
-        if isinstance(name, str) and cls is not Adapter and name not in names:
-            names.append(name)
-    return names
-
-
-def _xfail_files_of(adapter_cls: type, adapter_name: str) -> tuple[AdapterFile, ...]:
-    """The expected-failures files that apply to ``adapter``, its own first: one for each class in its
-    MRO that sets ``xfails_file``. A relative path is resolved against the directory of the module that
-    defines the class."""
-    files = []
-    for cls in adapter_cls.__mro__:
-        raw = cls.__dict__.get("xfails_file")
-        if not raw:
-            continue
-        path = Path(raw)
-        if not path.is_absolute():
-            module = sys.modules.get(cls.__module__)
-            module_file = getattr(module, "__file__", None)
-            if module_file is None:
-                raise ValueError(f"{cls.__qualname__}.xfails_file {raw!r} is relative, but module {cls.__module__!r} has no file to resolve it against")
-            path = (Path(module_file).resolve().parent / path).resolve()
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"expected-failures file {path} of adapter {adapter_name!r} ({cls.__module__}.{cls.__qualname__}.xfails_file = {raw!r}, "
-                "relative to the directory of that module) does not exist"
-            )
-        name = str(getattr(cls, "name", adapter_name))
-        aliases = tuple(n for n in _adapter_names(cls) if n != name)
-        files.append(AdapterFile(name, path, f"{cls.__module__}.{cls.__qualname__}", aliases))
-    return tuple(files)
-
-
-def _load_xfail_entries(config: pytest.Config) -> list[XfailEntry]:
-    """The entries of every ``--xfails`` file and adapter file (inherited ones included); a missing or
-    malformed file is a usage error naming it."""
-    entries: list[XfailEntry] = []
-    seen: set[tuple[Path, str]] = set()
-    try:
-        for raw in config.getoption("--xfails"):
-            entries += parse_xfails(Path(raw).resolve())
-        for spec in _impl_specs(config):
-            try:
-                adapter = load_adapter(spec)
-            except ValueError:
-                continue  # reported as a usage error where the axes are built
-            for depth, file in enumerate(adapter_xfail_files(adapter), start=1):
-                if (file.path, file.name) not in seen:
-                    seen.add((file.path, file.name))
-                    entries += parse_xfails(file.path, impl=file.name, depth=depth, aliases=file.aliases)
-    except (OSError, ValueError) as error:
-        raise pytest.UsageError(str(error)) from None
-    return entries
-
-
-def _item_backend(item: pytest.Item) -> str | None:
-    """The process-group backend a test runs with; None for a test on the controller."""
-    callspec = getattr(item, "callspec", None)
-    if callspec is None:
-        return None
-    spec = callspec.params.get("dist")
-    if isinstance(spec, DistSpec):
-        return spec.backend
-    pair = callspec.params.get("world_size_pair")
-    if pair:
-        return _backend_for(item.config, max(pair))
-    return None
-
-
 def _suite_file_id(path: Path) -> str | None:
     """``conformance/<file>`` for a file of the suite (wherever it is installed), else None."""
     resolved = path.resolve()
-    if _CONFORMANCE_DIR not in resolved.parents:
+    if CONFORMANCE_DIR not in resolved.parents:
         return None
-    return f"conformance/{resolved.relative_to(_CONFORMANCE_DIR).as_posix()}"
+    return f"conformance/{resolved.relative_to(CONFORMANCE_DIR).as_posix()}"
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -404,7 +236,7 @@ def suite_path_argument(arg: str, invocation_dir: Path) -> str | None:
     path_part, sep, rest = arg.partition("::")
     if not path_part.startswith("conformance/") or (invocation_dir / path_part).exists():
         return None
-    candidate = _CONFORMANCE_DIR / path_part[len("conformance/"):]
+    candidate = CONFORMANCE_DIR / path_part[len("conformance/"):]
     return f"{candidate}{sep}{rest}" if candidate.exists() else None
 
 
@@ -424,59 +256,6 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
         args[:] = [resolved if a == arg else a for a in args]
 
 
-def suite_test_id(item: pytest.Item) -> str:
-    """The id known-deviation entries and reports use: for a test of the suite,
-    ``conformance/<file>::<name>[<params>]`` wherever the suite is (this checkout, or installed and run
-    with ``--pyargs conformance`` from any directory); any other test's own node id."""
-    path = Path(str(item.path)).resolve()
-    if _CONFORMANCE_DIR not in path.parents or "::" not in item.nodeid:
-        return item.nodeid
-    return f"conformance/{path.relative_to(_CONFORMANCE_DIR).as_posix()}::{item.nodeid.split('::', 1)[1]}"
-
-
-def _applicable(entries: list[XfailEntry], impl: Adapter | None) -> list[XfailEntry]:
-    """The entries that may mark a test of ``impl``, in the order they are tried: ``--xfails`` entries
-    first, then the adapter's own file, then the files of its base adapters."""
-    mro_names = [file.name for file in adapter_xfail_files(impl)] if impl is not None else []
-    applicable = [e for e in entries if e.impl is None or e.impl in mro_names]
-    return sorted(applicable, key=lambda e: 0 if e.impl is None else 1 + mro_names.index(e.impl))
-
-
-def _entry_for(item: pytest.Item, test_id: str, candidates: list[XfailEntry], torch_version: str) -> XfailEntry | None:
-    """The first expected-failure entry of ``candidates`` (:func:`_applicable`) whose conditions hold
-    for ``item`` and whose pattern matches its ``test_id``; a removal (``!pattern``, not of one
-    exclusion) that matches first means none."""
-    impl = _item_impl(item)
-    backend = _item_backend(item)
-    for entry in candidates:
-        if entry.exclude is not None or not entry.when.holds(torch_version, backend):
-            continue
-        if entry.matches_test(test_id, impl.name if impl is not None else None):
-            return None if entry.removes else entry
-    return None
-
-
-def _exclusions_for(item: pytest.Item, test_id: str, candidates: list[XfailEntry], torch_version: str) -> tuple[XfailEntry, ...]:
-    """Every exclusion (``exclude=NAME``) of ``candidates`` whose conditions hold for ``item`` and whose
-    pattern matches ``test_id``, one per name (the first in order), unless a removal earlier in order
-    matches the test: ``!pattern`` cancels them all, ``!pattern exclude=NAME`` that one."""
-    impl = _item_impl(item)
-    run_name = impl.name if impl is not None else None
-    backend = _item_backend(item)
-    cancelled: set[str | None] = set()
-    found: dict[str, XfailEntry] = {}
-    for entry in candidates:
-        if (entry.exclude is None and not entry.removes) or not entry.when.holds(torch_version, backend):
-            continue
-        if not entry.matches_test(test_id, run_name):
-            continue
-        if entry.removes:
-            cancelled.add(entry.exclude)
-        elif None not in cancelled and entry.exclude not in cancelled and entry.exclude is not None:
-            found.setdefault(entry.exclude, entry)
-    return tuple(found.values())
-
-
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     spec_ids = set(load_spec())
     unknown: dict[str, list[str]] = {}
@@ -488,15 +267,15 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         for req in reqs:
             if req not in spec_ids:
                 unknown.setdefault(req, []).append(item.nodeid)
-        in_suite = _CONFORMANCE_DIR in Path(str(item.path)).resolve().parents
+        in_suite = CONFORMANCE_DIR in Path(str(item.path)).resolve().parents
         if in_suite and not reqs:
             untagged.append(item.nodeid)
         # A capability requirement is checked against an adapter; a test of the reference alone (no
         # `impl`) belongs in tests/reference/, where the report does not count it for any column.
-        if in_suite and _item_impl(item) is None and any(capability_of(r) for r in reqs):
+        if in_suite and item_impl(item) is None and any(capability_of(r) for r in reqs):
             without_impl.append(item.nodeid)
         _rank_timeout(config, item)  # a malformed rank_timeout marker is a usage error before anything runs
-        impl = _item_impl(item)
+        impl = item_impl(item)
         item.user_properties.append(("reqs", reqs))
         item.user_properties.append(("impl", impl.name if impl else None))
         item.user_properties.append(("test_id", test_ids[item]))
@@ -522,16 +301,16 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     used: set[XfailEntry] = set()
     misplaced: list[str] = []
     for item in items:
-        impl = _item_impl(item)
+        impl = item_impl(item)
         key = impl.name if impl is not None else None
         if key not in candidates:
-            candidates[key] = _applicable(entries, impl)
-        exclusions = _exclusions_for(item, test_ids[item], candidates[key], torch.__version__)
+            candidates[key] = applicable_entries(entries, impl)
+        exclusions = exclusions_for(item, test_ids[item], candidates[key], torch.__version__)
         if exclusions:
             used.update(exclusions)
-            misplaced += _check_exclusions(item, test_ids[item], exclusions)
+            misplaced += check_exclusions(item, test_ids[item], exclusions)
             item.stash[_EXCLUSIONS] = exclusions
-        entry = _entry_for(item, test_ids[item], candidates[key], torch.__version__)
+        entry = entry_for(item, test_ids[item], candidates[key], torch.__version__)
         if entry is None:
             continue
         used.add(entry)
@@ -546,23 +325,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             item.add_marker(pytest.mark.xfail(reason=f"{entry.reason} [{entry.source}{pinned}]", strict=False))
     if misplaced:
         raise pytest.UsageError("; ".join(dict.fromkeys(misplaced)))
-    _warn_stale(entries, used, items, test_ids, torch.__version__)
-
-
-def _check_exclusions(item: pytest.Item, test_id: str, exclusions: tuple[XfailEntry, ...]) -> list[str]:
-    """What is wrong with ``exclusions`` for ``item``: a test that draws no generated cases, or no family
-    of that name (the ``case_families`` marker lists the ones it draws)."""
-    marker = item.get_closest_marker("case_families")
-    known = [str(name) for name in marker.args] if marker is not None else []
-    problems = []
-    for entry in exclusions:
-        if marker is None:
-            problems.append(
-                f"{entry.source}: exclude={entry.exclude} matches {test_id}, which draws no generated cases (exclude= is for the tests of test_generated.py)"
-            )
-        elif entry.exclude not in known:
-            problems.append(f"{entry.source}: exclude={entry.exclude}: {test_id} draws no family of that name (it draws: {', '.join(known)})")
-    return problems
+    warn_stale(entries, used, items, test_ids, torch.__version__)
 
 
 @pytest.fixture
@@ -571,53 +334,6 @@ def excluded_cases(request: pytest.FixtureRequest) -> tuple[XfailEntry, ...]:
     adapter, inherited ones included, each with its source: the generated test leaves those families
     of cases out of its domain."""
     return request.node.stash.get(_EXCLUSIONS, ())
-
-
-def _warn_stale(
-    entries: list[XfailEntry], used: set[XfailEntry], items: list[pytest.Item], test_ids: dict[pytest.Item, str], torch_version: str
-) -> None:
-    """Warn about each active entry of a collected test file that would match no collected test at
-    any world size (a removal: that would remove nothing). Entries conditioned on a backend or device
-    are not judged: the run may not use it."""
-    collected_files = {test_id.split("::", 1)[0] for test_id in test_ids.values()}
-    run_names = {impl.name: impl for item in items if (impl := _item_impl(item)) is not None}
-    for entry in entries:
-        if entry in used or entry.file_part not in collected_files:
-            continue
-        if not entry.when.holds_for_torch(torch_version) or entry.when.backend or entry.when.device:
-            continue
-        ids = []
-        for item in items:
-            impl = _item_impl(item)
-            names = (entry.impl, *entry.aliases) if impl is not None and entry.impl else (None,)
-            ids += [as_run_by(test_ids[item], impl.name, name) if impl is not None and name else test_ids[item] for name in names]
-        if any(matches_at_any_world_size(entry.pattern, nodeid) for nodeid in ids):
-            continue
-        hint = _base_name_hint(entry, test_ids, items, run_names)
-        warnings.warn(
-            StaleXfailWarning(f"expected-failures entry {entry.pattern!r} ({entry.source}) matches no collected test{hint}"),
-            stacklevel=1,
-        )
-
-
-def _base_name_hint(entry: XfailEntry, test_ids: dict[pytest.Item, str], items: list[pytest.Item], run_names: dict[str, Adapter]) -> str:
-    """For an entry that matches nothing: whether it would match a test of an adapter run here if its
-    id segment were read as the name of an adapter that one derives from (a line written with
-    ``torch`` where the tests run as ``myfork``), and what to write instead."""
-    for name, adapter in run_names.items():
-        for base in _adapter_names(type(adapter))[1:]:
-            for item in items:
-                impl = _item_impl(item)
-                if impl is None or impl.name != name:
-                    continue
-                if matches_at_any_world_size(entry.pattern, as_run_by(test_ids[item], name, base)):
-                    return (
-                        f"; it is written with the name {base!r}, but these tests run against {name!r} "
-                        f"(e.g. {test_ids[item]}): write the id with {name!r}, or put the line in the expected-failures "
-                        f"file of {type(adapter).__module__}.{type(adapter).__qualname__} (its xfails_file), where "
-                        f"{base!r} ids apply to {name!r}"
-                    )
-    return ""
 
 
 # -- running: capability skips, backend checks, rank dispatch -------------------------------------
@@ -629,12 +345,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if callspec is None:
         return
     spec = callspec.params.get("dist")
-    if isinstance(spec, DistSpec) and spec.backend == "nccl" and _cuda_count() < spec.world_size:
-        _skip(f"nccl at world size {spec.world_size} needs {spec.world_size} CUDA devices; found {_cuda_count()}")
+    if isinstance(spec, DistSpec) and spec.backend == "nccl" and cuda_count() < spec.world_size:
+        _skip(f"nccl at world size {spec.world_size} needs {spec.world_size} CUDA devices; found {cuda_count()}")
     pair = callspec.params.get("world_size_pair")
-    if pair and item.config.getoption("--backend") == "nccl" and _cuda_count() < max(pair):
-        _skip(f"nccl at world size {max(pair)} needs {max(pair)} CUDA devices; found {_cuda_count()}")
-    impl = _item_impl(item)
+    if pair and item.config.getoption("--backend") == "nccl" and cuda_count() < max(pair):
+        _skip(f"nccl at world size {max(pair)} needs {max(pair)} CUDA devices; found {cuda_count()}")
+    impl = item_impl(item)
     if impl is not None:
         for capability in sorted({c for c in map(capability_of, _item_reqs(item)) if c}):
             reason = impl.unsupported_reason(capability)
@@ -784,9 +500,9 @@ class Pools:
 
     def run(self, world_size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(ctx, *args, **kwargs)`` on every rank of the ``world_size`` pool; per-rank return values."""
-        backend = _backend_for(self._config, world_size)
-        if backend == "nccl" and _cuda_count() < world_size:
-            _skip(f"nccl at world size {world_size} needs {world_size} CUDA devices; found {_cuda_count()}")
+        backend = backend_for(self._config, world_size)
+        if backend == "nccl" and cuda_count() < world_size:
+            _skip(f"nccl at world size {world_size} needs {world_size} CUDA devices; found {cuda_count()}")
         return _run_on_ranks(self._config, world_size, backend, fn, (DIST_ARG, *args), kwargs, self._node)
 
 
@@ -820,13 +536,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.user_properties = [*report.user_properties, ("failures", [f.to_json() for f in failures])]
     entry = item.stash.get(_ENTRY, None)
     if entry is not None:
-        report.user_properties = [*report.user_properties, ("entry", _entry_json(entry))]
+        report.user_properties = [*report.user_properties, ("entry", entry_json(entry))]
     if entry is not None and report.passed and getattr(report, "wasxfail", None) is not None:
         report.user_properties = [*report.user_properties, ("strict", not entry.flaky)]
         if not entry.flaky:
             report.outcome = "failed"
             del report.wasxfail
-            report.longrepr = _no_longer_deviates(item, entry)
+            report.longrepr = no_longer_deviates(item, entry)
     if entry is not None and entry.pin and report.skipped and getattr(report, "wasxfail", None) is not None:
         problem = entry.pin.mismatch(failures, world_size)
         if problem is not None:
@@ -841,94 +557,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
-def _no_longer_deviates(item: pytest.Item, entry: XfailEntry) -> str:
-    """The failure of a test that passed although a (strict) known-deviation entry marks it: which
-    entry, and the two ways out."""
-    impl = _item_impl(item)
-    test_id = suite_test_id(item)
-    path = entry.source.rsplit(":", 1)[0]
-    lines = [
-        f"known deviation no longer deviates: {test_id} passed, but {entry.source} expects it to fail:",
-        f"    {entry.line}  # {entry.reason}",
-    ]
-    own = adapter_xfail_files(impl)[0] if impl is not None and adapter_xfail_files(impl) else None
-    inherited = impl is not None and entry.impl is not None and entry.impl != impl.name
-    if not inherited:
-        lines.append(f"If this is a fix, remove that entry from {path} (or narrow its pattern to the tests that still fail).")
-        if entry.impl is not None:
-            lines.append(f"(A file you do not maintain, e.g. a shipped one: cancel the entry with the line `!{test_id}` in a file given with --xfails.)")
-    else:
-        assert impl is not None
-        where = (
-            f"its own expected-failures file, {own.path}" if own is not None and own.name == impl.name
-            else f"an expected-failures file of its own (set xfails_file on {type(impl).__module__}.{type(impl).__qualname__})"
-        )
-        lines.append(
-            f"The entry is inherited from the {entry.impl!r} adapter: if {impl.name!r} fixed it, cancel it in {where} with the line"
-        )
-        lines.append(f"    !{test_id}  # fixed in {impl.name}")
-    lines.append(
-        "If it is not a fix (another change made the deviation pass by accident), this pass is the regression to look at. "
-        "If the deviation depends on timing and comes and goes between runs, flag the entry `flaky`."
-    )
-    return "\n".join(lines)
-
-
-def _entry_json(entry: XfailEntry) -> dict[str, Any]:
-    """What ``--report-json`` records of the entry that marked a test."""
-    return {"source": entry.source, "pattern": entry.pattern, "impl": entry.impl, "reason": entry.reason}
-
-
 # -- the JSON result -------------------------------------------------------------------------------
 
 
-def _skip_reason(report: pytest.TestReport) -> str:
-    longrepr = report.longrepr
-    if isinstance(longrepr, tuple) and len(longrepr) == 3:
-        reason = str(longrepr[2])
-        return reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
-    return str(longrepr) if longrepr else ""
-
-
-def _failure_line(report: pytest.TestReport) -> str:
-    text = (report.longreprtext or "").strip()
-    if text.startswith(("known deviation failed differently", "known deviation no longer deviates")):
-        return text.splitlines()[0][:600]
-    error_lines = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
-    first = error_lines[0] if error_lines else (text.splitlines()[0] if text else "")
-    return first[:300]
-
-
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    props = dict(report.user_properties)
-    entry = _SESSION_RESULTS.setdefault(
-        str(props.get("test_id", report.nodeid)), {"outcome": None, "reason": "", "reqs": props.get("reqs", []), "impl": props.get("impl")}
-    )
-    if "failures" in props:
-        entry["failures"] = props["failures"]
-    if "entry" in props:
-        entry["entry"] = props["entry"]
-    xfail_reason = getattr(report, "wasxfail", None)
-    if report.when == "call" or (report.when == "setup" and not report.passed):
-        if "strict" in props:  # a known deviation that passed: a failure of the run unless its entry is flaky
-            entry["outcome"], entry["strict"] = "xpassed", props["strict"]
-            entry["reason"] = _failure_line(report) if report.failed else str(xfail_reason or "")
-        elif xfail_reason is not None:
-            entry["outcome"] = "xfailed" if report.skipped else "xpassed"
-            entry["reason"] = xfail_reason
-        elif report.skipped:
-            entry["outcome"], entry["reason"] = "skipped", _skip_reason(report)
-        elif report.failed:
-            entry["outcome"] = "failed" if report.when == "call" else "error"
-            entry["reason"] = _failure_line(report)
-        else:
-            entry["outcome"] = "passed"
-    elif report.when == "teardown" and report.failed:
-        entry["outcome"], entry["reason"] = "error", "teardown: " + _failure_line(report)
-
-
-#: nodeid -> outcome, reason, reqs, impl; written by --report-json at the end of the session.
-_SESSION_RESULTS: dict[str, dict[str, Any]] = {}
+    record_report(report)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -937,28 +570,5 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         config.stash[_MANAGER].stop_all()
     path = config.getoption("--report-json")
     if path:
-        import torch
-
-        payload = {
-            "torch": torch.__version__,
-            "world_sizes": selected_world_sizes(config),
-            "backend": config.getoption("--backend"),
-            "impls": [load_adapter(s).name for s in _impl_specs(config)],
-            "spec": load_spec(),
-            "known_deviations": [
-                {
-                    "source": e.source,
-                    "pattern": ("!" if e.removes else "") + e.pattern,
-                    "impl": e.impl,
-                    "reason": e.reason,
-                    "pin": e.pin.describe(),
-                    "flags": [flag for flag, on in (("hangs", e.hangs), ("flaky", e.flaky)) if on],
-                    "exclude": e.exclude,
-                    "when": e.when.describe(),
-                    "active": e.when.holds_for_torch(torch.__version__),
-                }
-                for e in config.stash.get(_ENTRIES, [])
-            ],
-            "tests": _SESSION_RESULTS,
-        }
+        payload = report_payload(config, config.stash.get(_ENTRIES, []))
         Path(path).write_text(json.dumps(payload, indent=1), encoding="utf-8")
