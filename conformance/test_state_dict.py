@@ -61,13 +61,15 @@ from conformance.asserts import (
     snapshot,
 )
 from conformance.compare import fqn_keyed_optim
+from conformance.flat_wrapper import FlatParamsWrapper
 from conformance.harness.context import RankContext
 from conformance.values import different_like, perturb_hyperparameters
 
 # -- set-up -------------------------------------------------------------------------------------------
 
-#: Wrappers that run without a process group; "ddp" is added in rank tests. "fpw" is the reference
-#: FlattenParamsWrapper over the model's trainable parameters (its state dict shows the original keys).
+#: Wrappers that run without a process group; "ddp" is added in rank tests. "fpw" is the suite's own
+#: flattening wrapper (:class:`conformance.flat_wrapper.FlatParamsWrapper`) over the model's trainable
+#: parameters: one flat parameter, a state dict with the original keys.
 LOCAL_WRAPPERS = ("plain", "checkpoint", "compile", "checkpoint+compile", "fpw")
 #: Zoo models that the sharded tests use (``groups`` adds nothing to the SD section).
 SHARDED_ZOO = ("mlp", "tied", "frozen", "buffers", "nested", "tiny", "dtypes")
@@ -100,9 +102,7 @@ def wrap(model: nn.Module, how: str) -> nn.Module:
 
     parts = set(how.split("+")) - {"plain"}
     if "fpw" in parts:
-        from reference.flat_param import FlattenParamsWrapper
-
-        model = FlattenParamsWrapper(model, [p for p in model.parameters() if p.requires_grad])
+        model = FlatParamsWrapper(model, [p for p in model.parameters() if p.requires_grad])
     if "checkpoint" in parts:
         for name, child in list(model.named_children()):
             setattr(model, name, checkpoint_wrapper(child))
