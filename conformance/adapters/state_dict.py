@@ -99,14 +99,8 @@ class ReferenceStateDictOps(_Functions):
 
     def __init__(self) -> None:
         import reference.state_dict
-        from conformance.flat_wrapper import WRAPPED_MODULE, FlatParamsWrapper
-        from reference.fqn import register_wrapper
 
         self._module = reference.state_dict
-        # The reference finds canonical FQNs through the module tree and knows the segment a wrapper
-        # hides from its keys only by registration (its documented contract, reference.fqn.register_wrapper;
-        # torch follows attributes instead). The suite's test wrapper is such a wrapper: declare it.
-        register_wrapper(FlatParamsWrapper, WRAPPED_MODULE)
 
 
 class TorchStateDictOps(_Functions):
