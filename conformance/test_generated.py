@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Collection
+from typing import Any, TypedDict
 
 import pytest
 from hypothesis import HealthCheck, given, reject, settings
@@ -27,6 +27,14 @@ from conformance import generated as gen
 from conformance.adapters.sharding import ShardingPlan
 from conformance.harness.plugin import selected_world_sizes
 
+
+class _FixtureSettings(TypedDict):
+    """The keyword arguments of ``settings`` that ``FIXTURE_SETTINGS`` passes, typed so that
+    ``settings(..., **FIXTURE_SETTINGS)`` is checked against the parameter it fills."""
+
+    suppress_health_check: Collection[HealthCheck]
+
+
 # The test functions' source and signatures are part of their derandomized draws (hypothesis seeds the
 # ci profile from a digest of them): an edit of a @given test's code or signature draws other cases.
 #
@@ -34,7 +42,7 @@ from conformance.harness.plugin import selected_world_sizes
 # are not reset between examples. They hold no per-example state (a handle on the session's rank pools,
 # each pools.run with a fresh tmp_dir; the test's exclusions, a tuple), so reusing them across examples
 # is exactly what is wanted.
-FIXTURE_SETTINGS = dict(suppress_health_check=[HealthCheck.function_scoped_fixture])
+FIXTURE_SETTINGS: _FixtureSettings = {"suppress_health_check": [HealthCheck.function_scoped_fixture]}
 
 
 def _excluded(excluded_cases: Any, test: str) -> tuple[gen.CaseFamily, ...]:

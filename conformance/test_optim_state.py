@@ -53,6 +53,7 @@ from conformance.asserts import (
     bits as bits_of,
 )
 from conformance.compare import fqn_keyed_optim
+from conformance.error_cases import WHERE, bad_input_here
 from conformance.fqn import canonical_fqn
 from conformance.harness.context import RankContext
 from conformance.values import EDGE_DTYPES, edge_values, perturb_hyperparameters
@@ -918,16 +919,8 @@ def _same_partition(info: dict[str, tuple[int, int]]) -> bool:
 
 # -- errors: every rank sees the bad input, or one rank does ---------------------------------------------
 
-#: Where the bad input is: on every rank, or on the last rank only (the others get a good one).
-WHERE = ["every-rank", "one-rank"]
-
-
-def _bad_here(dist: RankContext, where: str) -> bool:
-    """Whether this rank gets the bad input; skips the one-rank case at world size 1 (it is the
-    every-rank case)."""
-    if where == "one-rank" and dist.world_size == 1:
-        pytest.skip("at world size 1 the one-rank case is the every-rank case")
-    return where == "every-rank" or dist.rank == dist.world_size - 1
+# Where the bad input is (WHERE: on every rank, or on the last rank only while the others get a good
+# one) and whether this rank gets it (bad_input_here): conformance/error_cases.py.
 
 
 def _check_error(dist: RankContext, exc: BaseException | None, types: tuple[type[BaseException], ...], keys: tuple[str, ...], where: str) -> None:
@@ -982,7 +975,7 @@ def test_bad_optimizer_state_dict_is_a_clear_error(dist, impl, kind: str, use_or
     good = ops.optim_state_dict(run.model, run.optim, sharded=form == "sharded")
     bad, fqn = _bad_osd(kind, good)
     before = snapshot(optim=run.optim, model=run.model)
-    exc = raised(lambda: ops.load_optim_state_dict(run.model, run.optim, bad if _bad_here(dist, where) else good))
+    exc = raised(lambda: ops.load_optim_state_dict(run.model, run.optim, bad if bad_input_here(dist, where) else good))
     check_each(
         raises=lambda: _check_error(dist, exc, (ValueError, RuntimeError), (fqn,), f"{kind} ({form}) on {where}"),
         unchanged=lambda: assert_unchanged(before, where=f"{kind} ({form}) on {where}: after the failed load, rank {dist.rank}",
@@ -1073,7 +1066,7 @@ def test_bad_layout_is_a_clear_error(dist, impl, kind: str, where: str, strategy
     parameters whole, and every rank's module is as it was. HYBRID_SHARD's 2-D mesh spans the world
     too: the ranks agree on the error over all of it."""
     impl.require("optim_state")
-    model, units, names, orig = _bad_layout(kind, _bad_here(dist, where), dist.device)
+    model, units, names, orig = _bad_layout(kind, bad_input_here(dist, where), dist.device)
     sharding = impl.require("sharding")
     ids = {id(m) for n, m in model.named_modules() if n in units}
     plan = ShardingPlan(strategy, orig, units=lambda m: id(m) in ids, device=dist.device)
@@ -1207,7 +1200,7 @@ def test_bad_model_state_dict_is_a_clear_error(dist, impl, kind: str, use_orig_p
     key = "body.weight" if kind == "wrong-shape" else "body.bias"
     bad = {**good, key: torch.zeros(2, 3)} if kind == "wrong-shape" else {k: v for k, v in good.items() if k != key}
     before = snapshot(model=run.model)
-    exc = raised(lambda: ops.load_full_state_dict(run.model, bad if _bad_here(dist, where) else good))
+    exc = raised(lambda: ops.load_full_state_dict(run.model, bad if bad_input_here(dist, where) else good))
     check_each(
         raises=lambda: _check_error(dist, exc, (ValueError, RuntimeError), (key,), f"{kind} on {where}"),
         unchanged=lambda: assert_unchanged(before, where=f"{kind} on {where}: rank {dist.rank}", model=run.model),

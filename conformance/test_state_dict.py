@@ -61,13 +61,16 @@ from conformance.asserts import (
     snapshot,
 )
 from conformance.compare import fqn_keyed_optim
+from conformance.flat_wrapper import FlatParamsWrapper
+from conformance.fqn import canonical_fqn
 from conformance.harness.context import RankContext
 from conformance.values import different_like, perturb_hyperparameters
 
 # -- set-up -------------------------------------------------------------------------------------------
 
-#: Wrappers that run without a process group; "ddp" is added in rank tests. "fpw" is the reference
-#: FlattenParamsWrapper over the model's trainable parameters (its state dict shows the original keys).
+#: Wrappers that run without a process group; "ddp" is added in rank tests. "fpw" is the suite's own
+#: flattening wrapper (:class:`conformance.flat_wrapper.FlatParamsWrapper`) over the model's trainable
+#: parameters: one flat parameter, a state dict with the original keys.
 LOCAL_WRAPPERS = ("plain", "checkpoint", "compile", "checkpoint+compile", "fpw")
 #: Zoo models that the sharded tests use (``groups`` adds nothing to the SD section).
 SHARDED_ZOO = ("mlp", "tied", "frozen", "buffers", "nested", "tiny", "dtypes")
@@ -100,9 +103,7 @@ def wrap(model: nn.Module, how: str) -> nn.Module:
 
     parts = set(how.split("+")) - {"plain"}
     if "fpw" in parts:
-        from reference.flat_param import FlattenParamsWrapper
-
-        model = FlattenParamsWrapper(model, [p for p in model.parameters() if p.requires_grad])
+        model = FlatParamsWrapper(model, [p for p in model.parameters() if p.requires_grad])
     if "checkpoint" in parts:
         for name, child in list(model.named_children()):
             setattr(model, name, checkpoint_wrapper(child))
@@ -328,6 +329,24 @@ def test_model_keys_are_canonical_fqns(impl: Adapter, name: str, how: str) -> No
     expected = copy.deepcopy(model.state_dict())
     got = ops.get_model_state_dict(wrap(model, how))
     assert_same_state(got, expected, what=f"model state dict of {name} wrapped as {how}")
+
+
+@pytest.mark.req("SD-1")
+@pytest.mark.parametrize("how", LOCAL_WRAPPERS)
+@pytest.mark.parametrize("name", ("mlp", "tied", "nested", "dtypes"))
+def test_set_through_wrappers_takes_canonical_fqns(impl: Adapter, name: str, how: str) -> None:
+    """set into the wrapped model of the unwrapped model's state dict (canonical FQNs) loads every entry:
+    the target, built from another seed, then holds the source's values bit for bit. A wrapper the
+    implementation does not know ("fpw", the suite's own) hides its segment and forwards attributes."""
+    ops = sd_ops(impl)
+    source, target = zoo.build(name, seed=0), zoo.build(name, seed=1)
+    make_differ(target, source)
+    expected = copy.deepcopy(source.state_dict())
+    wrapped = wrap(target, how)
+    ops.set_model_state_dict(wrapped, copy.deepcopy(expected))
+    # Read back by nn.Module.state_dict() of the wrapped model, keys by the suite's own FQN rule.
+    after = {canonical_fqn(key): value for key, value in wrapped.state_dict().items()}
+    assert_same_state(after, expected, what=f"{name} after a set through {how}")
 
 
 @pytest.mark.req("SD-2")

@@ -17,7 +17,9 @@ reference ``FlattenParamsWrapper``              ``_fpw_module``
 Some wrappers remove their segment from ``state_dict()`` keys themselves (activation
 checkpointing, FlattenParamsWrapper) and some do not (DDP, compile), so a raw key may spell each
 wrapper segment or leave it out. :class:`FQNResolver` accepts both spellings: a wrapper segment is
-*optional* in a raw path.
+*optional* in a raw path. A wrapper that is not registered but hides its segment from its keys and
+forwards attribute access to the module it wraps is seen through as well: a segment that is no child
+of a module is looked up as its attribute, as torch's ``get_state_dict`` does.
 
 Cost. Resolving is memoized per module path, and a path is resolved from its parent's resolution in
 O(1) (plus the length of a wrapper chain), so resolving every key of a state dict costs O(number of
@@ -162,8 +164,22 @@ class FQNResolver:
                 fqn = join_fqn(parent.fqn, segment)
                 return ResolvedPath(fqn, child, self._mark(child, fqn, parent.selected))
             if attr is None:
-                return None
+                return self._forwarded(parent, module, segment)
             module = getattr(module, attr)
+
+    def _forwarded(self, parent: ResolvedPath, module: nn.Module, segment: str) -> ResolvedPath | None:
+        """``segment`` as an attribute of ``module`` that is a module but not a child: a wrapper nobody
+        registered that hides its own segment from its keys (state_dict hooks) and forwards attribute
+        access to the module it wraps, as fairscale's and many trainers' wrappers do. torch's
+        ``get_state_dict`` finds such modules by ``getattr``; so does this, so they need no registration."""
+        try:
+            forwarded = getattr(module, segment)
+        except AttributeError:
+            return None
+        if not isinstance(forwarded, nn.Module):
+            return None
+        fqn = join_fqn(parent.fqn, segment)
+        return ResolvedPath(fqn, forwarded, self._mark(forwarded, fqn, parent.selected))
 
     # -- keys ----------------------------------------------------------------------------------------
 

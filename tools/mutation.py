@@ -117,8 +117,7 @@ SECTIONS: dict[str, Section] = {
         Section(
             "ML",
             ("reference/checkpoint/*.py",),
-            ("conformance/test_checkpoint.py", "conformance/test_checkpoint_unpinned.py", "tests/reference/test_checkpoint*.py",
-             "tests/test_checkpoint_internals.py"),
+            ("conformance/test_checkpoint.py", "conformance/test_checkpoint_unpinned.py", "tests/reference/test_checkpoint*.py"),
         ),
     )
 }

@@ -64,7 +64,7 @@ def test_failure_of_an_unpicklable_exception_type_travels_as_runtime_error() -> 
 # -- every collective path of the reference, one rank's input bad ---------------------------------------
 
 
-def _sharded(dist: Any, name: str = "nested", seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _sharded(dist: Any, name: str = "nested", seed: int = 0) -> tuple[FullyShardedDataParallel, torch.optim.Optimizer]:
     """A sharded model (nested units under a root unit) and an Adam that has stepped once."""
     model = models.build(name, seed=seed, device=dist.device)
     wrapped = FullyShardedDataParallel(
@@ -123,7 +123,7 @@ def test_get_with_a_foreign_submodule_on_one_rank(dist: Any, what: str) -> None:
     inner = model.module
 
     def call(bad: bool) -> Any:
-        chosen = {nn.Linear(1, 1)} if bad else {inner}
+        chosen: set[nn.Module] = {nn.Linear(1, 1)} if bad else {inner}
         if what == "model":
             return get_model_state_dict(model, submodules=chosen)
         return get_optimizer_state_dict(model, optim, submodules=chosen)
@@ -178,9 +178,10 @@ def test_construction_with_an_unknown_policy_type_on_one_rank(dist: Any) -> None
     """Any exception of a unit's construction checks is agreed on, not only ValueError: an
     ``auto_wrap_policy`` of the wrong type on one rank only is the same TypeError on every rank."""
     model = models.build("nested", device=dist.device)
+    not_a_policy: Any = [1]  # the wrong type on purpose: the error is what this test checks
 
     def call(bad: bool) -> Any:
-        return FullyShardedDataParallel(model, auto_wrap_policy=[1] if bad else None, device_id=dist.device)
+        return FullyShardedDataParallel(model, auto_wrap_policy=not_a_policy if bad else None, device_id=dist.device)
 
     exc = _one_rank_fails(dist, dist.world_size - 1, call, TypeError, "construction", model=model)
     assert "auto_wrap_policy" in str(exc), exc

@@ -35,6 +35,38 @@ def test_wrapper_segments_are_dropped_by_module_not_by_name() -> None:
         resolver.clean_path("0.nothing")
 
 
+class _Forwarding(nn.Module):
+    """An unregistered wrapper that forwards attribute access to the module it wraps (its own segment,
+    ``inner``, shows in raw names; the keys its hooks would hide it from do not have it)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.note = "not a module"
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)
+
+
+def test_unregistered_forwarding_wrapper_is_seen_through_by_attribute() -> None:
+    """A segment that is no child is looked up as an attribute (as torch's get_state_dict does), so a
+    wrapper nobody registered resolves both spellings; an attribute that is no module, or none at all,
+    still names no module."""
+    inner = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+    root = nn.Sequential(_Forwarding(inner))
+    resolver = FQNResolver(root)
+    assert resolver.clean_key("0.inner.1.0.weight") == "0.inner.1.0.weight"  # the segment spelled out: a child
+    assert resolver.clean_key("0.1.0.weight") == "0.1.0.weight"  # left out: found by attribute
+    assert resolver.resolve("0.1.0") is not None and resolver.resolve("0.1.0").module is inner[1][0]
+    assert resolver.resolve("0.note") is None
+    assert resolver.resolve("0.absent") is None
+    with pytest.raises(RuntimeError, match="no module at '0.absent'"):
+        resolver.clean_key("0.absent.weight")
+
+
 def _compiled_fsdp(dist: Any, use_orig_params: bool) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module]:
     """``torch.compile`` of a reference FSDP model with a nested checkpoint-wrapped unit, stepped once,
     and the unwrapped model it was built from (same seed)."""
