@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 __all__ = [
     "default_group",
+    "group_device",
     "group_size",
     "group_rank",
     "is_coordinator",
@@ -135,6 +136,41 @@ def all_reduce_any(mask: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     if group_size(group) > 1:
         dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group)
     return mask
+
+
+def group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device ``group`` communicates on: the CPU for gloo (and for no group, or when
+    ``torch.distributed`` is not initialized), the current accelerator for nccl/xccl."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    for device_type in _accelerator_types(group):
+        return torch.device(device_type, getattr(torch, device_type).current_device())
+    return torch.device("cpu")
+
+
+def _backends(group: dist.ProcessGroup | None) -> set[str]:
+    # "nccl", "gloo", or per-device pairs such as "cpu:gloo,cuda:nccl".
+    return {part.split(":")[-1] for part in str(dist.get_backend(group)).split(",")}
+
+
+def _accelerator_types(group: dist.ProcessGroup | None) -> list[str]:
+    """The non-CPU device types whose default backend ``group`` runs."""
+    backends = _backends(group)
+    return [
+        device_type
+        for device_type, backend in dist.Backend.default_device_backend_map.items()
+        if device_type not in ("cpu", "mps") and backend in backends
+    ]
+
+
+def _any_rank(flag: bool, group: dist.ProcessGroup | None) -> bool:
+    """Whether ``flag`` is set on any rank of ``group`` (of more than one rank): one all-reduce of one
+    integer, on the CPU when the group can carry CPU tensors (no device synchronization), else on the
+    group's accelerator."""
+    cpu_capable = not _accelerator_types(group) or bool(_backends(group) & {"gloo", "mpi"})
+    device = torch.device("cpu") if cpu_capable else group_device(group)
+    mask = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    return bool(all_reduce_any(mask, group).item())
 
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
@@ -285,7 +321,8 @@ def gather_agreed(group: dist.ProcessGroup | None, step: Callable[[], T], *,
 def agree(group: dist.ProcessGroup | None, step: Callable[[], T], *, errors: ErrorPolicy = LOWEST_FAILING_RANK) -> T:
     """``step()`` on every rank; its local result if it succeeded on every rank, else every rank raises
     the agreed error (as :func:`gather_agreed`). Only the outcome travels (``None`` or a
-    :class:`Failure`), not the result. Collective over ``group``: one all-gather (none for one rank)."""
+    :class:`Failure`), not the result. Collective over ``group``: one all-reduce of a flag, and only when
+    a rank failed an all-gather of the failures (nothing for one rank)."""
     local: Exception | None = None
     result: Any = None
     try:
@@ -295,6 +332,10 @@ def agree(group: dist.ProcessGroup | None, step: Callable[[], T], *, errors: Err
     if group_size(group) == 1:
         if local is not None:
             _raise_alone(errors, local, group)
+        return cast(T, result)
+    # The common case, success everywhere, costs one small all-reduce and no pickling; every rank learns
+    # from the same flag whether the failures are gathered, so all of them take part in that gather.
+    if not _any_rank(local is not None, group):
         return cast(T, result)
     outcomes = all_gather_objects(None if local is None else errors.record(local), group)
     if failures := _failures(outcomes):

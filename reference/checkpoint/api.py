@@ -190,7 +190,10 @@ def load(
     def global_plan(plans: list[LoadPlan]) -> list[LoadPlan]:
         return reader.prepare_global_plan(planner.create_global_plan(plans))
 
-    plan = collective.gather_decide_scatter("planning", local_plan, global_plan)
+    if _plans_stay_local(planner, reader):
+        plan = collective.all_succeed("planning", local_plan)
+    else:
+        plan = collective.gather_decide_scatter("planning", local_plan, global_plan)
 
     def read() -> None:
         reader.read_data(planner.finish_plan(plan), planner).wait()
@@ -236,6 +239,18 @@ def load(
         if problems and add_note is not None:
             add_note("the state dict could not be restored: " + "; ".join(problems))
         raise
+
+
+def _plans_stay_local(planner: ReferenceLoadPlanner, reader: StorageReader) -> bool:
+    """Whether the global step of load planning returns every rank's plan as it is, as the reference
+    planner's and reader's do (each rank reads what it needs): then the plans need not travel to the
+    coordinator and back, and only the outcome of planning is agreed (one all-reduce instead of
+    pickling every rank's plan), the same errors on every rank. Any other planner or reader gets the
+    full gather, global step and scatter."""
+    return (
+        type(planner).create_global_plan is ReferenceLoadPlanner.create_global_plan
+        and type(reader).prepare_global_plan is FileSystemReader.prepare_global_plan
+    )
 
 
 def _restore_stateful(value: Stateful, previous: Any, *, refused: bool) -> None:

@@ -74,16 +74,9 @@ class CheckpointErrors:
 
 
 def process_group_device(process_group: dist.ProcessGroup | None) -> torch.device:
-    """The device a process group communicates on: CPU for gloo (and without a group), the current
-    accelerator for nccl/xccl. This is where meta values are built."""
-    if process_group is None and not (dist.is_available() and dist.is_initialized()):
-        return torch.device("cpu")
-    # "nccl", "gloo", or per-device pairs such as "cpu:gloo,cuda:nccl".
-    backends = {part.split(":")[-1] for part in str(dist.get_backend(process_group)).split(",")}
-    for device_type, device_backend in dist.Backend.default_device_backend_map.items():
-        if device_type not in ("cpu", "mps") and device_backend in backends:
-            return torch.device(device_type, getattr(torch, device_type).current_device())
-    return torch.device("cpu")
+    """The device a process group communicates on (:func:`reference.comm.group_device`; the default
+    group for ``None``). This is where meta values are built."""
+    return comm.group_device(process_group if process_group is not None else comm.default_group())
 
 
 class Collective:

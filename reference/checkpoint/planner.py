@@ -14,6 +14,12 @@ load: ``set_up_planner`` (all) -> ``create_local_plan`` (all) -> ``create_global
       -> ``finish_plan`` (all) -> ``resolve_tensor`` / ``load_bytes`` (all, from the storage reader)
       -> :meth:`ReferenceLoadPlanner.commit` (all, once every rank has read successfully; undone on
       every rank when it fails on any).
+
+The planning calls and ``resolve_*`` run without autograd (``torch.no_grad``): nothing they make is
+differentiated, and a DTensor's ``to_local()`` is then a plain read of its local tensor instead of an
+autograd function call per tensor, a large part of planning a checkpoint of many DTensors.
+The load's ``create_global_plan`` returns the ranks' plans unchanged, so :func:`reference.checkpoint.load`
+agrees on the outcome of planning without sending the plans, unless another planner or reader is given.
 """
 
 from __future__ import annotations
@@ -98,6 +104,7 @@ class ReferenceSavePlanner(SavePlanner):
         self._paths: dict[str, ObjPath] = {}
         self.plan: SavePlan | None = None
 
+    @torch.no_grad()
     def set_up_planner(
         self,
         state_dict: Mapping[str, Any],
@@ -123,6 +130,7 @@ class ReferenceSavePlanner(SavePlanner):
         if problems:
             raise _problems_error("cannot save this state dict", problems)
 
+    @torch.no_grad()
     def create_local_plan(self) -> SavePlan:
         items: list[WriteItem] = []
         for key, value in self._tensors.items():
@@ -193,6 +201,7 @@ class ReferenceSavePlanner(SavePlanner):
         self.plan = new_plan
         return new_plan
 
+    @torch.no_grad()
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         """The tensor (or serialized object) to write for ``write_item``. Called once per item,
         lazily, by the storage writer. A CPU tensor owns exactly its bytes; a tensor on another device
@@ -315,6 +324,7 @@ class ReferenceLoadPlanner(LoadPlanner):
         self.device = torch.device(device)
         self.result = LoadResult([], [])
 
+    @torch.no_grad()
     def set_up_planner(
         self,
         state_dict: Any,
@@ -432,6 +442,7 @@ class ReferenceLoadPlanner(LoadPlanner):
             self._targets[key] = local
             self._replacements[key] = new
 
+    @torch.no_grad()
     def create_local_plan(self) -> LoadPlan:
         saved = self.metadata.state_dict_metadata
         items: list[ReadItem] = []
@@ -480,6 +491,7 @@ class ReferenceLoadPlanner(LoadPlanner):
                 f"key {key!r}: cannot read the saved non-tensor value with torch.load(weights_only=True): {exc}"
             ) from exc
 
+    @torch.no_grad()
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         tensor = self._targets[read_item.dest_index.fqn]
         for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
