@@ -26,6 +26,7 @@ import io
 import os
 import uuid
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, cast
 
@@ -58,6 +59,40 @@ __all__ = ["FileSystemWriter", "FileSystemReader", "DATA_SUFFIX"]
 DATA_SUFFIX = ".distcp"
 #: The file whose ``flock`` a save holds from planning to publication (see the module docstring).
 LOCK_FILE = ".lock"
+
+
+#: Reader threads of a load when none are asked for (bounded by the CPUs): reads from the page cache
+#: are memory copies, which two or more threads run faster than one; more than a few gain nothing.
+DEFAULT_READ_THREADS = 4
+#: A run of records read by one thread holds at least this many bytes: below it a thread costs more
+#: than it saves.
+MIN_RUN_BYTES = 4 << 20
+
+
+def _thread_count(requested: int | None) -> int:
+    if requested is None:
+        return max(1, min(DEFAULT_READ_THREADS, os.cpu_count() or 1))
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise ValueError(f"thread_count must be a positive int or None, got {requested!r}")
+    return requested
+
+
+def _split_by_bytes(entries: list[tuple[ReadItem, StorageInfo]], parts: int) -> list[list[tuple[ReadItem, StorageInfo]]]:
+    """``entries`` (in file order) cut into at most ``parts`` runs of consecutive entries of about equal
+    bytes, each of at least :data:`MIN_RUN_BYTES` unless there is only one; no empty run."""
+    total = sum(info.length for _, info in entries)
+    parts = max(1, min(parts, len(entries), total // MIN_RUN_BYTES))
+    if parts == 1:
+        return [entries] if entries else []
+    runs: list[list[tuple[ReadItem, StorageInfo]]] = [[]]
+    done = 0
+    for entry in entries:
+        # Start the next run once this one holds its share (the last run takes what is left).
+        if runs[-1] and len(runs) < parts and done >= total * len(runs) / parts:
+            runs.append([])
+        runs[-1].append(entry)
+        done += entry[1].length
+    return runs
 
 
 def _done(value: Any) -> Future[Any]:
@@ -251,11 +286,16 @@ class FileSystemReader(StorageReader):
     ``prepare_local_plan`` checks everything this rank will read before anything is read: every item
     has a storage entry, every file exists and is long enough, every tensor record parses. So a
     missing or truncated file fails the load before the state dict is touched.
+
+    ``thread_count`` reader threads read the tensor records (default: up to 4, at most the CPUs); a
+    file's records are cut into runs of consecutive records, one per thread (see :meth:`read_data`).
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, thread_count: int | None = None) -> None:
         super().__init__()
         self.path = Path(path) if path is not None else None
+        #: Reader threads per load (``None``: up to :data:`DEFAULT_READ_THREADS`, at most the CPUs).
+        self.thread_count = _thread_count(thread_count)
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._metadata: Metadata | None = None
         self._layouts: dict[MetadataIndex, TensorLayout | None] = {}
@@ -355,25 +395,48 @@ class FileSystemReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read every item of ``plan`` into ``planner``'s targets: each file's items in file order, the
+        tensor records split into up to ``thread_count`` runs of consecutive records of about equal
+        bytes, read by that many threads at once (``readinto`` releases the GIL, so reads of one file
+        overlap); non-tensor values are read and unpickled on the calling thread. A failure raises the
+        error of the first failing run in file order, after every run has ended."""
         assert self.path is not None
+        runs: list[tuple[Path, list[tuple[ReadItem, StorageInfo]]]] = []
         for relative_path, entries in self._by_file(plan.items).items():
             path = self.path / relative_path
-            with open(path, "rb", buffering=0) as file:
-                for item, info in entries:
-                    try:
-                        self._read_item(file, item, info, planner)
-                    except CheckpointError as exc:
-                        if str(path) in str(exc):
-                            raise
-                        raise type(exc)(f"{path}: {exc}", failures=exc.failures) from exc
-                    except Exception as exc:
-                        raise CheckpointFormatError(
-                            f"{path}: key {item.storage_index.fqn!r} at bytes {info.offset}..{info.offset + info.length}: "
-                            f"{type(exc).__name__}: {exc}"
-                        ) from exc
+            objects = [entry for entry in entries if entry[0].type == LoadItemType.BYTE_IO]
+            if objects:
+                self._read_entries(path, objects, planner)
+            tensors = [entry for entry in entries if entry[0].type != LoadItemType.BYTE_IO]
+            runs += [(path, run) for run in _split_by_bytes(tensors, self.thread_count)]
+        if len(runs) <= 1 or self.thread_count == 1:
+            for path, run in runs:
+                self._read_entries(path, run, planner)
+        else:
+            with ThreadPoolExecutor(max_workers=min(self.thread_count, len(runs)), thread_name_prefix="ckpt-read") as pool:
+                done = [pool.submit(self._read_entries, path, run, planner) for path, run in runs]
+                wait(done)
+            for future in done:
+                future.result()  # the first failure in file order, with its own message
         if torch.cuda.is_initialized():  # copies to GPUs that read_region left running
             torch.cuda.synchronize()
         return _done(None)
+
+    def _read_entries(self, path: Path, entries: list[tuple[ReadItem, StorageInfo]], planner: LoadPlanner) -> None:
+        """Read ``entries`` (in file order) of the file at ``path``; an error names the file and the key."""
+        with open(path, "rb", buffering=0) as file:
+            for item, info in entries:
+                try:
+                    self._read_item(file, item, info, planner)
+                except CheckpointError as exc:
+                    if str(path) in str(exc):
+                        raise
+                    raise type(exc)(f"{path}: {exc}", failures=exc.failures) from exc
+                except Exception as exc:
+                    raise CheckpointFormatError(
+                        f"{path}: key {item.storage_index.fqn!r} at bytes {info.offset}..{info.offset + info.length}: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
 
     def _read_item(self, file: ReadableFile, item: ReadItem, info: StorageInfo, planner: LoadPlanner) -> None:
         if item.type == LoadItemType.BYTE_IO:

@@ -388,3 +388,94 @@ def test_raw_reads_stay_inside_the_destination() -> None:
     assert storage[:10].eq(255).all() and storage[266:].eq(255).all(), "bytes outside the destination changed"
     with pytest.raises(RuntimeError, match="refusing a raw read"):
         _readinto(_io.BytesIO(payload), 0, torch.zeros(8, 8, dtype=torch.uint8).t()[:, :4])
+
+
+# -- reader threads -------------------------------------------------------------------------------------
+
+
+def _entries(lengths: list[int]) -> list[Any]:
+    from reference.checkpoint.metadata_io import StorageInfo
+
+    out, offset = [], 0
+    for i, length in enumerate(lengths):
+        out.append((f"item{i}", StorageInfo("f.distcp", offset, length)))
+        offset += length
+    return out
+
+
+@pytest.mark.parametrize(
+    "lengths, parts, runs",
+    [
+        ([8 << 20] * 8, 2, [4, 4]),
+        ([8 << 20] * 8, 4, [2, 2, 2, 2]),
+        ([8 << 20] * 3, 8, [1, 1, 1]),  # never more runs than records
+        ([1 << 20] * 6, 4, [6]),  # 6 MiB: below two runs' worth of MIN_RUN_BYTES
+        ([32 << 20, 1 << 20, 1 << 20, 1 << 20, 32 << 20], 2, [3, 2]),  # by bytes (34 + 33 MiB), not by count
+        ([], 4, []),
+    ],
+)
+def test_records_are_split_into_consecutive_runs_of_about_equal_bytes(lengths: list[int], parts: int, runs: list[int]) -> None:
+    from reference.checkpoint.storage import _split_by_bytes
+
+    entries = _entries(lengths)
+    got = _split_by_bytes(entries, parts)
+    assert [len(run) for run in got] == runs
+    assert [entry for run in got for entry in run] == entries, "runs must keep every record once, in file order"
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_thread_count_must_be_a_positive_int(bad: Any) -> None:
+    from reference.checkpoint.storage import FileSystemReader
+
+    with pytest.raises(ValueError, match="thread_count"):
+        FileSystemReader(thread_count=bad)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_threaded_reads_fill_every_tensor_bit_for_bit(tmp_path, threads: int) -> None:
+    """Runs read by several threads land in the right tensors: every value, of every dtype, bit for bit."""
+    from reference.checkpoint.storage import FileSystemReader
+
+    generator = torch.Generator().manual_seed(0)
+    source: dict[str, Any] = {f"t{i}": torch.randn(1 << 19, generator=generator).to(dtype)
+                              for i, dtype in enumerate([torch.float32, torch.float64, torch.bfloat16, torch.int64] * 4)}
+    source["step"] = torch.tensor(7)
+    source["extra"] = {"lr": 0.5}  # a non-tensor value: read on the calling thread
+    save(source, checkpoint_id=tmp_path)
+    target: dict[str, Any] = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"lr": None} for k, v in source.items()}
+    load(target, checkpoint_id=tmp_path, storage_reader=FileSystemReader(thread_count=threads))
+    for key, value in source.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(target[key].reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)), key
+        else:
+            assert target[key] == value, key
+
+
+def test_a_threaded_read_raises_the_first_failure_in_file_order(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With several reader threads, every run ends before the load raises, and the error is the first
+    failing run's (in file order), naming the file and its key, whatever thread failed first."""
+    import threading
+
+    from reference.checkpoint import storage
+
+    source = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(8)}  # 4 MiB each
+    save(source, checkpoint_id=tmp_path)
+    target = {k: torch.zeros_like(v) for k, v in source.items()}
+    original = read_region
+    late_failure = threading.Event()
+
+    def flaky(file: Any, offset: int, length: int, layout: Any, saved: Any, lengths: Any, dest: torch.Tensor) -> None:
+        original(file, offset, length, layout, saved, lengths, dest)
+        if torch.equal(dest, source["t6"]):  # in the second run: fails first in time
+            late_failure.set()
+            raise OSError(5, "late run failed")
+        if torch.equal(dest, source["t1"]):  # in the first run: waits so that it fails after the other
+            late_failure.wait(5)
+            raise OSError(5, "early run failed")
+
+    monkeypatch.setattr(storage, "read_region", flaky)
+    with pytest.raises(CheckpointFormatError) as info:
+        load(target, checkpoint_id=tmp_path, storage_reader=storage.FileSystemReader(thread_count=2))
+    text = str(info.value)
+    assert "early run failed" in text and "'t1'" in text and ".distcp" in text, text
+    assert not [t for t in threading.enumerate() if t.name.startswith("ckpt-read")], "a reader thread outlived the load"
