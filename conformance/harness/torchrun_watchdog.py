@@ -51,8 +51,17 @@ class Capture:
         return self
 
     def write(self, text: str) -> None:
-        """Append ``text`` (from any thread)."""
-        os.write(self.fd, text.encode("utf-8", errors="replace"))
+        """Append ``text`` (from any thread). Appends through the path, not this object's descriptor: the
+        watchdog may write after the main thread has left the capture and closed it."""
+        with open(self.path, "ab") as out:
+            out.write(text.encode("utf-8", errors="replace"))
+
+    def text(self) -> str:
+        """What the file holds now, from any thread ("" once it is gone: the main thread removes it after the body)."""
+        try:
+            return self.path.read_bytes().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
 
     def read(self) -> str:
         for stream in (sys.stdout, sys.stderr):
@@ -137,7 +146,7 @@ class Watchdog:
         while not self._back.wait(1.0):
             if time.monotonic() >= give_up_at:
                 detail = f"hung in {job.test_label()} ({reason}) and could not be freed within {unstick:.0f}s"
-                give_up(job, store, detail, self.capture.path.read_bytes().decode("utf-8", errors="replace"))
+                give_up(job, store, detail, self.capture.text())
             try:
                 signal.pthread_kill(self._main, CUT_SIGNAL)  # again: a body may have caught the first
             except (ProcessLookupError, OSError):
@@ -156,7 +165,7 @@ class Watchdog:
             self._cut = True
         stack = _body_stack(sys._current_frames().get(self._main))
         self.capture.write(f"\n---------- rank {job.rank} cut: {reason}; its Python stack (most recent call last) ----------\n{stack}")
-        store.put(f"run{self.k}/hung/{job.rank}", self.capture.path.read_bytes().decode("utf-8", errors="replace"))
+        store.put(f"run{self.k}/hung/{job.rank}", self.capture.text())
         job.cut_pending = True
         job.group.abort()
         try:
