@@ -131,16 +131,13 @@ def run_member(job: Job, k: int, world_size: int, backend: str, timeout_s: float
         watch = Watchdog(job, k, world_size, timeout_s, capture)
         outcome: RankOutcome | None = None
         job.in_body, job.cut_pending = True, False
-        cut = False
         try:
             outcome = run_task(task, job.rank, world_size, backend, device=job.group.device)
         except (BodyCut, BodyTerminated):
             outcome = None
         finally:
-            # On every way out of the body (an exception that ends the job included): a watchdog left
-            # running would cut a body that is no longer there.
             job.in_body = False
-            cut = watch.finish()
+        cut = watch.finish()
         output = capture.read()
     capture_path.unlink(missing_ok=True)
     if not cut and outcome is not None and outcome.status == "fail" and any(
