@@ -60,6 +60,7 @@ from reference.checkpoint.errors import CheckpointFormatError, StateDictError
 from reference.checkpoint.flatten import FlatStateDict, ObjPath, flatten_state_dict, get_value, set_value
 from reference.checkpoint.layout import Chunk, check_tiling, local_chunk, overlaps
 from reference.checkpoint.metadata_io import CURRENT_VERSION
+from reference.checkpoint.records import read_object_record
 
 __all__ = ["ReferenceSavePlanner", "ReferenceLoadPlanner", "LoadResult", "RankSaveData"]
 
@@ -484,8 +485,9 @@ class ReferenceLoadPlanner(LoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         key = read_item.dest_index.fqn
         try:
-            # weights_only: a checkpoint's non-tensor values are data; never run code from them.
-            self._replacements[key] = torch.load(value, weights_only=True)
+            # As torch.load(weights_only=True): a checkpoint's non-tensor values are data; never run
+            # code from them.
+            self._replacements[key] = read_object_record(value.getbuffer() if isinstance(value, io.BytesIO) else value.read())
         except Exception as exc:
             raise CheckpointFormatError(
                 f"key {key!r}: cannot read the saved non-tensor value with torch.load(weights_only=True): {exc}"

@@ -187,6 +187,18 @@ class _HeaderUnpickler(pickle.Unpickler):
         return _StorageRef(dtype, str(key), int(numel))
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles values built from pickle's own types only (numbers, strings, None, bools, lists,
+    tuples, dicts): it refuses every global and persistent id, so it can construct nothing else and
+    run no code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise _NotUnderstood(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _NotUnderstood(f"persistent id {pid!r}")
+
+
 # -- the record's zip structure, parsed with struct ------------------------------------------------
 #
 # A record is a whole zip archive (written by torch.save through miniz). Planning a load needs, per
@@ -381,6 +393,24 @@ def parse_tensor_record(file: ReadableFile, offset: int, length: int) -> TensorL
         size=header.size,
         stride=header.stride,
     )
+
+
+def read_object_record(data: bytes | memoryview) -> Any:
+    """The value of a non-tensor record (``torch.save`` of an object, DCP's encoding of non-tensor
+    values), as ``torch.load(data, weights_only=True)`` returns it.
+
+    A value made of pickle's own types (a learning rate, ``betas``, a step count, a string) is
+    unpickled straight from the record's ``data.pkl`` by :class:`_PlainUnpickler`: a checkpoint holds
+    one record per such value (every ``param_groups`` entry is one), and ``torch.load`` costs about
+    80 us each, mostly in setting up its zip reader. Anything else (tensors, ``torch.Size``, a set, a
+    damaged record) goes to ``torch.load(weights_only=True)``, whose result or error is the answer."""
+    try:
+        file = io.BytesIO(data)
+        members = _members(file, 0, len(data))
+        pickled = _member_bytes(file, 0, len(data), members["data.pkl"], bytes(data[:_HEAD_READ]))
+        return _PlainUnpickler(io.BytesIO(pickled)).load()
+    except Exception:  # not a plain value, or not readable here: torch.load decides
+        return torch.load(io.BytesIO(data), weights_only=True)
 
 
 # -- reading ----------------------------------------------------------------------------------

@@ -22,10 +22,13 @@ across nodes).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
+import itertools
 import os
+import threading
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, cast
@@ -93,6 +96,63 @@ def _split_by_bytes(entries: list[tuple[ReadItem, StorageInfo]], parts: int) -> 
         runs[-1].append(entry)
         done += entry[1].length
     return runs
+
+
+# Reader threads outlive a load: starting a thread costs about as much as reading a few MB from the
+# page cache (0.5-1 ms here, the new thread must be scheduled before ``start`` returns), so a load of
+# 64 MB that started its threads each time spent a quarter of its time on that. One pool per thread
+# count, made on first use. A forked child inherits the pools' objects but not their threads, and
+# would wait forever on work no thread takes: the child starts with no pools.
+_READ_POOLS: dict[int, ThreadPoolExecutor] = {}
+_READ_POOLS_LOCK = threading.Lock()
+
+
+def _forget_read_pools() -> None:
+    global _READ_POOLS_LOCK
+    _READ_POOLS.clear()
+    _READ_POOLS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_read_pools)
+
+
+def _read_pool(workers: int) -> ThreadPoolExecutor:
+    with _READ_POOLS_LOCK:
+        pool = _READ_POOLS.get(workers)
+        if pool is None:
+            pool = _READ_POOLS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-read")
+        return pool
+
+
+def _run_all(calls: list[Callable[[], None]], threads: int) -> None:
+    """Run ``calls`` on up to ``threads`` threads, the calling thread one of them; return when every
+    call has ended, raising the exception of the first that failed in list order.
+
+    Each thread takes the next call not yet taken until none is left, so the calling thread never
+    waits while work remains, and concurrent loads sharing a pool cannot starve each other."""
+    workers = min(threads, len(calls))
+    if workers <= 1:
+        for call in calls:
+            call()
+        return
+    failures: list[BaseException | None] = [None] * len(calls)
+    taken = itertools.count()  # next() on it is atomic (one C call under the GIL): each index once
+
+    def take_calls() -> None:
+        while (index := next(taken)) < len(calls):
+            try:
+                calls[index]()
+            except BaseException as exc:  # re-raised below, in list order, once every call has ended
+                failures[index] = exc
+
+    helpers = [_read_pool(threads - 1).submit(take_calls) for _ in range(workers - 1)]
+    take_calls()
+    wait(helpers)
+    for helper in helpers:
+        helper.result()
+    for failure in failures:
+        if failure is not None:
+            raise failure
 
 
 def _done(value: Any) -> Future[Any]:
@@ -409,15 +469,7 @@ class FileSystemReader(StorageReader):
                 self._read_entries(path, objects, planner)
             tensors = [entry for entry in entries if entry[0].type != LoadItemType.BYTE_IO]
             runs += [(path, run) for run in _split_by_bytes(tensors, self.thread_count)]
-        if len(runs) <= 1 or self.thread_count == 1:
-            for path, run in runs:
-                self._read_entries(path, run, planner)
-        else:
-            with ThreadPoolExecutor(max_workers=min(self.thread_count, len(runs)), thread_name_prefix="ckpt-read") as pool:
-                done = [pool.submit(self._read_entries, path, run, planner) for path, run in runs]
-                wait(done)
-            for future in done:
-                future.result()  # the first failure in file order, with its own message
+        _run_all([functools.partial(self._read_entries, path, run, planner) for path, run in runs], self.thread_count)
         if torch.cuda.is_initialized():  # copies to GPUs that read_region left running
             torch.cuda.synchronize()
         return _done(None)

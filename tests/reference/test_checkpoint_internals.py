@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import io
 import itertools
+import os
 import pickle
+import signal
+import time
 import zipfile
 from typing import Any
 
@@ -463,8 +466,16 @@ def test_a_threaded_read_raises_the_first_failure_in_file_order(tmp_path, monkey
     target = {k: torch.zeros_like(v) for k, v in source.items()}
     original = read_region
     late_failure = threading.Event()
+    in_flight = [0]
 
     def flaky(file: Any, offset: int, length: int, layout: Any, saved: Any, lengths: Any, dest: torch.Tensor) -> None:
+        in_flight[0] += 1
+        try:
+            checked(file, offset, length, layout, saved, lengths, dest)
+        finally:
+            in_flight[0] -= 1
+
+    def checked(file: Any, offset: int, length: int, layout: Any, saved: Any, lengths: Any, dest: torch.Tensor) -> None:
         original(file, offset, length, layout, saved, lengths, dest)
         if torch.equal(dest, source["t6"]):  # in the second run: fails first in time
             late_failure.set()
@@ -478,4 +489,142 @@ def test_a_threaded_read_raises_the_first_failure_in_file_order(tmp_path, monkey
         load(target, checkpoint_id=tmp_path, storage_reader=storage.FileSystemReader(thread_count=2))
     text = str(info.value)
     assert "early run failed" in text and "'t1'" in text and ".distcp" in text, text
-    assert not [t for t in threading.enumerate() if t.name.startswith("ckpt-read")], "a reader thread outlived the load"
+    assert in_flight[0] == 0, "the load raised while a reader thread was still reading"
+
+
+def test_reader_threads_are_reused_from_load_to_load(tmp_path) -> None:
+    """Starting threads costs a small load a quarter of its time: loads share one pool per thread
+    count instead of starting threads of their own."""
+    import threading
+
+    from reference.checkpoint.storage import FileSystemReader
+
+    source = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(4)}
+    save(source, checkpoint_id=tmp_path)
+    target = {k: torch.zeros_like(v) for k, v in source.items()}
+
+    def readers() -> set[int]:
+        return {t.ident or 0 for t in threading.enumerate() if t.name.startswith("ckpt-read")}
+
+    load(target, checkpoint_id=tmp_path, storage_reader=FileSystemReader(thread_count=3))
+    first = readers()
+    for _ in range(3):
+        load(target, checkpoint_id=tmp_path, storage_reader=FileSystemReader(thread_count=3))
+    assert first and readers() == first, "each load started reader threads of its own"
+    assert all(torch.equal(target[k], v) for k, v in source.items())
+
+
+def test_concurrent_threaded_loads_all_finish(tmp_path) -> None:
+    """Loads on several threads at once share the pool; each thread reads its own load's runs while
+    no pool thread is free, so none waits on another."""
+    import threading
+
+    from reference.checkpoint.storage import FileSystemReader
+
+    source = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(6)}
+    save(source, checkpoint_id=tmp_path)
+    targets = [{k: torch.zeros_like(v) for k, v in source.items()} for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def one(target: dict[str, torch.Tensor]) -> None:
+        try:
+            load(target, checkpoint_id=tmp_path, storage_reader=FileSystemReader(thread_count=2))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(t,)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a concurrent load hung"
+    assert not errors, errors
+    assert all(torch.equal(t[k], v) for t in targets for k, v in source.items())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_loads_with_threads(tmp_path) -> None:
+    """A child forked after a threaded load inherits the pool objects but not their threads: it must
+    start its own, not wait forever on a pool no thread serves."""
+    from reference.checkpoint.storage import FileSystemReader
+
+    source = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(4)}
+    save(source, checkpoint_id=tmp_path)
+    target = {k: torch.zeros_like(v) for k, v in source.items()}
+    load(target, checkpoint_id=tmp_path, storage_reader=FileSystemReader(thread_count=2))  # the pool exists
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if the load finished with the right values
+        code = 1
+        try:
+            # torch's own intra-op threads do not survive a fork either: keep the child's tensor ops on
+            # the calling thread, so that only the reader pool is under test.
+            torch.set_num_threads(1)
+            fresh = {k: torch.zeros_like(v) for k, v in source.items()}
+            load(fresh, checkpoint_id=tmp_path, storage_reader=FileSystemReader(thread_count=2))
+            code = 0 if all(torch.equal(fresh[k], v) for k, v in source.items()) else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0, "the forked child's load failed"
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's load hung on the parent's reader pool")
+
+
+# -- non-tensor values --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        1e-3, 0.0, -0.0, float("inf"), float("-inf"), float("nan"), 2**63 + 5, -(2**70), 0, True, None, "adamw", "",
+        "ünïcode", (0.9, 0.999), [1, [2, (3,)]], {"lr": 0.1, "betas": (0.9, 0.95), "nested": {"a": [None]}},
+        [{"params": [0, 1], "lr": 1e-4}],
+    ],
+    ids=repr,
+)
+def test_plain_values_read_as_torch_load_reads_them(value: Any) -> None:
+    from reference.checkpoint.records import read_object_record
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    expected = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    got = read_object_record(buffer.getvalue())
+    assert repr(got) == repr(expected) and type(got) is type(expected)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [torch.arange(3), torch.Size([2, 3]), {"t": torch.ones(2)}, torch.float16],
+    ids=repr,
+)
+def test_values_beyond_plain_types_go_to_torch_load(value: Any) -> None:
+    from reference.checkpoint.records import read_object_record
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    expected = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    got = read_object_record(buffer.getvalue())
+    assert repr(got) == repr(expected) and type(got) is type(expected)
+
+
+def test_a_value_torch_load_refuses_is_refused() -> None:
+    """A value that needs a global outside torch's allow-list is not read by the fast path: it goes to
+    torch.load(weights_only=True), which refuses it."""
+    from reference.checkpoint.records import read_object_record
+
+    buffer = io.BytesIO()
+    torch.save(io.BytesIO(b"x"), buffer)  # any class torch does not allow
+    with pytest.raises(pickle.UnpicklingError, match="[Ww]eights only|weights_only"):
+        read_object_record(buffer.getvalue())
+    damaged = buffer.getvalue()[:40]
+    with pytest.raises(RuntimeError) as expected:
+        torch.load(io.BytesIO(damaged), weights_only=True)
+    with pytest.raises(RuntimeError) as got:  # a damaged record: torch.load's own error
+        read_object_record(damaged)
+    assert str(got.value) == str(expected.value)
