@@ -91,7 +91,11 @@ class RankGroup:
             for rank in range(world_size):
                 args = [sys.executable, "-c", _BOOTSTRAP, _BENCH_DIR, listener.address, authkey.hex(),
                         str(rank), str(world_size), store, backend]
-                self._procs.append(subprocess.Popen(args, env={**os.environ, **(env or {})}))
+                # The ranks share this host, as torchrun's ranks of one node do: say so as torchrun
+                # does, so that what sizes itself by the CPUs per rank (the reference's reader
+                # threads) sees the ranks beside it.
+                rank_env = {**os.environ, "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size), **(env or {})}
+                self._procs.append(subprocess.Popen(args, env=rank_env))
             deadline = time.monotonic() + start_timeout
             conns: dict[int, Connection] = {}
             listener._listener._socket.settimeout(start_timeout)  # type: ignore[attr-defined]  # no public accept timeout
@@ -222,12 +226,22 @@ def _worker_main(argv: list[str]) -> None:
         dist.destroy_process_group()
 
 
+#: Idle time before each timed call (see :func:`timed`): longer than libgomp's spin-wait.
+SETTLE_SECONDS = 0.02
+
+
 def timed(fn: Callable[[], Any]) -> float:
     """Seconds of ``fn()`` as the slowest rank sees it: barrier, run, (wait for this rank's GPU work),
     barrier. Call on every rank."""
     import torch
     import torch.distributed as dist
 
+    # The untimed work just before (zeroing the destination, checking the last load) ran on torch's
+    # intra-op threads, which spin for a few ms after a parallel region (libgomp's wait policy). On a
+    # machine with few cores they take the CPU from the other rank's collectives: measured on 2 cores,
+    # the first all-reduce of a 64 MB load at world size 2 took 3.5-4.8 ms instead of 0.4, a cost
+    # charged to whichever implementation communicates first. Let them go idle before the clock starts.
+    time.sleep(SETTLE_SECONDS)
     dist.barrier()
     start = time.perf_counter()
     fn()

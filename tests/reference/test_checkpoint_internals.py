@@ -434,6 +434,26 @@ def test_thread_count_must_be_a_positive_int(bad: Any) -> None:
         FileSystemReader(thread_count=bad)
 
 
+@pytest.mark.parametrize(
+    "cpus, local_world_size, expected",
+    [(2, None, 2), (2, "2", 1), (2, "8", 1), (16, "8", 2), (64, "8", 4), (64, None, 4), (3, "junk", 3), (1, "0", 1)],
+)
+def test_default_reader_threads_share_the_cpus_among_the_node_s_ranks(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, local_world_size: str | None, expected: int
+) -> None:
+    """Without ``thread_count``, a rank starts at most its share of the node's CPUs (torchrun's
+    ``LOCAL_WORLD_SIZE`` ranks share them), never fewer than one, never more than four."""
+    from reference.checkpoint import storage
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    if local_world_size is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
+    assert storage.FileSystemReader().thread_count == expected
+    assert storage.FileSystemReader(thread_count=3).thread_count == 3  # asked for: as asked
+
+
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_threaded_reads_fill_every_tensor_bit_for_bit(tmp_path, threads: int) -> None:
     """Runs read by several threads land in the right tensors: every value, of every dtype, bit for bit."""
