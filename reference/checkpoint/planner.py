@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor
 
 from reference.checkpoint.errors import CheckpointFormatError, StateDictError
 from reference.checkpoint.flatten import FlatStateDict, ObjPath, flatten_state_dict, get_value, set_value
-from reference.checkpoint.layout import Chunk, check_tiling, local_chunk, overlaps
+from reference.checkpoint.layout import Chunk, Overlap, check_tiling, local_chunk, overlaps
 from reference.checkpoint.metadata_io import CURRENT_VERSION
 from reference.checkpoint.records import read_object_record
 
@@ -451,9 +451,16 @@ class ReferenceLoadPlanner(LoadPlanner):
             md = saved[key]
             assert isinstance(md, TensorStorageMetadata)  # checked in set_up_planner
             saved_chunks = [Chunk(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+            if len(saved_chunks) == 1 and saved_chunks[0] == chunk:
+                # The common case, a tensor saved whole and wanted whole: the one overlap is all of it
+                # (what overlaps() returns, without its general arithmetic).
+                zeros = (0,) * len(chunk.sizes)
+                matches = [(0, Overlap(zeros, zeros, chunk.sizes))] if chunk.numel else []
+            else:
+                matches = overlaps(chunk, saved_chunks)
             covered = 0
-            for i, overlap in overlaps(chunk, saved_chunks):
-                covered += torch.Size(overlap.lengths).numel()
+            for i, overlap in matches:
+                covered += math.prod(overlap.lengths)
                 items.append(
                     ReadItem(
                         type=LoadItemType.TENSOR,

@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import io
 import math
+import os
 import pickle
 import struct
 import sys
@@ -226,8 +227,13 @@ class _Member:
 
 
 def _read_at(file: ReadableFile, position: int, n: int) -> bytes:
-    file.seek(position)
-    return file.read(n)
+    """Up to ``n`` bytes at ``position`` (fewer at the end of the file)."""
+    try:
+        fd = file.fileno()  # type: ignore[attr-defined]  # files have one; ReadableFile does not promise it
+    except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError: an in-memory file
+        file.seek(position)
+        return file.read(n)
+    return os.pread(fd, n, position)  # one system call instead of a seek and a read
 
 
 def _zip64_extra(extra: bytes, size: int, csize: int, offset: int) -> tuple[int, int, int]:
@@ -360,14 +366,16 @@ def parse_tensor_record(file: ReadableFile, offset: int, length: int) -> TensorL
 
     Raises ValueError if the record is not a zip archive at all (a corrupt or overwritten file), or its
     zip structure is damaged or runs past ``length`` (a truncated record)."""
-    members = _members(file, offset, length)
+    head = _read_at(file, offset, min(length, _HEAD_READ))
+    # A small record (a scalar, a bias) is whole in hand: parse it from memory, not with more reads.
+    source, at = (io.BytesIO(head), 0) if len(head) == length else (file, offset)
+    members = _members(source, at, length)
     if "data.pkl" not in members:
         raise ValueError("not a torch.save record (no data.pkl)")
-    head = _read_at(file, offset, min(length, _HEAD_READ))
     try:
-        if "byteorder" in members and _member_bytes(file, offset, length, members["byteorder"], head).decode() != sys.byteorder:
+        if "byteorder" in members and _member_bytes(source, at, length, members["byteorder"], head).decode() != sys.byteorder:
             return None
-        pickled = _member_bytes(file, offset, length, members["data.pkl"], head)
+        pickled = _member_bytes(source, at, length, members["data.pkl"], head)
         header = _HEADER_CACHE.get(pickled)
         if header is None:
             header = _HeaderUnpickler(io.BytesIO(pickled)).load()
@@ -384,7 +392,7 @@ def parse_tensor_record(file: ReadableFile, offset: int, length: int) -> TensorL
     itemsize = header.storage.dtype.itemsize
     if member is None or member.method != zipfile.ZIP_STORED or member.size != header.storage.numel * itemsize:
         return None
-    data_start = _member_data_start(file, offset, length, member, head)
+    data_start = _member_data_start(source, at, length, member, head)
     return TensorLayout(
         data_offset=offset + data_start,
         dtype=header.storage.dtype,
