@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor
 
 from reference.checkpoint.errors import CheckpointFormatError, StateDictError
 from reference.checkpoint.flatten import FlatStateDict, ObjPath, flatten_state_dict, get_value, set_value
-from reference.checkpoint.layout import Chunk, Overlap, check_tiling, local_chunk, overlaps
+from reference.checkpoint.layout import Chunk, check_tiling, local_chunk, overlaps
 from reference.checkpoint.metadata_io import CURRENT_VERSION
 from reference.checkpoint.records import read_object_record
 
@@ -450,14 +450,24 @@ class ReferenceLoadPlanner(LoadPlanner):
         for key, chunk in self._chunks.items():
             md = saved[key]
             assert isinstance(md, TensorStorageMetadata)  # checked in set_up_planner
+            if len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == chunk.sizes and tuple(md.chunks[0].offsets) == chunk.offsets:
+                # The common case, a tensor saved whole and wanted whole: one read of all of it (the
+                # item the general path below makes from overlaps(), without its arithmetic).
+                if chunk.numel:
+                    zeros = _zero_offsets(len(chunk.sizes))
+                    items.append(
+                        ReadItem(
+                            type=LoadItemType.TENSOR,
+                            dest_index=MetadataIndex(key, chunk.offsets),
+                            dest_offsets=zeros,
+                            storage_index=MetadataIndex(key, chunk.offsets, 0),
+                            storage_offsets=zeros,
+                            lengths=torch.Size(chunk.sizes),
+                        )
+                    )
+                continue
             saved_chunks = [Chunk(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
-            if len(saved_chunks) == 1 and saved_chunks[0] == chunk:
-                # The common case, a tensor saved whole and wanted whole: the one overlap is all of it
-                # (what overlaps() returns, without its general arithmetic).
-                zeros = (0,) * len(chunk.sizes)
-                matches = [(0, Overlap(zeros, zeros, chunk.sizes))] if chunk.numel else []
-            else:
-                matches = overlaps(chunk, saved_chunks)
+            matches = overlaps(chunk, saved_chunks)
             covered = 0
             for i, overlap in matches:
                 covered += math.prod(overlap.lengths)
@@ -532,6 +542,12 @@ class ReferenceLoadPlanner(LoadPlanner):
             if undo is not None:
                 undo.append(functools.partial(set_value, self._state_dict, path, old))
         return self.result
+
+
+@functools.cache
+def _zero_offsets(ndim: int) -> torch.Size:
+    """``torch.Size([0] * ndim)``, one object per ``ndim`` (a ``torch.Size`` is immutable)."""
+    return torch.Size((0,) * ndim)
 
 
 def _mesh_device(device_type: str) -> torch.device:

@@ -236,6 +236,50 @@ def _read_at(file: ReadableFile, position: int, n: int) -> bytes:
     return os.pread(fd, n, position)  # one system call instead of a seek and a read
 
 
+class _RecordBytes:
+    """The bytes of one record that parsing consults.
+
+    Its first and last few KiB (``head``, ``tail``) are read once, in one read for a record that
+    small; bytes outside them are read from the file when asked for. Which bytes were consulted is
+    noted (a prefix of ``head``, a suffix of ``tail``, or something else), because a parse depends on
+    nothing but those bytes and the record's length (see :data:`_PARSED`)."""
+
+    def __init__(self, file: ReadableFile, offset: int, length: int) -> None:
+        self.file, self.offset, self.length = file, offset, length
+        self.head = _read_at(file, offset, min(length, _HEAD_READ))
+        if len(self.head) == length:
+            self.tail_start, self.tail = 0, self.head
+        else:
+            self.tail_start = max(0, length - _TAIL_READ)
+            self.tail = _read_at(file, offset + self.tail_start, length - self.tail_start)
+        #: Both reads returned all they asked for (the file is not cut short inside them).
+        self.whole = len(self.head) == min(length, _HEAD_READ) and len(self.tail) == length - self.tail_start
+        self.head_used = 0  #: head[:head_used] was consulted
+        self.tail_used = len(self.tail)  #: tail[tail_used:] was consulted
+        self.elsewhere = False  #: bytes outside head and tail were consulted
+
+    def at(self, position: int, n: int) -> bytes:
+        """Up to ``n`` bytes at ``position`` of the record (fewer where the file ends)."""
+        end = position + n
+        if end <= len(self.head):
+            self.head_used = max(self.head_used, end)
+            return self.head[position:end]
+        if self.tail_start <= position and end <= self.tail_start + len(self.tail):
+            self.tail_used = min(self.tail_used, position - self.tail_start)
+            return self.tail[position - self.tail_start:end - self.tail_start]
+        self.elsewhere = True
+        return _read_at(self.file, self.offset + position, n)
+
+    def end_of_directory(self) -> int:
+        """Where the record's zip end-of-directory record starts (the last one in its tail)."""
+        found = self.tail.rfind(b"PK\x05\x06")
+        if found < 0 or found + _EOCD.size > len(self.tail):
+            raise ValueError("not a torch.save record (no zip end-of-directory record)")
+        # From here to the tail's end: another record equal in these bytes finds the same last one.
+        self.tail_used = min(self.tail_used, found)
+        return self.tail_start + found
+
+
 def _zip64_extra(extra: bytes, size: int, csize: int, offset: int) -> tuple[int, int, int]:
     """Replace the 0xFFFFFFFF fields of a central header by the values of its zip64 extra field."""
     pos = 0
@@ -251,72 +295,22 @@ def _zip64_extra(extra: bytes, size: int, csize: int, offset: int) -> tuple[int,
     return size, csize, offset
 
 
-# Records of one shape and dtype end in the same bytes (member offsets are relative to the record's
-# start; torch.save writes no names or times of its own), so the parse of a tail and of a data.pkl is
-# kept for the next record that has the same bytes: a checkpoint of a model has a handful of distinct
-# ones among hundreds of records. Only successful parses are kept (an error is raised again from the
-# bytes), and the parse depends on nothing but the bytes and the record's length.
-_PARSE_CACHE_LIMIT = 256
-_MEMBERS_CACHE: dict[tuple[bytes, int], dict[str, _Member]] = {}
-_HEADER_CACHE: dict[bytes, Any] = {}
-
-
-def _remember(cache: dict[Any, Any], key: Any, value: Any) -> None:
-    if len(cache) >= _PARSE_CACHE_LIMIT:
-        cache.clear()
-    cache[key] = value
-
-
-def _members(file: ReadableFile, offset: int, length: int) -> dict[str, _Member]:
+def _members(record: _RecordBytes) -> dict[str, _Member]:
     """The record's members by name (the archive folder stripped); ValueError if it is not a zip."""
-    tail_start = max(0, length - _TAIL_READ)
-    tail = _read_at(file, offset + tail_start, length - tail_start)
-    directory, count, key_start = _directory(file, offset, length, tail, tail_start)
-    if key_start is None:  # bytes outside the tail were read: the tail's bytes are not the whole key
-        return _parse_directory(directory, count)
-    key = (tail[key_start:], length)
-    members = _MEMBERS_CACHE.get(key)
-    if members is None:
-        members = _parse_directory(directory, count)
-        _remember(_MEMBERS_CACHE, key, members)
-    return members
-
-
-def _directory(file: ReadableFile, offset: int, length: int, tail: bytes, tail_start: int) -> tuple[bytes, int, int | None]:
-    """(the central directory's bytes, its entry count, where in ``tail`` the bytes it was found from
-    start, or None when some were read from outside ``tail``)."""
-    eocd_at = tail.rfind(b"PK\x05\x06")
-    if eocd_at < 0 or eocd_at + _EOCD.size > len(tail):
-        raise ValueError("not a torch.save record (no zip end-of-directory record)")
-    _, _, _, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, eocd_at)
-    key_start: int | None = eocd_at
+    eocd_at = record.end_of_directory()
+    _, _, _, _, count, cd_size, cd_offset, _ = _EOCD.unpack(record.at(eocd_at, _EOCD.size))
     if 0xFFFFFFFF in (cd_size, cd_offset) or count == 0xFFFF:
-        locator_at = eocd_at - _ZIP64_LOCATOR.size
-        if locator_at < 0 or tail[locator_at:locator_at + 4] != b"PK\x06\x07":
+        locator = record.at(eocd_at - _ZIP64_LOCATOR.size, _ZIP64_LOCATOR.size) if eocd_at >= _ZIP64_LOCATOR.size else b""
+        if len(locator) != _ZIP64_LOCATOR.size or locator[:4] != b"PK\x06\x07":
             raise ValueError("corrupt torch.save record (no zip64 locator)")
-        z64_offset = _ZIP64_LOCATOR.unpack_from(tail, locator_at)[2]
-        if tail_start <= z64_offset <= length - _ZIP64_EOCD.size:
-            z64 = tail[z64_offset - tail_start:z64_offset - tail_start + _ZIP64_EOCD.size]
-            key_start = z64_offset - tail_start
-        else:
-            z64 = _read_at(file, offset + z64_offset, _ZIP64_EOCD.size)
-            key_start = None
+        z64_offset = _ZIP64_LOCATOR.unpack(locator)[2]
+        z64 = record.at(z64_offset, _ZIP64_EOCD.size) if z64_offset <= record.length - _ZIP64_EOCD.size else b""
         if len(z64) != _ZIP64_EOCD.size or z64[:4] != b"PK\x06\x06":
             raise ValueError("corrupt torch.save record (bad zip64 end-of-directory record)")
         _, _, _, _, _, _, _, count, cd_size, cd_offset = _ZIP64_EOCD.unpack(z64)
-    if cd_offset + cd_size > length:
+    if cd_offset + cd_size > record.length:
         raise ValueError("truncated torch.save record (central directory beyond its end)")
-    if cd_offset >= tail_start:
-        directory = tail[cd_offset - tail_start:cd_offset - tail_start + cd_size]
-        if key_start is not None:
-            key_start = min(key_start, cd_offset - tail_start)
-    else:
-        directory = _read_at(file, offset + cd_offset, cd_size)
-        key_start = None
-    return directory, count, key_start
-
-
-def _parse_directory(directory: bytes, count: int) -> dict[str, _Member]:
+    directory = record.at(cd_offset, cd_size)
     members: dict[str, _Member] = {}
     pos = 0
     for _ in range(count):
@@ -334,52 +328,36 @@ def _parse_directory(directory: bytes, count: int) -> dict[str, _Member]:
     return members
 
 
-def _member_data_start(file: ReadableFile, offset: int, length: int, member: _Member, head: bytes) -> int:
+def _member_data_start(record: _RecordBytes, member: _Member) -> int:
     """Where the member's bytes start, from the record's start, checked against its local header."""
-    local = head[member.header_offset:member.header_offset + _LOCAL.size]
-    if len(local) != _LOCAL.size:
-        local = _read_at(file, offset + member.header_offset, _LOCAL.size)
+    local = record.at(member.header_offset, _LOCAL.size)
     if len(local) != _LOCAL.size or local[:4] != b"PK\x03\x04":
         raise ValueError(f"corrupt torch.save record (bad local header of {member.name})")
     name_len, extra_len = _LOCAL.unpack(local)[9:11]
     start: int = member.header_offset + _LOCAL.size + name_len + extra_len
-    if start + member.compressed_size > length:
+    if start + member.compressed_size > record.length:
         raise ValueError(f"truncated torch.save record ({member.name} runs past its end)")
     return start
 
 
-def _member_bytes(file: ReadableFile, offset: int, length: int, member: _Member, head: bytes) -> bytes:
+def _member_bytes(record: _RecordBytes, member: _Member) -> bytes:
     if member.method != zipfile.ZIP_STORED:
         raise _NotUnderstood(f"{member.name} is compressed")
-    start = _member_data_start(file, offset, length, member, head)
-    data = head[start:start + member.size]
-    if len(data) != member.size:
-        data = _read_at(file, offset + start, member.size)
+    data = record.at(_member_data_start(record, member), member.size)
     if len(data) != member.size:
         raise ValueError(f"truncated torch.save record ({member.name})")
     return data
 
 
-def parse_tensor_record(file: ReadableFile, offset: int, length: int) -> TensorLayout | None:
-    """The layout of the tensor record at ``[offset, offset + length)`` of ``file``, or None when the
-    record is not a little-endian plain tensor with one uncompressed storage (read it with torch.load).
-
-    Raises ValueError if the record is not a zip archive at all (a corrupt or overwritten file), or its
-    zip structure is damaged or runs past ``length`` (a truncated record)."""
-    head = _read_at(file, offset, min(length, _HEAD_READ))
-    # A small record (a scalar, a bias) is whole in hand: parse it from memory, not with more reads.
-    source, at = (io.BytesIO(head), 0) if len(head) == length else (file, offset)
-    members = _members(source, at, length)
+def _parse(record: _RecordBytes) -> TensorLayout | None:
+    """:func:`parse_tensor_record` of ``record``, with ``data_offset`` from the record's start."""
+    members = _members(record)
     if "data.pkl" not in members:
         raise ValueError("not a torch.save record (no data.pkl)")
     try:
-        if "byteorder" in members and _member_bytes(source, at, length, members["byteorder"], head).decode() != sys.byteorder:
+        if "byteorder" in members and _member_bytes(record, members["byteorder"]).decode() != sys.byteorder:
             return None
-        pickled = _member_bytes(source, at, length, members["data.pkl"], head)
-        header = _HEADER_CACHE.get(pickled)
-        if header is None:
-            header = _HeaderUnpickler(io.BytesIO(pickled)).load()
-            _remember(_HEADER_CACHE, pickled, header)
+        header = _HeaderUnpickler(io.BytesIO(_member_bytes(record, members["data.pkl"]))).load()
     except _NotUnderstood:
         return None
     except ValueError:
@@ -392,14 +370,61 @@ def parse_tensor_record(file: ReadableFile, offset: int, length: int) -> TensorL
     itemsize = header.storage.dtype.itemsize
     if member is None or member.method != zipfile.ZIP_STORED or member.size != header.storage.numel * itemsize:
         return None
-    data_start = _member_data_start(source, at, length, member, head)
     return TensorLayout(
-        data_offset=offset + data_start,
+        data_offset=_member_data_start(record, member),
         dtype=header.storage.dtype,
         storage_numel=header.storage.numel,
         storage_offset=header.storage_offset,
         size=header.size,
         stride=header.stride,
+    )
+
+
+# The parse of a record depends on nothing but the bytes it consulted and the record's length (member
+# offsets are relative to the record's start, and torch.save writes no names or times of its own), so
+# it is kept for the next record whose consulted bytes are the same: the records of a model's
+# checkpoint have a handful of distinct shapes among hundreds of records, and a kept parse costs the
+# two reads and two comparisons instead of parsing the zip directory and data.pkl again. The bytes
+# consulted are a prefix of the record's first read (the members before the storage, data.pkl) and a
+# suffix of its last (from the central directory on): never the tensor's own bytes. Only successful
+# parses of records read whole, with nothing consulted outside the two reads, are kept; a record that
+# does not parse is parsed (and raises) again every time.
+_PARSED_LIMIT = 256
+#: length -> [(consulted prefix of head, consulted suffix of tail, the parse)]
+_PARSED: dict[int, list[tuple[bytes, bytes, TensorLayout | None]]] = {}
+
+
+def _kept_parse(record: _RecordBytes) -> tuple[bool, TensorLayout | None]:
+    for prefix, suffix, parsed in _PARSED.get(record.length, ()):
+        if record.head.startswith(prefix) and record.tail.endswith(suffix):
+            return True, parsed
+    return False, None
+
+
+def _keep_parse(record: _RecordBytes, parsed: TensorLayout | None) -> None:
+    kept = _PARSED.setdefault(record.length, [])
+    if len(_PARSED) > _PARSED_LIMIT or len(kept) >= 8:
+        _PARSED.clear()
+        kept = _PARSED.setdefault(record.length, [])
+    kept.append((record.head[:record.head_used], record.tail[record.tail_used:], parsed))
+
+
+def parse_tensor_record(file: ReadableFile, offset: int, length: int) -> TensorLayout | None:
+    """The layout of the tensor record at ``[offset, offset + length)`` of ``file``, or None when the
+    record is not a little-endian plain tensor with one uncompressed storage (read it with torch.load).
+
+    Raises ValueError if the record is not a zip archive at all (a corrupt or overwritten file), or its
+    zip structure is damaged or runs past ``length`` (a truncated record)."""
+    record = _RecordBytes(file, offset, length)
+    found, parsed = _kept_parse(record) if record.whole else (False, None)
+    if not found:
+        parsed = _parse(record)
+        if record.whole and not record.elsewhere:
+            _keep_parse(record, parsed)
+    if parsed is None:
+        return None
+    return TensorLayout(
+        offset + parsed.data_offset, parsed.dtype, parsed.storage_numel, parsed.storage_offset, parsed.size, parsed.stride
     )
 
 
@@ -413,9 +438,8 @@ def read_object_record(data: bytes | memoryview) -> Any:
     80 us each, mostly in setting up its zip reader. Anything else (tensors, ``torch.Size``, a set, a
     damaged record) goes to ``torch.load(weights_only=True)``, whose result or error is the answer."""
     try:
-        file = io.BytesIO(data)
-        members = _members(file, 0, len(data))
-        pickled = _member_bytes(file, 0, len(data), members["data.pkl"], bytes(data[:_HEAD_READ]))
+        record = _RecordBytes(io.BytesIO(data), 0, len(data))
+        pickled = _member_bytes(record, _members(record)["data.pkl"])
         return _PlainUnpickler(io.BytesIO(pickled)).load()
     except Exception:  # not a plain value, or not readable here: torch.load decides
         return torch.load(io.BytesIO(data), weights_only=True)

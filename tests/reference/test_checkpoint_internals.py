@@ -20,7 +20,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict as dcp_
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from reference.checkpoint import CheckpointFormatError, StateDictError, load, save
+from reference.checkpoint import CheckpointFormatError, StateDictError, load, records, save
 from reference.checkpoint.flatten import flatten_state_dict, set_value
 from reference.checkpoint.layout import Chunk, check_tiling, overlaps
 from reference.checkpoint.planner import ReferenceLoadPlanner, ReferenceSavePlanner
@@ -225,6 +225,96 @@ def test_a_record_damaged_in_its_directory_is_an_error() -> None:
     record[record.rfind(b"PK\x01\x02")] = 0  # the last central directory entry's signature
     with pytest.raises(ValueError, match="corrupt torch.save record"):
         parse_tensor_record(io.BytesIO(bytes(record)), 0, len(record))
+
+
+def _records_in_one_stream(tensors: list[torch.Tensor]) -> tuple[io.BytesIO, list[tuple[int, int]]]:
+    """The records of ``tensors`` one after another behind a 7-byte prefix, with each (offset, length)."""
+    stream = io.BytesIO(b"p" * 7)
+    stream.seek(7)
+    spans = []
+    for tensor in tensors:
+        start = stream.tell()
+        spans.append((start, write_record(stream, tensor)))
+    return stream, spans
+
+
+def _fresh_parse(stream: io.BytesIO, offset: int, length: int) -> Any:
+    records._PARSED.clear()
+    return parse_tensor_record(stream, offset, length)
+
+
+# Records of one length that differ only where a parse looks: in data.pkl (shape, dtype, storage
+# offset, stride), in the storage's local header, in the zip directory. Big ones (more than the
+# 4 KiB read at each end) and small ones (read whole, in one read).
+_SAME_LENGTH_RECORDS = {
+    "shape": [torch.full((2, 3), 1.0), torch.full((3, 2), 2.0), torch.full((6, 1), 3.0)],
+    "shape, big": [torch.full((1024, 4), 1.0), torch.full((4, 1024), 2.0), torch.full((2048, 2), 3.0)],
+    "dtype": [torch.arange(4, dtype=torch.int32), torch.arange(4, dtype=torch.float32)],
+    "dtype, big": [torch.arange(4096, dtype=torch.int32), torch.arange(4096, dtype=torch.float32)],
+    "stride": [torch.arange(12.0).reshape(3, 4), torch.arange(12.0).reshape(4, 3).t()],
+}
+
+
+@pytest.mark.parametrize("case", list(_SAME_LENGTH_RECORDS))
+def test_a_kept_parse_is_reused_only_for_records_equal_where_the_parse_looks(case: str) -> None:
+    # A kept parse (records._PARSED) given to a record that differs from it in any byte the parse
+    # consults would read the wrong geometry: each record, parsed after all the others, must give what
+    # it gives parsed alone, at its own offset.
+    tensors = _SAME_LENGTH_RECORDS[case]
+    stream, spans = _records_in_one_stream(tensors)
+    assert len({length for _, length in spans}) == 1, "the case needs records of one length"
+    alone = [_fresh_parse(stream, offset, length) for offset, length in spans]
+    records._PARSED.clear()
+    for _ in range(2):
+        for (offset, length), expected, tensor in zip(spans, alone, tensors):
+            layout = parse_tensor_record(stream, offset, length)
+            assert layout == expected
+            dest = torch.zeros(tensor.shape, dtype=tensor.dtype)
+            read_region(stream, offset, length, layout, (0,) * tensor.dim(), tuple(tensor.shape), dest)
+            assert torch.equal(dest, tensor), case
+
+
+def test_a_kept_parse_is_reused_for_records_of_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The point of keeping parses: a model's records of one shape are parsed once, whatever they hold.
+    tensors = [torch.full((1024, 3), float(i)) for i in range(6)]
+    stream, spans = _records_in_one_stream(tensors)
+    records._PARSED.clear()
+    parses: list[int] = []
+    parse = records._parse
+
+    def counted(record: Any) -> Any:
+        parses.append(record.offset)
+        return parse(record)
+
+    monkeypatch.setattr(records, "_parse", counted)
+    layouts = [parse_tensor_record(stream, offset, length) for offset, length in spans]
+    assert parses == [spans[0][0]]
+    assert [layout.data_offset - offset for layout, (offset, _) in zip(layouts, spans)] == [layouts[0].data_offset - spans[0][0]] * 6
+    for (offset, length), layout, tensor in zip(spans, layouts, tensors):
+        dest = torch.empty(tensor.shape)
+        read_region(stream, offset, length, layout, (0, 0), tuple(tensor.shape), dest)
+        assert torch.equal(dest, tensor)
+
+
+@pytest.mark.parametrize("where", ["central directory", "local header of data.pkl", "local header of the storage", "data.pkl"])
+@pytest.mark.parametrize("big", [False, True])
+def test_a_damaged_record_is_an_error_after_an_intact_one_of_its_length_was_parsed(where: str, big: bool) -> None:
+    tensor = torch.arange(2048.0 if big else 8.0)
+    intact = _record(tensor)
+    damaged = bytearray(intact)
+    if where == "central directory":
+        damaged[damaged.rfind(b"PK\x01\x02")] = 0
+    elif where == "local header of data.pkl":
+        damaged[damaged.find(b"PK\x03\x04")] = 0
+    elif where == "local header of the storage":
+        damaged[damaged.find(b"PK\x03\x04", damaged.find(b"/data/0") - 40)] = 0
+    else:  # an opcode of the pickle: the stop byte at its end
+        pickled_end = damaged.find(b"PK\x03\x04", 10)
+        damaged[damaged.rfind(b".", 0, pickled_end)] = ord("\xff")
+    records._PARSED.clear()
+    assert parse_tensor_record(io.BytesIO(intact), 0, len(intact)) is not None
+    with pytest.raises(ValueError, match="torch.save record"):
+        parse_tensor_record(io.BytesIO(bytes(damaged)), 0, len(damaged))
 
 
 def test_a_record_that_disagrees_with_the_metadata_is_an_error(tmp_path) -> None:
