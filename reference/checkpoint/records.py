@@ -28,9 +28,9 @@ import sys
 import warnings
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol, TypeVar, cast
 
 import torch
 
@@ -390,23 +390,27 @@ def _parse(record: _RecordBytes) -> TensorLayout | None:
 # parses of records read whole, with nothing consulted outside the two reads, are kept; a record that
 # does not parse is parsed (and raises) again every time.
 _PARSED_LIMIT = 256
-#: length -> [(consulted prefix of head, consulted suffix of tail, the parse)]
-_PARSED: dict[int, list[tuple[bytes, bytes, TensorLayout | None]]] = {}
+#: (parse function, record length) -> [(consulted prefix of head, consulted suffix of tail, the parse)]
+_PARSED: dict[tuple[Callable[[_RecordBytes], Any], int], list[tuple[bytes, bytes, Any]]] = {}
+
+_Parsed = TypeVar("_Parsed")
 
 
-def _kept_parse(record: _RecordBytes) -> tuple[bool, TensorLayout | None]:
-    for prefix, suffix, parsed in _PARSED.get(record.length, ()):
-        if record.head.startswith(prefix) and record.tail.endswith(suffix):
-            return True, parsed
-    return False, None
-
-
-def _keep_parse(record: _RecordBytes, parsed: TensorLayout | None) -> None:
-    kept = _PARSED.setdefault(record.length, [])
-    if len(_PARSED) > _PARSED_LIMIT or len(kept) >= 8:
-        _PARSED.clear()
-        kept = _PARSED.setdefault(record.length, [])
-    kept.append((record.head[:record.head_used], record.tail[record.tail_used:], parsed))
+def _parsed(record: _RecordBytes, parse: Callable[[_RecordBytes], _Parsed]) -> _Parsed:
+    """``parse(record)``, or what it returned for a record equal in every byte it consulted."""
+    key = (parse, record.length)
+    if record.whole:
+        for prefix, suffix, parsed in _PARSED.get(key, ()):
+            if record.head.startswith(prefix) and record.tail.endswith(suffix):
+                return cast(_Parsed, parsed)
+    parsed = parse(record)
+    if record.whole and not record.elsewhere:
+        kept = _PARSED.setdefault(key, [])
+        if len(_PARSED) > _PARSED_LIMIT or len(kept) >= 8:
+            _PARSED.clear()
+            kept = _PARSED.setdefault(key, [])
+        kept.append((record.head[:record.head_used], record.tail[record.tail_used:], parsed))
+    return parsed
 
 
 def parse_tensor_record(file: ReadableFile, offset: int, length: int) -> TensorLayout | None:
@@ -415,17 +419,20 @@ def parse_tensor_record(file: ReadableFile, offset: int, length: int) -> TensorL
 
     Raises ValueError if the record is not a zip archive at all (a corrupt or overwritten file), or its
     zip structure is damaged or runs past ``length`` (a truncated record)."""
-    record = _RecordBytes(file, offset, length)
-    found, parsed = _kept_parse(record) if record.whole else (False, None)
-    if not found:
-        parsed = _parse(record)
-        if record.whole and not record.elsewhere:
-            _keep_parse(record, parsed)
+    parsed = _parsed(_RecordBytes(file, offset, length), _parse)
     if parsed is None:
         return None
     return TensorLayout(
         offset + parsed.data_offset, parsed.dtype, parsed.storage_numel, parsed.storage_offset, parsed.size, parsed.stride
     )
+
+
+def _pickle_span(record: _RecordBytes) -> tuple[int, int]:
+    """Where the record's ``data.pkl`` is: (start from the record's start, bytes)."""
+    member = _members(record)["data.pkl"]
+    if member.method != zipfile.ZIP_STORED:
+        raise _NotUnderstood("data.pkl is compressed")
+    return _member_data_start(record, member), member.size
 
 
 def read_object_record(data: bytes | memoryview) -> Any:
@@ -438,9 +445,8 @@ def read_object_record(data: bytes | memoryview) -> Any:
     80 us each, mostly in setting up its zip reader. Anything else (tensors, ``torch.Size``, a set, a
     damaged record) goes to ``torch.load(weights_only=True)``, whose result or error is the answer."""
     try:
-        record = _RecordBytes(io.BytesIO(data), 0, len(data))
-        pickled = _member_bytes(record, _members(record)["data.pkl"])
-        return _PlainUnpickler(io.BytesIO(pickled)).load()
+        start, size = _parsed(_RecordBytes(io.BytesIO(data), 0, len(data)), _pickle_span)
+        return _PlainUnpickler(io.BytesIO(data[start:start + size])).load()
     except Exception:  # not a plain value, or not readable here: torch.load decides
         return torch.load(io.BytesIO(data), weights_only=True)
 

@@ -736,3 +736,20 @@ def test_a_value_torch_load_refuses_is_refused() -> None:
     with pytest.raises(RuntimeError) as got:  # a damaged record: torch.load's own error
         read_object_record(damaged)
     assert str(got.value) == str(expected.value)
+
+
+def test_non_tensor_values_of_one_record_length_each_read_as_themselves() -> None:
+    """Records of one length hold other values at the same place: where data.pkl is may be reused from
+    one to the next, what it holds must not (see records._parsed)."""
+    from reference.checkpoint.records import read_object_record
+
+    values = [1.5, -2.5, float("inf"), 0.0, (0.9, 0.999), (0.8, 0.95), "adamw", "sgdxy"]
+    saved = []
+    for value in values:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        saved.append(buffer.getvalue())
+    assert len({len(data) for data in saved[:4]}) == 1  # the floats share a length
+    records._PARSED.clear()
+    for _ in range(2):
+        assert [read_object_record(data) for data in saved] == values
