@@ -69,7 +69,11 @@ def test_inspector_lists_every_key(tmp_path: Path, capsys: pytest.CaptureFixture
     totals = report["totals"]
     assert totals["keys"] == 3 and totals["tensors"] == 2 and totals["objects"] == 1
     assert totals["bytes"] == sum(row["bytes"] for row in rows.values())
-    assert totals["stored_bytes"] == sum((tmp_path / f).stat().st_size for f in files)
+    # The records account for the data files: DCP packs them end to end; the reference starts each at a
+    # multiple of 64 bytes (reference.checkpoint.storage.RECORD_ALIGNMENT), so less than that lies
+    # between two records.
+    padding = sum((tmp_path / f).stat().st_size for f in files) - totals["stored_bytes"]
+    assert padding == 0 if writer == "torch" else 0 <= padding < 64 * totals["chunks"], padding
 
     code, out, err = _run(capsys, str(tmp_path))
     assert code == 0, err

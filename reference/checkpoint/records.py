@@ -83,7 +83,8 @@ def _without_crc32() -> Iterator[None]:
     # (measured here: 445 vs 1,050 MB/s for a 64 MB tensor). Nothing reads it back: this reader parses
     # the zip structure with struct, and torch's reader does not verify it. What catches a damaged
     # record instead: the structure checks of parse_tensor_record and the record's geometry checked
-    # against the checkpoint metadata (FileSystemReader).
+    # against the checkpoint metadata (FileSystemReader). The option is per thread (torch's
+    # serialization config is thread-local), so each writer thread switches its own.
     set_crc32 = getattr(torch.serialization, "set_crc32_options", None)  # torch >= 2.5
     if set_crc32 is None:
         yield

@@ -1,8 +1,9 @@
 """Storage: DCP's filesystem layout, written and read through DCP's StorageWriter/StorageReader.
 
-A checkpoint is a directory: one data file per writing rank, ``__<rank>_<save>_0.distcp`` (``<save>``
-names the save that wrote it), holding that rank's records back to back (see
-:mod:`reference.checkpoint.records`), and ``.metadata``, the pickled
+A checkpoint is a directory: one or more data files per writing rank, ``__<rank>_<save>_<k>.distcp``
+(``<save>`` names the save that wrote it, ``<k>`` counts the rank's writer threads), each holding a run
+of that rank's records one after another, every record at a multiple of :data:`RECORD_ALIGNMENT` bytes
+(see :mod:`reference.checkpoint.records`), and ``.metadata``, the pickled
 :class:`~torch.distributed.checkpoint.metadata.Metadata` whose ``storage_data`` maps every chunk and
 object to ``(file, offset, length)``. Upstream's reader follows those file names, so each side reads
 what the other writes.
@@ -25,13 +26,14 @@ import dataclasses
 import functools
 import io
 import itertools
+import math
 import os
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
@@ -42,6 +44,7 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
     SavePlanner,
+    WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -64,8 +67,6 @@ DATA_SUFFIX = ".distcp"
 LOCK_FILE = ".lock"
 
 
-#: Reader threads of a load when none are asked for (bounded by the CPUs per rank of the node): reads from the page cache
-#: are memory copies, which two or more threads run faster than one; more than a few gain nothing.
 #: Every record starts at a multiple of this many bytes of its data file (zero bytes between records).
 #: torch.save puts a tensor's bytes at a multiple of 64 bytes from the record's start, so they are
 #: 64-byte aligned in the file as they are in memory, and the kernel copies them from the page cache
@@ -74,9 +75,13 @@ LOCK_FILE = ".lock"
 #: its (offset, length) in the metadata and never see the padding.
 RECORD_ALIGNMENT = 64
 
+#: Reader threads of a load, and writer threads of a save, when none are asked for (bounded by the CPUs
+#: per rank of the node): reads from the page cache and writes to it are memory copies, which two or
+#: more threads run faster than one; more than a few gain nothing.
 DEFAULT_READ_THREADS = 4
-#: A run of records read by one thread holds at least this many bytes: below it a thread costs more
-#: than it saves.
+DEFAULT_WRITE_THREADS = 4
+#: A run of records read or written by one thread holds at least this many bytes: below it a thread
+#: costs more than it saves.
 MIN_RUN_BYTES = 4 << 20
 
 
@@ -93,55 +98,71 @@ def _cpus_per_local_rank() -> int:
     return max(1, cpus // local_ranks)
 
 
-def _thread_count(requested: int | None) -> int:
+def _thread_count(requested: int | None, default: int) -> int:
     if requested is None:
-        return min(DEFAULT_READ_THREADS, _cpus_per_local_rank())
+        return min(default, _cpus_per_local_rank())
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
         raise ValueError(f"thread_count must be a positive int or None, got {requested!r}")
     return requested
 
 
-def _split_by_bytes(entries: list[tuple[ReadItem, StorageInfo]], parts: int) -> list[list[tuple[ReadItem, StorageInfo]]]:
-    """``entries`` (in file order) cut into at most ``parts`` runs of consecutive entries of about equal
-    bytes, each of at least :data:`MIN_RUN_BYTES` unless there is only one; no empty run."""
-    total = sum(info.length for _, info in entries)
+_Entry = TypeVar("_Entry")
+
+
+def _split_by_bytes(entries: list[_Entry], parts: int, nbytes: Callable[[_Entry], int]) -> list[list[_Entry]]:
+    """``entries`` (in order) cut into at most ``parts`` runs of consecutive entries of about equal
+    bytes (``nbytes`` of each), each of at least :data:`MIN_RUN_BYTES` unless there is only one; no
+    empty run."""
+    sizes = [nbytes(entry) for entry in entries]
+    total = sum(sizes)
     parts = max(1, min(parts, len(entries), total // MIN_RUN_BYTES))
     if parts == 1:
         return [entries] if entries else []
-    runs: list[list[tuple[ReadItem, StorageInfo]]] = [[]]
+    runs: list[list[_Entry]] = [[]]
     done = 0
-    for entry in entries:
+    for entry, size in zip(entries, sizes):
         # Start the next run once this one holds its share (the last run takes what is left).
         if runs[-1] and len(runs) < parts and done >= total * len(runs) / parts:
             runs.append([])
         runs[-1].append(entry)
-        done += entry[1].length
+        done += size
     return runs
 
 
-# Reader threads outlive a load: starting a thread costs about as much as reading a few MB from the
+def _record_bytes(entry: tuple[ReadItem, StorageInfo]) -> int:
+    return entry[1].length
+
+
+def _write_bytes(item: WriteItem) -> int:
+    """The data bytes of a tensor item (0 for a non-tensor value, a few bytes)."""
+    if item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+
+# Reader and writer threads outlive a load or save: starting a thread costs about as much as reading a few MB from the
 # page cache (0.5-1 ms here, the new thread must be scheduled before ``start`` returns), so a load of
 # 64 MB that started its threads each time spent a quarter of its time on that. One pool per thread
 # count, made on first use. A forked child inherits the pools' objects but not their threads, and
 # would wait forever on work no thread takes: the child starts with no pools.
-_READ_POOLS: dict[int, ThreadPoolExecutor] = {}
-_READ_POOLS_LOCK = threading.Lock()
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
 
 
-def _forget_read_pools() -> None:
-    global _READ_POOLS_LOCK
-    _READ_POOLS.clear()
-    _READ_POOLS_LOCK = threading.Lock()
+def _forget_pools() -> None:
+    global _POOLS_LOCK
+    _POOLS.clear()
+    _POOLS_LOCK = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_read_pools)
+os.register_at_fork(after_in_child=_forget_pools)
 
 
-def _read_pool(workers: int) -> ThreadPoolExecutor:
-    with _READ_POOLS_LOCK:
-        pool = _READ_POOLS.get(workers)
+def _pool(workers: int) -> ThreadPoolExecutor:
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
         if pool is None:
-            pool = _READ_POOLS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-read")
+            pool = _POOLS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-io")
         return pool
 
 
@@ -166,7 +187,7 @@ def _run_all(calls: list[Callable[[], None]], threads: int) -> None:
             except BaseException as exc:  # re-raised below, in list order, once every call has ended
                 failures[index] = exc
 
-    helpers = [_read_pool(threads - 1).submit(take_calls) for _ in range(workers - 1)]
+    helpers = [_pool(threads - 1).submit(take_calls) for _ in range(workers - 1)]
     take_calls()
     wait(helpers)
     for helper in helpers:
@@ -236,10 +257,15 @@ class FileSystemWriter(StorageWriter):
     ``finish`` (coordinator, after every rank's ``write_data`` succeeded).
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, *, sync_files: bool = True) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str] | None = None, *, sync_files: bool = True, thread_count: int | None = None
+    ) -> None:
         super().__init__()
         self.path = Path(path) if path is not None else None
         self.sync_files = sync_files
+        #: Writer threads per save, each writing its own data file (``None``: up to
+        #: :data:`DEFAULT_WRITE_THREADS`, at most the CPUs per rank of this node).
+        self.thread_count = _thread_count(thread_count, DEFAULT_WRITE_THREADS)
         self.save_id = str(uuid.uuid4())
         self._lock_fd: int | None = None
 
@@ -297,17 +323,33 @@ class FileSystemWriter(StorageWriter):
         return [dataclasses.replace(plan, storage_data=f"__{rank}_{self._tag}_") for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's items to one file, objects first, as large sequential writes. Each chunk
-        is resolved only when the one before it is being written; a chunk on a GPU is copied to pinned
-        host memory meanwhile (see :func:`_on_host_one_ahead`), so at most two are staged at a time."""
+        """Write this rank's items as large sequential writes, objects first: the items are cut into up to
+        ``thread_count`` runs of consecutive items of about equal bytes (at least :data:`MIN_RUN_BYTES`
+        each), and each run is written to a data file of its own by a thread of its own (writes release
+        the GIL, so they overlap), then fsynced. A failure raises the error of the first failing run,
+        after every run has ended. Within a run each chunk is resolved only when the one before it is
+        being written; a chunk on a GPU is copied to pinned host memory meanwhile (see
+        :func:`_on_host_one_ahead`), so at most two per run are staged at a time."""
         assert self.path is not None
         if not plan.items:
             return _done([])
-        name = f"{plan.storage_data}0{DATA_SUFFIX}"
-        results: list[WriteResult] = []
         ordered = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
+        runs = _split_by_bytes(ordered, self.thread_count, _write_bytes)
+        results: list[list[WriteResult]] = [[] for _ in runs]
+        _run_all(
+            [
+                functools.partial(self._write_file, f"{plan.storage_data}{k}{DATA_SUFFIX}", run, planner, results[k])
+                for k, run in enumerate(runs)
+            ],
+            self.thread_count,
+        )
+        return _done([result for run_results in results for result in run_results])
+
+    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner, results: list[WriteResult]) -> None:
+        """Write ``items`` to the new data file ``name``, in order, and fsync it; append a result per item."""
+        assert self.path is not None
         with open(self.path / name, "wb") as stream:
-            for item, data in zip(ordered, _on_host_one_ahead(planner.resolve_data(item) for item in ordered)):
+            for item, data in zip(items, _on_host_one_ahead(planner.resolve_data(item) for item in items)):
                 offset = stream.tell()
                 if offset % RECORD_ALIGNMENT:
                     stream.write(bytes(RECORD_ALIGNMENT - offset % RECORD_ALIGNMENT))
@@ -317,7 +359,6 @@ class FileSystemWriter(StorageWriter):
             stream.flush()
             if self.sync_files:
                 os.fsync(stream.fileno())
-        return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self.path is not None
@@ -381,7 +422,7 @@ class FileSystemReader(StorageReader):
         self.path = Path(path) if path is not None else None
         #: Reader threads per load (``None``: up to :data:`DEFAULT_READ_THREADS`, at most the CPUs per
         #: rank of this node).
-        self.thread_count = _thread_count(thread_count)
+        self.thread_count = _thread_count(thread_count, DEFAULT_READ_THREADS)
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._metadata: Metadata | None = None
         self._layouts: dict[MetadataIndex, TensorLayout | None] = {}
@@ -494,7 +535,7 @@ class FileSystemReader(StorageReader):
             if objects:
                 self._read_entries(path, objects, planner)
             tensors = [entry for entry in entries if entry[0].type != LoadItemType.BYTE_IO]
-            runs += [(path, run) for run in _split_by_bytes(tensors, self.thread_count)]
+            runs += [(path, run) for run in _split_by_bytes(tensors, self.thread_count, _record_bytes)]
         _run_all([functools.partial(self._read_entries, path, run, planner) for path, run in runs], self.thread_count)
         if torch.cuda.is_initialized():  # copies to GPUs that read_region left running
             torch.cuda.synchronize()

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict as dcp_
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from reference.checkpoint import CheckpointFormatError, StateDictError, load, records, save
+from reference.checkpoint import CheckpointError, CheckpointFormatError, StateDictError, load, records, save
 from reference.checkpoint.flatten import flatten_state_dict, set_value
 from reference.checkpoint.layout import Chunk, check_tiling, overlaps
 from reference.checkpoint.planner import ReferenceLoadPlanner, ReferenceSavePlanner
@@ -509,27 +509,28 @@ def _entries(lengths: list[int]) -> list[Any]:
     ],
 )
 def test_records_are_split_into_consecutive_runs_of_about_equal_bytes(lengths: list[int], parts: int, runs: list[int]) -> None:
-    from reference.checkpoint.storage import _split_by_bytes
+    from reference.checkpoint.storage import _record_bytes, _split_by_bytes
 
     entries = _entries(lengths)
-    got = _split_by_bytes(entries, parts)
+    got = _split_by_bytes(entries, parts, _record_bytes)
     assert [len(run) for run in got] == runs
     assert [entry for run in got for entry in run] == entries, "runs must keep every record once, in file order"
 
 
+@pytest.mark.parametrize("storage_class", ["FileSystemReader", "FileSystemWriter"])
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
-def test_thread_count_must_be_a_positive_int(bad: Any) -> None:
-    from reference.checkpoint.storage import FileSystemReader
+def test_thread_count_must_be_a_positive_int(bad: Any, storage_class: str) -> None:
+    from reference.checkpoint import storage
 
     with pytest.raises(ValueError, match="thread_count"):
-        FileSystemReader(thread_count=bad)
+        getattr(storage, storage_class)(thread_count=bad)
 
 
 @pytest.mark.parametrize(
     "cpus, local_world_size, expected",
     [(2, None, 2), (2, "2", 1), (2, "8", 1), (16, "8", 2), (64, "8", 4), (64, None, 4), (3, "junk", 3), (1, "0", 1)],
 )
-def test_default_reader_threads_share_the_cpus_among_the_node_s_ranks(
+def test_default_reader_and_writer_threads_share_the_cpus_among_the_node_s_ranks(
     monkeypatch: pytest.MonkeyPatch, cpus: int, local_world_size: str | None, expected: int
 ) -> None:
     """Without ``thread_count``, a rank starts at most its share of the node's CPUs (torchrun's
@@ -541,8 +542,9 @@ def test_default_reader_threads_share_the_cpus_among_the_node_s_ranks(
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
-    assert storage.FileSystemReader().thread_count == expected
-    assert storage.FileSystemReader(thread_count=3).thread_count == 3  # asked for: as asked
+    for storage_class in (storage.FileSystemReader, storage.FileSystemWriter):
+        assert storage_class().thread_count == expected, storage_class.__name__
+        assert storage_class(thread_count=3).thread_count == 3  # asked for: as asked
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
@@ -603,6 +605,143 @@ def test_a_threaded_read_raises_the_first_failure_in_file_order(tmp_path, monkey
     assert in_flight[0] == 0, "the load raised while a reader thread was still reading"
 
 
+def _mixed_dtype_state(tensors: int) -> dict[str, Any]:
+    """``tensors`` tensors of 2-4 MiB (every dtype kind, edge values included), a scalar and non-tensor values."""
+    generator = torch.Generator().manual_seed(1)
+    state: dict[str, Any] = {}
+    for i, dtype in zip(range(tensors), itertools.cycle([torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.uint8])):
+        value = (torch.randn(1 << 19, generator=generator) * 1e3).to(dtype)
+        if dtype.is_floating_point:
+            value[:4] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0])
+        state[f"t{i}"] = value
+    state["step"] = torch.tensor(7)
+    state["extra"] = {"lr": 0.5, "name": "run-1"}
+    return state
+
+
+def _assert_bitwise_equal(got: dict[str, Any], expected: dict[str, Any]) -> None:
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[key].reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)), key
+        else:
+            assert got[key] == value, key
+
+
+@pytest.mark.parametrize("threads, files", [(1, 1), (2, 2), (4, 4)])
+def test_threaded_saves_write_every_tensor_bit_for_bit_in_a_file_per_thread(tmp_path, threads: int, files: int) -> None:
+    """Each writer thread writes a run of the rank's records to a data file of its own; the reference and
+    torch's own reader both read every value back, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    from reference.checkpoint.storage import FileSystemWriter
+
+    source = _mixed_dtype_state(12)
+    save(source, checkpoint_id=tmp_path, storage_writer=FileSystemWriter(thread_count=threads))
+    assert len(list(tmp_path.glob("__0_*.distcp"))) == files
+    with open(tmp_path / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # our own file, written a moment ago
+    assert len({info.relative_path for info in metadata.storage_data.values()}) == files
+    for reader in ("reference", "torch"):
+        target: dict[str, Any] = {
+            k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"lr": None, "name": None} for k, v in source.items()
+        }
+        if reader == "reference":
+            load(target, checkpoint_id=tmp_path)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # DCP warns that it loads in one process
+                dcp.load(target, checkpoint_id=str(tmp_path))
+        _assert_bitwise_equal(target, source)
+
+
+def test_a_threaded_save_raises_the_first_failure_in_run_order_and_keeps_the_checkpoint(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With several writer threads, every run ends before the save raises, the error is the first
+    failing run's whatever thread failed first, and the previous checkpoint still loads, whole."""
+    import threading
+
+    from reference.checkpoint import storage
+
+    before = {f"t{i}": torch.full((1 << 20,), -float(i)) for i in range(8)}  # 4 MiB each
+    save(before, checkpoint_id=tmp_path)
+    source = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(8)}
+    original = records.write_record
+    late_failure = threading.Event()
+    in_flight = [0]
+    crc32_option = torch.serialization.get_crc32_options()
+
+    def flaky(stream: Any, value: Any) -> int:
+        in_flight[0] += 1
+        try:
+            if isinstance(value, torch.Tensor) and torch.equal(value, source["t6"]):  # the second run: fails first in time
+                late_failure.set()
+                raise OSError(28, "late run failed")
+            if isinstance(value, torch.Tensor) and torch.equal(value, source["t1"]):  # the first run: fails after it
+                late_failure.wait(5)
+                raise OSError(28, "early run failed")
+            return original(stream, value)
+        finally:
+            in_flight[0] -= 1
+
+    monkeypatch.setattr(storage, "write_record", flaky)
+    with pytest.raises(CheckpointError) as info:
+        save(source, checkpoint_id=tmp_path, storage_writer=storage.FileSystemWriter(thread_count=2))
+    assert "early run failed" in str(info.value), info.value
+    assert in_flight[0] == 0, "the save raised while a writer thread was still writing"
+    assert torch.serialization.get_crc32_options() == crc32_option  # torch's global option is as it was
+    monkeypatch.undo()
+    target = {k: torch.zeros_like(v) for k, v in before.items()}
+    load(target, checkpoint_id=tmp_path)
+    _assert_bitwise_equal(target, before)
+
+
+@pytest.mark.parametrize("option", [True, False])
+def test_overlapping_record_writers_leave_torch_s_crc32_option_as_it_was(monkeypatch: pytest.MonkeyPatch, option: bool) -> None:
+    """Records are written without CRC32s by switching torch's option off around torch.save. Two writer
+    threads overlap: the second starts while the first is inside torch.save, the first ends, then the
+    second. Each must write without CRC32s, and the option must be as it was afterwards. (torch keeps
+    the option per thread: a switch made once, by the first writer or by the caller, would leave the
+    other threads writing CRC32s.)"""
+    import threading
+
+    from reference.checkpoint.records import write_record
+
+    real_save = torch.save
+    first_inside, second_inside, first_done = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, bool] = {}
+
+    def save(value: Any, stream: Any, *args: Any, **kwargs: Any) -> None:
+        name = threading.current_thread().name
+        if name == "first":
+            first_inside.set()
+            assert second_inside.wait(10)
+        else:
+            second_inside.set()
+            assert first_done.wait(10)
+        seen[name] = torch.serialization.get_crc32_options()
+        real_save(value, stream, *args, **kwargs)
+
+    def first() -> None:
+        write_record(io.BytesIO(), torch.ones(8))
+        first_done.set()
+
+    def second() -> None:
+        assert first_inside.wait(10)
+        write_record(io.BytesIO(), torch.ones(8))
+
+    monkeypatch.setattr(torch, "save", save)
+    torch.serialization.set_crc32_options(option)
+    try:
+        threads = [threading.Thread(target=first, name="first"), threading.Thread(target=second, name="second")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert seen == {"first": False, "second": False}, "a record was written with CRC32s"
+        assert torch.serialization.get_crc32_options() == option  # this thread's, as it was
+    finally:
+        torch.serialization.set_crc32_options(True)
+
+
 def test_reader_threads_are_reused_from_load_to_load(tmp_path) -> None:
     """Starting threads costs a small load a quarter of its time: loads share one pool per thread
     count instead of starting threads of their own."""
@@ -615,7 +754,7 @@ def test_reader_threads_are_reused_from_load_to_load(tmp_path) -> None:
     target = {k: torch.zeros_like(v) for k, v in source.items()}
 
     def readers() -> set[int]:
-        return {t.ident or 0 for t in threading.enumerate() if t.name.startswith("ckpt-read")}
+        return {t.ident or 0 for t in threading.enumerate() if t.name.startswith("ckpt-io")}
 
     load(target, checkpoint_id=tmp_path, storage_reader=FileSystemReader(thread_count=3))
     first = readers()
