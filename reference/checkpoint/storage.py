@@ -221,11 +221,14 @@ def _to_host_async(value: Any) -> tuple[Any, Any]:
         return value, None
     if value.device.type != "cuda":  # no pinned memory or events of ours for other devices
         return value.cpu(), None
-    # Pinned, so that the copy is asynchronous; torch's caching host allocator reuses the blocks.
-    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-    host.copy_(value, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()  # on the current stream, after the copy
+    # On the tensor's own device: a writer thread's current device is cuda:0 whatever the rank's, and
+    # the event must be recorded on the stream that runs the copy (that device's current stream).
+    with torch.cuda.device(value.device):
+        # Pinned, so that the copy is asynchronous; torch's caching host allocator reuses the blocks.
+        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+        host.copy_(value, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()  # on the current stream of value's device, after the copy
     return host, done
 
 
@@ -426,6 +429,7 @@ class FileSystemReader(StorageReader):
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._metadata: Metadata | None = None
         self._layouts: dict[MetadataIndex, TensorLayout | None] = {}
+        self._cuda_devices: set[torch.device] = set()  #: GPUs that reads of the current read_data copy to
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -536,9 +540,14 @@ class FileSystemReader(StorageReader):
                 self._read_entries(path, objects, planner)
             tensors = [entry for entry in entries if entry[0].type != LoadItemType.BYTE_IO]
             runs += [(path, run) for run in _split_by_bytes(tensors, self.thread_count, _record_bytes)]
-        _run_all([functools.partial(self._read_entries, path, run, planner) for path, run in runs], self.thread_count)
-        if torch.cuda.is_initialized():  # copies to GPUs that read_region left running
-            torch.cuda.synchronize()
+        self._cuda_devices = set()
+        try:
+            _run_all([functools.partial(self._read_entries, path, run, planner) for path, run in runs], self.thread_count)
+        finally:
+            # Copies to GPUs that read_region left running, on each device read into (the calling
+            # thread's current device need not be the one the rank's tensors are on).
+            for device in self._cuda_devices:
+                torch.cuda.synchronize(device)
         return _done(None)
 
     def _read_entries(self, path: Path, entries: list[tuple[ReadItem, StorageInfo]], planner: LoadPlanner) -> None:
@@ -566,6 +575,8 @@ class FileSystemReader(StorageReader):
             planner.load_bytes(item, io.BytesIO(data))
             return
         dest = planner.resolve_tensor(item).detach()
+        if dest.device.type == "cuda":
+            self._cuda_devices.add(dest.device)  # set.add is one step under the GIL: safe from reader threads
         if tuple(dest.shape) != tuple(item.lengths):  # internal invariant of the planner
             raise AssertionError(f"destination shape {list(dest.shape)} != read lengths {list(item.lengths)}")
         read_region(

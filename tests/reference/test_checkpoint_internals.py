@@ -926,3 +926,21 @@ def test_tensor_bytes_are_64_byte_aligned_in_the_data_files_and_dcp_reads_them(t
         dcp.load(target, checkpoint_id=str(tmp_path))
     for key, value in source.items():
         assert torch.equal(target[key], value) if isinstance(value, torch.Tensor) else target[key] == value, key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (no GPU visible)")
+def test_threaded_save_and_load_of_gpu_tensors_on_a_device_that_is_not_the_threads_current(tmp_path) -> None:
+    """Writer and reader threads start with cuda:0 as their current device, whatever GPU the rank's
+    tensors are on: the copies to and from pinned memory must be waited for on the tensors' own
+    device (with two or more GPUs, the tensors here are on the last one)."""
+    from reference.checkpoint.storage import FileSystemReader, FileSystemWriter
+
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    generator = torch.Generator().manual_seed(2)
+    source = {f"t{i}": torch.randn(1 << 20, generator=generator).to(device) for i in range(8)}  # 4 MiB each
+    save(source, checkpoint_id=tmp_path, storage_writer=FileSystemWriter(thread_count=2))
+    target = {k: torch.zeros_like(v) for k, v in source.items()}
+    load(target, checkpoint_id=tmp_path, storage_reader=FileSystemReader(thread_count=2))
+    for key, value in source.items():
+        assert target[key].device == device
+        assert torch.equal(target[key].cpu().view(torch.uint8), value.cpu().view(torch.uint8)), key
