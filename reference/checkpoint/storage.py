@@ -264,13 +264,13 @@ class FileSystemWriter(StorageWriter):
         self, path: str | os.PathLike[str] | None = None, *, sync_files: bool = True, thread_count: int | None = None
     ) -> None:
         super().__init__()
+        self._lock_fd: int | None = None  # first: __del__ closes it, also after a failed __init__
         self.path = Path(path) if path is not None else None
         self.sync_files = sync_files
         #: Writer threads per save, each writing its own data file (``None``: up to
         #: :data:`DEFAULT_WRITE_THREADS`, at most the CPUs per rank of this node).
         self.thread_count = _thread_count(thread_count, DEFAULT_WRITE_THREADS)
         self.save_id = str(uuid.uuid4())
-        self._lock_fd: int | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.close()
