@@ -455,16 +455,7 @@ class ReferenceLoadPlanner(LoadPlanner):
                 # item the general path below makes from overlaps(), without its arithmetic).
                 if chunk.numel:
                     zeros = _zero_offsets(len(chunk.sizes))
-                    items.append(
-                        ReadItem(
-                            type=LoadItemType.TENSOR,
-                            dest_index=MetadataIndex(key, chunk.offsets),
-                            dest_offsets=zeros,
-                            storage_index=MetadataIndex(key, chunk.offsets, 0),
-                            storage_offsets=zeros,
-                            lengths=torch.Size(chunk.sizes),
-                        )
-                    )
+                    items.append(_tensor_read(key, chunk.offsets, 0, chunk.offsets, zeros, zeros, torch.Size(chunk.sizes)))
                 continue
             saved_chunks = [Chunk(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
             matches = overlaps(chunk, saved_chunks)
@@ -472,13 +463,14 @@ class ReferenceLoadPlanner(LoadPlanner):
             for i, overlap in matches:
                 covered += math.prod(overlap.lengths)
                 items.append(
-                    ReadItem(
-                        type=LoadItemType.TENSOR,
-                        dest_index=MetadataIndex(key, chunk.offsets),
-                        dest_offsets=torch.Size(overlap.wanted_offsets),
-                        storage_index=MetadataIndex(key, saved_chunks[i].offsets, i),
-                        storage_offsets=torch.Size(overlap.saved_offsets),
-                        lengths=torch.Size(overlap.lengths),
+                    _tensor_read(
+                        key,
+                        chunk.offsets,
+                        i,
+                        saved_chunks[i].offsets,
+                        torch.Size(overlap.wanted_offsets),
+                        torch.Size(overlap.saved_offsets),
+                        torch.Size(overlap.lengths),
                     )
                 )
             # Invariant: the saved chunks cover what this rank wants (a checkpoint's chunks tile each tensor).
@@ -542,6 +534,28 @@ class ReferenceLoadPlanner(LoadPlanner):
             if undo is not None:
                 undo.append(functools.partial(set_value, self._state_dict, path, old))
         return self.result
+
+
+def _tensor_read(
+    key: str,
+    wanted_offsets: tuple[int, ...],
+    saved_index: int,
+    saved_offsets: tuple[int, ...],
+    dest_offsets: torch.Size,
+    storage_offsets: torch.Size,
+    lengths: torch.Size,
+) -> ReadItem:
+    """The read of ``lengths`` elements of ``key``: from the saved chunk ``saved_index`` (at
+    ``saved_offsets`` of the global tensor), ``storage_offsets`` into it, to ``dest_offsets`` into the
+    wanted chunk at ``wanted_offsets``."""
+    return ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex(key, wanted_offsets),
+        dest_offsets=dest_offsets,
+        storage_index=MetadataIndex(key, saved_offsets, saved_index),
+        storage_offsets=storage_offsets,
+        lengths=lengths,
+    )
 
 
 @functools.cache
