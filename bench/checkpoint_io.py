@@ -59,14 +59,6 @@ def ratio_of_rounds(mine: Sequence[float], base: Sequence[float]) -> float:
     return statistics.median(b / m for m, b in zip(mine, base, strict=True))
 
 
-def _parse_size(text: str) -> int:
-    text = text.strip().upper()
-    for suffix, scale in (("GB", 1024 * config.MiB), ("MB", config.MiB)):
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * scale)
-    return int(text)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.checkpoint_io", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="64MB,512MB", help="state dict sizes (default: 64MB,512MB)")
@@ -93,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-io-", dir=args.dir) as root:
         for world_size in (int(w) for w in args.world_sizes.split(",")):
             with RankGroup(world_size, backend=config.backend(config.DEVICE)) as group:
-                for nbytes in (_parse_size(s) for s in args.sizes.split(",")):
+                for nbytes in (config.parse_size(s) for s in args.sizes.split(",")):
                     for layout in args.layouts.split(","):
                         total, series = measure_interleaved(group, impls, nbytes, layout, root, args.rounds)
                         for op in ("save", "load"):

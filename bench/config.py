@@ -44,6 +44,15 @@ def size_label(nbytes: int) -> str:
     return f"{nbytes // 1024 // MiB}GB" if nbytes >= 1024 * MiB and nbytes % (1024 * MiB) == 0 else f"{nbytes // MiB}MB"
 
 
+def parse_size(text: str) -> int:
+    """``64MB`` / ``2GB`` / a number of bytes: the inverse of :func:`size_label` (1 MB = 2**20 B)."""
+    text = text.strip().upper()
+    for suffix, scale in (("GB", 1024 * MiB), ("MB", MiB)):
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * scale)
+    return int(text)
+
+
 def _cuda_device_count() -> int:
     import torch
 

@@ -262,10 +262,18 @@ class _RecordBytes:
     def at(self, position: int, n: int) -> bytes:
         """Up to ``n`` bytes at ``position`` of the record (fewer where the file ends)."""
         end = position + n
-        if end <= len(self.head):
+        in_head = end <= len(self.head)
+        in_tail = self.tail_start <= position and end <= self.tail_start + len(self.tail)
+        if in_head and in_tail:
+            # A record read whole (head and tail overlap): the bytes count as the head's or the tail's,
+            # whichever that grows less, so that the tensor's bytes between the members before them and
+            # the directory after them stay unconsulted, as in a big record (else every small record
+            # of other values would be a parse of its own).
+            in_head = end - self.head_used <= self.tail_used - (position - self.tail_start)
+        if in_head:
             self.head_used = max(self.head_used, end)
             return self.head[position:end]
-        if self.tail_start <= position and end <= self.tail_start + len(self.tail):
+        if in_tail:
             self.tail_used = min(self.tail_used, position - self.tail_start)
             return self.tail[position - self.tail_start:end - self.tail_start]
         self.elsewhere = True
@@ -390,7 +398,8 @@ def _parse(record: _RecordBytes) -> TensorLayout | None:
 # suffix of its last (from the central directory on): never the tensor's own bytes. Only successful
 # parses of records read whole, with nothing consulted outside the two reads, are kept; a record that
 # does not parse is parsed (and raises) again every time.
-_PARSED_LIMIT = 256
+_PARSED_LIMIT = 256  #: record lengths with kept parses
+_KEPT_PER_LENGTH = 8  #: kept parses per record length
 #: (parse function, record length) -> [(consulted prefix of head, consulted suffix of tail, the parse)]
 _PARSED: dict[tuple[Callable[[_RecordBytes], Any], int], list[tuple[bytes, bytes, Any]]] = {}
 
@@ -406,10 +415,11 @@ def _parsed(record: _RecordBytes, parse: Callable[[_RecordBytes], _Parsed]) -> _
                 return cast(_Parsed, parsed)
     parsed = parse(record)
     if record.whole and not record.elsewhere:
-        kept = _PARSED.setdefault(key, [])
-        if len(_PARSED) > _PARSED_LIMIT or len(kept) >= 8:
+        if len(_PARSED) >= _PARSED_LIMIT and key not in _PARSED:
             _PARSED.clear()
-            kept = _PARSED.setdefault(key, [])
+        kept = _PARSED.setdefault(key, [])
+        if len(kept) >= _KEPT_PER_LENGTH:  # the oldest goes; the other lengths' parses stay
+            del kept[0]
         kept.append((record.head[:record.head_used], record.tail[record.tail_used:], parsed))
     return parsed
 

@@ -275,11 +275,8 @@ def test_a_kept_parse_is_reused_only_for_records_equal_where_the_parse_looks(cas
             assert torch.equal(dest, tensor), case
 
 
-def test_a_kept_parse_is_reused_for_records_of_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The point of keeping parses: a model's records of one shape are parsed once, whatever they hold.
-    tensors = [torch.full((1024, 3), float(i)) for i in range(6)]
-    stream, spans = _records_in_one_stream(tensors)
-    records._PARSED.clear()
+def _counting_parses(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The offsets of the records that ``records._parse`` parses from now on (a kept parse is not one)."""
     parses: list[int] = []
     parse = records._parse
 
@@ -288,13 +285,43 @@ def test_a_kept_parse_is_reused_for_records_of_other_values(monkeypatch: pytest.
         return parse(record)
 
     monkeypatch.setattr(records, "_parse", counted)
+    return parses
+
+
+# Big: more than the 4 KiB read at each end. Small: read whole in one read, tensor bytes and zip
+# directory in the same buffer (a bias shard, a norm weight).
+@pytest.mark.parametrize("shape", [(1024, 3), (2, 3), (512,)], ids=["big", "small", "small 1-D"])
+def test_a_kept_parse_is_reused_for_records_of_other_values(monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...]) -> None:
+    # The point of keeping parses: a model's records of one shape are parsed once, whatever they hold
+    # (more of them than are kept per length: values must not count as what the parse consulted).
+    tensors = [torch.full(shape, float(i)) for i in range(3 * records._KEPT_PER_LENGTH)]
+    stream, spans = _records_in_one_stream(tensors)
+    records._PARSED.clear()
+    parses = _counting_parses(monkeypatch)
     layouts = [parse_tensor_record(stream, offset, length) for offset, length in spans]
     assert parses == [spans[0][0]]
-    assert [layout.data_offset - offset for layout, (offset, _) in zip(layouts, spans)] == [layouts[0].data_offset - spans[0][0]] * 6
+    assert [layout.data_offset - offset for layout, (offset, _) in zip(layouts, spans)] == [layouts[0].data_offset - spans[0][0]] * len(spans)
     for (offset, length), layout, tensor in zip(spans, layouts, tensors):
         dest = torch.empty(tensor.shape)
-        read_region(stream, offset, length, layout, (0, 0), tuple(tensor.shape), dest)
+        read_region(stream, offset, length, layout, (0,) * len(shape), tuple(tensor.shape), dest)
         assert torch.equal(dest, tensor)
+
+
+def test_records_of_many_geometries_of_one_length_do_not_drop_the_kept_parses_of_other_lengths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # More geometries of one length than are kept for it (shapes with 12 elements, each its own parse)
+    # replace that length's oldest parses only: a weight's parse, kept before, is still used after.
+    weight = torch.full((1024, 3), 1.0)
+    shapes = [(12,), (1, 12), (12, 1), (2, 6), (6, 2), (3, 4), (4, 3), (1, 1, 12), (2, 2, 3), (3, 2, 2), (2, 3, 2), (1, 2, 6)]
+    assert len(shapes) > records._KEPT_PER_LENGTH
+    stream, spans = _records_in_one_stream([weight, *(torch.zeros(s) for s in shapes), weight * 2])
+    assert len({length for _, length in spans[1:-1]}) == 1, "the geometries need records of one length"
+    records._PARSED.clear()
+    parses = _counting_parses(monkeypatch)
+    for offset, length in spans:
+        parse_tensor_record(stream, offset, length)
+    assert parses == [offset for offset, _ in spans[:-1]]
 
 
 @pytest.mark.parametrize("where", ["central directory", "local header of data.pkl", "local header of the storage", "data.pkl"])
