@@ -1,40 +1,47 @@
-"""Where the time of a reference load goes, phase by phase, beside the raw limit of the same bytes.
+"""Where the time of a load goes, phase by phase, for the reference and for torch's DCP, beside the raw
+limit of the same bytes.
 
     python -m bench.checkpoint_phases                                  # 64 MB and 512 MB, world sizes 1 and 2
     python -m bench.checkpoint_phases --sizes 64MB --world-sizes 2 --layouts sharded --rounds 21
 
-The workload is :mod:`bench.workloads.checkpoint`'s (model + Adam state, files in the page cache).
-Each round loads once with ``raw`` and once with the reference, in alternating order, each timed as
-``bench.checkpoint_io`` times them (barrier to barrier). The reference's load is the public
-:func:`reference.checkpoint.load` given a reader and a planner that time their own calls, and its
-agreements are timed around :class:`reference.checkpoint.collective.Collective`'s steps, so the
-phases are those of SPEC's load, in order:
+The workload is :mod:`bench.workloads.checkpoint`'s (model + Adam state, files in the page cache). In
+each round every rank loads once with ``raw``, once with the reference and once with torch (the order
+rotates from round to round), each timed as ``bench.checkpoint_io`` times them (barrier to barrier);
+the reference and torch read the same files, the checkpoint the reference saved. Each load is the
+implementation's public ``load`` given its own reader and planner, whose calls time themselves (the
+reference's ``FileSystemReader``/``ReferenceLoadPlanner``, torch's ``FileSystemReader``/
+``DefaultLoadPlanner``); the reference's agreements are timed around
+:class:`reference.checkpoint.collective.Collective`'s steps. The phases, in the order of a load:
 
 ``metadata``
-    ``read_metadata``: unpickling DCP's ``.metadata`` (torch's ``Metadata`` classes). Beside it,
-    ``torch metadata``: the same file read by torch's own ``FileSystemReader.read_metadata``, the
-    floor of any reader of this format.
+    ``read_metadata``: unpickling DCP's ``.metadata`` (torch's ``Metadata`` classes).
 ``set up``, ``local plan``
     the planner: the state dict flattened and checked against the metadata (ML-10), the read items.
 ``headers``
-    the reader's ``prepare_local_plan``: every file present and long enough, every tensor record's
-    zip header parsed, before anything is read (ML-14).
+    the reader's ``prepare_local_plan``: for the reference, every file present and long enough and
+    every tensor record's zip header parsed, before anything is read (ML-14); torch's does nothing
+    (it parses each record inside ``read``, with ``torch.load``).
 ``read``
     ``read_data``: the bytes into the targets.
 ``agree``
-    the three agreements of ML-23/ML-24 (after planning, reading and committing), each including
-    the wait for the slowest rank; 0 at world size 1.
-``commit``, ``other``
-    the planner's commit, and what is left of the reference's whole load (the calls around the phases).
+    the reference's three agreements (ML-23/ML-24: after planning, reading and committing), each
+    including the wait for the slowest rank; almost 0 at world size 1. Torch's collectives (plans
+    gathered and scattered, reads all-gathered) are in its ``other``.
+``commit``
+    the reference planner's commit (torch has none).
+``other``
+    what is left of the whole load: the calls around the phases, and torch's collectives.
 
 Figures: for each phase the median over the rounds of the slowest rank's time, in ms; the whole
-loads are ``bench.ranks.timed``'s (slowest rank, barrier to barrier).
+loads are ``bench.ranks.timed``'s (slowest rank, barrier to barrier). The phases of one row need not
+add up to its load: each is the median of its own slowest rank.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -50,7 +57,7 @@ from bench.workloads import checkpoint as ck
 
 __all__ = ["PHASES", "profile_round", "main"]
 
-#: The phases of a reference load, in order; "agree" sums the three agreements.
+#: The phases of a load, in order; "agree" sums the reference's three agreements.
 PHASES: tuple[str, ...] = ("metadata", "set up", "local plan", "headers", "read", "agree", "commit", "other")
 
 
@@ -65,18 +72,26 @@ def _timing(phases: dict[str, float], name: str, fn: Callable[..., Any]) -> Call
     return timed_call
 
 
-def _instrumented(phases: dict[str, float]) -> tuple[Any, Any]:
-    """A reference reader and planner whose calls add their seconds to ``phases``. Instance attributes
-    shadow the methods, so the types stay the reference's own and ``load`` takes its usual path."""
-    from reference.checkpoint.planner import ReferenceLoadPlanner
-    from reference.checkpoint.storage import FileSystemReader
+def _instrumented(impl: str, directory: str, phases: dict[str, float]) -> tuple[Any, Any]:
+    """``impl``'s reader and planner (the reference's, or torch's ``FileSystemReader`` and
+    ``DefaultLoadPlanner``) whose calls add their seconds to ``phases``. Instance attributes shadow the
+    methods, so the types stay the implementation's own and its ``load`` takes its usual path."""
+    if impl == "reference":
+        from reference.checkpoint.planner import ReferenceLoadPlanner
+        from reference.checkpoint.storage import FileSystemReader
 
-    reader = FileSystemReader()
-    planner = ReferenceLoadPlanner()
+        reader: Any = FileSystemReader()
+        planner: Any = ReferenceLoadPlanner()
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        reader, planner = dcp.FileSystemReader(directory), DefaultLoadPlanner()
     for obj, method, name in ((reader, "read_metadata", "metadata"), (planner, "set_up_planner", "set up"),
                               (planner, "create_local_plan", "local plan"), (reader, "prepare_local_plan", "headers"),
                               (reader, "read_data", "read"), (planner, "commit", "commit")):
-        setattr(obj, method, _timing(phases, name, getattr(obj, method)))
+        if hasattr(obj, method):
+            setattr(obj, method, _timing(phases, name, getattr(obj, method)))
     return reader, planner
 
 
@@ -111,33 +126,35 @@ def _agreements_timed(phases: dict[str, float]) -> Iterator[None]:
         Collective.all_succeed = original  # type: ignore[method-assign]
 
 
-def profile_round(directory: str, raw_directory: str, raw_first: bool) -> dict[str, float]:
-    """On every rank: one raw load and one instrumented reference load of the prepared state dict
-    (``ck.prepare``) from checkpoints saved by ``ck.save_once``; this rank's seconds by name."""
+def _instrumented_load(impl: str, dest: dict[str, Any], directory: str, phases: dict[str, float]) -> None:
     import torch.distributed.checkpoint as dcp
 
     from reference.checkpoint import load
 
-    dest = ck._CACHE["dest"]
-    phases: dict[str, float] = defaultdict(float)
-
-    def reference_load() -> None:
-        reader, planner = _instrumented(phases)
+    reader, planner = _instrumented(impl, directory, phases)
+    if impl == "reference":
         with _agreements_timed(phases):
             load(dest, checkpoint_id=directory, storage_reader=reader, planner=planner)
+    else:
+        dcp.load(dest, checkpoint_id=directory, storage_reader=reader, planner=planner)
 
-    figures: dict[str, float] = {}
-    for impl in (("raw", "reference") if raw_first else ("reference", "raw")):
+
+def profile_round(directory: str, raw_directory: str, order: Sequence[str]) -> dict[str, dict[str, float]]:
+    """On every rank: one load of the prepared state dict (``ck.prepare``) by each implementation of
+    ``order`` (``raw``, ``reference``, ``torch``), in that order; the reference's and torch's read the
+    checkpoint the reference saved in ``directory``, raw its own in ``raw_directory``, all saved by
+    ``ck.save_once``. Returns this rank's seconds: ``{impl: {"load": s, phase: s, ..., "other": s}}``."""
+    dest = ck._CACHE["dest"]
+    figures: dict[str, dict[str, float]] = {}
+    for impl in order:
         if impl == "raw":
-            figures["raw load"] = ck.load_once("raw", raw_directory)
-        else:
-            ck._zero(dest)
-            figures["reference load"] = timed(reference_load)
-    figures.update(phases)
-    figures["other"] = figures["reference load"] - sum(phases.values())
-    start = time.perf_counter()
-    dcp.FileSystemReader(directory).read_metadata()
-    figures["torch metadata"] = time.perf_counter() - start
+            figures[impl] = {"load": ck.load_once("raw", raw_directory)}
+            continue
+        phases: dict[str, float] = defaultdict(float)
+        ck._zero(dest)
+        total = timed(functools.partial(_instrumented_load, impl, dest, directory, phases))
+        ck._check_loaded(dest, ck.state_bytes(ck._CACHE["source"]), impl)
+        figures[impl] = {"load": total, **phases, "other": total - sum(phases.values())}
     return figures
 
 
@@ -146,13 +163,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", default="64MB,512MB")
     parser.add_argument("--world-sizes", default="1,2")
     parser.add_argument("--layouts", default=",".join(ck.LAYOUTS))
+    parser.add_argument("--impls", default="reference,torch", help="reference and/or torch (default: both)")
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args(argv)
     from bench import checkpoint_phases  # the ranks find profile_round by its module's name, not __main__
 
-    columns = ["raw load", "reference load", *PHASES, "torch metadata"]
-    print(f"ms, median over {args.rounds} rounds of the slowest rank", flush=True)
-    print("| workload | " + " | ".join(columns) + " |\n|" + "---|" * (len(columns) + 1), flush=True)
+    impls = args.impls.split(",")
+    for impl in impls:
+        if impl not in ("reference", "torch"):
+            parser.error(f"--impls: {impl!r} is not reference or torch")
+    columns = ["raw load", "load", *PHASES]
+    print(f"ms, median over {args.rounds} rounds of the slowest rank; '-': a phase the implementation does not have",
+          flush=True)
+    print("| workload | impl | " + " | ".join(columns) + " |\n|" + "---|" * (len(columns) + 2), flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-phases-") as root:
         directory, raw_directory = os.path.join(root, "reference"), os.path.join(root, "raw")
         for world_size in (int(w) for w in args.world_sizes.split(",")):
@@ -162,14 +185,33 @@ def main(argv: Sequence[str] | None = None) -> int:
                         group.run(ck.prepare, nbytes, layout, config.DEVICE)
                         group.run(ck.save_once, "reference", directory)
                         group.run(ck.save_once, "raw", raw_directory)
-                        rounds = [group.run(checkpoint_phases.profile_round, directory, raw_directory, r % 2 == 0)
+                        # The order rotates, so that no implementation always runs first after a save.
+                        everyone = ["raw", *impls]
+                        rounds = [group.run(checkpoint_phases.profile_round, directory, raw_directory,
+                                            everyone[r % len(everyone):] + everyone[:r % len(everyone)])
                                   for r in range(args.rounds)]
-                        cells = [statistics.median(max(rank[c] for rank in ranks) for ranks in rounds) * 1e3
-                                 for c in columns]
                         label = f"load {config.size_label(nbytes)} ws{world_size} {layout}"
-                        print(f"| {label} | " + " | ".join(f"{v:.2f}" for v in cells) + " |", flush=True)
+                        raw = _median_of_slowest(rounds, "raw", "load")
+                        for impl in impls:
+                            cells = [f"{raw:.2f}", *(
+                                "-" if _median_of_slowest(rounds, impl, c) is None else f"{_median_of_slowest(rounds, impl, c):.2f}"
+                                for c in columns[1:])]
+                            print(f"| {label} | {impl} | " + " | ".join(cells) + " |", flush=True)
                 group.run(ck.release)
     return 0
+
+
+def _median_of_slowest(rounds: list[list[dict[str, dict[str, float]]]], impl: str, column: str) -> float | None:
+    """Milliseconds: the median over ``rounds`` of the slowest rank's ``column`` for ``impl``; None if
+    ``impl`` has no such phase."""
+    name = "load" if column == "raw load" else column
+    per_round = []
+    for ranks in rounds:
+        values = [rank[impl][name] for rank in ranks if name in rank[impl]]
+        if not values:
+            return None
+        per_round.append(max(values))
+    return statistics.median(per_round) * 1e3
 
 
 if __name__ == "__main__":

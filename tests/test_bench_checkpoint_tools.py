@@ -29,14 +29,15 @@ def test_checkpoint_io_prints_a_row_per_operation_with_ratios_to_raw(capsys: pyt
         assert all(float(cell.replace(",", "")) > 0 for cell in row[1:]), row
 
 
-def test_checkpoint_phases_add_up_to_the_reference_load(capsys: pytest.CaptureFixture[str]) -> None:
+def test_checkpoint_phases_time_each_phase_of_the_reference_and_of_torch(capsys: pytest.CaptureFixture[str]) -> None:
     assert checkpoint_phases.main(["--sizes", "4MB", "--world-sizes", "1", "--layouts", "sharded", "--rounds", "3"]) == 0
     header, *rows = _rows(capsys.readouterr().out)
-    assert header[1:] == ["raw load", "reference load", *checkpoint_phases.PHASES, "torch metadata"]
-    (row,) = rows
-    assert row[0] == "load 4MB ws1 sharded"
-    figures = dict(zip(header[1:], (float(cell) for cell in row[1:])))
+    assert header == ["workload", "impl", "raw load", "load", *checkpoint_phases.PHASES]
+    assert [row[:2] for row in rows] == [["load 4MB ws1 sharded", "reference"], ["load 4MB ws1 sharded", "torch"]]
+    reference, torch_ = (dict(zip(header[2:], row[2:])) for row in rows)
     # Every phase was seen (the instrumented calls ran), and none is more than the load itself.
-    for phase in ("metadata", "set up", "local plan", "headers", "read"):
-        assert 0 < figures[phase] <= figures["reference load"], (phase, figures)
-    assert figures["torch metadata"] > 0
+    for figures in (reference, torch_):
+        for phase in ("metadata", "set up", "local plan", "read"):
+            assert 0 < float(figures[phase]) <= float(figures["load"]), (phase, figures)
+    assert float(reference["headers"]) > 0
+    assert torch_["agree"] == torch_["commit"] == "-"  # phases torch's load does not have

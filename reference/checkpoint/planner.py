@@ -15,9 +15,10 @@ load: ``set_up_planner`` (all) -> ``create_local_plan`` (all) -> ``create_global
       -> :meth:`ReferenceLoadPlanner.commit` (all, once every rank has read successfully; undone on
       every rank when it fails on any).
 
-The planning calls and ``resolve_*`` run without autograd (``torch.no_grad``): nothing they make is
-differentiated, and a DTensor's ``to_local()`` is then a plain read of its local tensor instead of an
-autograd function call per tensor, a large part of planning a checkpoint of many DTensors.
+The planning calls and ``resolve_data`` run without autograd (``torch.no_grad``), and ``resolve_tensor``
+narrows a detached target: nothing they make is differentiated, and a DTensor's ``to_local()`` is then
+a plain read of its local tensor instead of an autograd function call per tensor, a large part of
+planning a checkpoint of many DTensors.
 The load's ``create_global_plan`` returns the ranks' plans unchanged, so :func:`reference.checkpoint.load`
 agrees on the outcome of planning without sending the plans, unless another planner or reader is given.
 """
@@ -450,12 +451,14 @@ class ReferenceLoadPlanner(LoadPlanner):
         for key, chunk in self._chunks.items():
             md = saved[key]
             assert isinstance(md, TensorStorageMetadata)  # checked in set_up_planner
-            if len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == chunk.sizes and tuple(md.chunks[0].offsets) == chunk.offsets:
-                # The common case, a tensor saved whole and wanted whole: one read of all of it (the
-                # item the general path below makes from overlaps(), without its arithmetic).
+            same = _same_chunk(md.chunks, chunk)
+            if same is not None:
+                # The common cases, a tensor saved whole and wanted whole, or a shard wanted as it was
+                # saved (a resume at the same world size and sharding): one read of all of the saved
+                # chunk (the item the general path below makes from overlaps(), without its arithmetic).
                 if chunk.numel:
                     zeros = _zero_offsets(len(chunk.sizes))
-                    items.append(_tensor_read(key, chunk.offsets, 0, chunk.offsets, zeros, zeros, torch.Size(chunk.sizes)))
+                    items.append(_tensor_read(key, chunk.offsets, same, chunk.offsets, zeros, zeros, torch.Size(chunk.sizes)))
                 continue
             saved_chunks = [Chunk(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
             matches = overlaps(chunk, saved_chunks)
@@ -502,12 +505,16 @@ class ReferenceLoadPlanner(LoadPlanner):
                 f"key {key!r}: cannot read the saved non-tensor value with torch.load(weights_only=True): {exc}"
             ) from exc
 
-    @torch.no_grad()
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        """The part of the target that ``read_item`` fills: the target itself, or a view of it without
+        autograd history (detached first, rather than under ``no_grad``, which costs more than the
+        narrowing for the hundreds of whole-tensor reads of a load)."""
         tensor = self._targets[read_item.dest_index.fqn]
-        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            if start != 0 or length != tensor.size(dim):
-                tensor = tensor.narrow(dim, start, length)
+        if any(read_item.dest_offsets) or tuple(read_item.lengths) != tuple(tensor.shape):
+            tensor = tensor.detach()
+            for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                if start != 0 or length != tensor.size(dim):
+                    tensor = tensor.narrow(dim, start, length)
         return tensor
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
@@ -534,6 +541,14 @@ class ReferenceLoadPlanner(LoadPlanner):
             if undo is not None:
                 undo.append(functools.partial(set_value, self._state_dict, path, old))
         return self.result
+
+
+def _same_chunk(saved: list[ChunkStorageMetadata], wanted: Chunk) -> int | None:
+    """The index of the saved chunk that is exactly ``wanted`` (same offsets and sizes), if any."""
+    for index, chunk in enumerate(saved):
+        if tuple(chunk.offsets) == wanted.offsets and tuple(chunk.sizes) == wanted.sizes:
+            return index
+    return None
 
 
 def _tensor_read(
