@@ -28,7 +28,7 @@ from bench import config
 from bench.ranks import RankGroup
 from bench.workloads import checkpoint as ck
 
-__all__ = ["Series", "measure_interleaved", "ratio_of_rounds", "main"]
+__all__ = ["Series", "measure_interleaved", "rotated", "ratio_of_rounds", "main"]
 
 
 @dataclass
@@ -46,12 +46,18 @@ def measure_interleaved(group: RankGroup, impls: Sequence[str], nbytes: int, lay
     total = group.run(ck.prepare, nbytes, layout, config.DEVICE)[0]
     series = {impl: Series() for impl in impls}
     for r in range(rounds):
-        order = list(impls[r % len(impls):]) + list(impls[:r % len(impls)])
-        for impl in order:
+        for impl in rotated(impls, r):
             directory = os.path.join(root, impl.replace(":", "-").replace("/", "-"))
             series[impl].save.append(max(group.run(ck.save_once, impl, directory)))
             series[impl].load.append(max(group.run(ck.load_once, impl, directory)))
     return total, series
+
+
+def rotated(impls: Sequence[str], round_index: int) -> list[str]:
+    """``impls`` in the order of round ``round_index``: rotated by one per round, so that no
+    implementation always runs first (or right after the same one)."""
+    shift = round_index % len(impls)
+    return [*impls[shift:], *impls[:shift]]
 
 
 def ratio_of_rounds(mine: Sequence[float], base: Sequence[float]) -> float:

@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from bench import config
+from bench.checkpoint_io import rotated
 from bench.ranks import RankGroup, timed
 from bench.workloads import checkpoint as ck
 
@@ -188,14 +189,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         # The order rotates, so that no implementation always runs first after a save.
                         everyone = ["raw", *impls]
                         rounds = [group.run(checkpoint_phases.profile_round, directory, raw_directory,
-                                            everyone[r % len(everyone):] + everyone[:r % len(everyone)])
+                                            rotated(everyone, r))
                                   for r in range(args.rounds)]
                         label = f"load {config.size_label(nbytes)} ws{world_size} {layout}"
                         raw = _median_of_slowest(rounds, "raw", "load")
                         for impl in impls:
-                            cells = [f"{raw:.2f}", *(
-                                "-" if _median_of_slowest(rounds, impl, c) is None else f"{_median_of_slowest(rounds, impl, c):.2f}"
-                                for c in columns[1:])]
+                            figures = [_median_of_slowest(rounds, impl, c) for c in columns[1:]]
+                            cells = [f"{raw:.2f}", *("-" if f is None else f"{f:.2f}" for f in figures)]
                             print(f"| {label} | {impl} | " + " | ".join(cells) + " |", flush=True)
                 group.run(ck.release)
     return 0
@@ -204,10 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _median_of_slowest(rounds: list[list[dict[str, dict[str, float]]]], impl: str, column: str) -> float | None:
     """Milliseconds: the median over ``rounds`` of the slowest rank's ``column`` for ``impl``; None if
     ``impl`` has no such phase."""
-    name = "load" if column == "raw load" else column
     per_round = []
     for ranks in rounds:
-        values = [rank[impl][name] for rank in ranks if name in rank[impl]]
+        values = [rank[impl][column] for rank in ranks if column in rank[impl]]
         if not values:
             return None
         per_round.append(max(values))
