@@ -1,5 +1,5 @@
 """Self-tests of the checkpoint benchmark tools: ``bench.checkpoint_io`` (throughput against raw) and
-``bench.checkpoint_phases`` (where a reference load's time goes), each run once on a small state dict."""
+``bench.checkpoint_phases`` (where a load's and a save's time goes), each run once on a small state dict."""
 
 from __future__ import annotations
 
@@ -29,15 +29,52 @@ def test_checkpoint_io_prints_a_row_per_operation_with_ratios_to_raw(capsys: pyt
         assert all(float(cell.replace(",", "")) > 0 for cell in row[1:]), row
 
 
-def test_checkpoint_phases_time_each_phase_of_the_reference_and_of_torch(capsys: pytest.CaptureFixture[str]) -> None:
-    assert checkpoint_phases.main(["--sizes", "4MB", "--world-sizes", "1", "--layouts", "sharded", "--rounds", "3"]) == 0
-    header, *rows = _rows(capsys.readouterr().out)
-    assert header == ["workload", "impl", "raw load", "load", *checkpoint_phases.PHASES]
-    assert [row[:2] for row in rows] == [["load 4MB ws1 sharded", "reference"], ["load 4MB ws1 sharded", "torch"]]
-    reference, torch_ = (dict(zip(header[2:], row[2:])) for row in rows)
-    # Every phase was seen (the instrumented calls ran), and none is more than the load itself.
-    for figures in (reference, torch_):
-        for phase in ("metadata", "set up", "local plan", "read"):
-            assert 0 < float(figures[phase]) <= float(figures["load"]), (phase, figures)
-    assert float(reference["headers"]) > 0
-    assert torch_["agree"] == torch_["commit"] == "-"  # phases torch's load does not have
+def _tables(text: str) -> dict[str, tuple[list[str], list[dict[str, str]]]]:
+    """``bench.checkpoint_phases``' tables by operation: (header, rows as {column: cell})."""
+    tables: dict[str, tuple[list[str], list[dict[str, str]]]] = {}
+    for header, *rows in (_rows(block) for block in text.split("\n\n") if "| workload" in block):
+        tables[header[3]] = (header, [dict(zip(header, row)) for row in rows])
+    return tables
+
+
+def test_checkpoint_phases_time_each_phase_of_loads_and_saves_of_the_reference_and_of_torch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert checkpoint_phases.main(["--sizes", "4MB", "--world-sizes", "1", "--layouts", "sharded", "--rounds", "2"]) == 0
+    tables = _tables(capsys.readouterr().out)
+    assert list(tables) == ["load", "save"]
+    timed_phases = {"load": ("metadata", "set up", "local plan", "read"),
+                    "save": ("set up", "local plan", "global plan", "write", "finish")}
+    for op, (header, rows) in tables.items():
+        assert header == ["workload", "impl", *checkpoint_phases.columns(op)]
+        assert [(row["workload"], row["impl"]) for row in rows] == [(f"{op} 4MB ws1 sharded", "reference"),
+                                                                     (f"{op} 4MB ws1 sharded", "torch")]
+        reference, torch_ = rows
+        # Every phase was seen (the instrumented calls ran), and none is more than the operation itself.
+        for figures in (reference, torch_):
+            for phase in timed_phases[op]:
+                assert 0 < float(figures[phase]) <= float(figures[op]), (op, phase, figures)
+        assert 0 <= float(reference["exchange"]) <= float(reference["agree"]) <= float(reference[op])
+        assert torch_["agree"] == torch_["exchange"] == "-"  # torch's collectives are in its "other"
+    assert float(tables["load"][1][0]["headers"]) > 0
+    assert tables["load"][1][1]["commit"] == "-"  # a phase torch's load does not have
+
+
+def test_checkpoint_phases_time_the_exchange_of_each_agreement_at_world_size_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert checkpoint_phases.main(["--sizes", "4MB", "--world-sizes", "2", "--layouts", "full", "--rounds", "1",
+                                   "--impls", "reference"]) == 0
+    for op, (_, rows) in _tables(capsys.readouterr().out).items():
+        (reference,) = rows
+        assert 0 < float(reference["exchange"]) <= float(reference["agree"]) < float(reference[op]), (op, reference)
+
+
+def test_exchange_is_the_time_from_the_last_rank_arriving_to_each_agreement_ending_less_the_decision() -> None:
+    # Two agreements. The first: rank 1's step ends last (3.0), the coordinator decides for 0.2 s,
+    # rank 0 is done at 3.5 and rank 1 at 3.6. The second: both steps end at 5.0, both are done at 5.1.
+    ranks = [{"reference": {"agreements": [(1.0, 3.5, 0.2), (5.0, 5.1, 0.0)]}, "torch": {"agreements": []}},
+             {"reference": {"agreements": [(3.0, 3.6, 0.0), (5.0, 5.1, 0.0)]}, "torch": {"agreements": []}}]
+    for impl in ("reference", "torch"):
+        checkpoint_phases._add_exchange(ranks, impl)
+    assert [rank["reference"][checkpoint_phases.EXCHANGE] for rank in ranks] == pytest.approx([0.4, 0.5])
+    assert all("agreements" not in rank[impl] for rank in ranks for impl in ("reference", "torch"))
+    assert all(checkpoint_phases.EXCHANGE not in rank["torch"] for rank in ranks)  # none timed: "-"
