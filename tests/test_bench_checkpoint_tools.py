@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from bench import checkpoint_io, checkpoint_phases, config
@@ -71,7 +73,7 @@ def test_checkpoint_phases_time_the_exchange_of_each_agreement_at_world_size_2(c
 def test_exchange_is_the_time_from_the_last_rank_arriving_to_each_agreement_ending_less_the_decision() -> None:
     # Two agreements. The first: rank 1's step ends last (3.0), the coordinator decides for 0.2 s,
     # rank 0 is done at 3.5 and rank 1 at 3.6. The second: both steps end at 5.0, both are done at 5.1.
-    ranks = [{"reference": {"agreements": [(1.0, 3.5, 0.2), (5.0, 5.1, 0.0)]}, "torch": {"agreements": []}},
+    ranks: list[dict[str, dict[str, Any]]] = [{"reference": {"agreements": [(1.0, 3.5, 0.2), (5.0, 5.1, 0.0)]}, "torch": {"agreements": []}},
              {"reference": {"agreements": [(3.0, 3.6, 0.0), (5.0, 5.1, 0.0)]}, "torch": {"agreements": []}}]
     for impl in ("reference", "torch"):
         checkpoint_phases._add_exchange(ranks, impl)
