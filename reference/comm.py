@@ -390,8 +390,11 @@ def _gather_and_decide(group: dist.ProcessGroup | None, local_step: Callable[[],
     world = group_size(group)
     coordinator = is_coordinator(group)
     if world > 1:
+        # The coordinator keeps its own outcome rather than pickling it to itself (as for one rank).
         gathered: list[Any] = [None] * world if coordinator else []
-        dist.gather_object(outcome, gathered if coordinator else None, group=group, group_dst=0)
+        dist.gather_object(None if coordinator else outcome, gathered if coordinator else None, group=group, group_dst=0)
+        if coordinator:
+            gathered[0] = outcome
     else:  # nothing pickled for one rank
         gathered = [outcome]
     if not coordinator:
@@ -410,7 +413,8 @@ def gather_decide_scatter(group: dist.ProcessGroup | None, local_step: Callable[
     order), returning one value per rank; each rank returns its value. If either step raised anywhere
     (``decide`` runs only if no local step raised), every rank raises the agreed error (as
     :func:`gather_agreed`; ``decide``'s failure is the coordinator's). Collective over ``group``: a
-    gather to the coordinator, then a scatter from it (neither for one rank, where nothing is pickled)."""
+    gather to the coordinator, then a scatter from it (neither for one rank, where nothing is pickled;
+    the coordinator's own result and value are never pickled, it keeps them as they are)."""
     decision, local = _gather_and_decide(group, local_step, decide, errors)
     world = group_size(group)
     outgoing: list[Any] = []
@@ -418,8 +422,10 @@ def gather_decide_scatter(group: dist.ProcessGroup | None, local_step: Callable[
         outgoing = [decision] * world if isinstance(decision, _Failed) else list(decision)
     if world > 1:
         received: list[Any] = [None]
-        dist.scatter_object_list(received, outgoing if is_coordinator(group) else None, group=group, group_src=0)
-        mine = received[0]
+        # The coordinator's own value stays here, unpickled (as for one rank).
+        sent = [None, *outgoing[1:]] if is_coordinator(group) else None
+        dist.scatter_object_list(received, sent, group=group, group_src=0)
+        mine = outgoing[0] if is_coordinator(group) else received[0]
     else:
         mine = outgoing[0]
     if isinstance(mine, _Failed):

@@ -24,6 +24,7 @@ from reference.checkpoint.collective import Collective, process_group_device
 from reference.checkpoint.errors import CheckpointError, StateDictError
 from reference.checkpoint.planner import LoadResult, ReferenceLoadPlanner, ReferenceSavePlanner
 from reference.checkpoint.storage import FileSystemReader, FileSystemWriter
+from reference.checkpoint.wire import Compact, unwrap
 
 __all__ = ["save", "load"]
 
@@ -84,31 +85,32 @@ def save(
     collective = Collective(process_group, action=f"save to {str(checkpoint_id)!r}")
     metadata_box: list[Metadata] = []
 
-    def local_plan() -> SavePlan:
+    # Plans and write results cross ranks as wire.Compact: pickled, they travel as plain tuples.
+    def local_plan() -> Compact[SavePlan]:
         planner.set_up_planner(state_dict, writer.storage_meta(), collective.is_coordinator)
         writer.set_up_storage_writer(collective.is_coordinator)
-        return writer.prepare_local_plan(planner.create_local_plan())
+        return Compact(writer.prepare_local_plan(planner.create_local_plan()))
 
-    def global_plan(plans: list[SavePlan]) -> list[SavePlan]:
-        plans, metadata = planner.create_global_plan(plans)
+    def global_plan(plans: list[Compact[SavePlan]]) -> list[Compact[SavePlan]]:
+        new_plans, metadata = planner.create_global_plan([unwrap(plan) for plan in plans])
         metadata_box.append(metadata)
-        return writer.prepare_global_plan(plans)
+        return [Compact(plan) for plan in writer.prepare_global_plan(new_plans)]
 
     try:
-        plan = collective.gather_decide_scatter("planning", local_plan, global_plan)
+        plan = unwrap(collective.gather_decide_scatter("planning", local_plan, global_plan))
     except BaseException:
         close = getattr(writer, "close", None)
         if callable(close):
             close()
         raise
 
-    def write() -> list[WriteResult]:
+    def write() -> Compact[list[WriteResult]]:
         future = writer.write_data(planner.finish_plan(plan), planner)
         future.wait()
-        return future.value()
+        return Compact(future.value())
 
-    def finish(results: list[list[WriteResult]]) -> Metadata:
-        writer.finish(metadata_box[0], results)
+    def finish(results: list[Compact[list[WriteResult]]]) -> Metadata:
+        writer.finish(metadata_box[0], [unwrap(rank_results) for rank_results in results])
         return metadata_box[0]
 
     try:

@@ -149,3 +149,36 @@ def test_without_a_process_group_no_group_size_is_named(method: str) -> None:
     _check(0, exc, CheckpointError, f"{ACTION} failed in planning on rank 0: OSError: disk full",
            {0: "OSError: disk full"}, error)
 
+
+
+class _Travelled:
+    """A value that knows whether it was pickled on its way (an unpickled copy says so)."""
+
+    def __init__(self, rank: int, travelled: bool = False) -> None:
+        self.rank, self.travelled = rank, travelled
+
+    def __reduce__(self) -> tuple[Any, tuple[int, bool]]:
+        return _Travelled, (self.rank, True)
+
+
+@pytest.mark.parametrize("method", ["gather_decide_scatter", "gather_decide_broadcast"])
+def test_the_coordinator_keeps_its_own_values_and_receives_the_other_ranks_values(dist: Any, method: str) -> None:
+    """What the coordinator gathers from itself, and scatters to itself, is its own object, not a
+    pickled copy (as with one rank: a save's plans are costly to pickle); every other rank's value
+    arrives, in rank order, and each rank gets its own decision."""
+    collective = Collective(dist.group, action=ACTION)
+    mine = _Travelled(dist.rank)
+    gathered: list[Any] = []
+
+    def decide(results: list[Any]) -> Any:
+        gathered.extend(results)
+        return [_Travelled(r) for r in range(len(results))] if method == "gather_decide_scatter" else "decided"
+
+    got = _call(collective, method, lambda: mine, decide)
+    if dist.rank == 0:
+        assert gathered[0] is mine, "the coordinator's own value was pickled to itself"
+        assert [(r.rank, r.travelled) for r in gathered[1:]] == [(r, True) for r in range(1, dist.world_size)]
+    if method == "gather_decide_scatter":
+        assert (got.rank, got.travelled) == (dist.rank, dist.rank != 0), f"rank {dist.rank} got {vars(got)}"
+    else:
+        assert got == "decided"

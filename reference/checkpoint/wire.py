@@ -1,0 +1,152 @@
+"""How the plans and write results of a save travel between ranks: compactly, when pickled.
+
+A save gathers every rank's ``SavePlan`` to the coordinator, scatters the global plans back, then
+gathers every rank's ``WriteResult`` list (:func:`reference.checkpoint.api.save`). Pickled as they are,
+these are slow to send: each write item is five nested dataclasses (pickled through ``copyreg``, with
+their ``__dict__``) holding three ``torch.Size`` and a dtype, layout and memory format (each through a
+Python-level ``__reduce__``). A 350-item plan (512 MB of model and Adam state, sharded over two ranks)
+took 6.7 ms to pickle and 4.0 ms to unpickle here, and those exchanges were about 26 ms of a 313 ms
+save at world size 2.
+
+:class:`Compact` wraps such a value. Unpickled, it is the value again, rebuilt as an equal object of
+the same types with the same fields (index hints included), but it travels as tuples of plain
+values; until it is pickled it is only a wrapper, so a save on one rank, where nothing is pickled,
+pays nothing. :func:`unwrap` gives the value whichever way it came. A value this module does not know
+field for field (a planner's own item subclass, a storage writer's own ``storage_data``, a torch whose
+dataclasses gained a field) pickles as it is: the compact form is never lossy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import BytesIOWriteData, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from reference.checkpoint.metadata_io import StorageInfo
+
+__all__ = ["Compact", "unwrap"]
+
+T = TypeVar("T")
+
+#: The fields this module packs, class by class. If torch's classes have others (another torch
+#: version), nothing is packed: values pickle as they are.
+_PACKED_FIELDS: dict[type, tuple[str, ...]] = {
+    WriteItem: ("index", "type", "bytes_io_data", "tensor_data"),
+    MetadataIndex: ("fqn", "offset", "index"),
+    BytesIOWriteData: ("nbytes",),
+    TensorWriteData: ("chunk", "properties", "size"),
+    ChunkStorageMetadata: ("offsets", "sizes"),
+    TensorProperties: ("dtype", "layout", "requires_grad", "memory_format", "pin_memory"),
+    WriteResult: ("index", "size_in_bytes", "storage_data"),
+}
+_KNOWN_FIELDS = all(tuple(f.name for f in dataclasses.fields(cls)) == names for cls, names in _PACKED_FIELDS.items())
+#: StorageInfo's fields travel as a tuple in their own order (whatever this torch's are).
+_STORAGE_INFO_FIELDS = tuple(f.name for f in dataclasses.fields(StorageInfo))
+_ITEM_TYPES = {kind.value: kind for kind in WriteItemType}
+
+
+class Compact(Generic[T]):
+    """``value`` (a ``SavePlan`` or a list of ``WriteResult``), pickled in a compact form; unpickling
+    gives back the value itself, not the wrapper."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: T) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        value: Any = self.value
+        if _KNOWN_FIELDS:
+            if isinstance(value, SavePlan) and (rows := _pack_items(value.items)) is not None:
+                return _unpack_plan, (dataclasses.replace(value, items=[]), *rows)
+            if isinstance(value, list) and (results := _pack_results(value)) is not None:
+                return _unpack_results, (results,)
+        return _same, (value,)
+
+
+def unwrap(value: Compact[T]) -> T:
+    """The value of a :class:`Compact` that was sent: the wrapper's value when it was not pickled on
+    its way (one rank), else what was unpickled, the value itself (statically still a ``Compact``)."""
+    return value.value if isinstance(value, Compact) else value
+
+
+def _same(value: T) -> T:
+    return value
+
+
+def _pack_items(items: list[WriteItem]) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]] | None:
+    """(one row per item, the distinct tensor properties as tuples), or None if an item is not made of
+    exactly the types and fields this module rebuilds."""
+    rows: list[tuple[Any, ...]] = []
+    properties: dict[tuple[Any, ...], int] = {}
+    for item in items:
+        index = item.index
+        if type(item) is not WriteItem or type(index) is not MetadataIndex:
+            return None
+        offset = None if index.offset is None else tuple(index.offset)
+        tensor = item.tensor_data
+        if tensor is None:
+            data = item.bytes_io_data
+            if data is not None and type(data) is not BytesIOWriteData:
+                return None
+            rows.append((index.fqn, offset, index.index, item.type.value, None if data is None else data.nbytes))
+            continue
+        chunk, props = tensor.chunk, tensor.properties
+        if (
+            item.bytes_io_data is not None
+            or type(tensor) is not TensorWriteData
+            or type(chunk) is not ChunkStorageMetadata
+            or type(props) is not TensorProperties
+            or not all(type(size) is torch.Size for size in (chunk.offsets, chunk.sizes, tensor.size))
+        ):
+            return None
+        key = (props.dtype, props.layout, props.requires_grad, props.memory_format, props.pin_memory)
+        rows.append((index.fqn, offset, index.index, item.type.value, tuple(chunk.offsets), tuple(chunk.sizes),
+                     properties.setdefault(key, len(properties)), tuple(tensor.size)))
+    return rows, list(properties)
+
+
+def _unpack_plan(shell: SavePlan, rows: list[tuple[Any, ...]], properties: list[tuple[Any, ...]]) -> SavePlan:
+    items: list[WriteItem] = []
+    for row in rows:
+        if len(row) == 5:  # a non-tensor value
+            fqn, offset, hint, kind, nbytes = row
+            items.append(WriteItem(index=MetadataIndex(fqn, offset, hint), type=_ITEM_TYPES[kind],
+                                   bytes_io_data=None if nbytes is None else BytesIOWriteData(nbytes)))
+            continue
+        fqn, offset, hint, kind, chunk_offsets, chunk_sizes, props, size = row
+        items.append(WriteItem(
+            index=MetadataIndex(fqn, offset, hint),
+            type=_ITEM_TYPES[kind],
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(torch.Size(chunk_offsets), torch.Size(chunk_sizes)),
+                properties=TensorProperties(*properties[props]),  # one object per item, as before
+                size=torch.Size(size),
+            ),
+        ))
+    return dataclasses.replace(shell, items=items)
+
+
+def _pack_results(results: list[Any]) -> list[tuple[Any, ...]] | None:
+    """One row per result, or None if a result is not exactly a ``WriteResult`` with a
+    ``MetadataIndex`` and a ``StorageInfo``."""
+    rows: list[tuple[Any, ...]] = []
+    for result in results:
+        index, info = getattr(result, "index", None), getattr(result, "storage_data", None)
+        if type(result) is not WriteResult or type(index) is not MetadataIndex or type(info) is not StorageInfo:
+            return None
+        offset = None if index.offset is None else tuple(index.offset)
+        rows.append((index.fqn, offset, index.index, result.size_in_bytes,
+                     tuple(getattr(info, name) for name in _STORAGE_INFO_FIELDS)))
+    return rows
+
+
+def _unpack_results(rows: list[tuple[Any, ...]]) -> list[WriteResult]:
+    return [
+        WriteResult(index=MetadataIndex(fqn, offset, hint), size_in_bytes=size, storage_data=StorageInfo(*info))
+        for fqn, offset, hint, size, info in rows
+    ]
