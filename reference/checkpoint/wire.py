@@ -61,7 +61,8 @@ class Compact(Generic[T]):
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         value: Any = self.value
         if _KNOWN_FIELDS:
-            if isinstance(value, SavePlan) and (rows := _pack_items(value.items)) is not None:
+            # Exactly a SavePlan: a subclass may have fields that dataclasses.replace cannot set.
+            if type(value) is SavePlan and (rows := _pack_items(value.items)) is not None:
                 return _unpack_plan, (dataclasses.replace(value, items=[]), *rows)
             if isinstance(value, list) and (results := _pack_results(value)) is not None:
                 return _unpack_results, (results,)
@@ -84,8 +85,7 @@ def _pack_items(items: list[WriteItem]) -> tuple[list[tuple[Any, ...]], list[tup
     rows: list[tuple[Any, ...]] = []
     properties: dict[tuple[Any, ...], int] = {}
     for item in items:
-        index = item.index
-        if type(item) is not WriteItem or type(index) is not MetadataIndex:
+        if type(item) is not WriteItem or type(index := item.index) is not MetadataIndex:
             return None
         offset = None if index.offset is None else tuple(index.offset)
         tensor = item.tensor_data

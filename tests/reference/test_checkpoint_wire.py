@@ -141,6 +141,19 @@ def test_a_subclassed_item_pickles_as_it_is() -> None:
     assert wire._pack_items(plan.items) is None
 
 
+@dataclasses.dataclass(frozen=True)
+class _PlanOfAPlanner(SavePlan):
+    """A planner's own plan type, with a field ``dataclasses.replace`` cannot set."""
+
+    note: str = dataclasses.field(default="mine", init=False)
+
+
+def test_a_plan_of_another_type_pickles_as_it_is() -> None:
+    plan = _PlanOfAPlanner(_sharded_plan().items)
+    assert wire.Compact(plan).__reduce__()[0] is wire._same
+    assert _exact(_sent(plan)) == _exact(plan)
+
+
 def test_with_dataclasses_of_other_fields_nothing_is_packed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Another torch whose classes have other fields: values pickle as they are, never lossily."""
     monkeypatch.setattr(wire, "_KNOWN_FIELDS", False)
