@@ -417,17 +417,15 @@ def gather_decide_scatter(group: dist.ProcessGroup | None, local_step: Callable[
     the coordinator's own result and value are never pickled, it keeps them as they are)."""
     decision, local = _gather_and_decide(group, local_step, decide, errors)
     world = group_size(group)
-    outgoing: list[Any] = []
     if is_coordinator(group):
         outgoing = [decision] * world if isinstance(decision, _Failed) else list(decision)
-    if world > 1:
-        received: list[Any] = [None]
-        # The coordinator's own value stays here, unpickled (as for one rank).
-        sent = [None, *outgoing[1:]] if is_coordinator(group) else None
-        dist.scatter_object_list(received, sent, group=group, group_src=0)
-        mine = outgoing[0] if is_coordinator(group) else received[0]
+        mine = outgoing[0]  # the coordinator's own value stays here, unpickled (as for one rank)
+        if world > 1:
+            dist.scatter_object_list([None], [None, *outgoing[1:]], group=group, group_src=0)
     else:
-        mine = outgoing[0]
+        received: list[Any] = [None]
+        dist.scatter_object_list(received, None, group=group, group_src=0)
+        mine = received[0]
     if isinstance(mine, _Failed):
         _raise(errors, mine.failures, local, group)
     return cast(R, mine)
