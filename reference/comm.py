@@ -29,6 +29,7 @@ error's ``__cause__``. In a group of one rank nothing is pickled: outcomes stay 
 from __future__ import annotations
 
 import pickle
+import struct
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, NamedTuple, NoReturn, Protocol, TypeVar, cast
 
@@ -163,24 +164,26 @@ def _accelerator_types(group: dist.ProcessGroup | None) -> list[str]:
     ]
 
 
+def _exchange_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where the small tensors of an exchange (flags, frames) live: the CPU when the group can carry
+    CPU tensors (no device synchronization), else the group's accelerator."""
+    cpu_capable = not _accelerator_types(group) or bool(_backends(group) & {"gloo", "mpi"})
+    return torch.device("cpu") if cpu_capable else group_device(group)
+
+
 def _any_rank(flag: bool, group: dist.ProcessGroup | None) -> bool:
     """Whether ``flag`` is set on any rank of ``group`` (of more than one rank): one all-reduce of one
-    integer, on the CPU when the group can carry CPU tensors (no device synchronization), else on the
-    group's accelerator."""
-    cpu_capable = not _accelerator_types(group) or bool(_backends(group) & {"gloo", "mpi"})
-    device = torch.device("cpu") if cpu_capable else group_device(group)
-    mask = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    integer."""
+    mask = torch.tensor([int(flag)], dtype=torch.int32, device=_exchange_device(group))
     return bool(all_reduce_any(mask, group).item())
 
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    """Every rank's picklable ``obj``, in rank order (``[obj]`` for no group)."""
-    world = group_size(group)
-    if world == 1:
+    """Every rank's picklable ``obj``, in rank order, each an unpickled copy (``[obj]`` itself for no
+    group or one rank). One all-gather of a frame per rank, a second only if an object outgrew it."""
+    if group_size(group) == 1:
         return [obj]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    return [pickle.loads(data) for data in _all_gather_bytes(_pickled(obj), group)]
 
 
 def broadcast_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -188,6 +191,161 @@ def broadcast_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> t
     if group_size(group) > 1:
         dist.broadcast(tensor, group=group, group_src=0)
     return tensor
+
+
+# -- objects over the wire ------------------------------------------------------------------------------
+#
+# What an agreement costs is the latency of its collectives, not their bytes: its objects (a
+# checkpoint's plans, write results and metadata) are tens of KB. Torch's object collectives send sizes
+# in collectives of their own before the objects (``gather_object`` makes two collectives,
+# ``scatter_object_list`` three, ``broadcast_object_list`` and ``all_gather_object`` two each). Here a
+# pickle travels in a *frame* instead: a tensor of ``FRAME_BYTES`` bytes holding the pickle's length and
+# its first bytes, one collective for the whole exchange. A pickle longer than its frame sends the rest
+# after it: point to point between the coordinator and that rank alone after a gather or a scatter
+# (only those two know the length), in one more collective after a broadcast or an all-gather (every
+# rank has read the length). The frames are plain bytes made without torch ops: a fill or a copy of 64
+# KiB would wake torch's intra-op threads, whose spinning takes the CPU from the other ranks of a
+# machine with few cores.
+
+#: Bytes of one frame, its header included: room for the plans of a model of some hundred tensors,
+#: small enough that a gather of one frame per rank stays small for thousands of ranks.
+FRAME_BYTES = 64 * 1024
+_HEADER = struct.Struct("<Q")  # the length of the whole pickle, little-endian
+_ROOM = FRAME_BYTES - _HEADER.size  # bytes of the pickle that the frame itself carries
+
+Payload = bytes | memoryview
+
+
+def _pickled(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _on(buffer: bytearray, device: torch.device) -> torch.Tensor:
+    """``buffer`` as a uint8 tensor on ``device`` (on the CPU a view of it: nothing copied)."""
+    tensor = torch.frombuffer(buffer, dtype=torch.uint8)
+    return tensor if device.type == "cpu" else tensor.to(device)
+
+
+def _frame(data: bytes, device: torch.device) -> torch.Tensor:
+    """The frame that carries ``data``'s length and its first ``_ROOM`` bytes."""
+    frame = bytearray(FRAME_BYTES)
+    _HEADER.pack_into(frame, 0, len(data))
+    head = memoryview(data)[:_ROOM]
+    frame[_HEADER.size : _HEADER.size + len(head)] = head
+    return _on(frame, device)
+
+
+def _rest(data: bytes, device: torch.device) -> torch.Tensor | None:
+    """The bytes of ``data`` past its frame, or ``None`` if the frame holds it all."""
+    return _on(bytearray(memoryview(data)[_ROOM:]), device) if len(data) > _ROOM else None
+
+
+def _empty_frames(count: int, device: torch.device) -> torch.Tensor:
+    """``count`` frames to receive into, as the rows of one buffer (``torch.empty``: nothing filled)."""
+    return torch.empty((count, FRAME_BYTES), dtype=torch.uint8, device=device)
+
+
+def _rows(frames: torch.Tensor) -> list[memoryview]:
+    """The received ``frames`` (one per row) as bytes on the CPU."""
+    return [memoryview(row) for row in frames.cpu().numpy()]
+
+
+def _length(frame: memoryview) -> int:
+    return int(_HEADER.unpack_from(frame)[0])
+
+
+def _rest_buffer(frame: memoryview, device: torch.device, length: int | None = None) -> torch.Tensor | None:
+    """A buffer for the bytes past ``frame`` of the pickle it announces (``length`` of them if given,
+    for a rest padded to the longest), or ``None`` if there are none."""
+    overflow = _length(frame) - _ROOM if length is None else length
+    return torch.empty(overflow, dtype=torch.uint8, device=device) if overflow > 0 else None
+
+
+def _payload(frame: memoryview, rest: torch.Tensor | None) -> Payload:
+    """The pickle that a received ``frame`` and its ``rest`` (``None`` if the frame holds it all) carry."""
+    length = _length(frame)
+    if length <= _ROOM:
+        return frame[_HEADER.size : _HEADER.size + length]
+    assert rest is not None, "a frame announced more bytes than it holds, and no rest was received"
+    return bytes(frame[_HEADER.size :]) + rest.cpu().numpy().tobytes()[: length - _ROOM]
+
+
+def _gather_bytes(data: bytes, group: dist.ProcessGroup | None) -> list[Payload]:
+    """Every rank's ``data`` at the coordinator, in rank order, except its own (an empty slot: it sends
+    nothing to itself); ``[]`` on the other ranks. One gather of frames; a rank whose data outgrew its
+    frame then sends the rest to the coordinator alone."""
+    device = _exchange_device(group)
+    if not is_coordinator(group):
+        dist.gather(_frame(data, device), None, group=group, group_dst=0)
+        if (rest := _rest(data, device)) is not None:
+            dist.send(rest, group=group, group_dst=0)
+        return []
+    frames = _empty_frames(group_size(group), device)
+    dist.gather(_frame(b"", device), list(frames.unbind(0)), group=group, group_dst=0)
+    received: list[Payload] = [b""]
+    for rank, frame in enumerate(_rows(frames)[1:], start=1):
+        if (rest := _rest_buffer(frame, device)) is not None:
+            dist.recv(rest, group=group, group_src=rank)
+        received.append(_payload(frame, rest))
+    return received
+
+
+def _scatter_bytes(outgoing: list[bytes] | None, group: dist.ProcessGroup | None) -> Payload:
+    """``outgoing[r]`` (given on the coordinator, one per rank; its own entry is not sent) at rank ``r``;
+    the coordinator gets an empty payload. One scatter of frames; the rest of a payload that outgrew its
+    frame then goes to its rank alone."""
+    device = _exchange_device(group)
+    if is_coordinator(group):
+        assert outgoing is not None and len(outgoing) == group_size(group)
+        outgoing = [b"", *outgoing[1:]]
+        frames = [_frame(data, device) for data in outgoing]
+        dist.scatter(_empty_frames(1, device)[0], frames, group=group, group_src=0)
+        for rank, data in enumerate(outgoing):
+            if (rest := _rest(data, device)) is not None:
+                dist.send(rest, group=group, group_dst=rank)
+        return b""
+    frame = _empty_frames(1, device)[0]
+    dist.scatter(frame, None, group=group, group_src=0)
+    view = _rows(frame.unsqueeze(0))[0]
+    if (rest := _rest_buffer(view, device)) is not None:
+        dist.recv(rest, group=group, group_src=0)
+    return _payload(view, rest)
+
+
+def _broadcast_bytes(data: bytes | None, group: dist.ProcessGroup | None) -> Payload:
+    """The coordinator's ``data`` (``None`` on the other ranks) on every rank. One broadcast of a frame,
+    a second of the rest if the data outgrew it."""
+    device = _exchange_device(group)
+    if is_coordinator(group):
+        assert data is not None
+        dist.broadcast(_frame(data, device), group=group, group_src=0)
+        if (rest := _rest(data, device)) is not None:
+            dist.broadcast(rest, group=group, group_src=0)
+        return data
+    frame = _empty_frames(1, device)[0]
+    dist.broadcast(frame, group=group, group_src=0)
+    view = _rows(frame.unsqueeze(0))[0]
+    if (rest := _rest_buffer(view, device)) is not None:
+        dist.broadcast(rest, group=group, group_src=0)
+    return _payload(view, rest)
+
+
+def _all_gather_bytes(data: bytes, group: dist.ProcessGroup | None) -> list[Payload]:
+    """Every rank's ``data`` on every rank, in rank order. One all-gather of frames; if any rank's data
+    outgrew its frame, a second of every rank's rest, padded to the longest."""
+    device = _exchange_device(group)
+    frames = _empty_frames(group_size(group), device)
+    dist.all_gather(list(frames.unbind(0)), _frame(data, device), group=group)
+    views = _rows(frames)
+    longest = max(_length(view) for view in views) - _ROOM
+    if longest <= 0:
+        return [_payload(view, None) for view in views]
+    rests = torch.empty((len(views), longest), dtype=torch.uint8, device=device)
+    mine = bytearray(longest)
+    tail = memoryview(data)[_ROOM:]
+    mine[: len(tail)] = tail
+    dist.all_gather(list(rests.unbind(0)), _on(mine, device), group=group)
+    return [_payload(view, rest) for view, rest in zip(views, rests.unbind(0), strict=True)]
 
 
 # -- agreement on failure -------------------------------------------------------------------------------
@@ -293,6 +451,30 @@ def _failures(outcomes: list[Any]) -> dict[int, Failure]:
     return {rank: o for rank, o in enumerate(outcomes) if isinstance(o, Failure)}
 
 
+def _outcome_bytes(outcome: Any, local: Exception | None, errors: ErrorPolicy) -> tuple[bytes, Exception | None]:
+    """What this rank sends for its step: the pickled result, or the failure record of ``local``. A
+    result that does not pickle is this rank's failure, so that it is reported like any other instead
+    of this rank raising alone while the others wait in the exchange. Returns the bytes and this rank's
+    exception, if any."""
+    if local is None:
+        try:
+            return _pickled(outcome), None
+        except Exception as exc:  # any pickling failure: the result cannot travel
+            local = exc
+    return _pickled(errors.record(local)), local
+
+
+def _decision_bytes(decision: Any, local: Exception | None, errors: ErrorPolicy) -> tuple[bytes, Any, Exception | None]:
+    """On the coordinator, what it sends for ``decision``: its pickle, or, if it does not pickle, the
+    coordinator's failure instead. Returns the bytes, the decision they carry and the coordinator's
+    exception, if any."""
+    try:
+        return _pickled(decision), decision, local
+    except Exception as exc:  # any pickling failure: the decision cannot travel
+        failed = _Failed({0: errors.record(exc)})
+        return _pickled(failed), failed, exc
+
+
 def gather_agreed(group: dist.ProcessGroup | None, step: Callable[[], T], *,
                   errors: ErrorPolicy = LOWEST_FAILING_RANK) -> list[T]:
     """``step()`` on every rank; every rank's result, in rank order, if it succeeded on every rank.
@@ -312,7 +494,8 @@ def gather_agreed(group: dist.ProcessGroup | None, step: Callable[[], T], *,
         if local is not None:
             _raise_alone(errors, local, group)
         return [outcome]
-    outcomes = all_gather_objects(outcome if local is None else errors.record(local), group)
+    data, local = _outcome_bytes(outcome, local, errors)
+    outcomes = [pickle.loads(payload) for payload in _all_gather_bytes(data, group)]
     if failures := _failures(outcomes):
         _raise(errors, failures, local, group)
     return outcomes
@@ -346,12 +529,16 @@ def agree(group: dist.ProcessGroup | None, step: Callable[[], T], *, errors: Err
 def _broadcast_outcome(group: dist.ProcessGroup | None, outcome: Any, local: Exception | None,
                        errors: ErrorPolicy) -> Any:
     """Send the coordinator's ``outcome`` (a value, or :class:`_Failed`) to every rank of ``group`` (of
-    more than one rank) and return it there, or raise the agreed error it carries."""
-    box: list[Any] = [outcome]
-    dist.broadcast_object_list(box, group=group, group_src=0)
-    if isinstance(box[0], _Failed):
-        _raise(errors, box[0].failures, local, group)
-    return box[0]
+    more than one rank) and return it there (the coordinator its own object), or raise the agreed error
+    it carries."""
+    if is_coordinator(group):
+        data, outcome, local = _decision_bytes(outcome, local, errors)
+        _broadcast_bytes(data, group)
+    else:
+        outcome = pickle.loads(_broadcast_bytes(None, group))
+    if isinstance(outcome, _Failed):
+        _raise(errors, outcome.failures, local, group)
+    return outcome
 
 
 def broadcast_from_coordinator(group: dist.ProcessGroup | None, step: Callable[[], T], *,
@@ -376,6 +563,16 @@ def broadcast_from_coordinator(group: dist.ProcessGroup | None, step: Callable[[
     return cast(T, _broadcast_outcome(group, outcome, local, errors))
 
 
+def _unpickled(payload: Payload, rank: int, errors: ErrorPolicy) -> Any:
+    """On the coordinator, what ``rank`` sent; if it cannot be unpickled here (a class this process
+    cannot import), that rank's failure, which the coordinator's answer then carries to every rank."""
+    try:
+        return pickle.loads(payload)
+    except Exception as exc:  # any unpickling failure: the value cannot be read here
+        return errors.record(RuntimeError(f"what rank {rank} sent cannot be unpickled on the coordinator: "
+                                          f"{type(exc).__name__}: {exc}"))
+
+
 def _gather_and_decide(group: dist.ProcessGroup | None, local_step: Callable[[], T],
                        decide: Callable[[list[T]], R], errors: ErrorPolicy) -> tuple[Any, Exception | None]:
     """``local_step()`` on every rank, the outcomes gathered to the coordinator (rank order); there,
@@ -386,19 +583,16 @@ def _gather_and_decide(group: dist.ProcessGroup | None, local_step: Callable[[],
     try:
         outcome = local_step()
     except Exception as exc:  # every failure is shared, whatever its type
-        local, outcome = exc, errors.record(exc)
-    world = group_size(group)
-    coordinator = is_coordinator(group)
-    if world > 1:
-        # The coordinator keeps its own outcome rather than pickling it to itself (as for one rank).
-        gathered: list[Any] = [None] * world if coordinator else []
-        dist.gather_object(None if coordinator else outcome, gathered if coordinator else None, group=group, group_dst=0)
-        if coordinator:
-            gathered[0] = outcome
-    else:  # nothing pickled for one rank
-        gathered = [outcome]
-    if not coordinator:
+        local = exc
+    if not is_coordinator(group):
+        data, local = _outcome_bytes(outcome, local, errors)
+        _gather_bytes(data, group)
         return None, local
+    # The coordinator keeps its own outcome rather than pickling it to itself (as for one rank).
+    gathered: list[Any] = [outcome if local is None else errors.record(local)]
+    if group_size(group) > 1:
+        for rank, payload in enumerate(_gather_bytes(b"", group)[1:], start=1):
+            gathered.append(_unpickled(payload, rank, errors))
     if failures := _failures(gathered):
         return _Failed(failures), local
     try:
@@ -421,11 +615,15 @@ def gather_decide_scatter(group: dist.ProcessGroup | None, local_step: Callable[
         outgoing = [decision] * world if isinstance(decision, _Failed) else list(decision)
         mine = outgoing[0]  # the coordinator's own value stays here, unpickled (as for one rank)
         if world > 1:
-            dist.scatter_object_list([None], [None, *outgoing[1:]], group=group, group_src=0)
+            try:
+                data = [b"", *(_pickled(value) for value in outgoing[1:])]
+            except Exception as exc:  # a value that does not pickle fails the decision on every rank
+                local = exc
+                mine = _Failed({0: errors.record(exc)})
+                data = [_pickled(mine)] * world
+            _scatter_bytes(data, group)
     else:
-        received: list[Any] = [None]
-        dist.scatter_object_list(received, None, group=group, group_src=0)
-        mine = received[0]
+        mine = pickle.loads(_scatter_bytes(None, group))
     if isinstance(mine, _Failed):
         _raise(errors, mine.failures, local, group)
     return cast(R, mine)

@@ -116,15 +116,16 @@ def test_gather_decide_raises_a_failed_decision_as_the_coordinators(dist: Any, h
 @pytest.mark.world_size(1)
 def test_a_group_of_one_rank_sends_nothing(dist: Any) -> None:
     """In a group of one rank (and with no group) every agreement function runs its steps locally: no
-    object collective is called (nothing is pickled), results come back as they are, and a failure is
+    c10d call is made (nothing is pickled), results come back as they are, and a failure is
     the step's own exception object (the default policy) or the checkpoint's error naming rank 0 of 1."""
     def refuse(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("an object collective was called in a group of one rank")
+        raise AssertionError("a c10d call was made in a group of one rank")
 
     error = ValueError("bad")
     value = object()  # through pickle it would come back as another object
     with contextlib.ExitStack() as stack:
-        for name in ("all_gather_object", "gather_object", "scatter_object_list", "broadcast_object_list"):
+        for name in ("all_gather_object", "gather_object", "scatter_object_list", "broadcast_object_list",
+                     "all_reduce", "all_gather", "gather", "scatter", "broadcast", "send", "recv"):
             stack.enter_context(mock.patch.object(torch.distributed, name, refuse))
         for group in (dist.group, None):
             assert comm.agree(group, lambda: value) is value

@@ -1,0 +1,278 @@
+"""Rank tests of how ``reference.comm`` moves the agreements' objects: in frames of ``FRAME_BYTES``, one
+collective per exchange, and the rest of a larger pickle point to point (after a gather or a scatter)
+or in a second collective (after a broadcast or an all-gather). Each exchange is tried with pickles
+that end just inside, exactly at and just past a frame, and far past it, on one rank or on every rank,
+and counted: how many collectives each rank makes is part of what is checked. Also what makes an
+exchange fail: a value that does not pickle where it is sent, or cannot be unpickled where it lands,
+fails on every rank instead of leaving the others waiting."""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed
+
+from conformance.asserts import raised
+from reference import comm
+from reference.checkpoint import api
+
+#: The c10d calls an exchange may make; each is counted on the rank that calls it.
+CALLS = ("all_reduce", "all_gather", "gather", "scatter", "broadcast", "send", "recv")
+ROOM = comm.FRAME_BYTES - 8  # pickle bytes that fit in a frame beside its 8-byte length
+
+#: Lengths of a pickle: small, just inside a frame, exactly filling it, one byte past it, and past
+#: three frames.
+LENGTHS = {"small": 40, "room-1": ROOM - 1, "room": ROOM, "room+1": ROOM + 1, "3 frames": 3 * comm.FRAME_BYTES + 5}
+#: Which ranks send the long pickle (the others send a small one).
+WHO = ["every rank", "the last rank", "the coordinator"]
+
+
+def _value(length: int, tag: int) -> bytes:
+    """A ``bytes`` value whose pickle (``comm``'s protocol) is ``length`` bytes long and whose content
+    depends on ``tag`` and on each position, so that a truncated, shifted or misrouted payload cannot
+    unpickle to an equal value."""
+    for size in range(max(0, length - 32), length + 1):
+        value = bytes((i * 7 + tag * 31) % 251 for i in range(size))
+        if len(comm._pickled(value)) == length:
+            return value
+    raise AssertionError(f"no bytes value pickles to {length} bytes")
+
+
+def _length_of(rank: int, who: str, world: int, length: int) -> int:
+    sends_long = who == "every rank" or (who == "the last rank" and rank == world - 1) or (who == "the coordinator" and rank == 0)
+    return length if sends_long else LENGTHS["small"]
+
+
+@contextlib.contextmanager
+def _counted() -> Iterator[Counter[str]]:
+    """Count the c10d calls made on this rank while inside."""
+    counts: Counter[str] = Counter()
+    with contextlib.ExitStack() as stack:
+        for name in CALLS:
+            real = getattr(torch.distributed, name)
+
+            def counting(*args: Any, _real: Callable[..., Any] = real, _name: str = name, **kwargs: Any) -> Any:
+                counts[_name] += 1
+                return _real(*args, **kwargs)
+
+            stack.enter_context(mock.patch.object(torch.distributed, name, counting))
+        yield counts
+
+
+def _collectives(counts: Counter[str]) -> dict[str, int]:
+    return {name: n for name, n in counts.items() if name not in ("send", "recv")}
+
+
+def _p2p(counts: Counter[str]) -> dict[str, int]:
+    return {name: n for name, n in counts.items() if name in ("send", "recv")}
+
+
+@pytest.mark.world_size(min=2)
+@pytest.mark.rank_timeout(60)
+@pytest.mark.parametrize("who", WHO)
+@pytest.mark.parametrize("length", LENGTHS)
+def test_gather_then_scatter_carries_every_pickle_whole(dist: Any, length: str, who: str) -> None:
+    """Every rank's value reaches the coordinator whole, and each rank's decided value reaches it whole,
+    in one gather and one scatter; the rest of a long pickle goes between its rank and the coordinator
+    only (one send, one receive), never through a collective of every rank."""
+    world, rank = dist.world_size, dist.rank
+    sizes = [_length_of(r, who, world, LENGTHS[length]) for r in range(world)]
+    sent = [_value(sizes[r], r) for r in range(world)]
+    # The decision sent to rank r is as long as what r sent, with other content.
+    answers = [_value(sizes[r], r + 100) for r in range(world)]
+    gathered: list[Any] = []
+
+    def decide(results: list[bytes]) -> list[bytes]:
+        gathered.extend(results)
+        return answers
+
+    with _counted() as counts:
+        got = comm.gather_decide_scatter(dist.group, lambda: sent[rank], decide)
+    assert got == answers[rank], f"rank {rank}: received {len(got)} bytes, not its {len(answers[rank])}-byte decision"
+    if rank == 0:
+        assert gathered == sent, f"the coordinator gathered lengths {[len(g) for g in gathered]}, sent {[len(s) for s in sent]}"
+    assert _collectives(counts) == {"gather": 1, "scatter": 1}, f"rank {rank}: {dict(counts)}"
+    long_pickles = [r for r in range(1, world) if sizes[r] > ROOM]
+    if rank == 0:
+        expected = {"recv": len(long_pickles), "send": len(long_pickles)} if long_pickles else {}
+    else:
+        expected = {"send": 1, "recv": 1} if rank in long_pickles else {}
+    assert _p2p(counts) == {k: v for k, v in expected.items() if v}, f"rank {rank}: {dict(counts)}"
+
+
+@pytest.mark.world_size(min=2)
+@pytest.mark.rank_timeout(60)
+@pytest.mark.parametrize("who", WHO)
+@pytest.mark.parametrize("length", LENGTHS)
+def test_gather_then_broadcast_carries_every_pickle_whole(dist: Any, length: str, who: str) -> None:
+    """The coordinator's decision reaches every rank whole: one broadcast when its pickle fits a frame,
+    a second one of the rest when it does not (every rank reads the length, so all take part)."""
+    world, rank = dist.world_size, dist.rank
+    sizes = [_length_of(r, who, world, LENGTHS[length]) for r in range(world)]
+    sent = [_value(sizes[r], r) for r in range(world)]
+    decision = _value(max(sizes), 200)
+
+    def decide(results: list[bytes]) -> bytes:
+        assert results == sent, f"the coordinator gathered lengths {[len(g) for g in results]}"
+        return decision
+
+    with _counted() as counts:
+        got = comm.gather_decide_broadcast(dist.group, lambda: sent[rank], decide)
+    assert got == decision, f"rank {rank}: received {len(got)} bytes, not the {len(decision)}-byte decision"
+    broadcasts = 2 if max(sizes) > ROOM else 1
+    assert _collectives(counts) == {"gather": 1, "broadcast": broadcasts}, f"rank {rank}: {dict(counts)}"
+
+
+@pytest.mark.world_size(min=2)
+@pytest.mark.rank_timeout(60)
+@pytest.mark.parametrize("who", WHO)
+@pytest.mark.parametrize("length", LENGTHS)
+def test_all_gather_carries_every_pickle_whole(dist: Any, length: str, who: str) -> None:
+    """Every rank gets every rank's value whole, in rank order: one all-gather when every pickle fits a
+    frame, a second of the rests (padded to the longest) when any does not, on every rank alike."""
+    world, rank = dist.world_size, dist.rank
+    sizes = [_length_of(r, who, world, LENGTHS[length]) for r in range(world)]
+    sent = [_value(sizes[r], r) for r in range(world)]
+    with _counted() as counts:
+        got = comm.gather_agreed(dist.group, lambda: sent[rank])
+        objects = comm.all_gather_objects(sent[rank], dist.group)
+    assert got == sent and objects == sent, f"rank {rank}: received lengths {[len(g) for g in got]}, {[len(o) for o in objects]}"
+    all_gathers = 2 * (2 if max(sizes) > ROOM else 1)
+    assert _collectives(counts) == {"all_gather": all_gathers}, f"rank {rank}: {dict(counts)}"
+    assert not _p2p(counts), f"rank {rank}: {dict(counts)}"
+
+
+@pytest.mark.world_size(min=2)
+@pytest.mark.rank_timeout(60)
+@pytest.mark.parametrize("length", ["small", "room", "room+1", "3 frames"])
+def test_broadcast_from_the_coordinator_carries_its_pickle_whole(dist: Any, length: str) -> None:
+    value = _value(LENGTHS[length], 7)
+    with _counted() as counts:
+        got = comm.broadcast_from_coordinator(dist.group, lambda: value if dist.rank == 0 else None)
+    assert got == value, f"rank {dist.rank}: received {len(got)} bytes, not the {len(value)} sent"
+    broadcasts = 2 if LENGTHS[length] > ROOM else 1
+    assert _collectives(counts) == {"broadcast": broadcasts}, f"rank {dist.rank}: {dict(counts)}"
+
+
+@pytest.mark.world_size(min=2)
+@pytest.mark.rank_timeout(60)
+def test_agreement_on_success_is_one_flag(dist: Any) -> None:
+    with _counted() as counts:
+        assert comm.agree(dist.group, lambda: dist.rank) == dist.rank
+    assert dict(counts) == {"all_reduce": 1}, f"rank {dist.rank}: {dict(counts)}"
+
+
+@pytest.mark.world_size(min=2)
+@pytest.mark.rank_timeout(120)
+def test_a_save_makes_four_collectives_and_a_load_three(dist: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A checkpoint save at this world size is one gather of plans, one scatter of the global plans, one
+    gather of write results and one broadcast of the metadata; a load is three one-flag agreements (after
+    planning, after reading, after committing). No point-to-point traffic while the objects fit a frame."""
+    root = dist.broadcast_object(str(tmp_path_factory.mktemp("ckpt")) if dist.rank == 0 else None)
+    state: dict[str, Any] = {f"layer{i}.weight": torch.full((4, 4), float(i)) for i in range(3)}
+    state["step"] = 5
+    with _counted() as counts:
+        api.save(state, checkpoint_id=f"{root}/ckpt", process_group=dist.group)
+    assert dict(counts) == {"gather": 2, "scatter": 1, "broadcast": 1}, f"rank {dist.rank}, save: {dict(counts)}"
+    target = {key: torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0 for key, value in state.items()}
+    with _counted() as counts:
+        api.load(target, checkpoint_id=f"{root}/ckpt", process_group=dist.group)
+    assert dict(counts) == {"all_reduce": 3}, f"rank {dist.rank}, load: {dict(counts)}"
+    assert all(torch.equal(target[key], state[key]) for key in state if key != "step"), f"rank {dist.rank}"
+    assert target["step"] == 5
+
+
+def _unpicklable() -> Callable[[], int]:
+    return lambda: 1  # a function defined in a function does not pickle
+
+
+@pytest.mark.world_size(min=2)
+@pytest.mark.rank_timeout(30)
+@pytest.mark.parametrize("how", ["gather_agreed", "gather_decide_scatter", "gather_decide_broadcast"])
+def test_a_result_that_does_not_pickle_on_one_rank_fails_every_rank(dist: Any, how: str) -> None:
+    """One rank's step returns a value that cannot be pickled: that rank reports the pickling error as
+    its failure, and every rank raises it, naming that rank, instead of the rank raising alone and the
+    others waiting for its value."""
+    last = dist.world_size - 1
+    result: Any = _unpicklable() if dist.rank == last else dist.rank
+    decided: list[Any] = []
+    exc = raised(lambda: {
+        "gather_agreed": lambda: comm.gather_agreed(dist.group, lambda: result),
+        "gather_decide_scatter": lambda: comm.gather_decide_scatter(dist.group, lambda: result, lambda rs: decided.append(rs) or list(rs)),
+        "gather_decide_broadcast": lambda: comm.gather_decide_broadcast(dist.group, lambda: result, lambda rs: decided.append(rs) or rs),
+    }[how]())
+    assert exc is not None, f"rank {dist.rank}: {how} returned although rank {last}'s result does not pickle"
+    assert f"(raised on rank {last} of {dist.world_size}; every rank raises it)" in str(exc), f"rank {dist.rank}: {exc!r}"
+    assert "pickle" in str(exc).lower(), f"rank {dist.rank}: the error does not say what failed: {exc!r}"
+    assert not decided, f"rank {dist.rank}: decided although rank {last} failed"
+    assert (exc.__cause__ is not None) == (dist.rank == last), f"rank {dist.rank}: cause {exc.__cause__!r}"
+
+
+@pytest.mark.world_size(min=2)
+@pytest.mark.rank_timeout(30)
+@pytest.mark.parametrize("how", ["gather_decide_scatter", "gather_decide_broadcast", "broadcast_from_coordinator"])
+def test_a_decision_that_does_not_pickle_fails_every_rank_as_the_coordinators(dist: Any, how: str) -> None:
+    last = dist.world_size - 1
+    exc = raised(lambda: {
+        # Only the last rank's value is unpicklable: the coordinator finds out before sending anything.
+        "gather_decide_scatter": lambda: comm.gather_decide_scatter(
+            dist.group, lambda: dist.rank, lambda rs: [*range(last), _unpicklable()]),
+        "gather_decide_broadcast": lambda: comm.gather_decide_broadcast(dist.group, lambda: dist.rank, lambda rs: _unpicklable()),
+        "broadcast_from_coordinator": lambda: comm.broadcast_from_coordinator(dist.group, _unpicklable),
+    }[how]())
+    assert exc is not None, f"rank {dist.rank}: {how} returned although the decision does not pickle"
+    assert f"(raised on rank 0 of {dist.world_size}; every rank raises it)" in str(exc), f"rank {dist.rank}: {exc!r}"
+    assert (exc.__cause__ is not None) == (dist.rank == 0), f"rank {dist.rank}: cause {exc.__cause__!r}"
+
+
+def _refuse_on_the_coordinator(payload: bytes) -> bytes:
+    """Unpickling hook: fails on the coordinator only (as a class it cannot import would)."""
+    if torch.distributed.get_rank() == 0:
+        raise ModuleNotFoundError("No module named 'fork_only'")
+    return payload
+
+
+class _ReadableElsewhere:
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        return _refuse_on_the_coordinator, (b"x",)
+
+
+@pytest.mark.world_size(min=2)
+@pytest.mark.rank_timeout(30)
+@pytest.mark.parametrize("how", ["gather_decide_scatter", "gather_decide_broadcast"])
+def test_a_value_the_coordinator_cannot_unpickle_fails_every_rank_naming_the_sender(dist: Any, how: str) -> None:
+    last = dist.world_size - 1
+    value: Any = _ReadableElsewhere() if dist.rank == last else dist.rank
+    step = comm.gather_decide_scatter if how == "gather_decide_scatter" else comm.gather_decide_broadcast
+    exc = raised(lambda: step(dist.group, lambda: value, lambda rs: list(rs)))
+    assert type(exc) is RuntimeError, f"rank {dist.rank}: {exc!r}"
+    assert str(exc).startswith(f"what rank {last} sent cannot be unpickled on the coordinator: "
+                               "ModuleNotFoundError: No module named 'fork_only'"), f"rank {dist.rank}: {exc!r}"
+    assert f"(raised on rank {last} of {dist.world_size}; every rank raises it)" in str(exc)
+
+
+def test_a_frame_is_read_back_at_every_length() -> None:
+    """Without ranks: a frame and its rest carry pickles of every length around the frame's size, and
+    a frame that announces more than it holds is not read without its rest."""
+    cpu = torch.device("cpu")
+    for length in [0, 1, ROOM - 1, ROOM, ROOM + 1, 2 * comm.FRAME_BYTES]:
+        data = bytes(i % 253 for i in range(length))
+        frame = comm._frame(data, cpu)
+        assert frame.numel() == comm.FRAME_BYTES
+        view = memoryview(frame.numpy())
+        rest = comm._rest(data, cpu)
+        assert (rest is None) == (length <= ROOM), length
+        assert bytes(comm._payload(view, rest)) == data, length
+        if rest is not None:
+            assert raised(lambda: comm._payload(view, None)) is not None, length
+
+
+def test_pickles_use_the_highest_protocol() -> None:
+    assert comm._pickled(b"x")[:2] == bytes([0x80, pickle.HIGHEST_PROTOCOL])
