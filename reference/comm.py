@@ -24,6 +24,10 @@ default, :class:`LowestFailingRank`, raises the lowest failing rank's error, its
 the checkpoint's policy (:class:`reference.checkpoint.collective.CheckpointErrors`) raises one
 checkpoint error naming every failing rank. On every rank that raised, its own exception is the agreed
 error's ``__cause__``. In a group of one rank nothing is pickled: outcomes stay where they are.
+
+Outcomes travel pickled, in frames of :data:`FRAME_BYTES` (see "objects over the wire" below): one
+collective per exchange while they fit, where torch's object collectives make two or three. A result
+that does not pickle is its rank's failure like any other, never a rank raising alone.
 """
 
 from __future__ import annotations
@@ -203,7 +207,8 @@ def broadcast_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> t
 # its first bytes, one collective for the whole exchange. A pickle longer than its frame sends the rest
 # after it: point to point between the coordinator and that rank alone after a gather or a scatter
 # (only those two know the length), in one more collective after a broadcast or an all-gather (every
-# rank has read the length). The frames are plain bytes made without torch ops: a fill or a copy of 64
+# rank has read the length). Each function here is called with a group of more than one rank. The
+# frames are plain bytes made without torch ops: a fill or a copy of 64
 # KiB would wake torch's intra-op threads, whose spinning takes the CPU from the other ranks of a
 # machine with few cores.
 
@@ -213,7 +218,7 @@ FRAME_BYTES = 64 * 1024
 _HEADER = struct.Struct("<Q")  # the length of the whole pickle, little-endian
 _ROOM = FRAME_BYTES - _HEADER.size  # bytes of the pickle that the frame itself carries
 
-Payload = bytes | memoryview
+_Payload = bytes | memoryview  # a received pickle: a view of its frame, or bytes when it had a rest
 
 
 def _pickled(obj: Any) -> bytes:
@@ -254,14 +259,14 @@ def _length(frame: memoryview) -> int:
     return int(_HEADER.unpack_from(frame)[0])
 
 
-def _rest_buffer(frame: memoryview, device: torch.device, length: int | None = None) -> torch.Tensor | None:
-    """A buffer for the bytes past ``frame`` of the pickle it announces (``length`` of them if given,
-    for a rest padded to the longest), or ``None`` if there are none."""
-    overflow = _length(frame) - _ROOM if length is None else length
+def _rest_buffer(frame: memoryview, device: torch.device) -> torch.Tensor | None:
+    """A buffer for the bytes of the pickle ``frame`` announces that it does not hold, or ``None`` if it
+    holds them all."""
+    overflow = _length(frame) - _ROOM
     return torch.empty(overflow, dtype=torch.uint8, device=device) if overflow > 0 else None
 
 
-def _payload(frame: memoryview, rest: torch.Tensor | None) -> Payload:
+def _payload(frame: memoryview, rest: torch.Tensor | None) -> _Payload:
     """The pickle that a received ``frame`` and its ``rest`` (``None`` if the frame holds it all) carry."""
     length = _length(frame)
     if length <= _ROOM:
@@ -270,7 +275,7 @@ def _payload(frame: memoryview, rest: torch.Tensor | None) -> Payload:
     return bytes(frame[_HEADER.size :]) + rest.cpu().numpy().tobytes()[: length - _ROOM]
 
 
-def _gather_bytes(data: bytes, group: dist.ProcessGroup | None) -> list[Payload]:
+def _gather_bytes(data: bytes, group: dist.ProcessGroup | None) -> list[_Payload]:
     """Every rank's ``data`` at the coordinator, in rank order, except its own (an empty slot: it sends
     nothing to itself); ``[]`` on the other ranks. One gather of frames; a rank whose data outgrew its
     frame then sends the rest to the coordinator alone."""
@@ -282,7 +287,7 @@ def _gather_bytes(data: bytes, group: dist.ProcessGroup | None) -> list[Payload]
         return []
     frames = _empty_frames(group_size(group), device)
     dist.gather(_frame(b"", device), list(frames.unbind(0)), group=group, group_dst=0)
-    received: list[Payload] = [b""]
+    received: list[_Payload] = [b""]
     for rank, frame in enumerate(_rows(frames)[1:], start=1):
         if (rest := _rest_buffer(frame, device)) is not None:
             dist.recv(rest, group=group, group_src=rank)
@@ -290,7 +295,7 @@ def _gather_bytes(data: bytes, group: dist.ProcessGroup | None) -> list[Payload]
     return received
 
 
-def _scatter_bytes(outgoing: list[bytes] | None, group: dist.ProcessGroup | None) -> Payload:
+def _scatter_bytes(outgoing: list[bytes] | None, group: dist.ProcessGroup | None) -> _Payload:
     """``outgoing[r]`` (given on the coordinator, one per rank; its own entry is not sent) at rank ``r``;
     the coordinator gets an empty payload. One scatter of frames; the rest of a payload that outgrew its
     frame then goes to its rank alone."""
@@ -312,7 +317,7 @@ def _scatter_bytes(outgoing: list[bytes] | None, group: dist.ProcessGroup | None
     return _payload(view, rest)
 
 
-def _broadcast_bytes(data: bytes | None, group: dist.ProcessGroup | None) -> Payload:
+def _broadcast_bytes(data: bytes | None, group: dist.ProcessGroup | None) -> _Payload:
     """The coordinator's ``data`` (``None`` on the other ranks) on every rank. One broadcast of a frame,
     a second of the rest if the data outgrew it."""
     device = _exchange_device(group)
@@ -330,7 +335,7 @@ def _broadcast_bytes(data: bytes | None, group: dist.ProcessGroup | None) -> Pay
     return _payload(view, rest)
 
 
-def _all_gather_bytes(data: bytes, group: dist.ProcessGroup | None) -> list[Payload]:
+def _all_gather_bytes(data: bytes, group: dist.ProcessGroup | None) -> list[_Payload]:
     """Every rank's ``data`` on every rank, in rank order. One all-gather of frames; if any rank's data
     outgrew its frame, a second of every rank's rest, padded to the longest."""
     device = _exchange_device(group)
@@ -563,7 +568,7 @@ def broadcast_from_coordinator(group: dist.ProcessGroup | None, step: Callable[[
     return cast(T, _broadcast_outcome(group, outcome, local, errors))
 
 
-def _unpickled(payload: Payload, rank: int, errors: ErrorPolicy) -> Any:
+def _unpickled(payload: _Payload, rank: int, errors: ErrorPolicy) -> Any:
     """On the coordinator, what ``rank`` sent; if it cannot be unpickled here (a class this process
     cannot import), that rank's failure, which the coordinator's answer then carries to every rank."""
     try:
