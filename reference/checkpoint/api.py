@@ -85,7 +85,8 @@ def save(
     collective = Collective(process_group, action=f"save to {str(checkpoint_id)!r}")
     metadata_box: list[Metadata] = []
 
-    # Plans and write results cross ranks as wire.Compact: pickled, they travel as plain tuples.
+    # Plans, write results and the metadata cross ranks as wire.Compact: pickled, they travel as plain
+    # tuples.
     def local_plan() -> Compact[SavePlan]:
         planner.set_up_planner(state_dict, writer.storage_meta(), collective.is_coordinator)
         writer.set_up_storage_writer(collective.is_coordinator)
@@ -109,12 +110,12 @@ def save(
         future.wait()
         return Compact(future.value())
 
-    def finish(results: list[Compact[list[WriteResult]]]) -> Metadata:
+    def finish(results: list[Compact[list[WriteResult]]]) -> Compact[Metadata]:
         writer.finish(metadata_box[0], [unwrap(rank_results) for rank_results in results])
-        return metadata_box[0]
+        return Compact(metadata_box[0])
 
     try:
-        return collective.gather_decide_broadcast("writing", write, finish)
+        return unwrap(collective.gather_decide_broadcast("writing", write, finish))
     finally:
         close = getattr(writer, "close", None)
         if callable(close):

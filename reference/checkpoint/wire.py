@@ -1,12 +1,14 @@
-"""How the plans and write results of a save travel between ranks: compactly, when pickled.
+"""How the plans, write results and metadata of a save travel between ranks: compactly, when pickled.
 
 A save gathers every rank's ``SavePlan`` to the coordinator, scatters the global plans back, then
-gathers every rank's ``WriteResult`` list (:func:`reference.checkpoint.api.save`). Pickled as they are,
+gathers every rank's ``WriteResult`` list and broadcasts the checkpoint's ``Metadata``
+(:func:`reference.checkpoint.api.save`). Pickled as they are,
 these are slow to send: each write item is five nested dataclasses (pickled through ``copyreg``, with
 their ``__dict__``) holding three ``torch.Size`` and a dtype, layout and memory format (each through a
 Python-level ``__reduce__``). A 350-item plan (512 MB of model and Adam state, sharded over two ranks)
 took 4.2-6.7 ms to pickle and 3.6-4.0 ms to unpickle here (0.8 and 1.7 ms in this form), and
-those exchanges were about 26 ms of a 313 ms save at world size 2.
+those exchanges were about 26 ms of a 313 ms save at world size 2. The metadata of 465 entries took
+2.5 ms to pickle and 1.6 ms to unpickle, in 103 KB (0.6 and 1.3 ms, in 49 KB, this way).
 
 :class:`Compact` wraps such a value. Unpickled, it is the value again, rebuilt as an equal object of
 the same types with the same fields (index hints included), but it travels as tuples of plain
@@ -22,7 +24,14 @@ import dataclasses
 from typing import Any, Generic, TypeVar
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import BytesIOWriteData, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -42,6 +51,9 @@ _PACKED_FIELDS: dict[type, tuple[str, ...]] = {
     ChunkStorageMetadata: ("offsets", "sizes"),
     TensorProperties: ("dtype", "layout", "requires_grad", "memory_format", "pin_memory"),
     WriteResult: ("index", "size_in_bytes", "storage_data"),
+    Metadata: ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"),
+    TensorStorageMetadata: ("properties", "size", "chunks"),
+    BytesStorageMetadata: (),
 }
 _KNOWN_FIELDS = all(tuple(f.name for f in dataclasses.fields(cls)) == names for cls, names in _PACKED_FIELDS.items())
 #: StorageInfo's fields travel as a tuple in their own order (whatever this torch's are).
@@ -50,8 +62,8 @@ _ITEM_TYPES = {kind.value: kind for kind in WriteItemType}
 
 
 class Compact(Generic[T]):
-    """``value`` (a ``SavePlan`` or a list of ``WriteResult``), pickled in a compact form; unpickling
-    gives back the value itself, not the wrapper."""
+    """``value`` (a ``SavePlan``, a list of ``WriteResult`` or a ``Metadata``), pickled in a compact
+    form; unpickling gives back the value itself, not the wrapper."""
 
     __slots__ = ("value",)
 
@@ -66,6 +78,8 @@ class Compact(Generic[T]):
                 return _unpack_plan, (dataclasses.replace(value, items=[]), *rows)
             if isinstance(value, list) and (results := _pack_results(value)) is not None:
                 return _unpack_results, (results,)
+            if type(value) is Metadata and (packed := _pack_metadata(value)) is not None:
+                return _unpack_metadata, (dataclasses.replace(value, state_dict_metadata={}, storage_data=None), *packed)
         return _same, (value,)
 
 
@@ -150,3 +164,53 @@ def _unpack_results(rows: list[tuple[Any, ...]]) -> list[WriteResult]:
         WriteResult(index=MetadataIndex(fqn, offset, hint), size_in_bytes=size, storage_data=StorageInfo(*info))
         for fqn, offset, hint, size, info in rows
     ]
+
+
+def _pack_metadata(metadata: Metadata) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], list[tuple[Any, ...]]] | None:
+    """(one row per key in order, the distinct tensor properties, one row per storage entry in order),
+    or None if an entry is not made of exactly the types and fields this module rebuilds."""
+    rows: list[tuple[Any, ...]] = []
+    properties: dict[tuple[Any, ...], int] = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if type(entry) is BytesStorageMetadata:
+            rows.append((fqn,))
+            continue
+        if type(entry) is not TensorStorageMetadata:
+            return None
+        props, chunks = entry.properties, entry.chunks
+        if type(props) is not TensorProperties or type(entry.size) is not torch.Size or type(chunks) is not list:
+            return None
+        packed_chunks = []
+        for chunk in chunks:
+            if type(chunk) is not ChunkStorageMetadata or type(chunk.offsets) is not torch.Size or type(chunk.sizes) is not torch.Size:
+                return None
+            packed_chunks.append((tuple(chunk.offsets), tuple(chunk.sizes)))
+        key = (props.dtype, props.layout, props.requires_grad, props.memory_format, props.pin_memory)
+        rows.append((fqn, properties.setdefault(key, len(properties)), tuple(entry.size), packed_chunks))
+    storage = metadata.storage_data
+    if type(storage) is not dict:
+        return None
+    entries: list[tuple[Any, ...]] = []
+    for index, info in storage.items():
+        if type(index) is not MetadataIndex or type(info) is not StorageInfo:
+            return None
+        offset = None if index.offset is None else tuple(index.offset)
+        entries.append((index.fqn, offset, index.index, tuple(getattr(info, name) for name in _STORAGE_INFO_FIELDS)))
+    return rows, list(properties), entries
+
+
+def _unpack_metadata(shell: Metadata, rows: list[tuple[Any, ...]], properties: list[tuple[Any, ...]],
+                     entries: list[tuple[Any, ...]]) -> Metadata:
+    state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    for row in rows:
+        if len(row) == 1:  # a non-tensor value
+            state_dict_metadata[row[0]] = BytesStorageMetadata()
+            continue
+        fqn, props, size, chunks = row
+        state_dict_metadata[fqn] = TensorStorageMetadata(
+            properties=TensorProperties(*properties[props]),  # one object per key, as before
+            size=torch.Size(size),
+            chunks=[ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)) for offsets, sizes in chunks],
+        )
+    storage_data = {MetadataIndex(fqn, offset, hint): StorageInfo(*info) for fqn, offset, hint, info in entries}
+    return dataclasses.replace(shell, state_dict_metadata=state_dict_metadata, storage_data=storage_data)

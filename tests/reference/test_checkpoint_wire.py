@@ -1,4 +1,4 @@
-"""``reference.checkpoint.wire``: a save's plans and write results, pickled compactly, come back as
+"""``reference.checkpoint.wire``: a save's plans, write results and metadata, pickled compactly, come back as
 the same objects field for field (types and index hints included, which ``==`` does not compare), and
 anything the compact form does not know exactly pickles as it is."""
 
@@ -10,7 +10,15 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import BytesIOWriteData, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -110,8 +118,64 @@ def test_write_results_travel_compactly_and_come_back_field_for_field() -> None:
     assert _sent([]) == []
 
 
+def _reference_metadata(tmp_path: Any) -> Metadata:
+    """What the reference's save returns for the state dict of :func:`_reference_plan` (every field set
+    by a real save: storage entries, planner data, storage meta, version)."""
+    from reference.checkpoint import save
+
+    state_dict: dict[str, Any] = {f"t.{dtype}".replace("torch.", ""): torch.zeros(3, 2, dtype=dtype) for dtype in DTYPES}
+    state_dict.update(scalar=torch.tensor(1.5), empty=torch.zeros(0, 4), weight=torch.nn.Parameter(torch.ones(2)),
+                      step=7, groups=[{"lr": 0.1, "params": [0, 1]}])
+    return save(state_dict, checkpoint_id=tmp_path / "ckpt")
+
+
+def _sharded_metadata() -> Metadata:
+    """Metadata of a tensor saved as two shards of two ranks (one property set per key, in an order that
+    is not sorted), a non-tensor value, storage entries with and without offsets and hints, and every
+    field of this torch's StorageInfo set."""
+    bf16 = TensorProperties(dtype=torch.bfloat16, requires_grad=True)
+    return Metadata(
+        state_dict_metadata={
+            "w": TensorStorageMetadata(bf16, torch.Size([4, 3]), [
+                ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 3])),
+                ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3]))]),
+            "opt": BytesStorageMetadata(),
+            "b": TensorStorageMetadata(TensorProperties(dtype=torch.int8), torch.Size([0]), []),
+        },
+        planner_data={"w": ("model", "w")},
+        storage_data={
+            MetadataIndex("w", (2, 0), 0): StorageInfo("__1_0.distcp", 64, 96),
+            MetadataIndex("w", (0, 0), 1): StorageInfo("__0_0.distcp", 64, 96),
+            MetadataIndex("opt"): StorageInfo(*_values_of_their_own(StorageInfo)),
+        },
+        storage_meta=StorageMeta(checkpoint_id="/ckpt", save_id="s1"),
+        version="1.0.0",
+    )
+
+
+@pytest.mark.parametrize("source", ["reference save", "sharded, by hand"])
+def test_metadata_travels_compactly_and_comes_back_field_for_field(source: str, tmp_path: Any) -> None:
+    metadata = _reference_metadata(tmp_path) if source == "reference save" else _sharded_metadata()
+    assert wire.Compact(metadata).__reduce__()[0] is wire._unpack_metadata  # the compact form is taken
+    back = _sent(metadata)
+    assert back == metadata
+    assert _exact(back) == _exact(metadata)  # key order, types, index hints and every field
+    assert list(back.storage_data) == list(metadata.storage_data)
+    assert [i.index for i in back.storage_data] == [i.index for i in metadata.storage_data]
+    props = [md.properties for md in back.state_dict_metadata.values() if isinstance(md, TensorStorageMetadata)]
+    assert len({id(p) for p in props}) == len(props), "keys came back sharing one TensorProperties"
+    assert len(pickle.dumps(wire.Compact(metadata))) < len(pickle.dumps(metadata))
+
+
+def _with_entry(key: str, entry: Any) -> Metadata:
+    metadata = _sharded_metadata()
+    metadata.state_dict_metadata[key] = entry
+    return metadata
+
+
 #: offsets and sizes as plain tuples, where DCP's types say torch.Size (a planner of its own may)
 _TUPLES: Any = ((0, 0), (2, 3))
+_TUPLE_SIZE: Any = (4,)
 
 
 def _subclassed_item() -> SavePlan:
@@ -129,7 +193,15 @@ def _subclassed_item() -> SavePlan:
     ([WriteResult(index=MetadataIndex("w"), size_in_bytes=1, storage_data={"uri": "s3://b/k"})], "a writer's own storage_data"),
     (["not a result"], "a list of something else"),
     ({"plan": 1}, "another value"),
-], ids=["tuple offsets", "foreign storage_data", "other list", "other value"])
+    (_with_entry("w", TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4]),
+                                            [ChunkStorageMetadata(*_TUPLES)])), "metadata: tuples where torch.Size was"),
+    (_with_entry("w", TensorStorageMetadata(TensorProperties(dtype=torch.float32), _TUPLE_SIZE, [])), "metadata: a tuple size"),
+    (_with_entry("w", "an entry of a planner's own"), "metadata: an entry of another type"),
+    (dataclasses.replace(_sharded_metadata(), storage_data={MetadataIndex("w"): {"uri": "s3://b/k"}}),
+     "metadata: a writer's own storage_data"),
+    (dataclasses.replace(_sharded_metadata(), storage_data=None), "metadata: no storage_data"),
+], ids=["tuple offsets", "foreign storage_data", "other list", "other value", "metadata tuple offsets",
+        "metadata tuple size", "metadata foreign entry", "metadata foreign storage_data", "metadata without storage_data"])
 def test_what_the_compact_form_does_not_know_exactly_pickles_as_it_is(value: Any, why: str) -> None:
     assert wire.Compact(value).__reduce__()[0] is wire._same, why
     assert _exact(_sent(value)) == _exact(value), why
@@ -157,9 +229,9 @@ def test_a_plan_of_another_type_pickles_as_it_is() -> None:
 def test_with_dataclasses_of_other_fields_nothing_is_packed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Another torch whose classes have other fields: values pickle as they are, never lossily."""
     monkeypatch.setattr(wire, "_KNOWN_FIELDS", False)
-    plan = _sharded_plan()
-    assert wire.Compact(plan).__reduce__()[0] is wire._same
-    assert _exact(_sent(plan)) == _exact(plan)
+    for value in (_sharded_plan(), _sharded_metadata()):
+        assert wire.Compact(value).__reduce__()[0] is wire._same
+        assert _exact(_sent(value)) == _exact(value)
 
 
 def test_unwrap_gives_the_value_whether_or_not_it_was_pickled() -> None:

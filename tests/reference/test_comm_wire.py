@@ -171,11 +171,11 @@ def test_agreement_on_success_is_one_flag(dist: Any) -> None:
 
 @pytest.mark.world_size(min=2)
 @pytest.mark.rank_timeout(120)
-def test_a_save_makes_four_collectives_and_a_load_three(dist: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_a_save_makes_four_collectives_and_a_load_three(dist: Any) -> None:
     """A checkpoint save at this world size is one gather of plans, one scatter of the global plans, one
     gather of write results and one broadcast of the metadata; a load is three one-flag agreements (after
     planning, after reading, after committing). No point-to-point traffic while the objects fit a frame."""
-    root = dist.broadcast_object(str(tmp_path_factory.mktemp("ckpt")) if dist.rank == 0 else None)
+    root = dist.tmp_dir
     state: dict[str, Any] = {f"layer{i}.weight": torch.full((4, 4), float(i)) for i in range(3)}
     state["step"] = 5
     with _counted() as counts:
