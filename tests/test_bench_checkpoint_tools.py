@@ -31,6 +31,26 @@ def test_checkpoint_io_prints_a_row_per_operation_with_ratios_to_raw(capsys: pyt
         assert all(float(cell.replace(",", "")) > 0 for cell in row[1:]), row
 
 
+class _ScriptedRanks:
+    """Stands for a RankGroup of one rank: each save or load takes the next of ``seconds``."""
+
+    def __init__(self, seconds: list[float]) -> None:
+        self.seconds = iter(seconds)
+        self.calls: list[str] = []
+
+    def run(self, fn: Any, *args: Any) -> list[Any]:
+        self.calls.append(fn.__name__)
+        return [0] if fn.__name__ == "prepare" else [next(self.seconds)]
+
+
+def test_checkpoint_io_drops_the_warm_up_rounds() -> None:
+    """The first round (each implementation's first call: imports, threads) runs but is not kept."""
+    ranks = _ScriptedRanks([100.0, 101.0, 1.0, 2.0, 3.0, 4.0])  # save, load per call, in call order
+    _, series = checkpoint_io.measure_interleaved(ranks, ["reference"], 1 << 20, "full", "/unused", 2)  # type: ignore[arg-type]
+    assert ranks.calls == ["prepare", "save_once", "load_once", "save_once", "load_once", "save_once", "load_once"]
+    assert (series["reference"].save, series["reference"].load) == ([1.0, 3.0], [2.0, 4.0])
+
+
 def _tables(text: str) -> dict[str, tuple[list[str], list[dict[str, str]]]]:
     """``bench.checkpoint_phases``' tables by operation: (header, rows as {column: cell})."""
     tables: dict[str, tuple[list[str], list[dict[str, str]]]] = {}
