@@ -189,6 +189,28 @@ def test_a_save_makes_four_collectives_and_a_load_three(dist: Any) -> None:
     assert target["step"] == 5
 
 
+@pytest.mark.world_size(4)
+@pytest.mark.rank_timeout(60)
+def test_frames_and_their_rests_stay_within_a_group_whose_coordinator_is_not_global_rank_0(dist: Any) -> None:
+    """Groups ``[0, 1]`` and ``[2, 3]``, each exchanging pickles longer than a frame: in ``[2, 3]`` the
+    coordinator is global rank 2, so a rest sent to or from "rank 0" by global rank would leave the
+    group (and hang or land in the other group's exchange)."""
+    groups = [torch.distributed.new_group(ranks) for ranks in ([0, 1], [2, 3])]  # every rank makes both
+    try:
+        group = groups[dist.rank // 2]
+        first = dist.rank - dist.rank % 2
+        long = LENGTHS["3 frames"]
+        mine = _value(long, dist.rank)
+        got = comm.gather_decide_scatter(group, lambda: mine, lambda sent: [_value(long, 100 + first + r) for r in range(len(sent))])
+        assert got == _value(long, 100 + dist.rank), f"rank {dist.rank}: got another rank's decision"
+        every = comm.gather_decide_broadcast(group, lambda: mine, list)
+        assert every == [_value(long, first), _value(long, first + 1)], f"rank {dist.rank}: gathered another group's values"
+        assert comm.gather_agreed(group, lambda: mine) == every, f"rank {dist.rank}"
+    finally:
+        for group in groups:
+            torch.distributed.destroy_process_group(group)
+
+
 def _unpicklable() -> Callable[[], int]:
     return lambda: 1  # a function defined in a function does not pickle
 
