@@ -203,22 +203,31 @@ def broadcast_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> t
 # checkpoint's plans, write results and metadata) are tens of KB. Torch's object collectives send sizes
 # in collectives of their own before the objects (``gather_object`` makes two collectives,
 # ``scatter_object_list`` three, ``broadcast_object_list`` and ``all_gather_object`` two each). Here a
-# pickle travels in a *frame* instead: a tensor of ``FRAME_BYTES`` bytes holding the pickle's length and
-# its first bytes, one collective for the whole exchange. A pickle longer than its frame sends the rest
-# after it: point to point between the coordinator and that rank alone after a gather or a scatter
-# (only those two know the length), in one more collective after a broadcast or an all-gather (every
-# rank has read the length). Each function here is called with a group of more than one rank. The
-# frames are plain bytes made without torch ops: a fill or a copy of 64
-# KiB would wake torch's intra-op threads, whose spinning takes the CPU from the other ranks of a
-# machine with few cores.
+# pickle travels in a *frame* instead: a tensor of ``FRAME_BYTES`` bytes (fewer when an exchange
+# carries more than 64 frames: ``frame_bytes``) holding the pickle's length and its first bytes, one
+# collective for the whole exchange. A pickle longer than its frame sends the rest after it: point to
+# point between the coordinator and that rank alone after a gather or a scatter (only those two know
+# the length), in one more collective after a broadcast or an all-gather (every rank has read the
+# length). Each function here is called with a group of more than one rank. The frames are plain bytes
+# made without torch ops: a fill or a copy of 64 KiB would wake torch's intra-op threads, whose
+# spinning takes the CPU from the other ranks of a machine with few cores.
 
-#: Bytes of one frame, its header included: room for the plans of a model of some hundred tensors,
-#: small enough that a gather of one frame per rank stays small for thousands of ranks.
+#: Bytes of one frame, its header included: room for the plans of a model of some hundred tensors.
 FRAME_BYTES = 64 * 1024
+#: What the frames of one gather, scatter or all-gather (one frame per rank) may add up to. Up to 64
+#: ranks each frame has ``FRAME_BYTES``; past that, frames shrink (down to ``MIN_FRAME_BYTES``) so that
+#: an exchange of small objects among thousands of ranks stays a few MB, as torch's object collectives
+#: (each object padded to the longest) keep it; a pickle that outgrows its frame sends its rest as above.
+FRAMES_BUDGET = 4 * 1024 * 1024
+MIN_FRAME_BYTES = 1024
 _HEADER = struct.Struct("<Q")  # the length of the whole pickle, little-endian
-_ROOM = FRAME_BYTES - _HEADER.size  # bytes of the pickle that the frame itself carries
 
 _Payload = bytes | memoryview  # a received pickle: a view of its frame, or bytes when it had a rest
+
+
+def frame_bytes(frames: int) -> int:
+    """Bytes of each frame of an exchange of ``frames`` frames (a multiple of 64)."""
+    return max(MIN_FRAME_BYTES, min(FRAME_BYTES, FRAMES_BUDGET // frames // 64 * 64))
 
 
 def _pickled(obj: Any) -> bytes:
@@ -231,23 +240,30 @@ def _on(buffer: bytearray, device: torch.device) -> torch.Tensor:
     return tensor if device.type == "cpu" else tensor.to(device)
 
 
-def _frame(data: bytes, device: torch.device) -> torch.Tensor:
-    """The frame that carries ``data``'s length and its first ``_ROOM`` bytes."""
-    frame = bytearray(FRAME_BYTES)
+def _room(size: int) -> int:
+    """Bytes of a pickle that a frame of ``size`` bytes carries itself."""
+    return size - _HEADER.size
+
+
+def _frame(data: bytes, size: int, device: torch.device) -> torch.Tensor:
+    """The frame of ``size`` bytes that carries ``data``'s length and its first bytes."""
+    frame = bytearray(size)
     _HEADER.pack_into(frame, 0, len(data))
-    head = memoryview(data)[:_ROOM]
+    head = memoryview(data)[: _room(size)]
     frame[_HEADER.size : _HEADER.size + len(head)] = head
     return _on(frame, device)
 
 
-def _rest(data: bytes, device: torch.device) -> torch.Tensor | None:
-    """The bytes of ``data`` past its frame, or ``None`` if the frame holds it all."""
-    return _on(bytearray(memoryview(data)[_ROOM:]), device) if len(data) > _ROOM else None
+def _rest(data: bytes, size: int, device: torch.device) -> torch.Tensor | None:
+    """The bytes of ``data`` past its frame of ``size`` bytes, or ``None`` if the frame holds it all."""
+    room = _room(size)
+    return _on(bytearray(memoryview(data)[room:]), device) if len(data) > room else None
 
 
-def _empty_frames(count: int, device: torch.device) -> torch.Tensor:
-    """``count`` frames to receive into, as the rows of one buffer (``torch.empty``: nothing filled)."""
-    return torch.empty((count, FRAME_BYTES), dtype=torch.uint8, device=device)
+def _empty_frames(count: int, size: int, device: torch.device) -> torch.Tensor:
+    """``count`` frames of ``size`` bytes to receive into, as the rows of one buffer (``torch.empty``:
+    nothing filled)."""
+    return torch.empty((count, size), dtype=torch.uint8, device=device)
 
 
 def _rows(frames: torch.Tensor) -> list[memoryview]:
@@ -259,34 +275,40 @@ def _length(frame: memoryview) -> int:
     return int(_HEADER.unpack_from(frame)[0])
 
 
+def _overflow(frame: memoryview) -> int:
+    """Bytes of the pickle a received ``frame`` announces that it does not hold itself (0 or more)."""
+    return max(0, _length(frame) - _room(len(frame)))
+
+
 def _rest_buffer(frame: memoryview, device: torch.device) -> torch.Tensor | None:
     """A buffer for the bytes of the pickle ``frame`` announces that it does not hold, or ``None`` if it
     holds them all."""
-    overflow = _length(frame) - _ROOM
-    return torch.empty(overflow, dtype=torch.uint8, device=device) if overflow > 0 else None
+    overflow = _overflow(frame)
+    return torch.empty(overflow, dtype=torch.uint8, device=device) if overflow else None
 
 
 def _payload(frame: memoryview, rest: torch.Tensor | None) -> _Payload:
     """The pickle that a received ``frame`` and its ``rest`` (``None`` if the frame holds it all) carry."""
-    length = _length(frame)
-    if length <= _ROOM:
+    length, overflow = _length(frame), _overflow(frame)
+    if not overflow:
         return frame[_HEADER.size : _HEADER.size + length]
     assert rest is not None, "a frame announced more bytes than it holds, and no rest was received"
-    return bytes(frame[_HEADER.size :]) + rest.cpu().numpy().tobytes()[: length - _ROOM]
+    return bytes(frame[_HEADER.size :]) + rest.cpu().numpy().tobytes()[:overflow]
 
 
 def _gather_bytes(data: bytes, group: dist.ProcessGroup | None) -> list[_Payload]:
     """Every rank's ``data`` at the coordinator, in rank order, except its own (an empty slot: it sends
     nothing to itself); ``[]`` on the other ranks. One gather of frames; a rank whose data outgrew its
     frame then sends the rest to the coordinator alone."""
-    device = _exchange_device(group)
+    device, world = _exchange_device(group), group_size(group)
+    size = frame_bytes(world)
     if not is_coordinator(group):
-        dist.gather(_frame(data, device), None, group=group, group_dst=0)
-        if (rest := _rest(data, device)) is not None:
+        dist.gather(_frame(data, size, device), None, group=group, group_dst=0)
+        if (rest := _rest(data, size, device)) is not None:
             dist.send(rest, group=group, group_dst=0)
         return []
-    frames = _empty_frames(group_size(group), device)
-    dist.gather(_frame(b"", device), list(frames.unbind(0)), group=group, group_dst=0)
+    frames = _empty_frames(world, size, device)
+    dist.gather(_frame(b"", size, device), list(frames.unbind(0)), group=group, group_dst=0)
     received: list[_Payload] = [b""]
     for rank, frame in enumerate(_rows(frames)[1:], start=1):
         if (rest := _rest_buffer(frame, device)) is not None:
@@ -299,37 +321,39 @@ def _scatter_bytes(outgoing: list[bytes] | None, group: dist.ProcessGroup | None
     """``outgoing[r]`` (given on the coordinator, one per rank; its own entry is not sent) at rank ``r``;
     the coordinator gets an empty payload. One scatter of frames; the rest of a payload that outgrew its
     frame then goes to its rank alone."""
-    device = _exchange_device(group)
+    device, world = _exchange_device(group), group_size(group)
+    size = frame_bytes(world)
     if is_coordinator(group):
-        assert outgoing is not None and len(outgoing) == group_size(group)
+        assert outgoing is not None and len(outgoing) == world
         outgoing = [b"", *outgoing[1:]]
-        frames = [_frame(data, device) for data in outgoing]
-        dist.scatter(_empty_frames(1, device)[0], frames, group=group, group_src=0)
+        frames = [_frame(data, size, device) for data in outgoing]
+        dist.scatter(_empty_frames(1, size, device)[0], frames, group=group, group_src=0)
         for rank, data in enumerate(outgoing):
-            if (rest := _rest(data, device)) is not None:
+            if (rest := _rest(data, size, device)) is not None:
                 dist.send(rest, group=group, group_dst=rank)
         return b""
-    frame = _empty_frames(1, device)[0]
-    dist.scatter(frame, None, group=group, group_src=0)
-    view = _rows(frame.unsqueeze(0))[0]
+    frame = _empty_frames(1, size, device)
+    dist.scatter(frame[0], None, group=group, group_src=0)
+    view = _rows(frame)[0]
     if (rest := _rest_buffer(view, device)) is not None:
         dist.recv(rest, group=group, group_src=0)
     return _payload(view, rest)
 
 
 def _broadcast_bytes(data: bytes | None, group: dist.ProcessGroup | None) -> _Payload:
-    """The coordinator's ``data`` (``None`` on the other ranks) on every rank. One broadcast of a frame,
-    a second of the rest if the data outgrew it."""
+    """The coordinator's ``data`` (``None`` on the other ranks) on every rank. One broadcast of a frame
+    of ``FRAME_BYTES`` (every rank receives one frame, whatever the group's size), a second of the rest
+    if the data outgrew it."""
     device = _exchange_device(group)
     if is_coordinator(group):
         assert data is not None
-        dist.broadcast(_frame(data, device), group=group, group_src=0)
-        if (rest := _rest(data, device)) is not None:
+        dist.broadcast(_frame(data, FRAME_BYTES, device), group=group, group_src=0)
+        if (rest := _rest(data, FRAME_BYTES, device)) is not None:
             dist.broadcast(rest, group=group, group_src=0)
         return data
-    frame = _empty_frames(1, device)[0]
-    dist.broadcast(frame, group=group, group_src=0)
-    view = _rows(frame.unsqueeze(0))[0]
+    frame = _empty_frames(1, FRAME_BYTES, device)
+    dist.broadcast(frame[0], group=group, group_src=0)
+    view = _rows(frame)[0]
     if (rest := _rest_buffer(view, device)) is not None:
         dist.broadcast(rest, group=group, group_src=0)
     return _payload(view, rest)
@@ -338,16 +362,17 @@ def _broadcast_bytes(data: bytes | None, group: dist.ProcessGroup | None) -> _Pa
 def _all_gather_bytes(data: bytes, group: dist.ProcessGroup | None) -> list[_Payload]:
     """Every rank's ``data`` on every rank, in rank order. One all-gather of frames; if any rank's data
     outgrew its frame, a second of every rank's rest, padded to the longest."""
-    device = _exchange_device(group)
-    frames = _empty_frames(group_size(group), device)
-    dist.all_gather(list(frames.unbind(0)), _frame(data, device), group=group)
+    device, world = _exchange_device(group), group_size(group)
+    size = frame_bytes(world)
+    frames = _empty_frames(world, size, device)
+    dist.all_gather(list(frames.unbind(0)), _frame(data, size, device), group=group)
     views = _rows(frames)
-    longest = max(_length(view) for view in views) - _ROOM
-    if longest <= 0:
+    longest = max(_overflow(view) for view in views)
+    if not longest:
         return [_payload(view, None) for view in views]
-    rests = torch.empty((len(views), longest), dtype=torch.uint8, device=device)
+    rests = torch.empty((world, longest), dtype=torch.uint8, device=device)
     mine = bytearray(longest)
-    tail = memoryview(data)[_ROOM:]
+    tail = memoryview(data)[_room(size) :]
     mine[: len(tail)] = tail
     dist.all_gather(list(rests.unbind(0)), _on(mine, device), group=group)
     return [_payload(view, rest) for view, rest in zip(views, rests.unbind(0), strict=True)]

@@ -285,20 +285,59 @@ def test_a_value_the_coordinator_cannot_unpickle_fails_every_rank_naming_the_sen
     assert f"(raised on rank {last} of {dist.world_size}; every rank raises it)" in str(exc)
 
 
-def test_a_frame_is_read_back_at_every_length() -> None:
+@pytest.mark.parametrize("size", [comm.FRAME_BYTES, comm.MIN_FRAME_BYTES])
+def test_a_frame_is_read_back_at_every_length(size: int) -> None:
     """Without ranks: a frame and its rest carry pickles of every length around the frame's size, and
     a frame that announces more than it holds is not read without its rest."""
     cpu = torch.device("cpu")
-    for length in [0, 1, ROOM - 1, ROOM, ROOM + 1, 2 * comm.FRAME_BYTES]:
+    room = size - 8
+    for length in [0, 1, room - 1, room, room + 1, 2 * size]:
         data = bytes(i % 253 for i in range(length))
-        frame = comm._frame(data, cpu)
-        assert frame.numel() == comm.FRAME_BYTES
+        frame = comm._frame(data, size, cpu)
+        assert frame.numel() == size
         view = comm._rows(frame.unsqueeze(0))[0]
-        rest = comm._rest(data, cpu)
-        assert (rest is None) == (length <= ROOM), length
+        rest = comm._rest(data, size, cpu)
+        assert (rest is None) == (length <= room), length
         assert bytes(comm._payload(view, rest)) == data, length
         if rest is not None:
             assert raised(lambda: comm._payload(view, None)) is not None, length
+
+
+def test_frames_shrink_past_64_ranks_so_that_an_exchange_stays_within_its_budget() -> None:
+    """Each rank's frame has FRAME_BYTES up to 64 frames an exchange; past that the frames of one
+    exchange add up to at most FRAMES_BUDGET, a multiple of 64 bytes each, never under MIN_FRAME_BYTES."""
+    assert [comm.frame_bytes(n) for n in (1, 2, 8, 64)] == [comm.FRAME_BYTES] * 4
+    for frames in (65, 100, 512, 1000, 4096, 10_000, 100_000):
+        size = comm.frame_bytes(frames)
+        assert size % 64 == 0 and comm.MIN_FRAME_BYTES <= size < comm.FRAME_BYTES, (frames, size)
+        assert size * frames <= comm.FRAMES_BUDGET or size == comm.MIN_FRAME_BYTES, (frames, size)
+    assert comm.frame_bytes(4096) == 1024
+
+
+@pytest.mark.world_size(min=2)
+@pytest.mark.rank_timeout(60)
+@pytest.mark.parametrize("length", [40, 1015, 1016, 1017, 5000])
+def test_exchanges_in_frames_shrunk_for_a_large_group_carry_every_pickle_whole(dist: Any, length: int) -> None:
+    """The frame size a large group would get (1 KiB, as for 4096 ranks), at this world size: the last
+    rank's long pickle reaches the coordinator whole and back, and every rank's reaches every rank."""
+    world, rank, last = dist.world_size, dist.rank, dist.world_size - 1
+    budget = 1024 * world
+    sent = [_value(length if r == last else LENGTHS["small"], r) for r in range(world)]
+    answers = [_value(length if r == last else LENGTHS["small"], 50 + r) for r in range(world)]
+    def decide(results: list[bytes]) -> list[bytes]:
+        assert results == sent, f"the coordinator gathered lengths {[len(r) for r in results]}"
+        return answers
+
+    with mock.patch.object(comm, "FRAMES_BUDGET", budget), _counted() as counts:
+        assert comm.frame_bytes(world) == 1024
+        got = comm.gather_decide_scatter(dist.group, lambda: sent[rank], decide)
+        every = comm.gather_agreed(dist.group, lambda: sent[rank])
+    assert got == answers[rank], f"rank {rank}: received {len(got or b'')} bytes, not its {len(answers[rank])}-byte decision"
+    assert every == sent, f"rank {rank}: gathered lengths {[len(e) for e in every]}"
+    long_pickle = length > 1016
+    assert _collectives(counts) == {"gather": 1, "scatter": 1, "all_gather": 2 if long_pickle else 1}, f"rank {rank}: {dict(counts)}"
+    p2p = {"send": 1, "recv": 1} if long_pickle and rank in (0, last) else {}
+    assert _p2p(counts) == p2p, f"rank {rank}: {dict(counts)}"
 
 
 def test_pickles_use_the_highest_protocol() -> None:
