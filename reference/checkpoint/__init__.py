@@ -14,7 +14,7 @@ One job per module:
 - :mod:`~reference.checkpoint.records`      one value in a data file: write, parse, read in place
 - :mod:`~reference.checkpoint.metadata_io`  the ``.metadata`` pickle, read with an allow-list
 - :mod:`~reference.checkpoint.collective`   the steps' collectives: :mod:`reference.comm` with the checkpoint's error policy
-- :mod:`~reference.checkpoint.wire`         a save's plans and write results, pickled compactly between ranks
+- :mod:`~reference.checkpoint.wire`         a save's plans, write results and metadata, pickled compactly between ranks
 - :mod:`~reference.checkpoint.errors`       exceptions (all ``Exception`` subclasses)
 
 Typical meta-device load (PyTorch PR #113319's flow, no ``to_empty`` needed)::
