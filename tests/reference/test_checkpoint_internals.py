@@ -723,8 +723,9 @@ def test_a_threaded_save_raises_the_first_failure_in_run_order_and_keeps_the_che
 
 @pytest.mark.parametrize("option", [True, False])
 def test_overlapping_record_writers_leave_torch_s_crc32_option_as_it_was(monkeypatch: pytest.MonkeyPatch, option: bool) -> None:
-    """Records are written without CRC32s by switching torch's option off around torch.save. Two writer
-    threads overlap: the second starts while the first is inside torch.save, the first ends, then the
+    """Records are written without CRC32s by switching torch's option off around torch.save (which
+    writes the record, or its template: the threads write tensors of two shapes, and no template is
+    kept before, so each calls it once). Two writer threads overlap: the second starts while the first is inside torch.save, the first ends, then the
     second. Each must write without CRC32s, and the option must be as it was afterwards. (torch keeps
     the option per thread: a switch made once, by the first writer or by the caller, would leave the
     other threads writing CRC32s.)"""
@@ -753,8 +754,9 @@ def test_overlapping_record_writers_leave_torch_s_crc32_option_as_it_was(monkeyp
 
     def second() -> None:
         assert first_inside.wait(10)
-        write_record(io.BytesIO(), torch.ones(8))
+        write_record(io.BytesIO(), torch.ones(9))
 
+    monkeypatch.setattr(records, "_TEMPLATES", {})
     monkeypatch.setattr(torch, "save", save)
     torch.serialization.set_crc32_options(option)
     try:
