@@ -1,6 +1,6 @@
 """The reference implementation of the state_dict semantics of sharded PyTorch models.
 
-Package index: one package per section of ``conformance/SPEC.md``, and two shared modules.
+Package index: one package per section of ``conformance/SPEC.md``, and three shared modules.
 
 - :mod:`reference.flat_param`    FlatParameter and FlattenParamsWrapper                       (FP-*)
     - :mod:`reference.flat_param.wrapper`       FlatParameter, its layout and shard metadata, the wrapper
@@ -19,10 +19,11 @@ Package index: one package per section of ``conformance/SPEC.md``, and two share
 - :mod:`reference.fqn`           the canonical-FQN rule; wrappers register their segments here
 - :mod:`reference.comm`          the communication layer of flat_param/fsdp/state_dict/checkpoint: every
                                  collective, and agreement on failure (every rank raises the same error)
+- :mod:`reference.host_bytes`    byte views of CPU tensors' memory for files and frames, without numpy
 
-Imports go one way: ``fqn`` and ``comm`` import no other module of the package; ``flat_param`` imports
-``fqn``; ``fsdp`` imports those; ``state_dict`` imports all three (no cycles, checked by
-``tests/reference/test_layout.py``). Submodules are imported on demand so that ``import reference``
+Imports go one way: ``fqn`` and ``host_bytes`` import no other module of the package, ``comm`` only
+``host_bytes``; ``flat_param`` imports ``fqn``; ``fsdp`` imports those; ``state_dict`` imports all of
+them (no cycles, checked by ``tests/reference/test_layout.py``). Submodules are imported on demand so that ``import reference``
 stays cheap.
 """
 

@@ -40,6 +40,8 @@ from typing import Any, ClassVar, NamedTuple, NoReturn, Protocol, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from reference.host_bytes import element_bytes
+
 __all__ = [
     "default_group",
     "group_device",
@@ -272,7 +274,10 @@ def _empty_frames(count: int, size: int, device: torch.device) -> torch.Tensor:
 
 def _rows(frames: torch.Tensor) -> list[memoryview]:
     """The received ``frames`` (one per row) as bytes on the CPU."""
-    return [memoryview(row) for row in frames.cpu().numpy()]
+    frames = frames.cpu()
+    size = frames.shape[1]
+    received = element_bytes(frames)
+    return [received[row * size : (row + 1) * size] for row in range(frames.shape[0])]
 
 
 def _length(frame: memoryview) -> int:
@@ -297,7 +302,7 @@ def _payload(frame: memoryview, rest: torch.Tensor | None) -> _Payload:
     if not overflow:
         return frame[_HEADER.size : _HEADER.size + length]
     assert rest is not None, "a frame announced more bytes than it holds, and no rest was received"
-    return bytes(frame[_HEADER.size :]) + rest.cpu().numpy().tobytes()[:overflow]
+    return bytes(frame[_HEADER.size :]) + bytes(element_bytes(rest.cpu())[:overflow])
 
 
 def _gather_bytes(data: bytes, group: dist.ProcessGroup | None) -> list[_Payload]:

@@ -18,7 +18,6 @@ allow-list unpickler that accepts only the tensor-rebuild call, so reading never
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import io
 import math
 import os
@@ -33,6 +32,8 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol, TypeVar, cast
 
 import torch
+
+from reference.host_bytes import element_bytes, storage_bytes
 
 __all__ = ["TensorLayout", "write_record", "parse_tensor_record", "read_region", "FileWindow"]
 
@@ -112,7 +113,7 @@ def write_record(stream: BinaryIO, value: torch.Tensor | bytes | memoryview) -> 
                 torch.save(value, stream)
             else:
                 stream.write(template.head)
-                stream.write(_storage_bytes(value))
+                stream.write(storage_bytes(value))
                 stream.write(template.tail)
     else:
         stream.write(value)
@@ -276,11 +277,6 @@ def _make_template(tensor: torch.Tensor, nbytes: int) -> _Template | None:
     ) or (layout.storage_offset, layout.size, layout.stride) != (tensor.storage_offset(), tuple(tensor.shape), tensor.stride()):
         return None
     return template
-
-
-def _storage_bytes(tensor: torch.Tensor) -> Any:
-    """The bytes of ``tensor``'s whole storage, as torch.save writes them, without a copy."""
-    return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).numpy()
 
 
 @dataclass(frozen=True)
@@ -641,18 +637,9 @@ def _readinto(file: ReadableFile, position: int, tensor: torch.Tensor) -> None:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return
-    # Invariant, checked because the write below goes through a raw address: the bytes written are the
-    # tensor's own elements, inside its storage. A non-contiguous or non-CPU tensor, or one whose
-    # storage is shorter than its elements reach, would be memory corruption, not an error.
-    storage = tensor.untyped_storage()
-    start = tensor.storage_offset() * tensor.element_size()
-    if tensor.device.type != "cpu" or not tensor.is_contiguous() or start + nbytes > storage.nbytes():
-        raise RuntimeError(
-            f"_readinto: refusing a raw read into a {tensor.device.type} tensor of shape {tuple(tensor.shape)}, stride {tensor.stride()}, "
-            f"bytes [{start}, {start + nbytes}) of a storage of {storage.nbytes()}"
-        )
-    # A writable buffer over the tensor's memory without numpy (not a dependency): ctypes from data_ptr.
-    view = memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+    # element_bytes refuses a tensor whose elements are not exactly the bytes read into (a raw write
+    # there would be memory corruption, not an error).
+    view = element_bytes(tensor)
     file.seek(position)
     done = 0
     while done < nbytes:  # one read(2) returns at most ~2 GiB on Linux
