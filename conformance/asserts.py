@@ -102,8 +102,14 @@ def check_each(**checks: Callable[[], Any]) -> None:
 
 
 def _short(value: Any, limit: int = 300) -> str:
+    """``repr(value)`` in about ``limit`` characters: its head and its tail. The tail is kept because
+    an error's message is often a traceback (DCP's ``CheckpointException`` carries each rank's), whose
+    last lines name the exception and say what went wrong; a pin's ``match=`` searches them too."""
     text = repr(value)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]} ...({len(text) - 2 * half} of {len(text)} chars cut)... {text[-half:]}"
 
 
 # -- tensors, bit for bit ------------------------------------------------------------------------

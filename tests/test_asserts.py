@@ -329,6 +329,29 @@ def test_raised_and_expect_error() -> None:
         raised(lambda: pytest.skip("passes through"))
 
 
+def test_a_long_message_keeps_its_last_lines() -> None:
+    """A CheckpointException's message is a traceback per rank: the exception and what went wrong are
+    in its last lines, past any head a message is cut to (seen with torch 2.11, whose 667-character
+    message lost 'AssertionError: metadata is None' and with it the pin that names it)."""
+    frames = "".join(f'  File "/site-packages/torch/distributed/checkpoint/f{i}.py", line {i}, in step\n' for i in range(12))
+
+    def missing_metadata() -> None:
+        raise _NotAnException(f"CheckpointException ranks:dict_keys([0])\n{frames}AssertionError: metadata is None")
+
+    with pytest.raises(pytest.fail.Exception) as failed:
+        expect_error(missing_metadata, _NotAnException, needles=[".metadata"])
+    message = str(failed.value)
+    assert "CheckpointException ranks:dict_keys([0])" in message and "AssertionError: metadata is None" in message, message
+    assert "chars cut)" in message and len(message) < 1000, message
+
+    def short_error() -> None:
+        raise ValueError("x" * 100)
+
+    with pytest.raises(pytest.fail.Exception) as whole:
+        expect_error(short_error, ValueError, needles=["y"])
+    assert "x" * 100 in str(whole.value) and "cut)" not in str(whole.value)
+
+
 @dataclass
 class _FakeRanks:
     """Stands for a RankContext: all_gather_object returns what the other ranks are scripted to send."""
