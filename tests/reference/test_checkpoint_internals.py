@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import math
 import os
 import pickle
 import signal
@@ -15,8 +16,10 @@ import warnings
 import zipfile
 from typing import Any
 
+import hypothesis
 import pytest
 import torch
+from hypothesis import strategies as st
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict as dcp_flatten  # the oracle
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
@@ -96,6 +99,106 @@ def test_check_tiling(chunks: list[Chunk], problem: str | None) -> None:
         assert result is not None and problem in result and "'k'" in result
 
 
+def _tiles_by_every_pair(shape: tuple[int, ...], chunks: list[Chunk]) -> bool:
+    """The oracle: every chunk inside, no two intersecting (every pair compared), elements add up."""
+    inside = all(
+        len(c.offsets) == len(shape) and all(0 <= o and 0 <= n and o + n <= d for o, n, d in zip(c.offsets, c.sizes, shape))
+        for c in chunks
+    )
+    nonempty = [c for c in chunks if c.numel]
+    disjoint = all(not overlaps(a, [b]) for i, a in enumerate(nonempty) for b in nonempty[i + 1 :])
+    return inside and disjoint and sum(c.numel for c in nonempty) == math.prod(shape)
+
+
+def _grid(shape: tuple[int, ...], splits: tuple[int, ...]) -> list[Chunk]:
+    """torch.chunk's pieces along every dim, crossed: a DTensor's chunks on a mesh of ``splits``."""
+    per_dim = []
+    for n, k in zip(shape, splits):
+        step = -(-n // k)
+        per_dim.append([(min(i * step, n), min(step, n - min(i * step, n))) for i in range(k)])
+    return [Chunk(tuple(o for o, _ in box), tuple(z for _, z in box)) for box in itertools.product(*per_dim)]
+
+
+@pytest.mark.parametrize(
+    "shape, chunks, problem",
+    [
+        ((), [Chunk((), ())], None),
+        ((), [Chunk((), ()), Chunk((), ())], "0-d"),
+        ((4, 4), _grid((4, 4), (2, 2)), None),
+        ((5, 3), _grid((5, 3), (4, 2)), None),  # uneven, with empty pieces
+        ((4, 4), [*_grid((4, 4), (2, 2)), Chunk((4, 0), (0, 4))], None),  # an empty chunk at the end
+        # Overlaps the sweep must find: a chunk still open past others, a later column, a later first row.
+        ((6, 2), [Chunk((0, 0), (6, 1)), Chunk((0, 1), (3, 1)), Chunk((3, 1), (2, 1)), Chunk((4, 0), (1, 1))], "overlap"),
+        ((4, 4), [Chunk((0, 0), (2, 4)), Chunk((2, 0), (2, 2)), Chunk((2, 2), (2, 2)), Chunk((1, 3), (1, 1))], "overlap"),
+        ((4, 4), [Chunk((0, 0), (4, 2)), Chunk((0, 2), (2, 2)), Chunk((2, 2), (2, 2)), Chunk((3, 1), (1, 1))], "overlap"),
+        ((4,), [Chunk((0,), (2,)), Chunk((1,), (2,)), Chunk((3,), (1,))], "overlap"),  # covers 5 of 4 too
+        ((4, 4), [Chunk((0, 0), (4, 4)), Chunk((0, 0), (-1, 4))], "outside"),
+        ((4, 4), [Chunk((0,), (4,))], "dims"),
+    ],
+)
+def test_check_tiling_in_any_number_of_dims(shape: tuple[int, ...], chunks: list[Chunk], problem: str | None) -> None:
+    result = check_tiling("k", shape, chunks)
+    if problem is None:
+        assert result is None and _tiles_by_every_pair(shape, chunks)
+    else:
+        assert result is not None and problem in result and "'k'" in result, result
+        assert not _tiles_by_every_pair(shape, chunks)
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(
+    shape=st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple),
+    data=st.data(),
+)
+def test_check_tiling_agrees_with_comparing_every_pair(shape: tuple[int, ...], data: Any) -> None:
+    """Random boxes, and tilings with one box moved, grown or dropped: the sweep finds exactly what
+    comparing every pair finds."""
+    splits = tuple(data.draw(st.integers(1, n + 1)) for n in shape)
+    chunks = _grid(shape, splits)
+    data.draw(st.randoms()).shuffle(chunks)
+    edit = data.draw(st.sampled_from(["none", "move", "grow", "drop", "random"]))
+    if edit == "random":
+        chunks = [
+            Chunk(tuple(data.draw(st.integers(0, n)) for n in shape), tuple(data.draw(st.integers(0, n)) for n in shape))
+            for _ in range(data.draw(st.integers(1, 6)))
+        ]
+    elif edit != "none":
+        i = data.draw(st.integers(0, len(chunks) - 1))
+        dim = data.draw(st.integers(0, len(shape) - 1))
+        c = chunks[i]
+        if edit == "drop":
+            del chunks[i]
+        else:
+            offsets, sizes = list(c.offsets), list(c.sizes)
+            (offsets if edit == "move" else sizes)[dim] += data.draw(st.sampled_from([-1, 1]))
+            chunks[i] = Chunk(tuple(offsets), tuple(sizes))
+    assert (check_tiling("k", shape, chunks) is None) == _tiles_by_every_pair(shape, chunks)
+
+
+def test_check_tiling_of_thousands_of_row_shards_compares_neighbours_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4,096 row shards (a Shard(0) tensor at 4,096 ranks) cost one comparison each, not 8 million
+    pairs (pytorch/pytorch#163548: DCP's quadratic global-plan check took minutes at 1,024 ranks):
+    counted through the one Python call each comparison makes, ``max``."""
+    import builtins
+
+    from reference.checkpoint import layout
+
+    rows = [Chunk((2 * i, 0), (2, 8)) for i in range(4096)]
+    calls = 0
+    real_max = builtins.max
+
+    def counting_max(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return real_max(*args, **kwargs)
+
+    monkeypatch.setattr(layout, "max", counting_max, raising=False)
+    assert check_tiling("k", (8192, 8), rows) is None
+    assert calls < 2 * len(rows), calls
+    rows[4000] = Chunk((7999, 0), (2, 8))  # one row shared with its neighbour, and one row left uncovered
+    assert "overlap" in (check_tiling("k", (8192, 8), rows) or "")
+
+
 # -- planners, with plans as values --------------------------------------------------------------
 
 
@@ -113,6 +216,24 @@ def test_replicated_items_are_written_by_one_rank() -> None:
     assert len({rank for rank, plan in enumerate(new_plans) if plan.items}) > 1, "all writes landed on one rank"
     assert sorted(metadata.state_dict_metadata) == ["b", "step", "w"]
     assert metadata.planner_data == {"w": ("w",), "b": ("b",), "step": ("step",)}
+
+
+def test_small_replicated_items_are_spread_by_count_large_ones_by_bytes() -> None:
+    """Each record has a fixed cost beside its bytes: an optimizer's 4-byte ``step`` tensors, replicated
+    on every rank, must not all go to the rank that happens to be a few bytes behind (one rank wrote 86
+    more records than the other at 512 MB, world size 2); large replicated tensors still split by bytes."""
+    steps = {f"state.{i}.step": torch.tensor(float(i)) for i in range(86)}
+    objects = {"lr": 0.1, "params": [f"layer.{i}" for i in range(86)]}  # pickles of unequal sizes
+    big = {f"w{i}": torch.ones(1 << (10 + i % 4)) for i in range(8)}
+    plans = [_local_plan({**steps, **objects, **big}) for _ in range(2)]
+    new_plans, _ = ReferenceSavePlanner().create_global_plan(plans)
+    step_counts = [sum(item.index.fqn.endswith(".step") for item in plan.items) for plan in new_plans]
+    assert sorted(step_counts) == [43, 43], step_counts
+    big_bytes = [
+        sum(4 * math.prod(item.tensor_data.chunk.sizes) for item in plan.items if item.tensor_data and item.index.fqn.startswith("w"))
+        for plan in new_plans
+    ]
+    assert abs(big_bytes[0] - big_bytes[1]) <= 4 * (1 << 13), big_bytes
 
 
 def test_ranks_disagreeing_on_a_value_are_named() -> None:
