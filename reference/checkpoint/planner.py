@@ -182,7 +182,7 @@ class ReferenceSavePlanner(SavePlanner):
                 )
                 assert isinstance(md, TensorStorageMetadata)
                 # The index hint lets a reader find the chunk without a linear search.
-                items.append(dataclasses.replace(item, index=dataclasses.replace(item.index, index=len(md.chunks))))
+                items.append(dataclasses.replace(item, index=MetadataIndex(key, item.index.offset, len(md.chunks))))
                 md.chunks.append(item.tensor_data.chunk)
             new_plans.append(dataclasses.replace(plan, items=items))
         tiling = [
@@ -296,7 +296,8 @@ def _dedup(all_plans: list[SavePlan]) -> list[SavePlan]:
     # balancing works on the items that matter.
     costs = {index: _item_cost(item) for index, item in items.items()}
     for index in sorted(holders, key=lambda i: (len(holders[i]) > 1, -costs[i])):
-        rank = min(holders[index], key=lambda r: (planned[r], r))
+        ranks = holders[index]
+        rank = ranks[0] if len(ranks) == 1 else min(ranks, key=lambda r: (planned[r], r))
         planned[rank] += costs[index]
         keep[rank].add(index)
     return [
