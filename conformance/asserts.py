@@ -108,8 +108,9 @@ def _short(value: Any, limit: int = 300) -> str:
     text = repr(value)
     if len(text) <= limit:
         return text
-    half = limit // 2
-    return f"{text[:half]} ...({len(text) - 2 * half} of {len(text)} chars cut)... {text[-half:]}"
+    tail = limit // 3
+    head = limit - tail
+    return f"{text[:head]} ...({len(text) - limit} of {len(text)} chars cut)... {text[-tail:]}"
 
 
 # -- tensors, bit for bit ------------------------------------------------------------------------
