@@ -119,7 +119,10 @@ def check_tiling(key: str, shape: tuple[int, ...], chunks: list[Chunk]) -> str |
     rather than the n**2 of comparing every pair, which at thousands of ranks a key was seconds."""
     for chunk in chunks:
         if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape):
-            return f"key {key!r}: chunk at {list(chunk.offsets)} of size {list(chunk.sizes)} has not the {len(shape)} dims of shape {list(shape)}"
+            return (
+                f"key {key!r}: chunk at {list(chunk.offsets)} of size {list(chunk.sizes)} does not have the "
+                f"{len(shape)} dims of shape {list(shape)}"
+            )
         if any(o < 0 or s < 0 or o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, shape)):
             return f"key {key!r}: chunk at {list(chunk.offsets)} of size {list(chunk.sizes)} lies outside shape {list(shape)}"
     nonempty = [c for c in chunks if c.numel]
