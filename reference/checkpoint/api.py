@@ -8,6 +8,7 @@ them with its own state dict; rank 0 coordinates. Without a process group and wi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import os
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from reference.checkpoint.collective import Collective, process_group_device
 from reference.checkpoint.errors import CheckpointError, StateDictError
+from reference.checkpoint.plan_cache import GlobalItems
 from reference.checkpoint.planner import LoadResult, ReferenceLoadPlanner, ReferenceSavePlanner
 from reference.checkpoint.storage import FileSystemReader, FileSystemWriter
 from reference.checkpoint.wire import Compact, unwrap
@@ -95,7 +97,11 @@ def save(
     def global_plan(plans: list[Compact[SavePlan]]) -> list[Compact[SavePlan]]:
         new_plans, metadata = planner.create_global_plan([unwrap(plan) for plan in plans])
         metadata_box.append(metadata)
-        return [Compact(plan) for plan in writer.prepare_global_plan(new_plans)]
+        new_plans = writer.prepare_global_plan(new_plans)
+        if _writer_keeps_items(writer):
+            # A rank that holds its items from an earlier save of this layout is sent their digest only.
+            new_plans = [_without_held_items(plan) for plan in new_plans]
+        return [Compact(plan) for plan in new_plans]
 
     try:
         plan = unwrap(collective.gather_decide_scatter("planning", local_plan, global_plan))
@@ -242,6 +248,21 @@ def load(
         if problems and add_note is not None:
             add_note("the state dict could not be restored: " + "; ".join(problems))
         raise
+
+
+def _writer_keeps_items(writer: StorageWriter) -> bool:
+    """Whether the writer's global step leaves the planner's items as they are (the reference's
+    ``FileSystemWriter`` only names each rank's files): then a rank's held items can stand for the
+    items the coordinator would send. Any other writer's plans travel whole."""
+    return type(writer).prepare_global_plan is FileSystemWriter.prepare_global_plan
+
+
+def _without_held_items(plan: SavePlan) -> SavePlan:
+    """``plan`` without its items when its rank holds them (see :mod:`reference.checkpoint.plan_cache`)."""
+    data = plan.planner_data
+    if isinstance(data, GlobalItems) and data.held and plan.items:
+        return dataclasses.replace(plan, items=[])
+    return plan
 
 
 def _plans_stay_local(planner: ReferenceLoadPlanner, reader: StorageReader) -> bool:

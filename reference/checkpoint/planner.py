@@ -31,7 +31,7 @@ import hashlib
 import io
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -57,7 +57,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.tensor import DTensor
 
-from reference.checkpoint.errors import CheckpointFormatError, StateDictError
+from reference.checkpoint import plan_cache
+from reference.checkpoint.errors import CheckpointError, CheckpointFormatError, StateDictError
 from reference.checkpoint.flatten import FlatStateDict, ObjPath, flatten_state_dict, get_value, set_value
 from reference.checkpoint.layout import Chunk, check_tiling, local_chunk, overlaps
 from reference.checkpoint.metadata_io import CURRENT_VERSION
@@ -88,6 +89,10 @@ class RankSaveData:
 
     paths: dict[str, ObjPath]  #: flat key -> path in the nested state dict (stored in the metadata)
     object_digests: dict[str, str]  #: flat key -> sha256 of the serialized non-tensor value
+    #: :func:`~reference.checkpoint.plan_cache.layout_key` of this plan (``None``: not cached)
+    layout_key: str | None = None
+    #: the digest of the global items this rank holds for that layout, from an earlier save
+    held_items: str | None = None
 
 
 class ReferenceSavePlanner(SavePlanner):
@@ -98,12 +103,19 @@ class ReferenceSavePlanner(SavePlanner):
     every rank that holds a key holds the same kind of value with the same dtype and global shape;
     a non-tensor value is equal on every rank that holds it (a per-rank value has no place in a
     checkpoint that other world sizes load); the chunks of each tensor tile it exactly once.
+
+    With ``cache_plans`` (the default), a save whose ranks bring the layouts of an earlier successful
+    save reuses that save's global step instead of computing it again (:mod:`reference.checkpoint.
+    plan_cache`: the entries are found by the layouts' digests, so a plan is never another layout's);
+    the non-tensor values are still checked every save.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, cache_plans: bool = True) -> None:
+        self.cache_plans = cache_plans
         self._tensors: dict[str, torch.Tensor] = {}
         self._objects: dict[str, bytes] = {}
         self._paths: dict[str, ObjPath] = {}
+        self._layout_key: str | None = None
         self.plan: SavePlan | None = None
 
     @torch.no_grad()
@@ -158,9 +170,42 @@ class ReferenceSavePlanner(SavePlanner):
                 )
             )
         digests = {key: hashlib.sha256(data).hexdigest() for key, data in self._objects.items()}
-        return SavePlan(items, planner_data=RankSaveData(dict(self._paths), digests))
+        self._layout_key = plan_cache.layout_key(items, self._paths) if self.cache_plans else None
+        held = plan_cache.RANK_ITEMS.get(self._layout_key) if self._layout_key is not None else None
+        rank_data = RankSaveData(dict(self._paths), digests, self._layout_key, held[0] if held is not None else None)
+        return SavePlan(items, planner_data=rank_data)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """Every rank's part of the global plan (its planner data a :class:`~reference.checkpoint.
+        plan_cache.GlobalItems`) and the metadata without storage data; computed by
+        :meth:`_plan_globally`, or taken from :data:`~reference.checkpoint.plan_cache.GLOBAL_PLANS`
+        when every rank's layout is one planned before (only the non-tensor values are checked then)."""
+        keys = tuple(getattr(plan.planner_data, "layout_key", None) for plan in all_plans)
+        cacheable = self.cache_plans and all(key is not None for key in keys)
+        entry = plan_cache.GLOBAL_PLANS.get(cast(tuple[str, ...], keys)) if cacheable else None
+        if entry is None:
+            entry = self._plan_globally(all_plans)
+            if cacheable:
+                plan_cache.GLOBAL_PLANS.put(cast(tuple[str, ...], keys), entry)
+        else:
+            problems = _check_object_digests(all_plans)
+            if problems:
+                raise _problems_error("the ranks' state dicts disagree", problems)
+        new_plans = []
+        for plan, items, digest in zip(all_plans, entry.items, entry.digests):
+            held = digest is not None and getattr(plan.planner_data, "held_items", None) == digest
+            new_plans.append(dataclasses.replace(plan, items=list(items), planner_data=plan_cache.GlobalItems(digest, held)))
+        # Fresh entries and chunk lists: what is done to this save's metadata cannot reach the kept one.
+        state_dict_metadata = {
+            key: md if isinstance(md, BytesStorageMetadata) else TensorStorageMetadata(md.properties, md.size, list(md.chunks))
+            for key, md in entry.state_dict_metadata.items()
+        }
+        metadata = Metadata(state_dict_metadata, planner_data=dict(entry.paths), version=CURRENT_VERSION)
+        return new_plans, metadata
+
+    def _plan_globally(self, all_plans: list[SavePlan]) -> plan_cache.GlobalEntry:
+        """The global step: check that the ranks agree, keep one copy of each replicated item, set the
+        index hints, build the metadata's entries, check the tiling."""
         problems = _check_rank_agreement(all_plans)
         if problems:
             raise _problems_error("the ranks' state dicts disagree", problems)
@@ -196,10 +241,26 @@ class ReferenceSavePlanner(SavePlanner):
         paths: dict[str, ObjPath] = {}
         for plan in all_plans:
             paths.update(plan.planner_data.paths)
-        metadata = Metadata(state_dict_metadata, planner_data=paths, version=CURRENT_VERSION)
-        return new_plans, metadata
+        rank_items = tuple(tuple(plan.items) for plan in new_plans)
+        digests = tuple(plan_cache.items_digest(list(items)) if self.cache_plans else None for items in rank_items)
+        return plan_cache.GlobalEntry(rank_items, digests, state_dict_metadata, paths)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """This rank's part of the global plan. Sent without its items when the rank said it holds them
+        (:class:`~reference.checkpoint.plan_cache.GlobalItems`): they are taken from this rank's store,
+        by its layout key and the coordinator's digest; items that came are kept there for later saves."""
+        data = new_plan.planner_data
+        if isinstance(data, plan_cache.GlobalItems) and data.digest is not None and self._layout_key is not None:
+            held = plan_cache.RANK_ITEMS.get(self._layout_key)
+            if data.held and not new_plan.items:
+                if held is None or held[0] != data.digest:
+                    raise CheckpointError(
+                        "save planning: the coordinator sent this rank's plan as the one it holds "
+                        f"(digest {data.digest[:12]}), but this rank holds {'none' if held is None else held[0][:12]}"
+                    )
+                new_plan = dataclasses.replace(new_plan, items=list(held[1]))
+            elif held is None or held[0] != data.digest:
+                plan_cache.RANK_ITEMS.put(self._layout_key, (data.digest, tuple(new_plan.items)))
         self.plan = new_plan
         return new_plan
 
@@ -235,20 +296,30 @@ def _describe(signature: tuple[Any, ...]) -> str:
 
 
 def _check_rank_agreement(all_plans: list[SavePlan]) -> list[str]:
+    """Every key held as the same kind of value, dtype and global shape on every rank that holds it,
+    and every non-tensor value equal on every rank that holds it."""
     problems = []
     signatures: dict[str, dict[tuple[Any, ...], list[int]]] = {}
-    digests: dict[str, dict[str, list[int]]] = {}
     for rank, plan in enumerate(all_plans):
         for item in plan.items:
             holders = signatures.setdefault(item.index.fqn, {}).setdefault(_signature(item), [])
             if not holders or holders[-1] != rank:  # ranks come in order: a membership test would be O(ranks)
                 holders.append(rank)
-        for key, digest in plan.planner_data.object_digests.items():
-            digests.setdefault(key, {}).setdefault(digest, []).append(rank)
     for key, by_signature in signatures.items():
         if len(by_signature) > 1:
             seen = "; ".join(f"ranks {ranks} hold {_describe(sig)}" for sig, ranks in by_signature.items())
             problems.append(f"key {key!r}: {seen}")
+    return problems + _check_object_digests(all_plans)
+
+
+def _check_object_digests(all_plans: list[SavePlan]) -> list[str]:
+    """Every non-tensor value equal on every rank that holds it (ML-9): checked every save, since the
+    values change between saves of one layout."""
+    problems = []
+    digests: dict[str, dict[str, list[int]]] = {}
+    for rank, plan in enumerate(all_plans):
+        for key, digest in plan.planner_data.object_digests.items():
+            digests.setdefault(key, {}).setdefault(digest, []).append(rank)
     for key, by_digest in digests.items():
         if len(by_digest) > 1:
             groups = "; ".join(f"ranks {ranks}" for ranks in by_digest.values())

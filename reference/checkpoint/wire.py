@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from reference.checkpoint.metadata_io import StorageInfo
 
-__all__ = ["Compact", "unwrap"]
+__all__ = ["Compact", "unwrap", "pack_items"]
 
 T = TypeVar("T")
 
@@ -74,7 +74,7 @@ class Compact(Generic[T]):
         value: Any = self.value
         if _KNOWN_FIELDS:
             # Exactly a SavePlan: a subclass may have fields that dataclasses.replace cannot set.
-            if type(value) is SavePlan and (rows := _pack_items(value.items)) is not None:
+            if type(value) is SavePlan and (rows := pack_items(value.items)) is not None:
                 return _unpack_plan, (dataclasses.replace(value, items=[]), *rows)
             if isinstance(value, list) and (results := _pack_results(value)) is not None:
                 return _unpack_results, (results,)
@@ -93,7 +93,7 @@ def _same(value: T) -> T:
     return value
 
 
-def _pack_items(items: list[WriteItem]) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]] | None:
+def pack_items(items: list[WriteItem]) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]] | None:
     """(one row per item, the distinct tensor properties as tuples), or None if an item is not made of
     exactly the types and fields this module rebuilds."""
     rows: list[tuple[Any, ...]] = []

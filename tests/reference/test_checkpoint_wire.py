@@ -210,7 +210,7 @@ def test_what_the_compact_form_does_not_know_exactly_pickles_as_it_is(value: Any
 def test_a_subclassed_item_pickles_as_it_is() -> None:
     plan = _subclassed_item()
     assert wire.Compact(plan).__reduce__()[0] is wire._same
-    assert wire._pack_items(plan.items) is None
+    assert wire.pack_items(plan.items) is None
 
 
 @dataclasses.dataclass(frozen=True)
