@@ -40,10 +40,12 @@ model checkpoint and an optimizer checkpoint) keeps every one of them.
 from __future__ import annotations
 
 import hashlib
+import io
+import pickle
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItem
@@ -96,27 +98,35 @@ class LRU(Generic[K, V]):
         return len(self._entries)
 
 
-def _digest(encoded: str) -> str:
-    return hashlib.sha256(encoded.encode()).hexdigest()
+def _digest(value: Any) -> str:
+    """sha256 of ``value`` (plain values: tuples, lists, strings, ints, dtypes) pickled without the memo.
+
+    Pickle is faithful (``1`` and ``"1"``, ``(1,)`` and ``[1]`` encode differently), and without the
+    memo the bytes depend on the values alone, not on which objects happen to be shared: equal layouts
+    give equal digests, in one process or across ranks. (Pickled with the memo, a key string shared
+    by an item and a path would encode otherwise than two equal strings; ``repr`` is as faithful and
+    4x slower: 2 ms for the 514 items of a 128-parameter Adam checkpoint.)"""
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=5)
+    pickler.fast = True  # no memo: these values hold no cycles
+    pickler.dump(value)
+    return hashlib.sha256(buffer.getbuffer()).hexdigest()
 
 
 def layout_key(items: list[WriteItem], paths: Mapping[str, ObjPath]) -> str | None:
-    """The digest of one rank's layout: its write items, in order, and its flattening paths.
-
-    Encoded with ``repr`` of plain values (strings, ints, tuples, dtypes), which tells ``1`` from
-    ``"1"`` and does not depend on which objects are shared, so equal layouts give equal keys on every
-    rank. ``None`` for items this module cannot encode field for field (a planner's own item class):
-    such a save is planned anew every time."""
+    """The digest of one rank's layout: its write items, in order, and its flattening paths. ``None``
+    for items this module cannot encode field for field (a planner's own item class): such a save is
+    planned anew every time."""
     packed = pack_items(items)
     if packed is None:
         return None
-    return _digest(repr((packed, list(paths.items()))))
+    return _digest((packed, list(paths.items())))
 
 
 def items_digest(items: list[WriteItem]) -> str | None:
     """The digest of a rank's part of a global plan (its kept items with their index hints)."""
     packed = pack_items(items)
-    return None if packed is None else _digest(repr(packed))
+    return None if packed is None else _digest(packed)
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ def pack_items(items: list[WriteItem]) -> tuple[list[tuple[Any, ...]], list[tupl
             data = item.bytes_io_data
             if data is not None and type(data) is not BytesIOWriteData:
                 return None
-            rows.append((index.fqn, offset, index.index, item.type.value, None if data is None else data.nbytes))
+            rows.append((index.fqn, offset, index.index, item.type._value_, None if data is None else data.nbytes))
             continue
         chunk, props = tensor.chunk, tensor.properties
         if (
@@ -115,11 +115,14 @@ def pack_items(items: list[WriteItem]) -> tuple[list[tuple[Any, ...]], list[tupl
             or type(tensor) is not TensorWriteData
             or type(chunk) is not ChunkStorageMetadata
             or type(props) is not TensorProperties
-            or not all(type(size) is torch.Size for size in (chunk.offsets, chunk.sizes, tensor.size))
+            or type(chunk.offsets) is not torch.Size
+            or type(chunk.sizes) is not torch.Size
+            or type(tensor.size) is not torch.Size
         ):
             return None
         key = (props.dtype, props.layout, props.requires_grad, props.memory_format, props.pin_memory)
-        rows.append((index.fqn, offset, index.index, item.type.value, tuple(chunk.offsets), tuple(chunk.sizes),
+        # (An enum's ``_value_`` is a plain attribute; ``.value`` is a Python-level property, 1 us an item.)
+        rows.append((index.fqn, offset, index.index, item.type._value_, tuple(chunk.offsets), tuple(chunk.sizes),
                      properties.setdefault(key, len(properties)), tuple(tensor.size)))
     return rows, list(properties)
 
