@@ -158,7 +158,7 @@ def test_a_rank_holding_its_items_is_sent_their_digest_and_takes_them_from_its_s
 def test_a_rank_told_it_holds_items_it_does_not_hold_raises() -> None:
     planner = ReferenceSavePlanner()
     planner.set_up_planner(_ranks(0)[0])
-    plan = planner.create_local_plan()
+    planner.create_local_plan()  # this rank holds nothing yet
     told = SavePlan([], planner_data=plan_cache.GlobalItems("f" * 64, held=True))
     with pytest.raises(CheckpointError, match="holds none"):
         planner.finish_plan(told)
@@ -200,3 +200,48 @@ def test_successive_saves_to_other_and_the_same_directories_each_hold_their_own_
         assert torch.equal(target["w"], _values(step)["w"]) and torch.equal(target["nested"]["b"], _values(step)["nested"]["b"])
         assert target["step"] == step
     assert global_steps == [1]
+
+
+@pytest.mark.world_size(min=2)
+@pytest.mark.rank_timeout(60)
+def test_a_later_save_of_a_layout_scatters_each_rank_s_plan_without_its_items(dist: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first save of a layout scatters every rank's items; the next saves of it send each rank
+    only the digest of the items it holds, and every rank writes the same items as the first time (and
+    the checkpoint loads back that save's values on every rank)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from reference.checkpoint import api
+
+    sent: list[list[int]] = []
+    real = api._without_held_items
+
+    def recorded(plan: SavePlan) -> SavePlan:
+        out = real(plan)
+        sent[-1].append(len(out.items))
+        return out
+
+    monkeypatch.setattr(api, "_without_held_items", recorded)
+    plan_cache.clear()  # on every rank: an earlier test in these rank processes may have saved this layout
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.world_size,))
+
+    def state(step: float) -> dict[str, Any]:
+        full = torch.arange(8.0 * dist.world_size).reshape(-1, 2) + step
+        local = full.chunk(dist.world_size)[dist.rank].clone()
+        return {"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False), "b": torch.full((3,), step), "step": int(step)}
+
+    written: list[list[Any]] = []
+    for step in (1.0, 2.0, 3.0):
+        sent.append([])
+        planner = ReferenceSavePlanner()
+        save(state(step), checkpoint_id=dist.tmp_dir / f"ckpt{int(step)}", process_group=dist.group, planner=planner)
+        assert planner.plan is not None
+        written.append(planner.plan.items)
+        target = state(-step)
+        load(target, checkpoint_id=dist.tmp_dir / f"ckpt{int(step)}", process_group=dist.group)
+        expected = state(step)
+        assert torch.equal(target["w"].to_local(), expected["w"].to_local()) and torch.equal(target["b"], expected["b"]), f"rank {dist.rank}"
+        assert target["step"] == int(step)
+    assert written[1] == written[2] == written[0], f"rank {dist.rank}: later saves wrote other items"
+    if dist.rank == 0:
+        assert all(n > 0 for n in sent[0]), f"the first save sent items counts {sent[0]}"
+        assert sent[1] == sent[2] == [0] * dist.world_size, f"later saves sent item counts {sent[1]}, {sent[2]}"
