@@ -59,6 +59,9 @@ _KNOWN_FIELDS = all(tuple(f.name for f in dataclasses.fields(cls)) == names for 
 #: StorageInfo's fields travel as a tuple in their own order (whatever this torch's are).
 _STORAGE_INFO_FIELDS = tuple(f.name for f in dataclasses.fields(StorageInfo))
 _ITEM_TYPES = {kind.value: kind for kind in WriteItemType}
+#: Each item type's value by the member's identity: an enum's ``.value`` is a Python-level property
+#: (about 1 us an item), and hashing a member calls Python too.
+_ITEM_CODES = {id(kind): kind.value for kind in WriteItemType}
 
 
 class Compact(Generic[T]):
@@ -107,7 +110,7 @@ def pack_items(items: list[WriteItem]) -> tuple[list[tuple[Any, ...]], list[tupl
             data = item.bytes_io_data
             if data is not None and type(data) is not BytesIOWriteData:
                 return None
-            rows.append((index.fqn, offset, index.index, item.type._value_, None if data is None else data.nbytes))
+            rows.append((index.fqn, offset, index.index, _ITEM_CODES[id(item.type)], None if data is None else data.nbytes))
             continue
         chunk, props = tensor.chunk, tensor.properties
         if (
@@ -121,8 +124,7 @@ def pack_items(items: list[WriteItem]) -> tuple[list[tuple[Any, ...]], list[tupl
         ):
             return None
         key = (props.dtype, props.layout, props.requires_grad, props.memory_format, props.pin_memory)
-        # (An enum's ``_value_`` is a plain attribute; ``.value`` is a Python-level property, 1 us an item.)
-        rows.append((index.fqn, offset, index.index, item.type._value_, tuple(chunk.offsets), tuple(chunk.sizes),
+        rows.append((index.fqn, offset, index.index, _ITEM_CODES[id(item.type)], tuple(chunk.offsets), tuple(chunk.sizes),
                      properties.setdefault(key, len(properties)), tuple(tensor.size)))
     return rows, list(properties)
 
