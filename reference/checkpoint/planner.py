@@ -181,12 +181,12 @@ class ReferenceSavePlanner(SavePlanner):
         :meth:`_plan_globally`, or taken from :data:`~reference.checkpoint.plan_cache.GLOBAL_PLANS`
         when every rank's layout is one planned before (only the non-tensor values are checked then)."""
         keys = tuple(getattr(plan.planner_data, "layout_key", None) for plan in all_plans)
-        cacheable = self.cache_plans and all(key is not None for key in keys)
-        entry = plan_cache.GLOBAL_PLANS.get(cast(tuple[str, ...], keys)) if cacheable else None
+        cache_key = cast(tuple[str, ...], keys) if self.cache_plans and None not in keys else None
+        entry = plan_cache.GLOBAL_PLANS.get(cache_key) if cache_key is not None else None
         if entry is None:
             entry = self._plan_globally(all_plans)
-            if cacheable:
-                plan_cache.GLOBAL_PLANS.put(cast(tuple[str, ...], keys), entry)
+            if cache_key is not None:
+                plan_cache.GLOBAL_PLANS.put(cache_key, entry)
         else:
             problems = _check_object_digests(all_plans)
             if problems:
