@@ -1013,10 +1013,12 @@ def test_reshard_model_and_optimizer_state(pools, world_size_pair, impl, tmp_pat
 @pytest.mark.parametrize("who", WHERE)
 def test_per_rank_value_under_one_key_is_an_error(dist, impl, who: str) -> None:
     """``rank_seed`` differs on every rank, or only on the last: every rank's save raises the same
-    error, naming the key."""
+    error, naming the key. The job saved the same layout with equal values before, so an
+    implementation that reuses that save's plan must still compare the values."""
     if who == "one-rank" and dist.world_size < 3:
         pytest.skip("at world size 2 one differing rank is every rank differing: the every-rank case covers it")
     ops = checkpoint_ops(impl)
+    ops.save({"w": torch.ones(3), "rank_seed": 1000}, dist.tmp_dir / "earlier", process_group=group_of(dist))
     seed = 1000 + (dist.rank if who == "every-rank" else int(dist.rank == dist.world_size - 1))
     sd = {"w": torch.ones(3), "rank_seed": seed}
     _fails_alike(dist, lambda: ops.save(sd, dist.tmp_dir / "ckpt", process_group=group_of(dist)), keys=("rank_seed",),
@@ -1300,10 +1302,11 @@ def test_successive_saves_each_hold_their_own_state(dist, impl) -> None:
     save_and_check("model-f", "model", 5.0, moved=True)  # only the nesting changed
     save_and_check("model-a", "model", 5.0)  # the first layout again, over the first checkpoint
     if dist.world_size > 1:
-        # A per-rank value (ML-9): refused on every rank alike, the failed global step of the plan
+        # A value that differs on the last rank only (ML-9), in the layout saved before (the note
+        # pickles to as many bytes): refused on every rank alike, the failed global step of the plan
         # caches' reports. An implementation that lets it through (an ML-9 deviation, which ML-9's own
         # test reports) saves it on every rank; either way the next save must be whole.
-        refused = {**_job_model(dist, 6.0), "note": f"rank {dist.rank}"}
+        refused = {**_job_model(dist, 6.0), "note": "step 6.1" if dist.rank == dist.world_size - 1 else "step 6.0"}
         exc = raised(lambda: ops.save(refused, dist.tmp_dir / "model-e", process_group=group))
         if any(dist.all_gather_object(exc is not None)):
             _fails_alike(dist, lambda: reraise(exc), keys=("note",), what="a save of a per-rank value between good saves")
