@@ -1,12 +1,13 @@
 """Where the time of a checkpoint load or save goes, phase by phase, for the reference and for torch's
-DCP, beside the raw limit of the same bytes.
+DCP, beside the raw limits of the same bytes.
 
     python -m bench.checkpoint_phases                     # loads, then saves; 64 MB and 512 MB; world sizes 1 and 2
     python -m bench.checkpoint_phases --ops save --sizes 64MB --world-sizes 2 --layouts full --rounds 21
 
 The workload is :mod:`bench.workloads.checkpoint`'s (model + Adam state, files in the page cache). In
-each round every rank loads (or saves) once with ``raw``, once with the reference and once with torch
-(the order rotates from round to round), each timed as ``bench.checkpoint_io`` times them (barrier to
+each round every rank loads (or saves) once with ``raw``, once with ``raw-agreed`` (raw's I/O with the
+one-integer collectives of DCP's protocol, see :mod:`bench.checkpoint_io`), once with the reference and
+once with torch (the order rotates from round to round), each timed as ``bench.checkpoint_io`` times them (barrier to
 barrier), after one round that warms up and is not counted. Loads by the reference and by torch read
 the same files, the checkpoint the reference saved; each save writes a directory of its own, and the
 last save of each implementation is loaded back and checked after the rounds. Each operation is the
@@ -109,6 +110,8 @@ _TIMED_CALLS: dict[str, tuple[tuple[str, str, str], ...]] = {
              ("planner", "create_global_plan", "global plan"), ("storage", "prepare_global_plan", "global plan"),
              ("storage", "write_data", "write"), ("storage", "finish", "finish")),
 }
+#: The limits measured in every round beside the implementations (see bench.workloads.checkpoint).
+_LIMITS = ("raw", ck.AGREED_RAW)
 #: Collective's steps, each (self, step, local_fn[, decide_fn]).
 _AGREEMENTS = ("all_succeed", "gather_decide_scatter", "gather_decide_broadcast")
 
@@ -117,7 +120,7 @@ def columns(op: str) -> list[str]:
     """The figures of one row of ``op``'s table, after the workload and the implementation."""
     phases = [*PHASES[op]]
     phases.insert(phases.index("agree") + 1, EXCHANGE)
-    return [f"raw {op}", op, *phases]
+    return [f"raw {op}", f"{ck.AGREED_RAW} {op}", op, *phases]
 
 
 def _timing(phases: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -234,7 +237,7 @@ def directories(root: str) -> dict[str, str]:
 
 def profile_round(op: str, root: str, order: Sequence[str]) -> dict[str, dict[str, Any]]:
     """On every rank: one ``op`` (``load`` or ``save``) of the prepared state dict (``ck.prepare``) by
-    each implementation of ``order`` (``raw``, ``reference``, ``torch``), in that order, in the
+    each implementation of ``order`` (``raw``, ``raw-agreed``, ``reference``, ``torch``), in that order, in the
     directories of :func:`directories`. A load by the reference or by torch reads the reference's
     checkpoint, raw its own, both saved by ``ck.save_once`` before; a save empties its implementation's
     directory first. Returns this rank's ``{impl: {op: s, phase: s, ..., "other": s, "agreements":
@@ -243,8 +246,8 @@ def profile_round(op: str, root: str, order: Sequence[str]) -> dict[str, dict[st
     source, dest = ck._CACHE["source"], ck._CACHE["dest"]
     figures: dict[str, dict[str, Any]] = {}
     for impl in order:
-        if impl == "raw":
-            seconds = ck.load_once("raw", where["raw"]) if op == "load" else ck.save_once("raw", where["raw"])
+        if impl in _LIMITS:  # raw's own files, which both limits write and read alike
+            seconds = ck.load_once(impl, where["raw"]) if op == "load" else ck.save_once(impl, where["raw"])
             figures[impl] = {op: seconds}
             continue
         phases: dict[str, float] = defaultdict(float)
@@ -310,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 group.run(ck.save_once, "reference", where["reference"])
                                 group.run(ck.save_once, "raw", where["raw"])
                             # The order rotates, so that no implementation always runs first after a save.
-                            everyone = ["raw", *impls]
+                            everyone = [*_LIMITS, *impls]
                             # Round 0 warms up (first calls, imports, the files' first reads) and is dropped.
                             rounds = [group.run(checkpoint_phases.profile_round, op, root, rotated(everyone, r))
                                       for r in range(args.rounds + 1)][1:]
@@ -321,10 +324,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 for impl in impls:
                                     _add_exchange(ranks, impl)
                             label = f"{op} {config.size_label(nbytes)} ws{world_size} {layout}"
-                            raw = _median_of_slowest(rounds, "raw", op)
+                            limits = [_median_of_slowest(rounds, limit, op) for limit in _LIMITS]
                             for impl in impls:
-                                figures = [_median_of_slowest(rounds, impl, c) for c in names[1:]]
-                                cells = [f"{raw:.2f}", *("-" if f is None else f"{f:.2f}" for f in figures)]
+                                figures = [_median_of_slowest(rounds, impl, c) for c in names[len(_LIMITS):]]
+                                cells = ["-" if f is None else f"{f:.2f}" for f in [*limits, *figures]]
                                 print(f"| {label} | {impl} | " + " | ".join(cells) + " |", flush=True)
                     group.run(ck.release)
     return 0

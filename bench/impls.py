@@ -6,7 +6,8 @@ Every benchmarked implementation is a conformance adapter (:mod:`conformance.ada
 (``FlatParamOps``, ``StateDictOps``, ``OptimStateOps``, ``CheckpointOps`` and ``ShardingOps``), so the
 reference, torch and a fork are measured the same way. Two more names are not adapters: ``raw`` (the
 plain calls or plain file I/O of the same work, the limit no implementation can beat) and, for
-checkpoints, ``memcpy``.
+checkpoints, ``memcpy`` and ``raw-agreed`` (raw's I/O with the collectives every DCP implementation
+runs between ranks; see :mod:`bench.workloads.checkpoint`).
 
 ``BENCH_IMPL`` (environment; ``make bench IMPL=...`` sets it) names the implementations under test,
 comma-separated: they are measured beside the reference, the upstream baseline of each family (torch;
@@ -21,11 +22,13 @@ import os
 from typing import Any
 
 __all__ = [
-    "LIMITS", "ENV_VAR", "under_test", "gated_impl", "family", "is_adapter", "adapter", "ops", "unavailable",
+    "LIMITS", "AGREED_RAW", "ENV_VAR", "under_test", "gated_impl", "family", "is_adapter", "adapter", "ops", "unavailable",
 ]
 
-#: Names that are not adapters: the plain-call / plain-I/O limit, and a memory copy of the same bytes.
-LIMITS: tuple[str, ...] = ("raw", "memcpy")
+#: Names that are not adapters: the plain-call / plain-I/O limit, a memory copy of the same bytes, and
+#: the checkpoints' plain I/O with DCP's collectives.
+AGREED_RAW = "raw-agreed"
+LIMITS: tuple[str, ...] = ("raw", "memcpy", AGREED_RAW)
 #: The environment variable naming the implementations under test.
 ENV_VAR = "BENCH_IMPL"
 
@@ -65,7 +68,7 @@ def family(baselines: tuple[str, ...], limits: tuple[str, ...] = ("raw",), envir
 
 
 def is_adapter(name: str) -> bool:
-    """False for the limits (``raw``, ``memcpy``), True for every adapter name."""
+    """False for the limits (:data:`LIMITS`), True for every adapter name."""
     return name not in LIMITS
 
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 from bench import checkpoint_io, checkpoint_phases, config
+from bench.ranks import RankGroup
+from bench.workloads import checkpoint as ck
 
 
 def _rows(text: str) -> list[list[str]]:
@@ -21,14 +24,55 @@ def test_parse_size_is_the_inverse_of_size_label(text: str, nbytes: int) -> None
         assert config.size_label(nbytes) == text
 
 
-def test_checkpoint_io_prints_a_row_per_operation_with_ratios_to_raw(capsys: pytest.CaptureFixture[str]) -> None:
+def test_checkpoint_io_prints_a_row_per_operation_with_ratios_to_both_limits(capsys: pytest.CaptureFixture[str]) -> None:
     assert checkpoint_io.main(["--sizes", "4MB", "--world-sizes", "1", "--layouts", "full", "--rounds", "1",
                                "--impls", "reference,raw"]) == 0
     header, *rows = _rows(capsys.readouterr().out)
-    assert header == ["workload", "reference MB/s", "raw MB/s", "reference/raw"]
+    assert header == ["workload", "reference MB/s", "raw MB/s", "raw-agreed MB/s", "reference/raw", "reference/raw-agreed"]
     assert [row[0] for row in rows] == ["save 4MB ws1 full", "load 4MB ws1 full"]
     for row in rows:
         assert all(float(cell.replace(",", "")) > 0 for cell in row[1:]), row
+
+
+_COUNTED = ("gather", "scatter", "broadcast", "all_reduce")
+
+
+def _agreed_raw_collectives(directory: str) -> dict[str, dict[str, int]]:
+    """On a rank: the collectives (by c10d call) of one ``raw-agreed`` save into ``directory`` and one
+    load of it (which checks every value loaded)."""
+    counts: dict[str, dict[str, int]] = {}
+    originals = {name: getattr(dist, name) for name in _COUNTED}
+
+    def counting(op: str, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[op][name] = counts[op].get(name, 0) + 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    try:
+        for op, run in (("save", ck.save_once), ("load", ck.load_once)):
+            counts[op] = {}
+            for name in _COUNTED:
+                setattr(dist, name, counting(op, name))
+            run(ck.AGREED_RAW, directory)
+            for name, original in originals.items():
+                setattr(dist, name, original)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return counts
+
+
+@pytest.mark.parametrize("layout", ck.LAYOUTS)
+def test_raw_agreed_is_raw_between_the_collectives_of_a_dcp_save_and_of_specs_load_agreements(tmp_path: Any, layout: str) -> None:
+    """Four one-integer collectives around a save (plans gathered and scattered before the writes,
+    results gathered and the metadata broadcast after), three all-reduces in a load, on every rank; the
+    bytes are raw's, loaded back whole."""
+    with RankGroup(2) as group:
+        group.run(ck.prepare, 4 << 20, layout)
+        counts = group.run(_agreed_raw_collectives, str(tmp_path / "ckpt"))
+    assert counts == [{"save": {"gather": 2, "scatter": 1, "broadcast": 1}, "load": {"all_reduce": 3}}] * 2
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["raw_rank0.bin", "raw_rank1.bin"]
 
 
 class _ScriptedRanks:
@@ -55,7 +99,7 @@ def _tables(text: str) -> dict[str, tuple[list[str], list[dict[str, str]]]]:
     """``bench.checkpoint_phases``' tables by operation: (header, rows as {column: cell})."""
     tables: dict[str, tuple[list[str], list[dict[str, str]]]] = {}
     for header, *rows in (_rows(block) for block in text.split("\n\n") if "| workload" in block):
-        tables[header[3]] = (header, [dict(zip(header, row)) for row in rows])
+        tables[header[2].split()[-1]] = (header, [dict(zip(header, row)) for row in rows])  # "raw load" -> "load"
     return tables
 
 
@@ -69,11 +113,13 @@ def test_checkpoint_phases_time_each_phase_of_loads_and_saves_of_the_reference_a
                     "save": ("set up", "local plan", "global plan", "write", "finish")}
     for op, (header, rows) in tables.items():
         assert header == ["workload", "impl", *checkpoint_phases.columns(op)]
+        assert header[2:5] == [f"raw {op}", f"raw-agreed {op}", op]
         assert [(row["workload"], row["impl"]) for row in rows] == [(f"{op} 4MB ws1 sharded", "reference"),
                                                                      (f"{op} 4MB ws1 sharded", "torch")]
         reference, torch_ = rows
         # Every phase was seen (the instrumented calls ran), and none is more than the operation itself.
         for figures in (reference, torch_):
+            assert float(figures[f"raw {op}"]) > 0 and float(figures[f"raw-agreed {op}"]) > 0
             for phase in timed_phases[op]:
                 assert 0 < float(figures[phase]) <= float(figures[op]), (op, phase, figures)
         assert 0 <= float(reference["exchange"]) <= float(reference["agree"]) <= float(reference[op])

@@ -16,7 +16,12 @@ Implementations (:func:`impls`): every adapter through its ``CheckpointOps.save`
 default process group: the reference, torch (DCP) and the implementations under test
 (``BENCH_IMPL``, see :mod:`bench.impls`); and the limits of the machine for the same bytes on the
 same ranks: ``raw`` (one plain file per rank, ``write`` + ``fsync`` as DCP's file writer does, and
-``readinto`` the destination tensors) and ``memcpy`` (``Tensor.copy_`` of the same bytes).
+``readinto`` the destination tensors) and ``memcpy`` (``Tensor.copy_`` of the same bytes). A third
+limit, ``raw-agreed`` (:data:`AGREED_RAW`), is raw's I/O with the collectives DCP's protocol and SPEC's
+agreements make every implementation run between the ranks, each carrying one integer: the limit at
+world size 2 and above of any implementation that agrees as SPEC says, the rest of its gap to raw being
+c10d's latency and the ranks' waits for each other. ``bench.checkpoint_io`` and
+``bench.checkpoint_phases`` measure it beside raw.
 
 Devices: the state dicts live on the CPU (gloo ranks), or with ``device="cuda"`` on ``cuda:<rank>``
 (nccl ranks; ``BENCH_DEVICE=cuda``, see ``bench/config.py``). For CUDA state dicts the raw limit
@@ -49,7 +54,7 @@ from bench import impls as _impls
 from bench.ranks import RankGroup, peak_rss_bytes, peak_rss_reset, rss_bytes, timed
 
 __all__ = [
-    "CAPABILITY", "UPSTREAM", "impls", "meta_impls", "LAYOUTS", "available", "train_state", "state_bytes",
+    "CAPABILITY", "UPSTREAM", "AGREED_RAW", "impls", "meta_impls", "LAYOUTS", "available", "train_state", "state_bytes",
     "HostStaging", "prepare", "save_once", "load_once", "meta_load_once", "release", "Figures", "measure",
 ]
 
@@ -59,6 +64,9 @@ UPSTREAM: tuple[str, ...] = ("torch",)
 LAYOUTS: tuple[str, ...] = ("full", "sharded")
 
 _WIDTH = 1024  # weight is _WIDTH x _WIDTH fp32 = 4 MiB
+#: raw's I/O plus the fewest collectives of a DCP save or load that agrees as SPEC says (see
+#: :func:`_agreed_raw_save`, :func:`_agreed_raw_load`); measured only where named, not in ``impls()``.
+AGREED_RAW = _impls.AGREED_RAW
 
 
 def impls() -> list[str]:
@@ -337,6 +345,37 @@ def _raw_meta_load(meta_sd: dict[str, Any], layout: str, directory: str) -> None
     _raw_load(meta_sd, layout, directory)
 
 
+def _one_int() -> torch.Tensor:
+    """What each collective of :data:`AGREED_RAW` carries: one int32 on the group's device."""
+    return torch.zeros(1, dtype=torch.int32, device=_rank_device(_mesh_device_type()))
+
+
+def _agreed_raw_save(sd: dict[str, Any], layout: str, directory: str) -> None:
+    """raw's save between the four collectives of DCP's save protocol, each of one integer: the local
+    plans gathered to the coordinator and the global plans scattered back before anything is written;
+    the write results gathered and the metadata broadcast after (torch's ``save`` and the reference's
+    alike). What an implementation sends in them, and how, is its own cost, not this limit's."""
+    dist = torch.distributed
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flag = _one_int()
+    everyone = [torch.zeros_like(flag) for _ in range(world)] if rank == 0 else None
+    dist.gather(flag, everyone, dst=0)
+    dist.scatter(flag, everyone, src=0)
+    _raw_save(sd, layout, directory)
+    dist.gather(flag, everyone, dst=0)
+    dist.broadcast(flag, src=0)
+
+
+def _agreed_raw_load(sd: dict[str, Any], layout: str, directory: str) -> None:
+    """raw's load between SPEC's three agreements of a load (ML-23, ML-24: every rank planned, every
+    rank read, every rank committed), each an all-reduce of one integer, as the reference's are."""
+    flag = _one_int()
+    torch.distributed.all_reduce(flag)
+    _raw_load(sd, layout, directory)
+    torch.distributed.all_reduce(flag)
+    torch.distributed.all_reduce(flag)
+
+
 def _memcpy(source: dict[str, Any], dest: dict[str, Any], layout: str, *, only_written: bool) -> None:
     rank = torch.distributed.get_rank()
     for (writer, src), (_, dst) in zip(_raw_assignment(source, layout), _raw_assignment(dest, layout)):
@@ -391,6 +430,8 @@ def save_once(impl: str, directory: str) -> float:
     _fresh_dir(directory)
     if impl == "raw":
         return timed(lambda: _raw_save(source, layout, directory))
+    if impl == AGREED_RAW:
+        return timed(lambda: _agreed_raw_save(source, layout, directory))
     if impl == "memcpy":
         return timed(lambda: _memcpy(source, _CACHE["dest"], layout, only_written=True))
     save, _ = _dcp_ops(impl)
@@ -419,6 +460,8 @@ def load_once(impl: str, directory: str) -> float:
     _zero(dest)
     if impl == "raw":
         seconds = timed(lambda: _raw_load(dest, layout, directory))
+    elif impl == AGREED_RAW:
+        seconds = timed(lambda: _agreed_raw_load(dest, layout, directory))
     elif impl == "memcpy":
         seconds = timed(lambda: _memcpy(source, dest, layout, only_written=False))
     else:
