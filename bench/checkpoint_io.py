@@ -2,6 +2,7 @@
 
     python -m bench.checkpoint_io                                  # 64 MB and 512 MB, world sizes 1 and 2
     python -m bench.checkpoint_io --sizes 64MB --world-sizes 1 --rounds 9 --impls reference,raw
+    python -m bench.checkpoint_io --over-previous                  # each save over the previous checkpoint
     BENCH_IMPL=mystack.adapter:MyAdapter python -m bench.checkpoint_io   # a fork beside the others
 
 The same workload as ``bench/test_checkpoint.py`` and asv's ``bench_checkpoint.py``
@@ -47,18 +48,19 @@ class Series:
 
 
 def measure_interleaved(group: RankGroup, impls: Sequence[str], nbytes: int, layout: str, root: str,
-                        rounds: int, *, warmup: int = 1) -> tuple[int, dict[str, Series]]:
+                        rounds: int, *, warmup: int = 1, over_previous: bool = False) -> tuple[int, dict[str, Series]]:
     """(global bytes, {impl: Series}): ``rounds`` rounds in which every implementation saves into its own
     directory under ``root`` and loads it back, in an order that rotates by one each round, after
     ``warmup`` rounds that are not kept: an implementation's first call in a rank process pays once for
     what later calls reuse (imports, its threads; the reference's first 64 MB save took 469 ms here, the
-    next eleven 37-66 ms)."""
+    next eleven 37-66 ms). With ``over_previous`` every save but the first of an implementation goes over
+    its previous checkpoint (see ``bench.workloads.checkpoint.save_once``)."""
     total = group.run(ck.prepare, nbytes, layout, config.DEVICE)[0]
     series = {impl: Series() for impl in impls}
     for r in range(warmup + rounds):
         for impl in rotated(impls, r):
             directory = os.path.join(root, impl.replace(":", "-").replace("/", "-"))
-            save = max(group.run(ck.save_once, impl, directory))
+            save = max(group.run(ck.save_once, impl, directory, over_previous))
             load = max(group.run(ck.load_once, impl, directory))
             if r >= warmup:
                 series[impl].save.append(save)
@@ -87,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated (default: the reference, torch, BENCH_IMPL's adapters; raw and raw-agreed always)")
     parser.add_argument("--rounds", type=int, default=7, help="rounds per workload (default: 7)")
     parser.add_argument("--dir", default=None, help="where the checkpoints are written (default: the temp dir)")
+    parser.add_argument("--over-previous", action="store_true",
+                        help="each save over the implementation's previous checkpoint, not into an emptied directory")
     args = parser.parse_args(argv)
     impls = args.impls.split(",") if args.impls else [i for i in ck.impls() if i != "memcpy"]
     for limit in ("raw", ck.AGREED_RAW):
@@ -99,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     limits = ["raw", ck.AGREED_RAW]
     subjects = [i for i in impls if i not in (*limits, "torch")]
     print(f"{args.rounds} rounds after a warm-up round, each implementation once per round in rotating order; median over the rounds "
-          f"(ratios: median of the per-round ratios)", flush=True)
+          f"(ratios: median of the per-round ratios)" + ("; every save over the previous checkpoint" if args.over_previous else ""),
+          flush=True)
     header = ["workload", *(f"{i} MB/s" for i in impls), *(f"{s}/{b}" for s in subjects for b in limits),
               *(f"{s}/torch" for s in subjects if "torch" in impls)]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
@@ -108,7 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             with RankGroup(world_size, backend=config.backend(config.DEVICE)) as group:
                 for nbytes in (config.parse_size(s) for s in args.sizes.split(",")):
                     for layout in args.layouts.split(","):
-                        total, series = measure_interleaved(group, impls, nbytes, layout, root, args.rounds)
+                        total, series = measure_interleaved(group, impls, nbytes, layout, root, args.rounds,
+                                                            over_previous=args.over_previous)
                         for op in ("save", "load"):
                             per = {i: getattr(series[i], op) for i in impls}
                             mbps = [total / 2**20 / statistics.median(per[i]) for i in impls]

@@ -194,12 +194,14 @@ def _worker_main(argv: list[str]) -> None:
     try:
         import torch.distributed as dist
 
-        if backend == "nccl":
+        device = None
+        if backend == "nccl":  # one GPU per rank, bound to the group (its communicator made for it now)
             import torch
 
-            torch.cuda.set_device(rank)  # one GPU per rank
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, device_id=device)
         send("ok", None)
     except BaseException:
         send("error", traceback.format_exc())

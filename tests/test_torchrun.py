@@ -101,6 +101,25 @@ def test_two_d_meshes_follow_the_nodes() -> None:
     assert hybrid_mesh_shape(8, None) == (2, 4) and hybrid_mesh_shape(3, None) == (1, 3)
 
 
+@pytest.mark.parametrize("backend, bound", [("nccl", True), ("gloo", False)])
+def test_an_nccl_default_group_is_bound_to_the_ranks_gpu(monkeypatch: pytest.MonkeyPatch, backend: str, bound: bool) -> None:
+    """Under nccl the group is made for this rank's GPU (``device_id``), not for a device torch guesses
+    at the first collective; gloo groups are not bound (a CPU job on a GPU machine included)."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from conformance.harness.control import DefaultGroup
+
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.append(kwargs))
+    control = types.SimpleNamespace(rank=1, store=dist.HashStore())
+    group = DefaultGroup(control, torch.device("cuda", 1), pg_timeout_s=30)  # type: ignore[arg-type]
+    group.ensure(2, backend, "t")
+    assert [call.get("device_id") for call in calls] == [torch.device("cuda", 1) if bound else None]
+
+
 @pytest.mark.req("HX-28")
 def test_a_collection_difference_names_the_first_differing_test() -> None:
     a = ["t.py::test_a", "t.py::test_b", "t.py::test_c"]

@@ -424,10 +424,14 @@ def _fresh_dir(directory: str) -> None:
     torch.distributed.barrier()
 
 
-def save_once(impl: str, directory: str) -> float:
-    """Seconds to save the prepared source state dict with ``impl`` into an emptied ``directory``."""
+def save_once(impl: str, directory: str, over_previous: bool = False) -> float:
+    """Seconds to save the prepared source state dict with ``impl`` into an emptied ``directory``, or,
+    with ``over_previous``, over the checkpoint an earlier save of ``impl`` left there (a job that
+    keeps one latest checkpoint): then the cost of replacing the earlier files counts too, wherever the
+    implementation pays it (raw truncates its file as it opens it for writing)."""
     source, layout = _CACHE["source"], _CACHE["layout"]
-    _fresh_dir(directory)
+    if not over_previous or not os.path.isdir(directory):
+        _fresh_dir(directory)
     if impl == "raw":
         return timed(lambda: _raw_save(source, layout, directory))
     if impl == AGREED_RAW:

@@ -297,6 +297,9 @@ class DefaultGroup:
             rank=self._control.rank,
             world_size=world_size,
             timeout=timedelta(seconds=self._pg_timeout_s),
+            # nccl: the group bound to this rank's GPU, so that its communicator is made here, for
+            # that GPU, instead of at the first collective on whichever device torch guesses.
+            device_id=self.device if backend == "nccl" else None,
         )
         self.current = (world_size, backend)
 

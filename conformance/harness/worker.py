@@ -197,11 +197,14 @@ def rank_main(
     import torch.distributed as dist
 
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = None
+        if backend == "nccl":  # one GPU per rank, bound to the group (its communicator made for it now)
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s),
+            device_id=device,
         )
         send_message(conn, RankOutcome(rank=rank, status="ok", value="ready"))
     except BaseException:  # reported to the controller, which fails the pool start

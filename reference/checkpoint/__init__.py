@@ -38,7 +38,7 @@ from reference.checkpoint.errors import (
 )
 from reference.checkpoint.metadata_io import read_metadata_file
 from reference.checkpoint.planner import LoadResult, ReferenceLoadPlanner, ReferenceSavePlanner
-from reference.checkpoint.storage import FileSystemReader, FileSystemWriter
+from reference.checkpoint.storage import FileSystemReader, FileSystemWriter, wait_for_removals
 
 __all__ = [
     "save",
@@ -53,4 +53,5 @@ __all__ = [
     "FileSystemWriter",
     "FileSystemReader",
     "read_metadata_file",
+    "wait_for_removals",
 ]

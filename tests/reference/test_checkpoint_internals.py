@@ -1089,3 +1089,76 @@ def test_threaded_save_and_load_of_gpu_tensors_on_a_device_that_is_not_the_threa
     for key, value in source.items():
         assert target[key].device == device
         assert torch.equal(target[key].cpu().view(torch.uint8), value.cpu().view(torch.uint8)), key
+
+
+# -- the files of earlier saves ----------------------------------------------------------------------
+
+
+def _data_files(directory: Any) -> set[str]:
+    return {p.name for p in directory.iterdir() if p.name.endswith(".distcp")}
+
+
+def test_a_save_over_an_earlier_one_removes_its_files_after_publishing_without_waiting(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The removal of the earlier save's files runs after the save has returned: a save returns while
+    the removal is held up, and the files go once it may proceed; the user's own files stay."""
+    import threading
+    from pathlib import Path
+
+    from reference.checkpoint import storage, wait_for_removals
+
+    save({"w": torch.arange(6.0)}, checkpoint_id=tmp_path)
+    first = _data_files(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "__mine.bin").write_bytes(b"also mine")
+    release, removing = threading.Event(), threading.Event()
+    unlink = Path.unlink
+
+    def held_unlink(path: Path, *args: Any, **kwargs: Any) -> None:
+        removing.set()
+        assert release.wait(30), "the test never released the removal"
+        unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(storage.Path, "unlink", held_unlink)
+    try:
+        save({"w": torch.arange(6.0) * 2}, checkpoint_id=tmp_path)  # returns though the removal is held
+        assert removing.wait(30)
+        assert first <= _data_files(tmp_path)  # not removed yet
+        out = {"w": torch.zeros(6)}
+        load(out, checkpoint_id=tmp_path)  # the new checkpoint loads meanwhile
+        assert torch.equal(out["w"], torch.arange(6.0) * 2)
+    finally:
+        release.set()
+        wait_for_removals()
+    second = _data_files(tmp_path)
+    assert second and not first & second, (first, second)
+    assert (tmp_path / "notes.txt").read_text() == "mine" and (tmp_path / "__mine.bin").exists()
+
+
+def test_files_of_an_earlier_save_that_cannot_be_removed_are_warned_about_and_removed_by_a_later_save(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pathlib import Path
+
+    from reference.checkpoint import storage, wait_for_removals
+
+    save({"w": torch.ones(3)}, checkpoint_id=tmp_path)
+    first = _data_files(tmp_path)
+    unlink = Path.unlink
+
+    def refused(path: Path, *args: Any, **kwargs: Any) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(storage.Path, "unlink", refused)
+    with pytest.warns(RuntimeWarning, match=r"could not remove this file of an earlier save .*Permission denied"):
+        save({"w": torch.ones(3) * 2}, checkpoint_id=tmp_path)  # the save itself succeeds
+        wait_for_removals()
+    assert first <= _data_files(tmp_path)
+    monkeypatch.setattr(storage.Path, "unlink", unlink)
+    save({"w": torch.ones(3) * 3}, checkpoint_id=tmp_path)
+    wait_for_removals()
+    assert len(_data_files(tmp_path)) == 1 and not first & _data_files(tmp_path)
+    out = {"w": torch.zeros(3)}
+    load(out, checkpoint_id=tmp_path)
+    assert torch.equal(out["w"], torch.ones(3) * 3)
