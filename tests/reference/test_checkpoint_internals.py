@@ -1106,7 +1106,7 @@ def test_a_save_over_an_earlier_one_removes_its_files_after_publishing_without_w
     import threading
     from pathlib import Path
 
-    from reference.checkpoint import storage, wait_for_removals
+    from reference.checkpoint import wait_for_removals
 
     save({"w": torch.arange(6.0)}, checkpoint_id=tmp_path)
     first = _data_files(tmp_path)
@@ -1120,7 +1120,7 @@ def test_a_save_over_an_earlier_one_removes_its_files_after_publishing_without_w
         assert release.wait(30), "the test never released the removal"
         unlink(path, *args, **kwargs)
 
-    monkeypatch.setattr(storage.Path, "unlink", held_unlink)
+    monkeypatch.setattr(Path, "unlink", held_unlink)
     try:
         save({"w": torch.arange(6.0) * 2}, checkpoint_id=tmp_path)  # returns though the removal is held
         assert removing.wait(30)
@@ -1141,7 +1141,7 @@ def test_files_of_an_earlier_save_that_cannot_be_removed_are_warned_about_and_re
 ) -> None:
     from pathlib import Path
 
-    from reference.checkpoint import storage, wait_for_removals
+    from reference.checkpoint import wait_for_removals
 
     save({"w": torch.ones(3)}, checkpoint_id=tmp_path)
     first = _data_files(tmp_path)
@@ -1150,12 +1150,12 @@ def test_files_of_an_earlier_save_that_cannot_be_removed_are_warned_about_and_re
     def refused(path: Path, *args: Any, **kwargs: Any) -> None:
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(storage.Path, "unlink", refused)
+    monkeypatch.setattr(Path, "unlink", refused)
     with pytest.warns(RuntimeWarning, match=r"could not remove this file of an earlier save .*Permission denied"):
         save({"w": torch.ones(3) * 2}, checkpoint_id=tmp_path)  # the save itself succeeds
         wait_for_removals()
     assert first <= _data_files(tmp_path)
-    monkeypatch.setattr(storage.Path, "unlink", unlink)
+    monkeypatch.setattr(Path, "unlink", unlink)
     save({"w": torch.ones(3) * 3}, checkpoint_id=tmp_path)
     wait_for_removals()
     assert len(_data_files(tmp_path)) == 1 and not first & _data_files(tmp_path)
