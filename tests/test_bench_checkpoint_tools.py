@@ -146,3 +146,21 @@ def test_exchange_is_the_time_from_the_last_rank_arriving_to_each_agreement_endi
     assert [rank["reference"][checkpoint_phases.EXCHANGE] for rank in ranks] == pytest.approx([0.4, 0.5])
     assert all("agreements" not in rank[impl] for rank in ranks for impl in ("reference", "torch"))
     assert all(checkpoint_phases.EXCHANGE not in rank["torch"] for rank in ranks)  # none timed: "-"
+
+
+@pytest.mark.parametrize("impl", ["reference", "raw"])
+def test_saves_over_the_previous_checkpoint_keep_the_directory_on_every_rank(tmp_path: Any, impl: str) -> None:
+    """``save_once(..., over_previous=True)``: the first save makes the directory, later ones go over what
+    is there (a file of the user's stays), and every rank makes the same collective calls whichever rank
+    looks first (a rank deciding alone from what it sees hung the ranks)."""
+    directory = tmp_path / "ckpt"
+    with RankGroup(2) as group:
+        group.run(ck.prepare, 4 << 20, "sharded")
+        for k in range(3):
+            assert all(s > 0 for s in group.run(ck.save_once, impl, str(directory), True, timeout=120))
+            if k == 0:
+                (directory / "mine.txt").write_text("kept")
+            assert all(s > 0 for s in group.run(ck.load_once, impl, str(directory), timeout=120))  # checks every value
+        assert (directory / "mine.txt").read_text() == "kept"
+        group.run(ck.save_once, impl, str(directory), timeout=120)  # not over the previous one: emptied first
+        assert not (directory / "mine.txt").exists()

@@ -417,10 +417,13 @@ def release() -> None:
     gc.collect()
 
 
-def _fresh_dir(directory: str) -> None:
+def _fresh_dir(directory: str, *, keep: bool = False) -> None:
+    """Empty ``directory`` (or, with ``keep``, leave what it holds), then wait for every rank: rank 0
+    alone looks and decides, so that every rank makes the same collective calls."""
     if torch.distributed.get_rank() == 0:
-        shutil.rmtree(directory, ignore_errors=True)
-        os.makedirs(directory)
+        if not (keep and os.path.isdir(directory)):
+            shutil.rmtree(directory, ignore_errors=True)
+            os.makedirs(directory)
     torch.distributed.barrier()
 
 
@@ -430,8 +433,7 @@ def save_once(impl: str, directory: str, over_previous: bool = False) -> float:
     keeps one latest checkpoint): then the cost of replacing the earlier files counts too, wherever the
     implementation pays it (raw truncates its file as it opens it for writing)."""
     source, layout = _CACHE["source"], _CACHE["layout"]
-    if not over_previous or not os.path.isdir(directory):
-        _fresh_dir(directory)
+    _fresh_dir(directory, keep=over_previous)
     if impl == "raw":
         return timed(lambda: _raw_save(source, layout, directory))
     if impl == AGREED_RAW:
