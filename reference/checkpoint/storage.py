@@ -17,8 +17,8 @@ previous checkpoint or the new one, never a mix, and a fresh directory holds not
 
 Removing the files of the earlier save is cleanup, not part of the save: it runs on a thread of the
 coordinator after publication (see :class:`_Removals`), so that no rank waits for it. Freeing an
-fsynced file's blocks is slow (unlinking 32 MB took 47-58 ms on this project's CI machine, ext4 on a
-virtual disk; 128 MB, 190-210 ms), and the ranks would otherwise wait for it at the end of every save
+fsynced file's blocks is slow (unlinking 32 MB took 47-58 ms on a 2-CPU VM, ext4 on a virtual disk;
+128 MB, 190-210 ms), and the ranks would otherwise wait for it at the end of every save
 over an earlier checkpoint. Which files to remove is decided at publication, while the save still
 holds the directory: only names the new metadata does not reference, all written by earlier saves
 (every save's names are its own), so a later save's files are never among them.
