@@ -17,9 +17,10 @@ torch), which cancels the load that moved between rounds.
 Two limits are measured in every round: ``raw`` (plain file I/O of the same bytes, the ranks never
 talking to each other) and ``raw-agreed`` (the same I/O with the collectives of DCP's protocol that
 every implementation agreeing as SPEC says must run, each of one integer: four around a save, three
-in a load). At world size 1 they are the same but for c10d's calls on a group of one. At world size 2 and above, ``<impl>/raw-agreed`` is how
-close an implementation comes to what the machine and c10d allow once the ranks must agree, and the
-gap between the two limits is c10d's own cost on this machine, which no implementation removes.
+in a load). At world size 1 they are the same but for c10d's calls on a group of one. At world size 2
+and above, ``<impl>/raw-agreed`` is how close an implementation comes to what the machine and c10d
+allow once the ranks must agree, and the gap between the two limits is c10d's own cost on this
+machine, which no implementation removes.
 """
 
 from __future__ import annotations
@@ -93,19 +94,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="each save over the implementation's previous checkpoint, not into an emptied directory")
     args = parser.parse_args(argv)
     impls = args.impls.split(",") if args.impls else [i for i in ck.impls() if i != "memcpy"]
-    for limit in ("raw", ck.AGREED_RAW):
+    for limit in ck.IO_LIMITS:
         if limit not in impls:
             impls.append(limit)
     for impl in impls:
         reason = ck.available(impl)
         if reason:
             parser.error(reason)
-    limits = ["raw", ck.AGREED_RAW]
-    subjects = [i for i in impls if i not in (*limits, "torch")]
+    subjects = [i for i in impls if i not in (*ck.IO_LIMITS, "torch")]
     print(f"{args.rounds} rounds after a warm-up round, each implementation once per round in rotating order; median over the rounds "
           f"(ratios: median of the per-round ratios)" + ("; every save over the previous checkpoint" if args.over_previous else ""),
           flush=True)
-    header = ["workload", *(f"{i} MB/s" for i in impls), *(f"{s}/{b}" for s in subjects for b in limits),
+    header = ["workload", *(f"{i} MB/s" for i in impls), *(f"{s}/{b}" for s in subjects for b in ck.IO_LIMITS),
               *(f"{s}/torch" for s in subjects if "torch" in impls)]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-io-", dir=args.dir) as root:
@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         for op in ("save", "load"):
                             per = {i: getattr(series[i], op) for i in impls}
                             mbps = [total / 2**20 / statistics.median(per[i]) for i in impls]
-                            to_raw = [ratio_of_rounds(per[s], per[b]) for s in subjects for b in limits]
+                            to_raw = [ratio_of_rounds(per[s], per[b]) for s in subjects for b in ck.IO_LIMITS]
                             to_torch = [ratio_of_rounds(per[s], per["torch"]) for s in subjects] if "torch" in impls else []
                             cells = [f"{op} {config.size_label(nbytes)} ws{world_size} {layout}",
                                      *(f"{v:,.0f}" for v in mbps), *(f"{v:.2f}" for v in to_raw + to_torch)]

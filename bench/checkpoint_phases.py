@@ -110,8 +110,6 @@ _TIMED_CALLS: dict[str, tuple[tuple[str, str, str], ...]] = {
              ("planner", "create_global_plan", "global plan"), ("storage", "prepare_global_plan", "global plan"),
              ("storage", "write_data", "write"), ("storage", "finish", "finish")),
 }
-#: The limits measured in every round beside the implementations (see bench.workloads.checkpoint).
-_LIMITS = ("raw", ck.AGREED_RAW)
 #: Collective's steps, each (self, step, local_fn[, decide_fn]).
 _AGREEMENTS = ("all_succeed", "gather_decide_scatter", "gather_decide_broadcast")
 
@@ -120,7 +118,7 @@ def columns(op: str) -> list[str]:
     """The figures of one row of ``op``'s table, after the workload and the implementation."""
     phases = [*PHASES[op]]
     phases.insert(phases.index("agree") + 1, EXCHANGE)
-    return [f"raw {op}", f"{ck.AGREED_RAW} {op}", op, *phases]
+    return [*(f"{limit} {op}" for limit in ck.IO_LIMITS), op, *phases]
 
 
 def _timing(phases: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -246,7 +244,7 @@ def profile_round(op: str, root: str, order: Sequence[str]) -> dict[str, dict[st
     source, dest = ck._CACHE["source"], ck._CACHE["dest"]
     figures: dict[str, dict[str, Any]] = {}
     for impl in order:
-        if impl in _LIMITS:  # raw's own files, which both limits write and read alike
+        if impl in ck.IO_LIMITS:  # raw's own files, which both limits write and read alike
             seconds = ck.load_once(impl, where["raw"]) if op == "load" else ck.save_once(impl, where["raw"])
             figures[impl] = {op: seconds}
             continue
@@ -313,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 group.run(ck.save_once, "reference", where["reference"])
                                 group.run(ck.save_once, "raw", where["raw"])
                             # The order rotates, so that no implementation always runs first after a save.
-                            everyone = [*_LIMITS, *impls]
+                            everyone = [*ck.IO_LIMITS, *impls]
                             # Round 0 warms up (first calls, imports, the files' first reads) and is dropped.
                             rounds = [group.run(checkpoint_phases.profile_round, op, root, rotated(everyone, r))
                                       for r in range(args.rounds + 1)][1:]
@@ -324,9 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 for impl in impls:
                                     _add_exchange(ranks, impl)
                             label = f"{op} {config.size_label(nbytes)} ws{world_size} {layout}"
-                            limits = [_median_of_slowest(rounds, limit, op) for limit in _LIMITS]
+                            limits = [_median_of_slowest(rounds, limit, op) for limit in ck.IO_LIMITS]
                             for impl in impls:
-                                figures = [_median_of_slowest(rounds, impl, c) for c in names[len(_LIMITS):]]
+                                figures = [_median_of_slowest(rounds, impl, c) for c in names[len(ck.IO_LIMITS):]]
                                 cells = ["-" if f is None else f"{f:.2f}" for f in [*limits, *figures]]
                                 print(f"| {label} | {impl} | " + " | ".join(cells) + " |", flush=True)
                     group.run(ck.release)

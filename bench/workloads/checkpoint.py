@@ -54,7 +54,7 @@ from bench import impls as _impls
 from bench.ranks import RankGroup, peak_rss_bytes, peak_rss_reset, rss_bytes, timed
 
 __all__ = [
-    "CAPABILITY", "UPSTREAM", "AGREED_RAW", "impls", "meta_impls", "LAYOUTS", "available", "train_state", "state_bytes",
+    "CAPABILITY", "UPSTREAM", "AGREED_RAW", "IO_LIMITS", "impls", "meta_impls", "LAYOUTS", "available", "train_state", "state_bytes",
     "HostStaging", "prepare", "save_once", "load_once", "meta_load_once", "release", "Figures", "measure",
 ]
 
@@ -67,6 +67,8 @@ _WIDTH = 1024  # weight is _WIDTH x _WIDTH fp32 = 4 MiB
 #: raw's I/O plus the fewest collectives of a DCP save or load that agrees as SPEC says (see
 #: :func:`_agreed_raw_save`, :func:`_agreed_raw_load`); measured only where named, not in ``impls()``.
 AGREED_RAW = _impls.AGREED_RAW
+#: The limits of file I/O that every checkpoint measure times beside the implementations.
+IO_LIMITS: tuple[str, ...] = ("raw", AGREED_RAW)
 
 
 def impls() -> list[str]:

@@ -15,6 +15,11 @@ fsync of the directory) only after every rank's data is written and fsynced, and
 the data files the new metadata does not name. Killed at any moment, on any rank, a save leaves the
 previous checkpoint or the new one, never a mix, and a fresh directory holds nothing that loads.
 
+Concurrent saves to one directory are refused: the coordinator holds an exclusive ``flock`` on
+``.lock`` in it from planning to publication. All of this needs the ranks' files on one file system
+the coordinator sees (a local one at one node; a shared one, with working ``rename`` and ``flock``,
+across nodes).
+
 Removing the files of the earlier save is cleanup, not part of the save: it runs on a thread of the
 coordinator after publication (see :class:`_Removals`), so that no rank waits for it. Freeing an
 fsynced file's blocks is slow (unlinking 32 MB took 47-58 ms on a 2-CPU VM, ext4 on a virtual disk;
@@ -22,10 +27,6 @@ fsynced file's blocks is slow (unlinking 32 MB took 47-58 ms on a 2-CPU VM, ext4
 over an earlier checkpoint. Which files to remove is decided at publication, while the save still
 holds the directory: only names the new metadata does not reference, all written by earlier saves
 (every save's names are its own), so a later save's files are never among them.
-Concurrent saves to one directory are refused: the coordinator holds an exclusive ``flock`` on
-``.lock`` in it from planning to publication. All of this needs the ranks' files on one file system
-the coordinator sees (a local one at one node; a shared one, with working ``rename`` and ``flock``,
-across nodes).
 """
 
 from __future__ import annotations
