@@ -442,3 +442,106 @@ def test_pools_are_reused_across_tests(suite: pytest.Pytester, monkeypatch: pyte
     assert seen["a"] == seen["b"], "the second test must run on the same rank processes"
     payload = json.loads((suite.path / "out.json").read_text())
     assert {v["outcome"] for v in payload["tests"].values()} == {"passed"}
+
+
+CRASH_ADAPTERS = '''
+from conformance.adapters.base import Adapter
+
+
+class UpstreamAdapter(Adapter):
+    name = "upstream"
+
+
+class ForkAdapter(UpstreamAdapter):
+    name = "fork"
+'''
+
+CRASHES = '''
+import os
+import signal
+from pathlib import Path
+
+
+def _attempt(dist, name, crash_on, barrier=True):
+    """Count this run of test ``name`` (each rank appends a line to its log); rank 0 dies of
+    ``SIGSEGV`` on the runs numbered in ``crash_on``."""
+    log = Path(__file__).parent / f"attempts-{name}-{dist.rank}"
+    with log.open("a") as f:
+        f.write("run\\n")
+    run = len(log.read_text().splitlines())
+    if dist.rank == 0 and run in crash_on:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if barrier:
+        dist.barrier()
+
+
+def test_crashes_once(dist, impl):
+    _attempt(dist, f"once-{impl.name}", crash_on=(1,))
+
+
+def test_crashes_always(dist, impl):
+    _attempt(dist, f"always-{impl.name}", crash_on=(1, 2, 3))
+
+
+def test_killed(dist, impl):
+    if dist.rank == 0:
+        _attempt(dist, f"killed-{impl.name}", crash_on=())
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def test_pinned_crash(dist, impl):
+    _attempt(dist, f"pinned-{impl.name}", crash_on=(1, 2, 3), barrier=False)  # rank 1 passes
+
+
+def test_after(dist, impl):
+    dist.barrier()
+'''
+
+
+def _runs(suite: pytest.Pytester, name: str) -> int:
+    """How many times rank 1 ran the crash test ``name`` (rank 1 never dies in them)."""
+    log = suite.path / f"attempts-{name}-1"
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+@pytest.mark.req("HX-33")
+def test_rerun_crashes_reruns_a_segfault_of_the_named_adapter_once_and_reports_it(suite: pytest.Pytester) -> None:
+    """``--rerun-crashes upstream``: a segfault in a test of ``upstream`` runs the test once more on a
+    fresh pool, whose outcome counts; the crash is listed in the summary and the JSON report. A crash
+    on the second run too fails with both runs; SIGKILL, a crash its known deviation pins, and every
+    test of an adapter derived from ``upstream`` are not rerun."""
+    suite.makepyfile(crash_adapters=CRASH_ADAPTERS, test_crashes=CRASHES)
+    xfails = suite.path / "xfails.txt"
+    xfails.write_text("test_crashes.py::test_pinned_crash  raises=DIED ranks=0  # dies of SIGSEGV\n")
+    result = run_suite(
+        suite, "--world-size", "2", "--impl", "crash_adapters:UpstreamAdapter,crash_adapters:ForkAdapter",
+        "--rerun-crashes", "upstream", "--xfails", str(xfails), "--report-json", "out.json",
+    )
+    out = result.stdout.str()
+    # upstream: once passes on its rerun; always and killed fail; pinned is xfailed. fork: once,
+    # always and killed fail on their first run; pinned is xfailed. test_after passes for both.
+    result.assert_outcomes(passed=3, failed=5, xfailed=2)
+    assert "test_crashes_once[ws2-upstream] PASSED" in out and "test_crashes_once[ws2-fork] FAILED" in out
+    runs = {name: _runs(suite, name) for name in ("once-upstream", "always-upstream", "pinned-upstream", "once-fork", "always-fork")}
+    assert runs == {"once-upstream": 2, "always-upstream": 2, "pinned-upstream": 1, "once-fork": 1, "always-fork": 1}, runs
+    assert len((suite.path / "attempts-killed-upstream-0").read_text().splitlines()) == 1  # SIGKILL: no rerun
+    summary = out[out.index("crashes rerun (--rerun-crashes)") : out.index("short test summary info")]
+    assert "test_crashes_once[ws2-upstream]: rank 0 signal 11" in summary, summary
+    assert "test_crashes_always[ws2-upstream]: rank 0 signal 11" in summary, summary
+    assert "Fatal Python error: Segmentation fault" in summary and "in _attempt" in summary  # the rank's stack
+    assert "fork]" not in summary and "pinned" not in summary and "killed" not in summary, summary
+    assert "the test was run twice (--rerun-crashes): first run" in out  # the failed rerun shows the first run
+    payload = json.loads((suite.path / "out.json").read_text())
+    crashed = {test_id for test_id, record in payload["tests"].items() if record.get("crashes")}
+    assert crashed == {"test_crashes.py::test_crashes_once[ws2-upstream]", "test_crashes.py::test_crashes_always[ws2-upstream]"}, crashed
+
+
+@pytest.mark.req("HX-33")
+def test_without_rerun_crashes_a_segfault_fails_its_test(suite: pytest.Pytester) -> None:
+    """The default: no adapter's crash is rerun."""
+    suite.makepyfile(crash_adapters=CRASH_ADAPTERS, test_crashes=CRASHES)
+    result = run_suite(suite, "--world-size", "2", "--impl", "crash_adapters:UpstreamAdapter", "-k", "once or after")
+    result.assert_outcomes(passed=1, failed=1)
+    assert _runs(suite, "once-upstream") == 1
+    assert "crashes rerun" not in result.stdout.str()

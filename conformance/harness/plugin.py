@@ -17,6 +17,7 @@ import inspect
 import itertools
 import json
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +63,19 @@ _ENTRY = pytest.StashKey[XfailEntry]()
 _EXCLUSIONS = pytest.StashKey[tuple[XfailEntry, ...]]()
 #: (world size, failures) of a test's last rank run.
 _RANK_FAILURES = pytest.StashKey[tuple[int, list[Failure]]]()
+#: The adapter names of ``--rerun-crashes``.
+_RERUN_CRASHES = pytest.StashKey[frozenset[str]]()
+#: The crashes rerun in the session (``--rerun-crashes``), in order, for the terminal summary.
+_CRASHES = pytest.StashKey[list[dict[str, Any]]]()
+#: The crashes rerun in one test, for its report.
+_ITEM_CRASHES = pytest.StashKey[list[dict[str, Any]]]()
+#: Signals of a native memory error (the only deaths ``--rerun-crashes`` reruns): a segfault is
+#: the sign of a use-after-free or a race in native code, which another run may not meet; an exit
+#: code, SIGKILL (the OOM killer) or SIGABRT (gloo's checks on a mismatched collective, an assertion)
+#: is what the code decided, and repeats.
+MEMORY_ERROR_SIGNALS = (signal.SIGSEGV, signal.SIGBUS)
+#: Lines of a crashed rank's output kept with its record (faulthandler's stacks end there).
+_CRASH_OUTPUT_LINES = 60
 
 
 # -- options and configuration ---------------------------------------------------------------------
@@ -92,6 +106,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption("--rank-timeout", type=float, default=120.0, help="seconds a rank test may run before it is cut (default 120)")
     group.addoption("--report-json", default=None, help="write each test's outcome, requirement IDs and axes to this JSON file")
+    group.addoption(
+        "--rerun-crashes",
+        action="append",
+        default=[],
+        metavar="NAMES",
+        help="adapter names (Adapter.name; comma-separated or repeated) whose rank tests are run once more on a fresh pool "
+        "when a rank dies of SIGSEGV or SIGBUS that its known deviation does not pin (an intermittent crash in "
+        "native code the suite does not test, e.g. upstream torch's); every such crash is still listed in the "
+        "summary and the JSON report. Default none: every crash fails its test",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -114,6 +138,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SESSION_FINISH] = pytest_sessionfinish
     config.option.world_size = config.option.world_size or default_world_sizes() or "1,2"
     config.stash[_ENTRIES] = load_xfail_entries(config)
+    config.stash[_RERUN_CRASHES] = frozenset(
+        name.strip() for value in config.getoption("--rerun-crashes") for name in value.split(",") if name.strip()
+    )
+    config.stash[_CRASHES] = []
     manager = manager_for(config) or PoolManager(pg_timeout_s=max(60.0, config.getoption("--rank-timeout") * 2))
     config.stash[_MANAGER] = manager
     SESSION_RESULTS.clear()
@@ -462,13 +490,24 @@ def _run_on_ranks(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     node: pytest.Item | None = None,
+    *,
+    rerun_crash: bool = False,
 ) -> list[Any]:
+    """Run ``fn`` on the ranks of the ``world_size`` pool and judge the outcomes (:func:`_judge`).
+    ``rerun_crash``: the call is the whole test, which ``--rerun-crashes`` may run again (a phase of a
+    ``pools`` test is not: the state its earlier phases left on the ranks died with them)."""
     manager = config.stash[_MANAGER]
     timeout_s = _rank_timeout(config, node)
     tmp_dir = tempfile.mkdtemp(prefix="sdc-test-")
     try:
         try:
             run = manager.run(world_size, backend, fn, args, kwargs, tmp_dir=tmp_dir, timeout_s=timeout_s)
+            if rerun_crash and node is not None and _crash_to_rerun(config, node, run, timeout_s):
+                _record_crash(config, node, run, backend, timeout_s)
+                # The crashed pool was stopped: the test runs again from the start on fresh ranks.
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+                tmp_dir = tempfile.mkdtemp(prefix="sdc-test-")
+                run = manager.run(world_size, backend, fn, args, kwargs, tmp_dir=tmp_dir, timeout_s=timeout_s)
         except PoolStartError as exc:
             pytest.fail(str(exc), pytrace=False)
         if node is not None:
@@ -487,8 +526,64 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     names = list(inspect.signature(pyfuncitem.obj).parameters)
     kwargs = {name: (DIST_ARG if name == "dist" else pyfuncitem.funcargs[name]) for name in names}
-    _run_on_ranks(pyfuncitem.config, spec.world_size, spec.backend, pyfuncitem.obj, (), kwargs, pyfuncitem)
+    _run_on_ranks(pyfuncitem.config, spec.world_size, spec.backend, pyfuncitem.obj, (), kwargs, pyfuncitem, rerun_crash=True)
     return True
+
+
+# -- --rerun-crashes: an intermittent native crash of an adapter the suite does not test -------------
+
+
+def _memory_error(code: int | None) -> bool:
+    return code is not None and code < 0 and -code in MEMORY_ERROR_SIGNALS
+
+
+def _crash_to_rerun(config: pytest.Config, item: pytest.Item, run: PoolRun, timeout_s: float) -> bool:
+    """Whether ``run`` of ``item`` is a crash ``--rerun-crashes`` reruns: its adapter is named there
+    (by its own name: an adapter derived from a named one is not), a rank died of a memory error, and
+    that death is not the failure the test's known deviation expects (an entry with no pin, or one
+    that the run matches, already accounts for it)."""
+    impl = item_impl(item)
+    if impl is None or impl.name not in config.stash[_RERUN_CRASHES]:
+        return False
+    if not isinstance(config.stash[_MANAGER], PoolManager):  # under torchrun a dead rank ends the job
+        return False
+    if not any(_memory_error(code) for code in run.died.values()):
+        return False
+    entry = item.stash.get(_ENTRY, None)
+    if entry is None:
+        return True
+    return bool(entry.pin) and entry.pin.mismatch(rank_failures(run, timeout_s), run.world_size) is not None
+
+
+def _record_crash(config: pytest.Config, item: pytest.Item, run: PoolRun, backend: str, timeout_s: float) -> None:
+    """Keep the crash of ``item``'s first run for the terminal summary and its report."""
+    impl = item_impl(item)
+    record = {
+        "nodeid": item.nodeid,
+        "impl": impl.name if impl is not None else None,
+        "died": {str(rank): _how_died(code) for rank, code in sorted(run.died.items())},
+        "output": {
+            str(rank): "\n".join(run.output.get(rank, "").rstrip().splitlines()[-_CRASH_OUTPUT_LINES:])
+            for rank in sorted(run.died)
+        },
+        "first_run": _format_run(run, backend, timeout_s, "first run")[:4000],
+    }
+    config.stash[_CRASHES].append(record)
+    item.stash.setdefault(_ITEM_CRASHES, []).append(record)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    crashes = config.stash.get(_CRASHES, [])
+    if not crashes:
+        return
+    terminalreporter.section("crashes rerun (--rerun-crashes)")
+    for record in crashes:
+        deaths = ", ".join(f"rank {rank} {how}" for rank, how in record["died"].items())
+        terminalreporter.line(f"{record['nodeid']}: {deaths}; run again on a fresh pool (its outcome is the second run's)")
+        for rank, text in record["output"].items():
+            if text:
+                terminalreporter.line(f"---------- rank {rank} output (last lines) ----------")
+                terminalreporter.line(text)
 
 
 class Pools:
@@ -537,6 +632,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     entry = item.stash.get(_ENTRY, None)
     if entry is not None:
         report.user_properties = [*report.user_properties, ("entry", entry_json(entry))]
+    crashes = item.stash.get(_ITEM_CRASHES, [])
+    if crashes:
+        report.user_properties = [*report.user_properties, ("crashes", [{k: c[k] for k in ("died", "output")} for c in crashes])]
+        if report.failed:
+            report.longrepr = f"{report.longreprtext}\n\nthe test was run twice (--rerun-crashes): {crashes[0]['first_run']}"
     if entry is not None and report.passed and getattr(report, "wasxfail", None) is not None:
         report.user_properties = [*report.user_properties, ("strict", not entry.flaky)]
         if not entry.flaky:

@@ -49,6 +49,8 @@ def record_report(report: pytest.TestReport) -> None:
         entry["failures"] = props["failures"]
     if "entry" in props:
         entry["entry"] = props["entry"]
+    if "crashes" in props:
+        entry["crashes"] = props["crashes"]
     xfail_reason = getattr(report, "wasxfail", None)
     if report.when == "call" or (report.when == "setup" and not report.passed):
         if "strict" in props:  # a known deviation that passed: a failure of the run unless its entry is flaky
