@@ -84,6 +84,21 @@ def test_every_format_lists_every_requirement(fmt: str) -> None:
         assert "| requirement" in text
 
 
+@pytest.mark.req("HX-12", "HX-33")
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_a_test_run_again_after_a_crash_is_listed(fmt: str) -> None:
+    """A cell counts the second run of a test rerun after a crash (--rerun-crashes), and the report
+    says which tests were, with the dead ranks."""
+    crash = {"died": {"0": "signal 11"}, "output": {"0": "Fatal Python error: Segmentation fault"}}
+    payload = {**PAYLOAD, "tests": {**PAYLOAD["tests"], "t.py::b[torch]": {**PAYLOAD["tests"]["t.py::b[torch]"], "crashes": [crash]}}}
+    text = render(payload, fmt)
+    if fmt == "json":
+        assert json.loads(text)["rerun_after_crash"] == {"t.py::b[torch]": [{"0": "signal 11"}]}
+    else:
+        assert "run again after a crash (--rerun-crashes; the cells count the second run): t.py::b[torch] (rank 0 signal 11)" in text
+    assert "run again after a crash" not in render(PAYLOAD, "table") and "rerun_after_crash\": {}" in render(PAYLOAD, "json")
+
+
 @pytest.mark.req("HX-12")
 def test_show_reads_a_saved_result(tmp_path, capsys) -> None:
     path = tmp_path / "r.json"

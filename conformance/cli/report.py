@@ -161,6 +161,7 @@ def render(payload: dict[str, Any], fmt: str = "table", width: int | None = None
     """The report of one run in ``fmt`` (table, markdown or json); the reasons' legend is wrapped to
     ``width`` columns (default: the terminal's)."""
     req_ids, impls, cells = summarize(payload)
+    crashes = {test_id: test["crashes"] for test_id, test in sorted(payload.get("tests", {}).items()) if test.get("crashes")}
     if fmt == "json":
         return json.dumps(
             {
@@ -171,6 +172,7 @@ def render(payload: dict[str, Any], fmt: str = "table", width: int | None = None
                     req: {impl: cells[(req, impl)].as_json() if (req, impl) in cells else None for impl in impls}
                     for req in req_ids
                 },
+                "rerun_after_crash": {test_id: [c["died"] for c in runs] for test_id, runs in crashes.items()},
             },
             indent=1,
         )
@@ -187,6 +189,12 @@ def render(payload: dict[str, Any], fmt: str = "table", width: int | None = None
         "'-': no test of this run names it (some, like HX-*, are checked by the self-tests in tests/, run by `make test`)",
         "XPASS: a known deviation that passed, which fails a strict run: remove its entry, or cancel it with a `!` line",
     ]
+    crashed = [
+        f"{test_id} ({', '.join(f'rank {rank} {how}' for crash in runs for rank, how in crash['died'].items())})"
+        for test_id, runs in crashes.items()
+    ]
+    if crashed:
+        notes.append(f"run again after a crash (--rerun-crashes; the cells count the second run): {'; '.join(crashed)}")
     reasons = legend.lines(width, markdown=fmt == "markdown")
     legend_text = "\n\nreasons:\n" + "\n".join(reasons) if reasons else ""
     return f"{header}\n\n{table}{legend_text}\n\ncells: {footer}\n" + "\n".join(notes)
