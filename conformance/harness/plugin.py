@@ -557,10 +557,8 @@ def _crash_to_rerun(config: pytest.Config, item: pytest.Item, run: PoolRun, time
 
 def _record_crash(config: pytest.Config, item: pytest.Item, run: PoolRun, backend: str, timeout_s: float) -> None:
     """Keep the crash of ``item``'s first run for the terminal summary and its report."""
-    impl = item_impl(item)
     record = {
         "nodeid": item.nodeid,
-        "impl": impl.name if impl is not None else None,
         "died": {str(rank): _how_died(code) for rank, code in sorted(run.died.items())},
         "output": {
             str(rank): "\n".join(run.output.get(rank, "").rstrip().splitlines()[-_CRASH_OUTPUT_LINES:])
