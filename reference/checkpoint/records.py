@@ -24,11 +24,12 @@ import os
 import pickle
 import struct
 import sys
+import threading
 import warnings
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol, TypeVar, cast
 
 import torch
@@ -78,24 +79,75 @@ class FileWindow(io.RawIOBase):
         return got
 
 
+@dataclass
+class _Crc32Writers:
+    """The writers inside :func:`_without_crc32`, for a torch that keeps one CRC32 option per process."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    per_thread: bool | None = None  #: whether torch keeps the option per thread; found out on first use
+    inside: int = 0  #: writers inside, when the option is per process
+    before: bool = True  #: the option before the first of them switched it off
+
+
+_CRC32 = _Crc32Writers()
+
+
+def _crc32_option_is_per_thread() -> bool:
+    """Whether a thread's ``set_crc32_options`` leaves other threads' option alone: another thread
+    switches it, this one looks (and puts its value back if it moved)."""
+    mine = torch.serialization.get_crc32_options()
+    other = threading.Thread(target=torch.serialization.set_crc32_options, args=(not mine,), name="crc32-probe")
+    other.start()
+    other.join()
+    if torch.serialization.get_crc32_options() == mine:
+        return True
+    torch.serialization.set_crc32_options(mine)
+    return False
+
+
 @contextlib.contextmanager
 def _without_crc32() -> Iterator[None]:
     # torch.save computes a CRC32 of every member by default, which costs more than writing the bytes
     # (measured here: 445 vs 1,050 MB/s for a 64 MB tensor). Nothing reads it back: this reader parses
     # the zip structure with struct, and torch's reader does not verify it. What catches a damaged
     # record instead: the structure checks of parse_tensor_record and the record's geometry checked
-    # against the checkpoint metadata (FileSystemReader). The option is per thread (torch's
-    # serialization config is thread-local), so each writer thread switches its own.
+    # against the checkpoint metadata (FileSystemReader).
+    #
+    # Writer threads overlap, so who switches the option back matters. Recent torch keeps it per
+    # thread (its serialization config is thread-local): each thread switches its own. Older torch
+    # keeps one per process (2.11 on the GPU machine): there a thread putting back what it found would
+    # switch CRC32s on under a writer still inside torch.save, and the last one out would leave them
+    # off for the whole process. So the first writer in switches it off, the last one out puts back
+    # what the first found; meanwhile other threads' torch.save writes no CRC32s either.
     set_crc32 = getattr(torch.serialization, "set_crc32_options", None)  # torch >= 2.5
     if set_crc32 is None:
         yield
         return
-    before = torch.serialization.get_crc32_options()
-    set_crc32(False)
+    get_crc32 = torch.serialization.get_crc32_options
+    if _CRC32.per_thread is None:
+        with _CRC32.lock:
+            if _CRC32.per_thread is None:
+                _CRC32.per_thread = _crc32_option_is_per_thread()
+    if _CRC32.per_thread:
+        before = get_crc32()
+        set_crc32(False)
+        try:
+            yield
+        finally:
+            set_crc32(before)
+        return
+    with _CRC32.lock:
+        if _CRC32.inside == 0:
+            _CRC32.before = get_crc32()
+            set_crc32(False)
+        _CRC32.inside += 1
     try:
         yield
     finally:
-        set_crc32(before)
+        with _CRC32.lock:
+            _CRC32.inside -= 1
+            if _CRC32.inside == 0:
+                set_crc32(_CRC32.before)
 
 
 def write_record(stream: BinaryIO, value: torch.Tensor | bytes | memoryview) -> int:

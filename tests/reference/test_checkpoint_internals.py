@@ -833,18 +833,42 @@ def test_a_threaded_save_raises_the_first_failure_in_run_order_and_keeps_the_che
     _assert_bitwise_equal(target, before)
 
 
+class _OptionPerProcess:
+    """torch's CRC32 option as older torch keeps it (2.11 on the GPU machine): one value for the whole
+    process, whichever thread sets it."""
+
+    def __init__(self) -> None:
+        self.value = True
+
+    def get(self) -> bool:
+        return self.value
+
+    def set(self, value: bool) -> None:
+        self.value = value
+
+
 @pytest.mark.parametrize("option", [True, False])
-def test_overlapping_record_writers_leave_torch_s_crc32_option_as_it_was(monkeypatch: pytest.MonkeyPatch, option: bool) -> None:
+@pytest.mark.parametrize("kept", ["by-this-torch", "per-process"])
+def test_overlapping_record_writers_leave_torch_s_crc32_option_as_it_was(
+    monkeypatch: pytest.MonkeyPatch, option: bool, kept: str
+) -> None:
     """Records are written without CRC32s by switching torch's option off around torch.save (which
     writes the record, or its template: the threads write tensors of two shapes, and no template is
-    kept before, so each calls it once). Two writer threads overlap: the second starts while the first is inside torch.save, the first ends, then the
-    second. Each must write without CRC32s, and the option must be as it was afterwards. (torch keeps
-    the option per thread: a switch made once, by the first writer or by the caller, would leave the
-    other threads writing CRC32s.)"""
+    kept before, so each calls it once). Two writer threads overlap: the second starts while the first
+    is inside torch.save, the first ends, then the second. Each must write without CRC32s, and the
+    option must be as it was afterwards, whether torch keeps it per thread (a switch made once, by the
+    first writer or by the caller, would leave the other threads writing CRC32s) or per process (a
+    writer putting back what it found would switch CRC32s on under the other, and the last one out
+    would leave them off for good: both seen with torch 2.11)."""
     import threading
 
     from reference.checkpoint.records import write_record
 
+    if kept == "per-process":
+        shared = _OptionPerProcess()
+        monkeypatch.setattr(torch.serialization, "get_crc32_options", shared.get)
+        monkeypatch.setattr(torch.serialization, "set_crc32_options", shared.set)
+    monkeypatch.setattr(records, "_CRC32", records._Crc32Writers())  # found out again, for this option
     real_save = torch.save
     first_inside, second_inside, first_done = threading.Event(), threading.Event(), threading.Event()
     seen: dict[str, bool] = {}
@@ -878,7 +902,9 @@ def test_overlapping_record_writers_leave_torch_s_crc32_option_as_it_was(monkeyp
         for thread in threads:
             thread.join(30)
         assert seen == {"first": False, "second": False}, "a record was written with CRC32s"
-        assert torch.serialization.get_crc32_options() == option  # this thread's, as it was
+        assert torch.serialization.get_crc32_options() == option  # this thread's (or the process's), as it was
+        if kept == "per-process":
+            assert records._CRC32.per_thread is False, "an option kept per process was taken for one kept per thread"
     finally:
         torch.serialization.set_crc32_options(True)
 
