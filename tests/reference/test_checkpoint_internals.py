@@ -859,7 +859,7 @@ def test_overlapping_record_writers_leave_torch_s_crc32_option_as_it_was(
     option must be as it was afterwards, whether torch keeps it per thread (a switch made once, by the
     first writer or by the caller, would leave the other threads writing CRC32s) or per process (a
     writer putting back what it found would switch CRC32s on under the other, and the last one out
-    would leave them off for good: both seen with torch 2.11)."""
+    would leave them off for good; the first was seen with torch 2.11)."""
     import threading
 
     from reference.checkpoint.records import write_record
