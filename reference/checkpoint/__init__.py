@@ -7,6 +7,9 @@ one load with the other, at any world size.
 One job per module:
 
 - :mod:`~reference.checkpoint.api`          save/load: the steps, in order, across ranks
+- :mod:`~reference.checkpoint.async_save`   async_save: stage, then the steps of a save in the background
+- :mod:`~reference.checkpoint.staging`      the snapshot an async save writes, in reused buffers
+- :mod:`~reference.checkpoint.writer_process` the process executor's long-lived writer process
 - :mod:`~reference.checkpoint.planner`      what each rank writes/reads (DCP SavePlanner/LoadPlanner)
 - :mod:`~reference.checkpoint.layout`       chunks of DTensors, overlaps for resharding
 - :mod:`~reference.checkpoint.flatten`      nested state dicts <-> DCP's flat keys
@@ -30,6 +33,7 @@ Typical meta-device load (PyTorch PR #113319's flow, no ``to_empty`` needed)::
 from __future__ import annotations
 
 from reference.checkpoint.api import load, save
+from reference.checkpoint.async_save import AsyncCheckpointerType, AsyncSaveResponse, async_save, async_shutdown
 from reference.checkpoint.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -43,6 +47,10 @@ from reference.checkpoint.storage import FileSystemReader, FileSystemWriter, wai
 __all__ = [
     "save",
     "load",
+    "async_save",
+    "async_shutdown",
+    "AsyncCheckpointerType",
+    "AsyncSaveResponse",
     "LoadResult",
     "CheckpointError",
     "CheckpointFormatError",

@@ -28,7 +28,7 @@ from reference.checkpoint.planner import LoadResult, ReferenceLoadPlanner, Refer
 from reference.checkpoint.storage import FileSystemReader, FileSystemWriter
 from reference.checkpoint.wire import Compact, unwrap
 
-__all__ = ["save", "load"]
+__all__ = ["save", "load", "run_save", "expand_stateful"]
 
 
 @contextlib.contextmanager
@@ -49,7 +49,7 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _expand_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
+def expand_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
     """DCP's convention: a top-level value with ``state_dict()``/``load_state_dict()`` (``Stateful``) is
     saved and loaded as its state dict."""
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
@@ -80,16 +80,41 @@ def save(
     and :class:`~reference.checkpoint.errors.CheckpointError` for an I/O failure, naming the key,
     file and rank.
     """
-    state_dict = _expand_stateful(state_dict)
+    state_dict = expand_stateful(state_dict)
+    collective = Collective(process_group, action=f"save to {str(checkpoint_id)!r}")
     writer = storage_writer if storage_writer is not None else FileSystemWriter()
+    return run_save(state_dict, checkpoint_id, collective, writer, planner)
+
+
+#: ``(plan, planner) -> write results``: how a rank's finished plan reaches its files (the storage
+#: writer's own ``write_data`` by default; an async save's writer process otherwise).
+WriteData = Callable[[SavePlan, ReferenceSavePlanner], list[WriteResult]]
+
+
+def run_save(
+    state_dict: dict[str, Any],
+    checkpoint_id: str | os.PathLike[str] | None,
+    collective: Collective,
+    writer: StorageWriter,
+    planner: ReferenceSavePlanner | None = None,
+    *,
+    local_error: BaseException | None = None,
+    write_data: WriteData | None = None,
+) -> Metadata:
+    """The steps of a save (plan, write, publish) on the ranks of ``collective``, for a state dict whose
+    ``Stateful`` values are already expanded: :func:`save`'s, and an async save's background step.
+
+    ``local_error``: what this rank hit before planning (an async save's staging), raised in the planning
+    step so that every rank fails alike. ``write_data`` replaces the storage writer's ``write_data``."""
     writer.reset(checkpoint_id)
     planner = planner if planner is not None else ReferenceSavePlanner()
-    collective = Collective(process_group, action=f"save to {str(checkpoint_id)!r}")
     metadata_box: list[Metadata] = []
 
     # Plans, write results and the metadata cross ranks as wire.Compact: pickled, they travel as plain
     # tuples.
     def local_plan() -> Compact[SavePlan]:
+        if local_error is not None:
+            raise local_error
         planner.set_up_planner(state_dict, writer.storage_meta(), collective.is_coordinator)
         writer.set_up_storage_writer(collective.is_coordinator)
         return Compact(writer.prepare_local_plan(planner.create_local_plan()))
@@ -112,7 +137,10 @@ def save(
         raise
 
     def write() -> Compact[list[WriteResult]]:
-        future = writer.write_data(planner.finish_plan(plan), planner)
+        final_plan = planner.finish_plan(plan)
+        if write_data is not None:
+            return Compact(write_data(final_plan, planner))
+        future = writer.write_data(final_plan, planner)
         future.wait()
         return Compact(future.value())
 
@@ -178,7 +206,7 @@ def load(
     those calls may be collective. Tensors filled in place may hold partial data after a failure
     while reading, and the saved data after a failure while committing.
     """
-    user_state_dict, state_dict = state_dict, _expand_stateful(state_dict)
+    user_state_dict, state_dict = state_dict, expand_stateful(state_dict)
     reader = storage_reader if storage_reader is not None else FileSystemReader()
     reader.reset(checkpoint_id)
     planner = (
