@@ -6,6 +6,7 @@ faults and damage applied to a saved checkpoint, and memory measurement. Self-te
 from __future__ import annotations
 
 import contextlib
+import os
 import errno
 import gc
 import pickle
@@ -25,6 +26,7 @@ from conformance.adapters.base import Adapter, Unsupported
 from conformance.adapters.checkpoint import CheckpointOps
 from conformance.asserts import (
     assert_same_state,
+    raised,
     expected_local_chunk,
     fail,
 )
@@ -48,6 +50,9 @@ __all__ = [
     "zoo_model",
     "rss_kib",
     "peak_bytes_during",
+    "is_same_bits",
+    "child_save",
+    "check_after_kill",
 ]
 
 
@@ -213,3 +218,64 @@ def damage(dist: RankContext, path: Path, case: str, who: str) -> str:
             pickle.dump(metadata, f)
         return "99.0.0"
     raise ValueError(case)
+
+
+def is_same_bits(got: Any, expected: Any) -> bool:
+    """Whether :func:`assert_same_bits` holds (for trying several candidates)."""
+    try:
+        assert_same_bits(got, expected)
+    except pytest.fail.Exception:
+        return False
+    return True
+
+
+def child_save(impl: Adapter, path: Path, fill: float, kill: tuple[str, int] | None = None, world: int = 1, killed: str = "all",
+               *, executor: str | None = None) -> int:
+    """Run :mod:`conformance.crash_child` (a save of ``crash_state(fill)``, maybe killed at ``kill``);
+    with ``executor``, the save is the adapter's async save on that executor, waited for. Its exit status."""
+    import subprocess
+    import sys
+
+    from conformance.crash_child import ASYNC_ENV, KILLED
+
+    args = [sys.executable, "-m", "conformance.crash_child", impl.spec, str(path), str(fill)]
+    if kill:
+        args += [kill[0], str(kill[1])]
+        if world > 1:
+            args += [str(world), killed]
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH", "")]))}
+    env.pop(ASYNC_ENV, None)
+    if executor is not None:
+        env[ASYNC_ENV] = executor
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    if done.returncode not in (0, -9, KILLED):
+        fail("a child's save", f"exit status {done.returncode}: {done.stderr[-800:]}", f"0 (finished), -9 or {KILLED} (killed)", " ".join(args))
+    return done.returncode
+
+
+def check_after_kill(impl: Adapter, path: Path, directory: str, kill: tuple[str, int], *, world: int, killed: str,
+                     executor: str | None = None) -> None:
+    """A child saves over ``directory`` ("fresh" or "overwrite" of a first child's save) and is killed at
+    ``kill``: the directory then holds the previous checkpoint whole, nothing that loads (fresh), or the
+    new one whole; never a mix. ``executor``: the killed save is an async save on it (AS-3)."""
+    __tracebackhide__ = True
+    from conformance.crash_child import crash_state
+
+    ops = checkpoint_ops(impl)
+    if directory == "overwrite":
+        ops.save(crash_state(1.0), path)  # in this process, without a group (ML-12): the child is the one killed
+    status = child_save(impl, path, 2.0, kill, world, killed, executor=executor)
+    target = crash_state(-5.0)
+    loaded = raised(lambda: ops.load(target, path))
+    how = f"{executor} async save" if executor else "save"
+    where = f"{how}, {directory} directory, world size {world}, rank {killed} killed at {kill[0]} #{kill[1]} (exit status {status})"
+    if loaded is not None:
+        if directory == "fresh":
+            return  # nothing loads: allowed
+        fail("the directory after a killed overwrite", f"{type(loaded).__name__}: {loaded}"[:400], "the previous checkpoint, whole", where)
+    old, new = crash_state(1.0), crash_state(2.0)
+    if any(is_same_bits(target, candidate) for candidate in ((new,) if directory == "fresh" else (old, new))):
+        return
+    fail("the checkpoint after a killed save", {k: (v.flatten()[:3].tolist() if isinstance(v, torch.Tensor) else v) for k, v in target.items()},
+         "one save's values whole (old or new), never a mix", where)

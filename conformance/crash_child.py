@@ -7,6 +7,10 @@ a sharded tensor). With ``OP NTH`` the process (rank ``KILLED_RANK``, or every r
 kills itself (SIGKILL) at the ``NTH`` ``OP`` of :data:`conformance.faults.KILL_OPS` touching
 ``PATH``; the other ranks are killed too if they have not ended within :data:`SURVIVOR_TIMEOUT_S`.
 Exit status: 0 if the save finished everywhere, :data:`KILLED` if a rank was killed.
+
+With the environment variable :data:`ASYNC_ENV` set to an executor (``thread``, ``process``), the save
+is the adapter's async save on that executor (AS-3), waited for; a kill then lands in the background
+write, on whichever of the process's threads makes the op.
 """
 
 from __future__ import annotations
@@ -16,7 +20,23 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["crash_state"]
+__all__ = ["crash_state", "ASYNC_ENV"]
+
+#: The environment variable that makes the child's save an async save on the executor it names.
+ASYNC_ENV = "CONFORMANCE_CRASH_ASYNC"
+
+
+def _save(impl: str, state: dict[str, object], path: str, process_group: object = None) -> None:
+    import os
+
+    from conformance.adapters.base import load_adapter
+
+    executor = os.environ.get(ASYNC_ENV)
+    if executor:
+        response = load_adapter(impl).require("async_checkpoint").async_save(state, path, process_group=process_group, executor=executor)  # type: ignore[arg-type]
+        response.upload_completion.result()
+        return
+    load_adapter(impl).require("checkpoint").save(state, path, process_group=process_group)
 
 
 def crash_state(fill: float) -> dict[str, object]:
@@ -45,7 +65,6 @@ def _rank(rank: int, world: int, port: int, impl: str, path: str, fill: float, k
     from conformance.faults import kill_at
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    ops = load_adapter(impl).require("checkpoint")
     mesh = init_device_mesh("cpu", (world,))
     state = crash_state(fill)
     whole = state["a"]
@@ -53,7 +72,7 @@ def _rank(rank: int, world: int, port: int, impl: str, path: str, fill: float, k
     state["a"] = distribute_tensor(whole, mesh, [Shard(0)])  # every rank writes its part
     if kill is not None and killed in ("all", str(rank)):
         kill_at(Path(path), *kill)
-    ops.save(state, path, process_group=dist.group.WORLD)
+    _save(impl, state, path, process_group=dist.group.WORLD)
     dist.destroy_process_group()
 
 
@@ -74,10 +93,9 @@ def main(argv: list[str]) -> int:
     world, killed = (int(argv[5]), argv[6]) if len(argv) > 6 else (1, "all")
     path.mkdir(parents=True, exist_ok=True)
     if world == 1:
-        ops = load_adapter(impl).require("checkpoint")
         if kill is not None:
             kill_at(path, *kill)
-        ops.save(crash_state(fill), path)
+        _save(impl, crash_state(fill), str(path))
         return 0
     import multiprocessing
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["is_data_file", "failing_writes", "failing_fsync", "failing_reads", "unreadable_bytes", "kill_at", "KILL_OPS"]
+__all__ = ["is_data_file", "failing_writes", "failing_fsync", "failing_reads", "unreadable_bytes", "kill_at", "KILL_OPS", "slowed_publication"]
 
 
 def is_data_file(name: str) -> bool:
@@ -306,3 +306,28 @@ def kill_at(directory: Path, op: str, nth: int) -> None:
     os.fsync = fsync
     os.replace = rename(real_replace)
     os.rename = rename(real_rename)
+
+
+@contextlib.contextmanager
+def slowed_publication(directory: Path, seconds: float) -> Iterator[None]:
+    """Inside, a rename (``os.replace``/``os.rename``) of a file into ``directory`` whose name starts with
+    ``.metadata`` (a save's publication) waits ``seconds`` first, on whichever thread makes it: the window
+    between a save's data and its publication is then long enough to be seen from another thread."""
+    import time
+
+    real_replace, real_rename = os.replace, os.rename
+
+    def slowed(real: Callable[..., Any]) -> Callable[..., Any]:
+        def move(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
+            target = _under(directory, dst)
+            if target is not None and target.name.startswith(".metadata"):
+                time.sleep(seconds)
+            return real(src, dst, *args, **kwargs)
+
+        return move
+
+    os.replace, os.rename = slowed(real_replace), slowed(real_rename)
+    try:
+        yield
+    finally:
+        os.replace, os.rename = real_replace, real_rename

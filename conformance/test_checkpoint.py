@@ -55,12 +55,15 @@ from conformance.asserts import (
 from conformance.checkpoint_support import (
     assert_same_bits,
     call_or_skip,
+    check_after_kill,
     checkpoint_ops,
+    child_save,
     damage,
     dtensor_of,
     exact,
     group_of,
     injected_fault,
+    is_same_bits,
     peak_bytes_during,
     record_location,
     sharded_values,
@@ -104,15 +107,6 @@ def _fails_alike(dist: RankContext, fn: Callable[[], Any], *, keys: tuple[str, .
     assert exc is not None  # assert_same_error_on_every_rank fails when any rank returned
     return expect_error(lambda: reraise(exc), BaseException, keys=keys, needles=needles, what=what,
                         where=f"rank {dist.rank} of {dist.world_size}")
-
-
-def _is_same_bits(got: Any, expected: Any) -> bool:
-    """Whether :func:`assert_same_bits` holds (for trying several candidates)."""
-    try:
-        assert_same_bits(got, expected)
-    except pytest.fail.Exception:
-        return False
-    return True
 
 
 def _at(state: Any, path: tuple[Any, ...]) -> Any:
@@ -1766,25 +1760,6 @@ def _two_rank_kills() -> tuple[tuple[tuple[str, int], str], ...]:
     return QUICK_TWO_RANK_KILLS
 
 
-def _child_save(impl: Adapter, path: Path, fill: float, kill: tuple[str, int] | None = None, world: int = 1, killed: str = "all") -> int:
-    import subprocess
-    import sys
-
-    from conformance.crash_child import KILLED
-
-    args = [sys.executable, "-m", "conformance.crash_child", impl.name, str(path), str(fill)]
-    if kill:
-        args += [kill[0], str(kill[1])]
-        if world > 1:
-            args += [str(world), killed]
-    repo = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH", "")]))}
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
-    if done.returncode not in (0, -9, KILLED):
-        fail("a child's save", f"exit status {done.returncode}: {done.stderr[-800:]}", f"0 (finished), -9 or {KILLED} (killed)", " ".join(args))
-    return done.returncode
-
-
 @pytest.mark.req("ML-13")
 @pytest.mark.parametrize("kill", _kill_points(), ids=[f"{op}-{n}" for op, n in _kill_points()])
 @pytest.mark.parametrize("directory", ["fresh", "overwrite"])
@@ -1792,7 +1767,7 @@ def test_a_killed_save_leaves_one_whole_checkpoint(impl: Adapter, tmp_path: Path
     """A process saving a checkpoint is killed (SIGKILL: no cleanup) at a step of the save: the
     directory then holds the previous checkpoint whole (overwrite), nothing that loads (fresh), or,
     if the kill came after publication, the new one whole; never a mix. One process, no group (ML-12)."""
-    _check_after_kill(impl, tmp_path / "ckpt", directory, kill, world=1, killed="all")
+    check_after_kill(impl, tmp_path / "ckpt", directory, kill, world=1, killed="all")
 
 
 @pytest.mark.req("ML-13")
@@ -1804,29 +1779,7 @@ def test_a_save_killed_on_one_rank_of_two_leaves_one_whole_checkpoint(impl: Adap
     killed at a step of the save: the survivor fails or is stopped, and the directory holds the
     previous checkpoint whole, nothing that loads, or the new one whole; never a mix. Loaded in one
     process (ML-12), which reads every rank's part."""
-    _check_after_kill(impl, tmp_path / "ckpt", directory, kill, world=2, killed=killed)
-
-
-def _check_after_kill(impl: Adapter, path: Path, directory: str, kill: tuple[str, int], *, world: int, killed: str) -> None:
-    __tracebackhide__ = True
-    from conformance.crash_child import crash_state
-
-    ops = checkpoint_ops(impl)
-    if directory == "overwrite":
-        assert _child_save(impl, path, 1.0) == 0
-    status = _child_save(impl, path, 2.0, kill, world, killed)
-    target = crash_state(-5.0)
-    loaded = raised(lambda: ops.load(target, path))
-    where = f"{directory} directory, world size {world}, rank {killed} killed at {kill[0]} #{kill[1]} (exit status {status})"
-    if loaded is not None:
-        if directory == "fresh":
-            return  # nothing loads: allowed
-        fail("the directory after a killed overwrite", f"{type(loaded).__name__}: {loaded}"[:400], "the previous checkpoint, whole", where)
-    old, new = crash_state(1.0), crash_state(2.0)
-    if any(_is_same_bits(target, candidate) for candidate in ((new,) if directory == "fresh" else (old, new))):
-        return
-    fail("the checkpoint after a killed save", {k: (v.flatten()[:3].tolist() if isinstance(v, torch.Tensor) else v) for k, v in target.items()},
-         "one save's values whole (old or new), never a mix", where)
+    check_after_kill(impl, tmp_path / "ckpt", directory, kill, world=2, killed=killed)
 
 
 @pytest.mark.req("ML-13")
@@ -1843,7 +1796,7 @@ def test_two_jobs_saving_to_one_directory_at_once_never_mix(impl: Adapter, tmp_p
     ops = checkpoint_ops(impl)
     path = tmp_path / "ckpt"
     if directory == "overwrite":
-        assert _child_save(impl, path, 1.0) == 0
+        assert child_save(impl, path, 1.0) == 0
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH", "")]))}
     jobs = [subprocess.Popen([sys.executable, "-m", "conformance.crash_child", impl.name, str(path), str(fill)], env=env,
@@ -1858,6 +1811,6 @@ def test_two_jobs_saving_to_one_directory_at_once_never_mix(impl: Adapter, tmp_p
             return
         fail("the directory after two concurrent saves", f"{type(loaded).__name__}: {loaded}"[:400], "one save's checkpoint, whole", where)
     candidates = [1.0, 3.0, 4.0] if directory == "overwrite" else [3.0, 4.0]
-    if not any(_is_same_bits(target, crash_state(fill)) for fill in candidates):
+    if not any(is_same_bits(target, crash_state(fill)) for fill in candidates):
         fail("the checkpoint after two concurrent saves", {k: (v.flatten()[:3].tolist() if isinstance(v, torch.Tensor) else v) for k, v in target.items()},
              f"one save's values whole (one of fills {candidates})", where)

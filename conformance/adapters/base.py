@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
 from conformance.adapters.unsupported import Unsupported
 
 if TYPE_CHECKING:
+    from conformance.adapters.async_checkpoint import AsyncCheckpointOps
     from conformance.adapters.checkpoint import CheckpointOps
     from conformance.adapters.flat_param import FlatParamOps
     from conformance.adapters.optim_state import OptimStateOps
@@ -48,6 +49,7 @@ CAPABILITIES: dict[str, str] = {
     "state_dict": "SD",
     "optim_state": "OS",
     "checkpoint": "ML",
+    "async_checkpoint": "AS",
 }
 
 #: Shipped adapter names -> ``module:Class``.
@@ -98,6 +100,10 @@ class Adapter:
         """Ops for distributed checkpoint save/load and meta-tensor loading (ML-*)."""
         raise Unsupported("not provided by this adapter")
 
+    def async_checkpoint(self) -> AsyncCheckpointOps:
+        """Ops for async saves (AS-*): staging, the background write and its futures."""
+        raise Unsupported("not provided by this adapter")
+
     def sharding(self) -> ShardingOps:
         """How this implementation shards a model (:class:`~conformance.adapters.sharding.ShardingPlan`):
         the SD, OS and ML tests of sharded models all shard through it."""
@@ -121,6 +127,8 @@ class Adapter:
     def require(self, capability: Literal["optim_state"]) -> OptimStateOps: ...
     @overload
     def require(self, capability: Literal["checkpoint"]) -> CheckpointOps: ...
+    @overload
+    def require(self, capability: Literal["async_checkpoint"]) -> AsyncCheckpointOps: ...
     @overload
     def require(self, capability: Literal["sharding"]) -> ShardingOps: ...
     @overload

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from conformance.adapters.base import Adapter, Unsupported
 
 if TYPE_CHECKING:  # the ops modules are imported only when a capability is asked for
+    from conformance.adapters.async_checkpoint import AsyncCheckpointOps
     from conformance.adapters.checkpoint import CheckpointOps
     from conformance.adapters.flat_param import FlatParamOps
     from conformance.adapters.optim_state import OptimStateOps
@@ -40,6 +41,11 @@ class ReferenceAdapter(Adapter):
         from conformance.adapters.checkpoint import ReferenceCheckpointOps
 
         return ReferenceCheckpointOps()
+
+    def async_checkpoint(self) -> AsyncCheckpointOps:
+        from conformance.adapters.async_checkpoint import ReferenceAsyncCheckpointOps
+
+        return ReferenceAsyncCheckpointOps()
 
     def sharding(self) -> ShardingOps:
         from conformance.adapters.sharding import ReferenceShardingOps
@@ -73,6 +79,11 @@ class TorchAdapter(Adapter):
 
         return TorchCheckpointOps()
 
+    def async_checkpoint(self) -> AsyncCheckpointOps:
+        from conformance.adapters.async_checkpoint import TorchAsyncCheckpointOps
+
+        return TorchAsyncCheckpointOps()
+
     def sharding(self) -> ShardingOps:
         from conformance.adapters.sharding import TorchFSDP1ShardingOps
 
@@ -102,6 +113,9 @@ class TorchFSDP2Adapter(Adapter):
         from conformance.adapters.checkpoint import TorchFSDP2CheckpointOps
 
         return TorchFSDP2CheckpointOps()
+
+    def async_checkpoint(self) -> AsyncCheckpointOps:
+        raise Unsupported("the same torch.distributed.checkpoint.async_save as the torch adapter's, checked under torch")
 
     def sharding(self) -> ShardingOps:
         from conformance.adapters.sharding import TorchFSDP2ShardingOps

@@ -12,6 +12,7 @@ import ast
 import faulthandler
 import importlib
 import importlib.util
+import multiprocessing
 import os
 import pickle
 import signal
@@ -183,6 +184,10 @@ def rank_main(
     # tears the pools down; a rank interrupted mid-collective would only leave its peers hanging.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
+    # A rank is a training process: its async saves (the reference's and DCP's process executors) start
+    # writer processes, which multiprocessing refuses to a daemonic process. The controller still ends
+    # the rank (``stop()``, the parent-death signal above); only the rank's own view of itself changes.
+    multiprocessing.current_process().daemon = False
 
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log_fd, 1)

@@ -37,8 +37,9 @@ What the caller can rely on, and why:
 - A second ``async_save`` while one is in flight waits for it to end before staging: one staged copy
   per rank at a time, and staging buffers are never refilled while a write still reads them
   (Megatron-LM PR #2288). Its outcome stays in its own future.
-- :func:`async_shutdown` waits for the save in flight and releases the thread, the writer process,
-  the staging buffers and the async groups.
+- :func:`async_shutdown` waits for the save in flight and releases the thread, the writer process and
+  the staging arenas. The async group, made once per group of ranks, stays until the default group is
+  destroyed.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from reference.checkpoint.api import expand_stateful, run_save
 from reference.checkpoint.collective import Collective
 from reference.checkpoint.planner import ReferenceSavePlanner
-from reference.checkpoint.staging import StagedState, Stager
+from reference.checkpoint.staging import Arena, StagedState, Stager
 from reference.checkpoint.storage import FileSystemWriter
 from reference.checkpoint.writer_process import WriterProcess
 
@@ -158,9 +159,9 @@ class _AsyncSaver:
         for stager in self.stagers.values():
             stager.release()
         self.stagers.clear()
-        for group in self.groups.values():
-            dist.destroy_process_group(group)
-        self.groups.clear()
+        # The async groups stay: a group of the same ranks made again gets the same name (it is made
+        # with local synchronization, named by its ranks), and its rendezvous would find the destroyed
+        # group's addresses in the store. They go with the default group (destroy_process_group()).
 
 
 _SAVER = _AsyncSaver()
@@ -218,7 +219,9 @@ def async_save(
         if staged is not None and staged.copies_done is None:
             staging.set_result(None)
         collective = Collective(group, action=f"save to {str(checkpoint_id)!r}")
-        write_data = _in_writer_process(saver, writer) if kind is AsyncCheckpointerType.PROCESS else None
+        write_data = None
+        if kind is AsyncCheckpointerType.PROCESS:
+            write_data = _in_writer_process(saver, writer, staged.arena if staged is not None else None)
 
         def background() -> Metadata:
             if staged is not None and not staging.done():
@@ -239,17 +242,17 @@ def async_save(
 
 def async_shutdown() -> None:
     """Wait for this process's async save in flight, then release what async saves hold: the
-    background thread, the writer process, the staging buffers and the async groups. A later
-    ``async_save`` makes them again (collectively, as on the first)."""
+    background thread, the writer process and the staging arenas (the async groups stay, see the
+    module docstring). A later ``async_save`` makes them again."""
     with _SAVER.lock:
         _SAVER.shutdown()
 
 
-def _in_writer_process(saver: _AsyncSaver, writer: FileSystemWriter) -> Any:
+def _in_writer_process(saver: _AsyncSaver, writer: FileSystemWriter, arena: Arena | None) -> Any:
     def write_data(plan: SavePlan, planner: ReferenceSavePlanner) -> list[WriteResult]:
         assert writer.path is not None
         return saver.writer_process().write(
-            Path(writer.path), plan, planner, sync_files=writer.sync_files, thread_count=writer.thread_count
+            Path(writer.path), plan, planner, arena, sync_files=writer.sync_files, thread_count=writer.thread_count
         )
 
     return write_data

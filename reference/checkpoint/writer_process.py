@@ -1,14 +1,16 @@
 """The writer process of an async save's process executor: one long-lived process per rank.
 
-A background thread of the training process that pickles, serializes and writes a checkpoint competes
-with training for the GIL (pytorch/pytorch PR #147039, InternLM/InternEvo PR #65). The process
-executor moves the writing of a rank's data files into a process of its own, started on the rank's
-first process-executor save and reused by every later one (starting one costs about as much as
-importing torch). The rank keeps everything collective (planning, agreeing, publishing): the writer
-process only writes the files of the rank's finished plan and returns the write results.
+A background thread of the training process that serializes and writes a checkpoint competes with
+training for the GIL (pytorch/pytorch PR #147039, InternLM/InternEvo PR #65). The process executor
+moves the writing of a rank's data files into a process of its own, started on the rank's first
+process-executor save and reused by every later one (starting one costs about as much as importing
+torch). The rank keeps everything collective (planning, agreeing, publishing): the writer process
+only writes the files of the rank's finished plan and returns the write results.
 
-The staged tensors reach it without a copy: they live in shared memory (see
-:class:`~reference.checkpoint.staging.Stager` with ``shared=True``) and travel as handles.
+The staged tensors reach it without a copy: they live in the stager's shared arena
+(:class:`~reference.checkpoint.staging.Arena`, a memory file), whose descriptor is passed once over the
+pipe (``SCM_RIGHTS``) and mapped once; a write job then names each tensor by its place in the arena.
+Each job also lists the arenas still in use, and the process unmaps the others.
 
 A writer process that dies (killed, out of memory) is noticed at once: the rank waits for the reply
 and for the process's end together, and raises a :class:`~reference.checkpoint.errors.CheckpointError`
@@ -21,19 +23,27 @@ needs the usual ``if __name__ == "__main__":`` guard.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.reduction
 import os
 import signal
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from reference.checkpoint.errors import CheckpointError
+from reference.checkpoint.staging import Arena
 
 __all__ = ["WriterProcess"]
+
+#: How a tensor travels to the writer process: ("arena", arena id, byte offset, dtype, shape, stride),
+#: or, for one outside the arena, ("bytes", its bytes, dtype, shape).
+_TensorRef = tuple[Any, ...]
 
 
 class WriterProcess:
@@ -45,21 +55,30 @@ class WriterProcess:
         self.process = context.Process(target=_serve, args=(child_end,), name="checkpoint-writer", daemon=True)
         self.process.start()
         child_end.close()
+        self._mapped: set[int] = set()  # arenas the process has been given
 
     @property
     def alive(self) -> bool:
         return self.process.is_alive()
 
-    def write(self, path: Path, plan: SavePlan, planner: SavePlanner, *, sync_files: bool, thread_count: int) -> list[WriteResult]:
-        """Write ``plan``'s items (resolved here, through ``planner``) to data files of ``path`` in the
-        writer process, as ``FileSystemWriter.write_data`` would; return their write results."""
-        items = [(item, planner.resolve_data(item)) for item in plan.items]
+    def write(self, path: Path, plan: SavePlan, planner: SavePlanner, arena: Arena | None, *, sync_files: bool,
+              thread_count: int) -> list[WriteResult]:
+        """Write ``plan``'s items (resolved here, through ``planner``; tensors in ``arena`` by reference)
+        to data files of ``path`` in the writer process, as ``FileSystemWriter.write_data`` would;
+        return their write results."""
+        items = [(item, _reference(planner.resolve_data(item), arena)) for item in plan.items]
+        live = [arena.id] if arena is not None else []
         try:
-            # torch's reductions send a shared-memory tensor as a handle to its storage, not its bytes.
-            self._connection.send((str(path), plan.storage_data, items, sync_files, thread_count))
+            if arena is not None and arena.id not in self._mapped:
+                assert arena.fd is not None, "a process executor stages into a shared arena"
+                self._connection.send(("arena", arena.id, arena.bytes.numel()))
+                multiprocessing.reduction.send_handle(self._connection, arena.fd, self.process.pid)
+                self._mapped.add(arena.id)
+            self._mapped &= set(live)
+            self._connection.send(("write", str(path), plan.storage_data, items, sync_files, thread_count, live))
             ready = multiprocessing.connection.wait([self._connection, self.process.sentinel])
             reply = self._connection.recv() if self._connection in ready else None
-        except (EOFError, BrokenPipeError, ConnectionResetError):
+        except (EOFError, OSError):
             reply = None
         if reply is None:
             self.process.join(timeout=1)
@@ -80,13 +99,42 @@ class WriterProcess:
         """Stop the process: asked to end, then terminated if it has not within ``timeout`` seconds."""
         try:
             self._connection.send(None)
-        except (BrokenPipeError, OSError):
+        except OSError:
             pass
         self.process.join(timeout)
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(timeout)
         self._connection.close()
+        self.process.close()
+
+
+def _reference(data: Any, arena: Arena | None) -> Any:
+    """What travels for one item's data: a tensor as its place in the arena (or its bytes), the rest as is."""
+    if not isinstance(data, torch.Tensor):
+        return data
+    if arena is not None and data.numel() > 0:
+        start = arena.bytes.data_ptr()
+        offset = data.data_ptr() - start
+        if 0 <= offset < arena.bytes.numel():
+            return ("arena", arena.id, offset, data.dtype, tuple(data.shape), tuple(data.stride()))
+    flat = data.detach().contiguous().view(-1)
+    return ("bytes", flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"", data.dtype, tuple(data.shape))
+
+
+def _resolve(ref: Any, arenas: dict[int, torch.Tensor]) -> Any:
+    """The writer process's side of :func:`_reference`."""
+    if not (isinstance(ref, tuple) and ref and ref[0] in ("arena", "bytes")):
+        return ref
+    if ref[0] == "bytes":
+        _, raw, dtype, shape = ref
+        if not raw:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(shape)
+    _, arena_id, offset, dtype, shape, stride = ref
+    span = 1 + sum((size - 1) * step for size, step in zip(shape, stride)) if math.prod(shape) else 0
+    typed = arenas[arena_id][offset:offset + span * dtype.itemsize].view(dtype)
+    return typed.as_strided(shape, stride)
 
 
 class _Resolved(SavePlanner):
@@ -118,20 +166,30 @@ def _serve(connection: multiprocessing.connection.Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from reference.checkpoint.storage import FileSystemWriter
 
+    arenas: dict[int, torch.Tensor] = {}
     while True:
         try:
             job = connection.recv()
+            if job is not None and job[0] == "arena":
+                _, arena_id, size = job
+                fd = multiprocessing.reduction.recv_handle(connection)
+                try:
+                    arenas[arena_id] = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
+                finally:
+                    os.close(fd)  # the mapping stays
+                continue
         except (EOFError, OSError):  # the rank is gone: nothing more to write
             return
         if job is None:
             return
-        path, prefix, items, sync_files, thread_count = job
+        _, path, prefix, items, sync_files, thread_count, live = job
+        for arena_id in set(arenas) - set(live):
+            del arenas[arena_id]
         try:
             writer = FileSystemWriter(path, sync_files=sync_files, thread_count=thread_count)
             plan = SavePlan(items=[item for item, _ in items], storage_data=prefix)
-            future = writer.write_data(plan, _Resolved({item.index: data for item, data in items}))
-            reply: tuple[str, Any] = ("ok", future.value())
+            data = {item.index: _resolve(ref, arenas) for item, ref in items}
+            reply: tuple[str, Any] = ("ok", writer.write_data(plan, _Resolved(data)).value())
         except Exception as exc:
             reply = ("error", (type(exc).__name__, f"{exc} (writer process {os.getpid()})"))
-        del items, job  # the staged tensors' handles go before the reply: the rank may reuse the buffers
         connection.send(reply)

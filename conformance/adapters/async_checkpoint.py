@@ -1,0 +1,141 @@
+"""Ops for async checkpoints (SPEC.md AS-*): the protocol and the shipped implementations.
+
+An async save stages the state and writes it in the background; it answers with two futures shaped
+like DCP's ``AsyncSaveResponse``. The checkpoint it writes is read back with the adapter's synchronous
+``checkpoint()`` ops (its ``load``), so an adapter that provides this capability provides that one too.
+Every method is called by every rank of the process group.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from conformance.adapters.unsupported import Unsupported
+
+__all__ = ["AsyncSave", "AsyncCheckpointOps", "ReferenceAsyncCheckpointOps", "TorchAsyncCheckpointOps"]
+
+#: Where the background write runs: a thread of the training process, or a writer process per rank.
+Executor = Literal["thread", "process"]
+
+
+@runtime_checkable
+class AsyncSave(Protocol):
+    """One async save in flight (DCP's ``AsyncSaveResponse``)."""
+
+    #: Resolves once the state has been copied: the caller may change it from then on.
+    staging_completion: Future[Any]
+    #: Resolves once the checkpoint is published (loads whole), or with the save's error.
+    upload_completion: Future[Any]
+
+
+@runtime_checkable
+class AsyncCheckpointOps(Protocol):
+    """What the AS section needs from an implementation."""
+
+    name: str
+    #: The executors provided; a test of another is a skip naming it.
+    executors: tuple[str, ...]
+    #: What a second async save does while one is in flight (AS-5): waits for it, or is refused.
+    concurrent_saves: Literal["wait", "refuse"]
+
+    def async_save(
+        self, state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, process_group: Any = None,
+        executor: Executor = "thread",
+    ) -> AsyncSave:
+        """Stage ``state_dict`` and write it to ``checkpoint_id`` in DCP's format in the background."""
+
+    def shutdown(self) -> None:
+        """Wait for the save in flight and release what async saves hold in this process (threads,
+        writer processes, staging buffers); a later ``async_save`` starts afresh."""
+
+
+@dataclass(frozen=True)
+class _Response:
+    staging_completion: Future[Any]
+    upload_completion: Future[Any]
+
+
+def _require_executor(ops: AsyncCheckpointOps, executor: str) -> None:
+    if executor not in ops.executors:
+        raise Unsupported(f"no {executor} executor for async saves (provided: {', '.join(ops.executors)})")
+
+
+class ReferenceAsyncCheckpointOps:
+    """``reference.checkpoint.async_save`` (thread and process executors; a second save waits)."""
+
+    name = "reference"
+    executors: tuple[str, ...] = ("thread", "process")
+    concurrent_saves: Literal["wait", "refuse"] = "wait"
+
+    def async_save(
+        self, state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, process_group: Any = None,
+        executor: Executor = "thread",
+    ) -> AsyncSave:
+        from reference import checkpoint
+
+        _require_executor(self, executor)
+        return checkpoint.async_save(
+            state_dict, checkpoint_id=checkpoint_id, process_group=process_group,
+            async_checkpointer_type=checkpoint.AsyncCheckpointerType(executor),
+        )
+
+    def shutdown(self) -> None:
+        from reference import checkpoint
+
+        checkpoint.async_shutdown()
+
+
+class TorchAsyncCheckpointOps:
+    """``torch.distributed.checkpoint.async_save`` with its default stager, thread or process executor.
+
+    Without an async stager upstream stages before returning and answers with one future, the upload's;
+    the staging future here is then already resolved."""
+
+    name = "torch"
+    executors: tuple[str, ...] = ("thread", "process")
+    concurrent_saves: Literal["wait", "refuse"] = "wait"
+
+    def async_save(
+        self, state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, process_group: Any = None,
+        executor: Executor = "thread",
+    ) -> AsyncSave:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        _require_executor(self, executor)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            answer = dcp.async_save(
+                state_dict, checkpoint_id=checkpoint_id, process_group=process_group,
+                async_checkpointer_type=AsyncCheckpointerType(executor),
+            )
+        if isinstance(answer, Future):
+            staged: Future[Any] = Future()
+            staged.set_result(None)
+            return _Response(staged, answer)
+        return answer
+
+    def shutdown(self) -> None:
+        # Upstream keeps one writer process per training process for the process executor and stops it
+        # only when the process ends (its object's __del__); there is no public call to stop it sooner,
+        # so this does what that __del__ does. The thread executor makes a thread per save.
+        from torch.distributed.checkpoint import _async_process_executor as executors
+
+        process = getattr(executors, "_CHECKPOINT_PROCESS", None)
+        if process is None:
+            return
+        executors._CHECKPOINT_PROCESS = None
+        child = process._save_process
+        if child.is_alive():
+            try:
+                process._send(executors._CheckpointSaveProcessControlOpts.TERMINATE)
+            except OSError:
+                pass
+            child.join(timeout=5)
+            if child.is_alive():
+                child.terminate()
+                child.join(timeout=5)

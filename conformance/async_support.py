@@ -1,0 +1,168 @@
+"""Helpers of the AS section (``test_async_save.py``): the adapter's async ops, the state a training job
+saves and what training does to it afterwards, waiting on a future without hanging, and the
+process's threads, child processes and file descriptors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from conformance.adapters.async_checkpoint import AsyncCheckpointOps, AsyncSave
+from conformance.adapters.base import Adapter, Unsupported
+from conformance.asserts import fail, raised
+from conformance.checkpoint_support import dtensor_of
+from conformance.harness.context import RankContext
+
+__all__ = [
+    "EXECUTORS",
+    "OUTCOME_TIMEOUT_S",
+    "async_ops",
+    "async_save",
+    "training_state",
+    "train_on",
+    "outcome",
+    "Resources",
+    "kill_writer_processes",
+]
+
+EXECUTORS = ("thread", "process")
+#: Seconds a future gets to resolve once its save should have ended (AS-4's "within seconds"); a
+#: future still pending then is a hang, reported as such instead of stopping the run.
+OUTCOME_TIMEOUT_S = 30.0
+#: Columns of the sharded matrix: 4 rows per rank of float32, 1 MiB per rank, so that the background
+#: write takes longer than what the test does right after the call returns.
+_COLUMNS = 1 << 16
+
+
+def async_ops(impl: Adapter, executor: str) -> AsyncCheckpointOps:
+    """The adapter's async ops, or a skip naming the executor it lacks."""
+    ops: AsyncCheckpointOps = impl.require("async_checkpoint")
+    if executor not in ops.executors:
+        pytest.skip(f"{impl.name} provides no {executor} executor for async saves (it provides {', '.join(ops.executors)})")
+    return ops
+
+
+def async_save(ops: AsyncCheckpointOps, state: dict[str, Any], path: Path, dist: RankContext | None, executor: str) -> AsyncSave:
+    try:
+        return ops.async_save(state, path, process_group=dist.group if dist is not None else None, executor=executor)  # type: ignore[arg-type]
+    except Unsupported as exc:
+        pytest.skip(f"{ops.name}: {exc}")
+
+
+def training_state(dist: RankContext, fill: float) -> dict[str, Any]:
+    """What a training job hands an async save: a sharded parameter (a DTensor, every rank a part), a
+    replicated one, optimizer state keyed by FQN with a tensor step and hyperparameters, a bfloat16 and
+    an int64 buffer, and non-tensor progress (an int step, nested lists and dicts). Every value derives
+    from ``fill``: two fills differ everywhere."""
+    rows = 4 * dist.world_size
+    full = torch.arange(rows * _COLUMNS, dtype=torch.float32).reshape(rows, _COLUMNS) + fill
+    mesh = dist.mesh()
+    return {
+        "model": {
+            "w": dtensor_of(full, mesh, [Shard(0)]),
+            "bias": torch.linspace(-1, 1, 4096, dtype=torch.float64) * fill,
+            "scale": torch.full((33,), fill, dtype=torch.bfloat16),
+            "tokens_seen": torch.arange(17, dtype=torch.int64) * int(fill),
+        },
+        "optim": {
+            "state": {"w": {"exp_avg": dtensor_of(full * 0.5, mesh, [Shard(0)]), "step": torch.tensor(fill)}},
+            "param_groups": [{"lr": fill / 10, "betas": [0.9, 0.99 + fill / 1000], "params": ["w"]}],
+        },
+        "step": int(fill),
+        "progress": {"epoch": int(fill) % 7, "losses": [fill, fill / 2], "data": {"shard": f"part-{fill}"}},
+    }
+
+
+def train_on(state: dict[str, Any]) -> None:
+    """What training does to the state after staging: every tensor changed in place (DTensor shards
+    through their local tensor), a value replaced in the state dict, hyperparameters changed, the step
+    counter advanced, nested non-tensor values changed, appended to and replaced."""
+    def bump(value: torch.Tensor) -> None:
+        local = value.to_local() if isinstance(value, DTensor) else value
+        local.add_(1000 if local.dtype != torch.bool else 1)
+
+    model, optim, progress = state["model"], state["optim"], state["progress"]
+    for key in ("w", "scale", "tokens_seen"):
+        bump(model[key])
+    model["bias"] = torch.zeros_like(model["bias"])  # replaced, as `param.data = ...` does
+    bump(optim["state"]["w"]["exp_avg"])
+    optim["state"]["w"]["step"].add_(1)
+    optim["param_groups"][0]["lr"] = 123.0
+    optim["param_groups"][0]["betas"][1] = 0.5
+    state["step"] += 1
+    progress["epoch"] += 1
+    progress["losses"].append(-1.0)
+    progress["data"]["shard"] = "later"
+
+
+def outcome(future: Future[Any], what: str, where: str, timeout: float = OUTCOME_TIMEOUT_S) -> BaseException | None:
+    """What ``future`` resolved with (None: success), waiting at most ``timeout`` seconds: a future still
+    pending then fails the test as a hang."""
+    try:
+        error = future.exception(timeout=timeout)
+    except FutureTimeout:
+        fail(what, f"still pending after {timeout:.0f} s", "resolved (a result or an error)", where)
+    return error
+
+
+class Resources:
+    """The threads, child processes and open file descriptors of this process, counted."""
+
+    def __init__(self) -> None:
+        self.threads = len(os.listdir("/proc/self/task"))
+        self.children = _children()
+        self.fds = len(os.listdir("/proc/self/fd"))
+
+    def grown_since(self, before: Resources) -> list[str]:
+        grown = []
+        if self.threads > before.threads:
+            grown.append(f"threads {before.threads} -> {self.threads} ({', '.join(sorted(t.name for t in threading.enumerate()))})")
+        new_children = set(self.children) - set(before.children)
+        if new_children:
+            grown.append(f"child processes {sorted(self.children[p] for p in new_children)}")
+        if self.fds > before.fds:
+            grown.append(f"file descriptors {before.fds} -> {self.fds}")
+        return grown
+
+
+def _children() -> dict[int, str]:
+    """This process's child processes (pid -> command line), leaving out Python's multiprocessing
+    resource tracker: one per process, started by the first ``spawn`` of anything and never stopped, it
+    belongs to the interpreter, not to the implementation under test."""
+    me = os.getpid()
+    found: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            if parent != me:
+                continue
+            command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile
+        if "resource_tracker" not in command:
+            found[int(entry)] = command
+    return found
+
+
+def kill_writer_processes() -> list[int]:
+    """SIGKILL every child process of this one that multiprocessing spawned (an async save's writer
+    process, whatever the implementation); the pids killed."""
+    killed = []
+    for pid, command in _children().items():
+        if "multiprocessing" in command or "spawn_main" in command:
+            error = raised(lambda pid=pid: os.kill(pid, signal.SIGKILL))  # type: ignore[misc]
+            if error is None:
+                killed.append(pid)
+    return killed

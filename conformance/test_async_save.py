@@ -1,0 +1,398 @@
+"""AS: async checkpoints (SPEC.md, section AS).
+
+Every test runs on each executor the adapter provides (``thread``, ``process``); a missing one is a skip
+naming it. The state is a training job's (:func:`conformance.async_support.training_state`): a sharded
+DTensor parameter, optimizer state with a tensor step and hyperparameters, buffers of other dtypes and
+non-tensor progress. What the checkpoint holds is read back with the adapter's synchronous load into a
+state of other values, and compared bit for bit. A future is never waited for without a timeout: a
+save that never ends fails its test instead of stopping the run.
+"""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing.resource_tracker
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+
+from conformance.adapters.base import Adapter
+from conformance.asserts import assert_same_error_on_every_rank, fail, raised
+from conformance.async_support import (
+    EXECUTORS,
+    Resources,
+    async_ops,
+    async_save,
+    kill_writer_processes,
+    outcome,
+    train_on,
+    training_state,
+)
+from conformance.checkpoint_support import (
+    assert_same_bits,
+    check_after_kill,
+    checkpoint_ops,
+    injected_fault,
+    is_same_bits,
+    peak_bytes_during,
+)
+from conformance.error_cases import WHERE, bad_input_here
+from conformance.faults import failing_fsync, slowed_publication
+from conformance.harness.context import RankContext
+
+#: Seconds the publication of a save is held back where the test can (the thread executor publishes in
+#: the training process), so that a window before it is long enough to be seen.
+_PUBLICATION_DELAY_S = 0.5
+
+
+def _loaded(dist: RankContext, impl: Adapter, path: Path) -> dict[str, Any]:
+    """The checkpoint at ``path`` loaded by the adapter's synchronous load into a state of other values."""
+    target = training_state(dist, -7.0)
+    checkpoint_ops(impl).load(target, path, process_group=dist.group)
+    return target
+
+
+def _save_and_wait(dist: RankContext, impl: Adapter, executor: str, path: Path, fill: float) -> None:
+    ops = async_ops(impl, executor)
+    response = async_save(ops, training_state(dist, fill), path, dist, executor)
+    error = outcome(response.upload_completion, f"async save of fill {fill}", f"rank {dist.rank}")
+    if error is not None:
+        fail(f"async save of fill {fill} to {path}", f"{type(error).__name__}: {error}"[:600], "success", f"rank {dist.rank}")
+
+
+def _assert_holds(dist: RankContext, impl: Adapter, path: Path, fill: float, *, what: str) -> None:
+    loaded = raised(lambda: _loaded(dist, impl, path))
+    if isinstance(loaded, BaseException):
+        fail(what, f"the load raised {type(loaded).__name__}: {loaded}"[:600], f"the checkpoint of fill {fill}, whole", f"rank {dist.rank}")
+    assert_same_bits(_loaded(dist, impl, path), training_state(dist, fill), what=what)
+
+
+# -- AS-1 the snapshot -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.req("AS-1")
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_checkpoint_is_the_state_when_staging_completed(dist, impl, executor: str) -> None:
+    """Right after the staging future resolves, training changes every value (in place, replaced,
+    stepped, appended to); the checkpoint, once complete, holds the values at staging, bit for bit."""
+    ops = async_ops(impl, executor)
+    path = dist.tmp_dir / "ckpt"
+    state = training_state(dist, 2.0)
+    response = async_save(ops, state, path, dist, executor)
+    staged = outcome(response.staging_completion, "the staging future", f"rank {dist.rank}")
+    if staged is not None:
+        fail("staging", f"{type(staged).__name__}: {staged}"[:400], "success", f"rank {dist.rank}")
+    train_on(state)
+    error = outcome(response.upload_completion, "the completion future", f"rank {dist.rank}")
+    if error is not None:
+        fail("the async save", f"{type(error).__name__}: {error}"[:600], "success", f"rank {dist.rank}")
+    dist.barrier()
+    assert_same_bits(_loaded(dist, impl, path), training_state(dist, 2.0), what=f"the checkpoint of an async save ({executor}) after training went on")
+
+
+# -- AS-2 completion means published ---------------------------------------------------------------------------------
+
+
+@pytest.mark.req("AS-2")
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_completion_means_the_checkpoint_loads_whole(dist, impl, executor: str) -> None:
+    """Over a previous checkpoint, with the publication held back where the test can (thread executor):
+    a load made the moment the completion future resolves, with no barrier, gets the new checkpoint."""
+    path = dist.tmp_dir / "ckpt"
+    _save_and_wait(dist, impl, executor, path, 1.0)
+    dist.barrier()
+    ops = async_ops(impl, executor)
+    with slowed_publication(path, _PUBLICATION_DELAY_S):
+        response = async_save(ops, training_state(dist, 2.0), path, dist, executor)
+        error = outcome(response.upload_completion, "the completion future", f"rank {dist.rank}")
+    if error is not None:
+        fail("the async save", f"{type(error).__name__}: {error}"[:600], "success", f"rank {dist.rank}")
+    _assert_holds(dist, impl, path, 2.0, what=f"the checkpoint when the completion future resolved ({executor})")
+
+
+@pytest.mark.req("AS-2", "ML-25")
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_async_checkpoint_loads_with_upstream_and_the_reference(dist, impl, reference_impl, executor: str) -> None:
+    """An async save's checkpoint is DCP's format: upstream's ``dcp.load`` and the reference's load each
+    read it back whole."""
+    import torch.distributed.checkpoint as dcp
+
+    path = dist.tmp_dir / "ckpt"
+    _save_and_wait(dist, impl, executor, path, 3.0)
+    dist.barrier()
+    upstream = training_state(dist, -7.0)
+    dcp.load(upstream, checkpoint_id=path, process_group=dist.group)
+    assert_same_bits(upstream, training_state(dist, 3.0), what="an async checkpoint loaded by upstream's dcp.load")
+    reference = training_state(dist, -7.0)
+    checkpoint_ops(reference_impl).load(reference, path, process_group=dist.group)
+    assert_same_bits(reference, training_state(dist, 3.0), what="an async checkpoint loaded by the reference")
+
+
+# -- AS-3 the previous checkpoint during the write -------------------------------------------------------------------
+
+
+@pytest.mark.req("AS-3")
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_loads_during_the_background_write_get_one_whole_checkpoint(dist, impl, executor: str) -> None:
+    """Over a previous checkpoint: loads made while the background write runs (three, on every rank,
+    the first right after the call returned) each get the previous checkpoint or the new one whole,
+    never an error and never a mix."""
+    path = dist.tmp_dir / "ckpt"
+    _save_and_wait(dist, impl, executor, path, 1.0)
+    dist.barrier()
+    ops = async_ops(impl, executor)
+    seen: list[str] = []
+    with slowed_publication(path, _PUBLICATION_DELAY_S):
+        response = async_save(ops, training_state(dist, 2.0), path, dist, executor)
+        for _ in range(3):
+            target = training_state(dist, -7.0)
+            error = raised(lambda target=target: checkpoint_ops(impl).load(target, path, process_group=dist.group))  # type: ignore[misc]
+            if error is not None:
+                seen.append(f"{type(error).__name__}: {error}"[:400])
+            elif is_same_bits(target, training_state(dist, 1.0)):
+                seen.append("previous")
+            elif is_same_bits(target, training_state(dist, 2.0)):
+                seen.append("new")
+            else:
+                seen.append("a mix of the two")
+        error = outcome(response.upload_completion, "the completion future", f"rank {dist.rank}")
+    if error is not None:
+        fail("the async save", f"{type(error).__name__}: {error}"[:600], "success", f"rank {dist.rank}")
+    if any(s not in ("previous", "new") for s in seen):
+        fail(f"loads during an async save's background write ({executor})", seen, "each the previous or the new checkpoint, whole", f"rank {dist.rank}")
+
+
+#: Where a child doing an async save over a checkpoint is killed: at its n-th write, fsync or rename
+#: under the directory (ops its background makes in the training process; a process executor's writer
+#: makes its own elsewhere, so some of these land at publication only, or never).
+_ASYNC_KILLS = (("thread", ("write", 2)), ("thread", ("rename", 1)), ("process", ("rename", 1)))
+
+
+@pytest.mark.req("AS-3")
+@pytest.mark.parametrize("executor, kill", _ASYNC_KILLS, ids=[f"{e}-{op}-{n}" for e, (op, n) in _ASYNC_KILLS])
+def test_a_killed_async_save_leaves_one_whole_checkpoint(impl: Adapter, tmp_path: Path, executor: str, kill: tuple[str, int]) -> None:
+    """A process doing an async save over a checkpoint is killed (SIGKILL) during the background write:
+    the directory holds the previous checkpoint whole, or the new one whole; never a mix. One process."""
+    async_ops(impl, executor)
+    check_after_kill(impl, tmp_path / "ckpt", "overwrite", kill, world=1, killed="all", executor=executor)
+
+
+@pytest.mark.req("AS-3")
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_an_async_save_killed_on_one_rank_of_two_leaves_one_whole_checkpoint(impl: Adapter, tmp_path: Path, executor: str) -> None:
+    """Two ranks save a sharded tensor asynchronously over a checkpoint; rank 1 is killed at its second
+    write or rename: the directory holds the previous checkpoint whole or the new one whole."""
+    async_ops(impl, executor)
+    check_after_kill(impl, tmp_path / "ckpt", "overwrite", ("write", 2) if executor == "thread" else ("rename", 1), world=2,
+                     killed="1", executor=executor)
+
+
+# -- AS-4 failures ---------------------------------------------------------------------------------------------------
+
+
+class _RefusingStateful:
+    """A ``Stateful`` whose ``state_dict`` refuses, as an object that cannot be saved mid-step does."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("refusing: the dataloader is mid-epoch")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise AssertionError("never loaded")
+
+
+#: Faults of the background write: the I/O faults of ML-13 (injected into the training process's file
+#: I/O, where a thread executor writes), a refusing ``Stateful``, and the writer process killed.
+_FAULTS = ("full-disk-mid-data", "fsync-fails", "read-only", "refusing-stateful", "writer-dies")
+
+
+@pytest.mark.req("AS-4")
+@pytest.mark.rank_timeout(90)
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("fault", _FAULTS)
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, fault: str, where: str) -> None:
+    """Over a previous checkpoint, an async save meets ``fault`` on every rank or on the last only: the
+    completion future of every rank resolves, within seconds, with the same error, naming the path (or
+    the call raises so on every rank); the previous checkpoint loads whole; the next async save succeeds."""
+    ops = async_ops(impl, executor)
+    if fault == "writer-dies" and executor != "process":
+        pytest.skip("a thread executor has no writer process to kill")
+    if fault not in ("refusing-stateful", "writer-dies") and executor == "process":
+        pytest.skip("faults.py breaks file I/O of the training process; a process executor writes in another "
+                    "(its failure is tried as writer-dies)")
+    here = bad_input_here(dist, where)
+    path = dist.tmp_dir / "ckpt"
+    _save_and_wait(dist, impl, executor, path, 1.0)
+    dist.barrier()
+    state: dict[str, Any] = training_state(dist, 2.0)
+    if fault == "refusing-stateful" and here:
+        state["loader"] = _RefusingStateful()
+    elif fault == "refusing-stateful":
+        state["loader"] = {"position": 5}
+
+    def failing_save() -> None:
+        if fault in ("refusing-stateful", "writer-dies"):
+            response = async_save(ops, state, path, dist, executor)
+            if fault == "writer-dies" and here:
+                outcome(response.staging_completion, "the staging future", f"rank {dist.rank}")
+                if not kill_writer_processes():
+                    fail("a writer process to kill", "none: no child process of this rank was spawned by multiprocessing",
+                         "the executor's writer process", f"rank {dist.rank}")
+        else:
+            with injected_fault(dist, path, fault, "every-rank" if where == "every-rank" else "last-rank"):
+                response = async_save(ops, state, path, dist, executor)
+                error = outcome(response.upload_completion, "the completion future of a failing save", f"rank {dist.rank}")
+            if error is not None:
+                raise error
+            return
+        error = outcome(response.upload_completion, "the completion future of a failing save", f"rank {dist.rank}")
+        if error is not None:
+            raise error
+
+    error = raised(failing_save)
+    assert_same_error_on_every_rank(dist, error, what=f"an async save with {fault} on {where} ({executor})")
+    assert error is not None
+    if str(path) not in str(error) and path.name not in str(error):
+        fail(f"the error of an async save with {fault}", f"{type(error).__name__}: {error}"[:400], f"a message naming {str(path)!r}", f"rank {dist.rank}")
+    dist.barrier()
+    _assert_holds(dist, impl, path, 1.0, what=f"the previous checkpoint after an async save failed with {fault}")
+    dist.barrier()
+    _save_and_wait(dist, impl, executor, path, 3.0)
+    dist.barrier()
+    _assert_holds(dist, impl, path, 3.0, what=f"the async save after one that failed with {fault}")
+
+
+@pytest.mark.req("AS-4")
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_failing_fsync_of_the_metadata_fails_the_async_save(dist, impl, executor: str) -> None:
+    """Durability: a save whose every ``fsync`` in the directory fails (EIO), made in the training
+    process, where the thread executor publishes, never completes successfully."""
+    if executor == "process":
+        pytest.skip("faults.py breaks file I/O of the training process; a process executor may fsync in another")
+    ops = async_ops(impl, executor)
+    path = dist.tmp_dir / "ckpt"
+    with failing_fsync(code=errno.EIO):
+        response = async_save(ops, training_state(dist, 2.0), path, dist, executor)
+        error = outcome(response.upload_completion, "the completion future", f"rank {dist.rank}")
+    if error is None:
+        fail(f"an async save ({executor}) whose fsyncs fail", "completed successfully", "an error: the checkpoint is not durable", f"rank {dist.rank}")
+
+
+# -- AS-5 saves in flight --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.req("AS-5")
+@pytest.mark.parametrize("target", ["same-path", "new-path"])
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_second_save_while_one_is_in_flight_never_mixes(dist, impl, executor: str, target: str) -> None:
+    """Two async saves issued back to back, the second before the first completed (into the same path,
+    or the next step's directory): each that completed loads whole with its own values (the same path
+    holds the second's), a refused one names its path, and none is lost silently."""
+    ops = async_ops(impl, executor)
+    first_path = dist.tmp_dir / "ckpt-1"
+    second_path = first_path if target == "same-path" else dist.tmp_dir / "ckpt-2"
+    first = async_save(ops, training_state(dist, 1.0), first_path, dist, executor)
+    issued: list[Any] = []
+    refused = raised(lambda: issued.append(async_save(ops, training_state(dist, 2.0), second_path, dist, executor)))
+    first_error = outcome(first.upload_completion, "the first save's completion future", f"rank {dist.rank}")
+    second_error = refused if refused is not None else outcome(issued[0].upload_completion, "the second save's completion future", f"rank {dist.rank}")
+    if first_error is not None:
+        fail("the first of two async saves", f"{type(first_error).__name__}: {first_error}"[:400], "success", f"rank {dist.rank}")
+    if second_error is not None:
+        if ops.concurrent_saves != "refuse":
+            fail("the second of two async saves", f"{type(second_error).__name__}: {second_error}"[:400],
+                 "success (the adapter declares concurrent_saves='wait')", f"rank {dist.rank}")
+        if str(second_path) not in str(second_error):
+            fail("a refused second save", str(second_error)[:400], f"an error naming {str(second_path)!r}", f"rank {dist.rank}")
+    dist.barrier()
+    if target == "new-path":
+        _assert_holds(dist, impl, first_path, 1.0, what="the first of two async saves in flight")
+    _assert_holds(dist, impl, second_path, 2.0 if second_error is None else 1.0, what="the last of two async saves in flight")
+
+
+@pytest.mark.req("AS-5")
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_staged_copies_stay_bounded(dist, impl, executor: str) -> None:
+    """Four async saves of 16 MiB per rank issued back to back without waiting (and then waited for)
+    raise the process's peak memory by less than three staged copies: an implementation that holds a
+    copy per queued save holds four."""
+    ops = async_ops(impl, executor)
+    state = {"big": torch.rand(4 << 20, generator=torch.Generator().manual_seed(dist.rank)), "step": 0}
+    copy_bytes = state["big"].numel() * 4
+    responses: list[Any] = []
+
+    def four_saves() -> None:
+        for step in range(4):
+            state["step"] = step
+            responses.append(async_save(ops, state, dist.tmp_dir / "ckpt", dist, executor))
+        for response in responses:
+            outcome(response.upload_completion, "a completion future", f"rank {dist.rank}")
+
+    grown, measured = peak_bytes_during(dist.device, four_saves)
+    errors = [r.upload_completion.exception() for r in responses]
+    if any(errors) and ops.concurrent_saves != "refuse":
+        fail("four async saves back to back", [str(e)[:200] for e in errors if e], "every one succeeds", f"rank {dist.rank}")
+    if grown >= 3 * copy_bytes:
+        fail(f"{measured} during four async saves back to back ({executor})", f"+{grown / 2**20:.1f} MiB",
+             f"under three staged copies (+{3 * copy_bytes / 2**20:.0f} MiB)", f"rank {dist.rank}")
+
+
+# -- AS-6 training's collectives ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.req("AS-6")
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_training_collectives_during_the_background_write(dist, impl, executor: str) -> None:
+    """While the background write runs, the training thread makes 30 all-reduces on the group the save
+    was given: each returns the sum of what the ranks gave, and the save completes."""
+    ops = async_ops(impl, executor)
+    response = async_save(ops, training_state(dist, 2.0), dist.tmp_dir / "ckpt", dist, executor)
+    wrong = []
+    for step in range(30):
+        value = torch.full((1024,), float(dist.rank + step), device=dist.device)
+        torch_dist.all_reduce(value, group=dist.group)
+        expected = float(sum(range(dist.world_size)) + step * dist.world_size)
+        if not bool((value == expected).all()):
+            wrong.append((step, value[0].item(), expected))
+    error = outcome(response.upload_completion, "the completion future", f"rank {dist.rank}")
+    if wrong:
+        fail("all-reduces of training during an async save", wrong[:5], "each the sum of the ranks' values", f"rank {dist.rank}")
+    if error is not None:
+        fail("the async save during training's collectives", f"{type(error).__name__}: {error}"[:400], "success", f"rank {dist.rank}")
+
+
+# -- AS-7 resources ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.req("AS-7")
+@pytest.mark.rank_timeout(90)
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_shutdown_releases_threads_processes_and_descriptors(dist, impl, executor: str) -> None:
+    """After a first async save and shutdown, two async saves and a failed one, then shutdown again: the
+    process has no more threads, child processes or file descriptors than after the first shutdown."""
+    ops = async_ops(impl, executor)
+    path = dist.tmp_dir / "ckpt"
+    # The baseline follows a first async save, a load and a shutdown: what is started once per process
+    # (the background's group, I/O thread pools, torch's intra-op threads, Python's resource tracker) is
+    # in it, and only what saves and shutdowns leave behind is counted.
+    _save_and_wait(dist, impl, executor, dist.tmp_dir / "warm", 0.0)
+    _loaded(dist, impl, dist.tmp_dir / "warm")
+    multiprocessing.resource_tracker.ensure_running()
+    ops.shutdown()
+    dist.barrier()
+    before = Resources()
+    for fill in (1.0, 2.0):
+        _save_and_wait(dist, impl, executor, path, fill)
+    refusing = {**training_state(dist, 3.0), "loader": _RefusingStateful()}
+    failed = async_save(ops, refusing, path, dist, executor)
+    if outcome(failed.upload_completion, "the completion future of a failing save", f"rank {dist.rank}") is None:
+        fail("an async save with a refusing Stateful", "succeeded", "an error", f"rank {dist.rank}")
+    dist.barrier()
+    ops.shutdown()
+    dist.barrier()
+    grown = Resources().grown_since(before)
+    if grown:
+        fail(f"what async saves ({executor}) left after shutdown", grown, "nothing more than before the first save", f"rank {dist.rank}")
