@@ -6,9 +6,9 @@ faults and damage applied to a saved checkpoint, and memory measurement. Self-te
 from __future__ import annotations
 
 import contextlib
-import os
 import errno
 import gc
+import os
 import pickle
 import struct
 from collections.abc import Callable, Mapping
@@ -26,9 +26,9 @@ from conformance.adapters.base import Adapter, Unsupported
 from conformance.adapters.checkpoint import CheckpointOps
 from conformance.asserts import (
     assert_same_state,
-    raised,
     expected_local_chunk,
     fail,
+    raised,
 )
 from conformance.dcp_files import read_metadata
 from conformance.faults import failing_fsync, failing_writes

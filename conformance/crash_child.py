@@ -61,7 +61,6 @@ def _rank(rank: int, world: int, port: int, impl: str, path: str, fill: float, k
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from conformance.adapters.base import load_adapter
     from conformance.faults import kill_at
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -85,7 +84,6 @@ def _free_port() -> int:
 
 
 def main(argv: list[str]) -> int:
-    from conformance.adapters.base import load_adapter
     from conformance.faults import kill_at
 
     impl, path, fill = argv[0], Path(argv[1]), float(argv[2])

@@ -320,8 +320,9 @@ def test_staged_copies_stay_bounded(dist, impl, executor: str) -> None:
     raise the process's peak memory by less than three staged copies: an implementation that holds a
     copy per queued save holds four."""
     ops = async_ops(impl, executor)
-    state = {"big": torch.rand(4 << 20, generator=torch.Generator().manual_seed(dist.rank)), "step": 0}
-    copy_bytes = state["big"].numel() * 4
+    big = torch.rand(4 << 20, generator=torch.Generator().manual_seed(dist.rank))
+    state: dict[str, Any] = {"big": big, "step": 0}
+    copy_bytes = big.numel() * 4
     responses: list[Any] = []
 
     def four_saves() -> None:

@@ -26,10 +26,13 @@ Executor = Literal["thread", "process"]
 class AsyncSave(Protocol):
     """One async save in flight (DCP's ``AsyncSaveResponse``)."""
 
-    #: Resolves once the state has been copied: the caller may change it from then on.
-    staging_completion: Future[Any]
-    #: Resolves once the checkpoint is published (loads whole), or with the save's error.
-    upload_completion: Future[Any]
+    @property
+    def staging_completion(self) -> Future[Any]:
+        """Resolves once the state has been copied: the caller may change it from then on."""
+
+    @property
+    def upload_completion(self) -> Future[Any]:
+        """Resolves once the checkpoint is published (loads whole), or with the save's error."""
 
 
 @runtime_checkable

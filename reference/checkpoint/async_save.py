@@ -202,6 +202,7 @@ def async_save(
     kind = AsyncCheckpointerType(async_checkpointer_type)
     writer = storage_writer if storage_writer is not None else FileSystemWriter()
     if kind is AsyncCheckpointerType.PROCESS and not isinstance(writer, FileSystemWriter):
+        # The writer process writes through the reference's FileSystemWriter, from the rank's plan.
         raise ValueError(f"async_save: the process executor writes through the reference's FileSystemWriter, got {type(writer).__name__}")
     saver = _SAVER
     with saver.lock:
@@ -220,7 +221,7 @@ def async_save(
             staging.set_result(None)
         collective = Collective(group, action=f"save to {str(checkpoint_id)!r}")
         write_data = None
-        if kind is AsyncCheckpointerType.PROCESS:
+        if isinstance(writer, FileSystemWriter) and kind is AsyncCheckpointerType.PROCESS:
             write_data = _in_writer_process(saver, writer, staged.arena if staged is not None else None)
 
         def background() -> Metadata:

@@ -191,7 +191,7 @@ def _dtensor_like(source: DTensor, local: torch.Tensor) -> DTensor:
     # DTensor.from_local moves the local tensor to the mesh's device, which would undo the staging (a
     # host copy is what is staged); DTensor's constructor with the source's spec is the one way to keep
     # a GPU mesh's shard on the host. The planner only reads the spec and the local tensor.
-    return DTensor(local, source._spec, requires_grad=False)  # type: ignore[call-arg]
+    return DTensor(local, source._spec, requires_grad=False)
 
 
 def _pin(data: torch.Tensor) -> bool:
