@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 RERUN_CRASHES ?= torch,torch-fsdp2
 # `make mutation`: mutants per section (a number, or all), which sections, how many at once.
 MUTATION_SAMPLE   ?= 40
-MUTATION_SECTIONS ?= FP,SD,OS,ML
+MUTATION_SECTIONS ?= FP,SD,OS,ML,AS
 MUTATION_JOBS     ?= 1
 MUTATION_ARGS     ?=
 # `make asv-gate`: the commit to compare HEAD (TIP) against, and extra tools.asv_gate options.

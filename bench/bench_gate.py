@@ -13,6 +13,8 @@ in a short run, timed through the adapter the gate is about (:func:`bench.impls.
 ``GateCheckpointSave``       ``CheckpointOps.save`` of model + Adam state, 12 layers of 1 MiB (36 MiB,
                              96 tensors), one process
 ``GateCheckpointLoad``       ``CheckpointOps.load`` of it
+``GateAsyncStall``           ``AsyncCheckpointOps.async_save`` of it (thread executor) until staging
+                             completed: the stall of training
 ===========================  =========================================================================
 
 One class per call: asv runs every benchmark in its own process and calls ``setup`` before every
@@ -311,10 +313,54 @@ class GateCheckpointLoad(_Gate):
         _remove_checkpoint_dir(self)
 
 
+def _async_stall(impl: str) -> Callable[[dict, str], Any]:
+    """``(state, directory) -> pending save``: ``impl``'s async save on its thread executor, returned once
+    staging has completed (the stall); for raw, a copy of every tensor (what staging cannot beat)."""
+    from bench.workloads import async_save as aw
+
+    if impl == "raw":
+        return lambda state, d: [tensor.clone() for tensor in _tensors(state)]
+    _skip_unavailable(aw.available(f"{impl}/thread"))
+    ops = _impls.ops(impl, aw.CAPABILITY)
+
+    def stall(state: dict, directory: str) -> Any:
+        response = ops.async_save(state, directory, executor="thread")
+        response.staging_completion.result()
+        return response
+
+    return stall
+
+
+class GateAsyncStall(_Gate):
+    """CPU seconds from an async save's call (thread executor, the checkpoint gate's 36 MiB state, no
+    process group) until its staging has completed: the stall of training. The background write is
+    waited for in ``teardown``, outside the sample."""
+
+    def _prepare(self, impl: str) -> None:
+        stall = _async_stall(impl)
+        source = _cached("checkpoint source", _checkpoint_state)
+        directory = _new_checkpoint_dir(self, impl)
+        self.pending = None
+
+        def call() -> None:
+            self.pending = stall(source, directory)
+
+        self.call = call
+
+    def time_async_stall(self) -> None:
+        self.call()
+
+    def teardown(self) -> None:
+        upload = getattr(getattr(self, "pending", None), "upload_completion", None)
+        if upload is not None:
+            upload.result()
+        _remove_checkpoint_dir(self)
+
+
 #: The classes whose benchmarks decide the gate, one per core call.
 GATED: tuple[type[_Gate], ...] = (
     GateFlatten, GateGetStateDict, GateSetStateDict, GateOptimStateDict, GateLoadOptimStateDict,
-    GateCheckpointSave, GateCheckpointLoad,
+    GateCheckpointSave, GateCheckpointLoad, GateAsyncStall,
 )
 
 
@@ -336,7 +382,10 @@ def _baseline_class(gated: type[_Gate], upstream: tuple[str, ...]) -> type[_Base
         self.call()
 
     def teardown(self: Any, impl: str) -> None:
-        _remove_checkpoint_dir(self)
+        if hasattr(gated, "teardown"):
+            gated.teardown(self)  # the async stall waits for its save's write there
+        else:
+            _remove_checkpoint_dir(self)
 
     namespace: dict[str, Any] = {
         "__module__": __name__,
@@ -357,9 +406,10 @@ GateBaselineOptimStateDict = _baseline_class(GateOptimStateDict, ("torch",))
 GateBaselineLoadOptimStateDict = _baseline_class(GateLoadOptimStateDict, ("torch",))
 GateBaselineCheckpointSave = _baseline_class(GateCheckpointSave, ("torch",))
 GateBaselineCheckpointLoad = _baseline_class(GateCheckpointLoad, ("torch",))
+GateBaselineAsyncStall = _baseline_class(GateAsyncStall, ("torch",))
 
 #: Timed for the tip commit alongside the gate, never part of its verdict.
 BASELINES: tuple[type[_Baseline], ...] = (
     GateBaselineFlatten, GateBaselineGetStateDict, GateBaselineSetStateDict, GateBaselineOptimStateDict,
-    GateBaselineLoadOptimStateDict, GateBaselineCheckpointSave, GateBaselineCheckpointLoad,
+    GateBaselineLoadOptimStateDict, GateBaselineCheckpointSave, GateBaselineCheckpointLoad, GateBaselineAsyncStall,
 )

@@ -255,7 +255,7 @@ def profile_round(op: str, root: str, order: Sequence[str]) -> dict[str, dict[st
             total = timed(functools.partial(_instrumented_op, op, impl, dest, where["reference"], phases, stamps))
             ck._check_loaded(dest, ck.state_bytes(source), impl)
         else:
-            ck._fresh_dir(where[impl])
+            ck.fresh_dir(where[impl])
             total = timed(functools.partial(_instrumented_op, op, impl, source, where[impl], phases, stamps))
         figures[impl] = {op: total, **phases, "other": total - sum(phases.values()), "agreements": stamps}
     return figures

@@ -50,7 +50,7 @@ def test_pattern_does_not_select_a_class_whose_name_only_starts_alike() -> None:
 def test_gate_times_one_call_per_class_of_the_gated_adapter_only() -> None:
     assert [cls.__name__ for cls in bench_gate.GATED] == [
         "GateFlatten", "GateGetStateDict", "GateSetStateDict", "GateOptimStateDict", "GateLoadOptimStateDict",
-        "GateCheckpointSave", "GateCheckpointLoad"]
+        "GateCheckpointSave", "GateCheckpointLoad", "GateAsyncStall"]
     for cls in bench_gate.GATED:
         assert "impl" not in (getattr(cls, "param_names", None) or []), cls.__name__
         assert len([n for n in dir(cls) if n.startswith("time_")]) == 1, cls.__name__

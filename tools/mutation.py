@@ -1,6 +1,6 @@
 """Mutation testing of ``reference/`` against the conformance suite: how much of it the suite pins down.
 
-    python -m tools.mutation [--sections FP,SD,OS,ML] [--sample N|all] [--seed S] [--jobs J]
+    python -m tools.mutation [--sections FP,SD,OS,ML,AS] [--sample N|all] [--seed S] [--jobs J]
                              [--mutant KEY ...] [--list] [--show KEY] [--resume] [--fail-under PCT]
                              [--pytest-args ARGS] [--rank-timeout S]
 
@@ -77,13 +77,19 @@ class Section:
     name: str
     sources: tuple[str, ...]
     tests: tuple[str, ...]
+    #: Files the source globs match that another section owns.
+    excludes: tuple[str, ...] = ()
 
     def source_files(self, root: Path) -> list[str]:
-        return _expand(root, self.sources)
+        excluded = set(_expand(root, self.excludes))
+        return [path for path in _expand(root, self.sources) if path not in excluded]
 
     def test_files(self, root: Path) -> list[str]:
         return _expand(root, self.tests)
 
+
+#: The async save's modules: the AS section's, not ML's (whose tests never start an async save).
+_ASYNC_SOURCES = ("reference/checkpoint/async_save.py", "reference/checkpoint/staging.py", "reference/checkpoint/writer_process.py")
 
 #: SPEC section -> what it mutates and what runs against it. Reference-only tests live in
 #: tests/reference/ (the globs take the files the section's engineers add there).
@@ -118,7 +124,9 @@ SECTIONS: dict[str, Section] = {
             "ML",
             ("reference/checkpoint/*.py",),
             ("conformance/test_checkpoint.py", "conformance/test_checkpoint_unpinned.py", "tests/reference/test_checkpoint*.py"),
+            excludes=_ASYNC_SOURCES,
         ),
+        Section("AS", _ASYNC_SOURCES, ("conformance/test_async_save.py", "tests/reference/test_async*.py")),
     )
 }
 
@@ -443,7 +451,7 @@ def _parse_sample(text: str) -> int | None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tools.mutation", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sections", default=_env("MUTATION_SECTIONS", ",".join(SECTIONS)), help="comma-separated: FP,SD,OS,ML")
+    p.add_argument("--sections", default=_env("MUTATION_SECTIONS", ",".join(SECTIONS)), help="comma-separated: FP,SD,OS,ML,AS")
     p.add_argument(
         "--sample",
         type=_parse_sample,

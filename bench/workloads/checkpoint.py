@@ -155,7 +155,7 @@ def train_state(nbytes: int, layout: str, *, device: str = "cpu", fill: bool = T
 
 
 def _expected_values(nbytes: int) -> list[float]:
-    """The fill value of each tensor of ``train_state(nbytes, ...)``, in :func:`_tensors` order."""
+    """The fill value of each tensor of ``train_state(nbytes, ...)``, in :func:`tensors_of` order."""
     return [float(i + 1) for i in range(3 * 2 * _layer_count(nbytes))]
 
 
@@ -165,7 +165,7 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def _tensors(sd: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+def tensors_of(sd: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, tensor) of every large tensor in a fixed order; DTensors as they are (not localized)."""
     for name, value in sd["model"].items():
         yield f"model.{name}", value
@@ -176,11 +176,11 @@ def _tensors(sd: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def state_bytes(sd: dict[str, Any]) -> int:
     """Global bytes of the large tensors of ``sd`` (what the MB/s figures divide by)."""
-    return sum(t.numel() * t.element_size() for _, t in _tensors(sd))
+    return sum(t.numel() * t.element_size() for _, t in tensors_of(sd))
 
 
 def _local_bytes(sd: dict[str, Any]) -> int:
-    return sum(_local(t).numel() * _local(t).element_size() for _, t in _tensors(sd))
+    return sum(_local(t).numel() * _local(t).element_size() for _, t in tensors_of(sd))
 
 
 # -- the raw limit ----------------------------------------------------------------------------------
@@ -193,7 +193,7 @@ def _raw_assignment(sd: dict[str, Any], layout: str) -> list[tuple[int, torch.Te
     once, as DCP does with replicated data."""
     rank = torch.distributed.get_rank()
     world = torch.distributed.get_world_size()
-    items = [_local(t) for _, t in _tensors(sd)]
+    items = [_local(t) for _, t in tensors_of(sd)]
     if layout == "sharded":
         return [(rank, t) for t in items]
     return [(i % world, t) for i, t in enumerate(items)]
@@ -388,7 +388,7 @@ def _memcpy(source: dict[str, Any], dest: dict[str, Any], layout: str, *, only_w
 # -- the implementations -----------------------------------------------------------------------------
 
 
-def _dcp_ops(impl: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+def dcp_ops(impl: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """(save, load) of ``impl``'s ``CheckpointOps``, each ``(state_dict, directory)``, on the default
     process group."""
     ops = _impls.ops(impl, CAPABILITY)
@@ -413,13 +413,19 @@ def prepare(nbytes: int, layout: str, device: str = "cpu") -> int:
     return state_bytes(_CACHE["source"])
 
 
+def source_state() -> dict[str, Any]:
+    """This rank's source state dict, built by :func:`prepare`."""
+    source: dict[str, Any] = _CACHE["source"]
+    return source
+
+
 def release() -> None:
     """Drop this rank's state dicts."""
     _CACHE.clear()
     gc.collect()
 
 
-def _fresh_dir(directory: str, *, keep: bool = False) -> None:
+def fresh_dir(directory: str, *, keep: bool = False) -> None:
     """Empty ``directory`` (or, with ``keep``, leave what it holds), then wait for every rank: rank 0
     alone looks and decides, so that every rank makes the same collective calls."""
     if torch.distributed.get_rank() == 0:
@@ -435,25 +441,25 @@ def save_once(impl: str, directory: str, over_previous: bool = False) -> float:
     keeps one latest checkpoint): then the cost of replacing the earlier files counts too, wherever the
     implementation pays it (raw truncates its file as it opens it for writing)."""
     source, layout = _CACHE["source"], _CACHE["layout"]
-    _fresh_dir(directory, keep=over_previous)
+    fresh_dir(directory, keep=over_previous)
     if impl == "raw":
         return timed(lambda: _raw_save(source, layout, directory))
     if impl == AGREED_RAW:
         return timed(lambda: _agreed_raw_save(source, layout, directory))
     if impl == "memcpy":
         return timed(lambda: _memcpy(source, _CACHE["dest"], layout, only_written=True))
-    save, _ = _dcp_ops(impl)
+    save, _ = dcp_ops(impl)
     return timed(lambda: save(source, directory))
 
 
 def _zero(sd: dict[str, Any]) -> None:
-    for _, tensor in _tensors(sd):
+    for _, tensor in tensors_of(sd):
         _local(tensor).zero_()
 
 
 def _check_loaded(sd: dict[str, Any], nbytes: int, impl: str) -> None:
     """Every tensor of ``sd`` holds what ``train_state(nbytes)`` saved (each tensor is one value)."""
-    for (key, tensor), value in zip(_tensors(sd), _expected_values(nbytes), strict=True):
+    for (key, tensor), value in zip(tensors_of(sd), _expected_values(nbytes), strict=True):
         local = _local(tensor)
         if local.device.type == "meta" or not bool((local == value).all()):
             raise RuntimeError(f"{impl}: {key} after load differs from what was saved (expected all {value})")
@@ -473,7 +479,7 @@ def load_once(impl: str, directory: str) -> float:
     elif impl == "memcpy":
         seconds = timed(lambda: _memcpy(source, dest, layout, only_written=False))
     else:
-        _, load = _dcp_ops(impl)
+        _, load = dcp_ops(impl)
         seconds = timed(lambda: load(dest, directory))
     _check_loaded(dest, state_bytes(source), impl)
     return seconds
@@ -492,7 +498,7 @@ def meta_load_once(impl: str, directory: str, nbytes: int, layout: str) -> tuple
     if impl != "raw":
         # A load of nothing first: on a fresh process it imports the implementation and runs its code
         # paths once, and that memory is not the load's.
-        _dcp_ops(impl)[1]({}, directory)
+        dcp_ops(impl)[1]({}, directory)
     gc.collect()
     if not peak_rss_reset():
         raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs): no peak-memory figure here")
@@ -500,7 +506,7 @@ def meta_load_once(impl: str, directory: str, nbytes: int, layout: str) -> tuple
     if impl == "raw":
         seconds = timed(lambda: _raw_meta_load(meta_sd, layout, directory))
     else:
-        _, load = _dcp_ops(impl)
+        _, load = dcp_ops(impl)
         seconds = timed(lambda: load(meta_sd, directory))
     peak = peak_rss_bytes() - before
     _check_loaded(meta_sd, nbytes, impl)

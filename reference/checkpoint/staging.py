@@ -34,7 +34,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["Arena", "Stager", "StagedState", "ARENA_ALIGNMENT"]
+from reference.host_bytes import element_bytes
+
+__all__ = ["Arena", "Stager", "StagedState", "ARENA_ALIGNMENT", "tensor_in"]
 
 #: Every tensor starts at a multiple of this many bytes of the arena (any dtype's view is aligned).
 ARENA_ALIGNMENT = 64
@@ -116,7 +118,7 @@ class Stager:
         device_copies = False
         for (path, value), (_, shape, dtype) in zip(tensors, layout):
             nbytes = math.prod(shape) * dtype.itemsize
-            view = arena.bytes[offset:offset + nbytes].view(dtype).view(shape)
+            view = tensor_in(arena.bytes, offset, dtype, shape)
             device_copies |= value.device.type == "cuda"
             view.copy_(value.detach(), non_blocking=value.device.type == "cuda")
             views[path] = view
@@ -149,6 +151,17 @@ class Stager:
             os.close(fd)
             raise
         return Arena(next(_ids), data, fd, pinned=self.pin and _pin(data))
+
+
+def tensor_in(arena: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` over the bytes of ``arena`` (uint8) from ``offset``, whose
+    storage is exactly its own bytes: the storage writer writes a tensor's whole storage (as torch.save
+    does), so a plain view into the arena would be copied out of it before every write."""
+    count = math.prod(shape)
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    region = element_bytes(arena[offset:offset + count * dtype.itemsize])
+    return torch.frombuffer(region, dtype=dtype, count=count).view(shape)
 
 
 def _collect_tensors(value: Any, path: _Path, into: list[tuple[_Path, torch.Tensor]]) -> None:

@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from reference.checkpoint.errors import CheckpointError
-from reference.checkpoint.staging import Arena
+from reference.checkpoint.staging import Arena, tensor_in
+from reference.host_bytes import element_bytes
 
 __all__ = ["WriterProcess"]
 
@@ -118,8 +119,7 @@ def _reference(data: Any, arena: Arena | None) -> Any:
         offset = data.data_ptr() - start
         if 0 <= offset < arena.bytes.numel():
             return ("arena", arena.id, offset, data.dtype, tuple(data.shape), tuple(data.stride()))
-    flat = data.detach().contiguous().view(-1)
-    return ("bytes", flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"", data.dtype, tuple(data.shape))
+    return ("bytes", bytes(element_bytes(data.detach().cpu().contiguous())), data.dtype, tuple(data.shape))
 
 
 def _resolve(ref: Any, arenas: dict[int, torch.Tensor]) -> Any:
@@ -128,13 +128,12 @@ def _resolve(ref: Any, arenas: dict[int, torch.Tensor]) -> Any:
         return ref
     if ref[0] == "bytes":
         _, raw, dtype, shape = ref
-        if not raw:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(shape)
+        tensor = torch.empty(shape, dtype=dtype)
+        element_bytes(tensor)[:] = raw
+        return tensor
     _, arena_id, offset, dtype, shape, stride = ref
     span = 1 + sum((size - 1) * step for size, step in zip(shape, stride)) if math.prod(shape) else 0
-    typed = arenas[arena_id][offset:offset + span * dtype.itemsize].view(dtype)
-    return typed.as_strided(shape, stride)
+    return tensor_in(arenas[arena_id], offset, dtype, (span,)).as_strided(shape, stride)
 
 
 class _Resolved(SavePlanner):

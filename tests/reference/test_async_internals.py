@@ -1,0 +1,106 @@
+"""The reference's async save from the inside: the stager's arena and its reuse, how staged tensors
+reach the writer process, and the argument checks. The requirements themselves are SPEC's AS section,
+checked against every adapter by ``conformance/test_async_save.py``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from reference import checkpoint
+from reference.checkpoint.staging import ARENA_ALIGNMENT, Stager
+from reference.checkpoint.writer_process import _reference, _resolve
+
+
+def _state(fill: float) -> dict:
+    return {
+        "a": torch.full((3, 5), fill),
+        "b": [torch.arange(7, dtype=torch.int64), torch.tensor(fill, dtype=torch.bfloat16)],
+        "empty": torch.empty(0, 4),
+        "step": int(fill),
+        "nested": {"lr": fill, "history": [fill]},
+    }
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_staged_state_is_a_copy_in_one_reused_arena(shared: bool) -> None:
+    stager = Stager(shared=shared, pin=False)
+    source = _state(1.0)
+    staged = stager.stage(source).state_dict
+    arena = stager.arena
+    assert arena is not None and (arena.fd is not None) == shared
+    source["a"].add_(5)
+    source["nested"]["history"].append(2.0)
+    assert torch.equal(staged["a"], torch.full((3, 5), 1.0)) and staged["nested"]["history"] == [1.0]
+    start = arena.bytes.data_ptr()
+    for tensor in (staged["a"], *staged["b"]):
+        offset = tensor.data_ptr() - start
+        assert 0 <= offset < arena.bytes.numel() and offset % ARENA_ALIGNMENT == 0
+        # The storage writer writes a tensor's whole storage: each staged tensor's is exactly its bytes.
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    again = stager.stage(_state(2.0)).state_dict
+    assert stager.arena is arena, "a save of the same layout refills the same arena"
+    assert torch.equal(again["a"], torch.full((3, 5), 2.0))
+    changed = _state(3.0)
+    changed["a"] = torch.zeros(4, 4)
+    stager.stage(changed)
+    assert stager.arena is not arena and arena.fd is None, "a new layout gets a new arena; the old one is released"
+    stager.release()
+    assert stager.arena is None and stager.staged_bytes == 0
+
+
+def test_meta_tensors_cannot_be_staged() -> None:
+    with pytest.raises(ValueError, match="'model.w'"):
+        Stager(pin=False).stage({"model": {"w": torch.empty(2, device="meta")}})
+
+
+def test_tensors_reach_the_writer_process_by_their_place_in_the_arena() -> None:
+    stager = Stager(shared=True, pin=False)
+    staged = stager.stage({"w": torch.arange(24, dtype=torch.float32).reshape(4, 6)}).state_dict["w"]
+    arena = stager.arena
+    assert arena is not None
+    for view in (staged, staged[1:3], staged.t(), staged[:, 2]):
+        ref = _reference(view, arena)
+        assert ref[0] == "arena" and ref[1] == arena.id
+        assert torch.equal(_resolve(ref, {arena.id: arena.bytes}), view)
+    outside = torch.tensor([1.5, -0.0], dtype=torch.bfloat16)
+    ref = _reference(outside, arena)
+    assert ref[0] == "bytes"
+    assert torch.equal(_resolve(ref, {}), outside)
+
+
+def test_async_save_without_a_directory_is_an_argument_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="checkpoint_id"):
+        checkpoint.async_save({"a": torch.ones(1)})
+    with pytest.raises(ValueError):
+        checkpoint.async_save({"a": torch.ones(1)}, checkpoint_id=tmp_path, async_checkpointer_type="gpu")  # type: ignore[arg-type]
+
+
+def test_a_second_save_waits_for_the_first_and_each_holds_its_own_values(tmp_path: Path) -> None:
+    weight = torch.full((1 << 16,), 1.0)
+    state: dict[str, Any] = {"w": weight, "step": 1}
+    first = checkpoint.async_save(state, checkpoint_id=tmp_path / "one")
+    weight.fill_(2.0)
+    state["step"] = 2
+    second = checkpoint.async_save(state, checkpoint_id=tmp_path / "two")
+    assert first.done(), "the second call returns only once the first save has ended"
+    second.result()
+    for name, fill in (("one", 1.0), ("two", 2.0)):
+        loaded: dict[str, Any] = {"w": torch.zeros(1 << 16), "step": 0}
+        checkpoint.load(loaded, checkpoint_id=tmp_path / name)
+        assert torch.equal(loaded["w"], torch.full((1 << 16,), fill)) and loaded["step"] == int(fill)
+    checkpoint.async_shutdown()
+
+
+def test_shutdown_closes_the_arena_descriptor(tmp_path: Path) -> None:
+    before = set(os.listdir("/proc/self/fd"))
+    checkpoint.async_save({"w": torch.ones(1024)}, checkpoint_id=tmp_path,
+                          async_checkpointer_type=checkpoint.AsyncCheckpointerType.PROCESS).result()
+    checkpoint.async_shutdown()
+    left = {fd for fd in set(os.listdir("/proc/self/fd")) - before if os.path.exists(f"/proc/self/fd/{fd}")}
+    memfds = [os.readlink(f"/proc/self/fd/{fd}") for fd in left if "memfd" in os.readlink(f"/proc/self/fd/{fd}")]
+    assert not memfds, memfds

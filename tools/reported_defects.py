@@ -1,0 +1,142 @@
+"""The defects users reported, put back into the reference one at a time: the suite must fail on each.
+
+    python -m tools.reported_defects [--list] [--defect KEY ...] [--world-size 1,2]
+
+Each defect is a small edit of ``reference/`` that reintroduces what a report describes (a staging
+buffer refilled while the write still reads it, completion before publication, a swallowed background
+error, ...). It is applied to a scratch copy of the checkout (the working tree is never written), and
+the tests named for it run there against ``--impl reference``. A defect is *caught* when they fail.
+The exit status is 1 if any defect survives, so this is also a check of the suite, run by hand (a few
+minutes) and not by ``make test``. Automatic mutants of the same modules: ``make mutation
+MUTATION_SECTIONS=AS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Defect:
+    key: str
+    report: str  #: the report(s) it answers, as SPEC's table names them
+    file: str  #: relative to the checkout
+    old: str  #: text of ``file`` replaced (exactly once)
+    new: str
+    tests: str  #: a pytest ``-k`` expression over conformance/test_async_save.py
+
+
+DEFECTS = (
+    Defect(
+        "buffer-reused-while-written", "Megatron-LM PR #2288",
+        "reference/checkpoint/async_save.py",
+        "    with saver.lock:\n        saver.wait_in_flight()\n", "    with saver.lock:\n",
+        "second_save_while_one_is_in_flight and new-path",
+    ),
+    Defect(
+        "no-staging-copy", "pytorch/pytorch#144657, torchtitan #930",
+        "reference/checkpoint/staging.py",
+        "        tensors: list[tuple[_Path, torch.Tensor]] = []\n",
+        "        return StagedState(state_dict, None, None)\n        tensors: list[tuple[_Path, torch.Tensor]] = []\n",
+        "state_when_staging_completed",
+    ),
+    Defect(
+        "completion-before-publication", "KempnerForge #102, Megatron-Bridge PR #4678",
+        "reference/checkpoint/async_save.py",
+        "            return run_save(state, checkpoint_id, collective, writer, planner, local_error=staging_error, write_data=write_data)\n",
+        "            def announced(plan: Any, planner: Any) -> Any:\n"
+        "                results = write_data(plan, planner) if write_data is not None else writer.write_data(plan, planner).value()\n"
+        "                upload.set_result(None)\n"
+        "                return results\n"
+        "            return run_save(state, checkpoint_id, collective, writer, planner, local_error=staging_error, write_data=announced)\n",
+        "completion_means",
+    ),
+    Defect(
+        "background-error-swallowed", "google/orbax #605, VeOmni PR #1162",
+        "reference/checkpoint/async_save.py",
+        "    error = finished.exception()\n    if error is not None:\n",
+        "    error = finished.exception()\n    if into.done():\n        return\n    if error is not None and False:\n",
+        "background_failure_reaches_every_rank and (fsync or stateful)",
+    ),
+    Defect(
+        "dead-writer-not-noticed", "SkyRL PR #1960",
+        "reference/checkpoint/writer_process.py",
+        "            ready = multiprocessing.connection.wait([self._connection, self.process.sentinel])\n"
+        "            reply = self._connection.recv() if self._connection in ready else None\n"
+        "        except (EOFError, OSError):\n"
+        "            reply = None\n",
+        "            reply = self._connection.recv()\n"
+        "        except (EOFError, OSError):\n"
+        "            import time\n"
+        "            while True:  # waits for a reply that never comes\n"
+        "                time.sleep(1)\n",
+        "background_failure_reaches_every_rank and writer-dies",
+    ),
+    Defect(
+        "collectives-on-the-callers-group", "KempnerForge #104",
+        "reference/checkpoint/async_save.py",
+        "        group = self.groups.get(ranks)\n",
+        "        return process_group if process_group is not None else dist.group.WORLD\n        group = self.groups.get(ranks)\n",
+        "training_collectives",
+    ),
+    Defect(
+        "a-staged-copy-per-save-kept", "pytorch/pytorch#170163, allenai/OLMo-core#856",
+        "reference/checkpoint/staging.py",
+        "        if self._arena is None or layout != self._layout:\n            self.release()\n",
+        "        if True:\n            self._kept = [*getattr(self, '_kept', []), self._arena]\n",
+        "staged_copies_stay_bounded or shutdown_releases",
+    ),
+)
+
+
+def _run(defect: Defect, world_sizes: str, timeout: float) -> tuple[str, str]:
+    scratch = Path(tempfile.mkdtemp(prefix=f"defect-{defect.key}-"))
+    try:
+        shutil.copytree(REPO_ROOT, scratch / "repo", ignore=shutil.ignore_patterns(".venv*", ".git", ".asv", ".mutation", "__pycache__"))
+        target = scratch / "repo" / defect.file
+        text = target.read_text()
+        if text.count(defect.old) != 1:
+            return "error", f"the text to replace occurs {text.count(defect.old)} times in {defect.file}"
+        target.write_text(text.replace(defect.old, defect.new))
+        command = [sys.executable, "-m", "pytest", "conformance/test_async_save.py", "--impl", "reference", "--world-size", world_sizes,
+                   "-k", defect.tests, "-q", "-x", "-p", "no:cacheprovider", "--rank-timeout", "60"]
+        try:
+            done = subprocess.run(command, cwd=scratch / "repo", capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "caught", f"the run outlived {timeout:.0f} s"
+        last = (done.stdout.strip().splitlines() or [""])[-1]
+        return ("caught" if done.returncode != 0 else "survived"), last
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--list", action="store_true", help="list the defects and exit")
+    parser.add_argument("--defect", action="append", default=[], help="run only this defect (repeatable)")
+    parser.add_argument("--world-size", default="1,2")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per defect")
+    args = parser.parse_args(argv)
+    chosen = [d for d in DEFECTS if not args.defect or d.key in args.defect]
+    if args.list:
+        for defect in chosen:
+            print(f"{defect.key:36} {defect.report:48} -k {defect.tests!r}")
+        return 0
+    survived = 0
+    for defect in chosen:
+        status, detail = _run(defect, args.world_size, args.timeout)
+        survived += status != "caught"
+        print(f"| {defect.key} | {defect.report} | {status} | {detail} |", flush=True)
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
