@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -18,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from conformance.adapters.async_checkpoint import AsyncCheckpointOps, AsyncSave
 from conformance.adapters.base import Adapter, Unsupported
-from conformance.asserts import fail, raised
+from conformance.asserts import raised
 from conformance.checkpoint_support import dtensor_of
 from conformance.harness.context import RankContext
 
@@ -105,13 +106,17 @@ def train_on(state: dict[str, Any]) -> None:
 
 
 def outcome(future: Future[Any], what: str, where: str, timeout: float = OUTCOME_TIMEOUT_S) -> BaseException | None:
-    """What ``future`` resolved with (None: success), waiting at most ``timeout`` seconds: a future still
-    pending then fails the test as a hang."""
+    """What ``future`` resolved with (None: success), waiting at most ``timeout`` seconds. A future still
+    pending then is a hang: its save still holds threads and collectives of this rank, which the next
+    test must not meet, so the rank says so on its output and waits to be cut by the test's rank
+    timeout, which reports the test as hung and restarts the pool."""
     try:
-        error = future.exception(timeout=timeout)
+        return future.exception(timeout=timeout)
     except FutureTimeout:
-        fail(what, f"still pending after {timeout:.0f} s", "resolved (a result or an error)", where)
-    return error
+        print(f"{what}: still pending after {timeout:.0f} s ({where}); waiting to be cut as hung, so that the pool "
+              "is restarted without the pending save", file=sys.stderr, flush=True)
+        threading.Event().wait()
+        raise AssertionError("unreachable") from None
 
 
 class Resources:

@@ -10,7 +10,6 @@ save that never ends fails its test instead of stopping the run.
 
 from __future__ import annotations
 
-import errno
 import multiprocessing.resource_tracker
 from pathlib import Path
 from typing import Any
@@ -40,8 +39,11 @@ from conformance.checkpoint_support import (
     peak_bytes_during,
 )
 from conformance.error_cases import WHERE, bad_input_here
-from conformance.faults import failing_fsync, slowed_publication
+from conformance.faults import slowed_publication
 from conformance.harness.context import RankContext
+
+# A save that never ends is cut here, not at the suite's default of 120 s (see async_support.outcome).
+pytestmark = pytest.mark.rank_timeout(60)
 
 #: Seconds the publication of a save is held back where the test can (the thread executor publishes in
 #: the training process), so that a window before it is long enough to be seen.
@@ -253,6 +255,17 @@ def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, faul
             raise error
 
     error = raised(failing_save)
+    try:
+        _after_a_failure(dist, impl, executor, path, fault, where, error)
+    finally:
+        if fault == "writer-dies":
+            ops.shutdown()  # whatever this implementation kept of its dead writer is not the next test's
+
+
+def _after_a_failure(dist: RankContext, impl: Adapter, executor: str, path: Path, fault: str, where: str,
+                     error: BaseException | None) -> None:
+    """AS-4's checks once an async save met ``fault``: one error everywhere, naming the path; the
+    previous checkpoint whole; the next async save succeeds."""
     assert_same_error_on_every_rank(dist, error, what=f"an async save with {fault} on {where} ({executor})")
     assert error is not None
     if str(path) not in str(error) and path.name not in str(error):
@@ -263,22 +276,6 @@ def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, faul
     _save_and_wait(dist, impl, executor, path, 3.0)
     dist.barrier()
     _assert_holds(dist, impl, path, 3.0, what=f"the async save after one that failed with {fault}")
-
-
-@pytest.mark.req("AS-4")
-@pytest.mark.parametrize("executor", EXECUTORS)
-def test_a_failing_fsync_of_the_metadata_fails_the_async_save(dist, impl, executor: str) -> None:
-    """Durability: a save whose every ``fsync`` in the directory fails (EIO), made in the training
-    process, where the thread executor publishes, never completes successfully."""
-    if executor == "process":
-        pytest.skip("faults.py breaks file I/O of the training process; a process executor may fsync in another")
-    ops = async_ops(impl, executor)
-    path = dist.tmp_dir / "ckpt"
-    with failing_fsync(code=errno.EIO):
-        response = async_save(ops, training_state(dist, 2.0), path, dist, executor)
-        error = outcome(response.upload_completion, "the completion future", f"rank {dist.rank}")
-    if error is None:
-        fail(f"an async save ({executor}) whose fsyncs fail", "completed successfully", "an error: the checkpoint is not durable", f"rank {dist.rank}")
 
 
 # -- AS-5 saves in flight --------------------------------------------------------------------------------------------
@@ -388,8 +385,9 @@ def test_shutdown_releases_threads_processes_and_descriptors(dist, impl, executo
     for fill in (1.0, 2.0):
         _save_and_wait(dist, impl, executor, path, fill)
     refusing = {**training_state(dist, 3.0), "loader": _RefusingStateful()}
-    failed = async_save(ops, refusing, path, dist, executor)
-    if outcome(failed.upload_completion, "the completion future of a failing save", f"rank {dist.rank}") is None:
+    issued: list[Any] = []
+    raised_at_call = raised(lambda: issued.append(async_save(ops, refusing, path, dist, executor)))
+    if raised_at_call is None and outcome(issued[0].upload_completion, "the completion future of a failing save", f"rank {dist.rank}") is None:
         fail("an async save with a refusing Stateful", "succeeded", "an error", f"rank {dist.rank}")
     dist.barrier()
     ops.shutdown()

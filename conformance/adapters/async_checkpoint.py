@@ -106,10 +106,14 @@ class TorchAsyncCheckpointOps:
         self, state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, process_group: Any = None,
         executor: Executor = "thread",
     ) -> AsyncSave:
+        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         _require_executor(self, executor)
+        if executor == "process" and not (dist.is_available() and dist.is_initialized()):
+            raise Unsupported("torch's process executor needs an initialized default process group (it hands the "
+                              "group's rendezvous to its writer process)")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             answer = dcp.async_save(
