@@ -4,10 +4,13 @@ process's threads, child processes and file descriptors."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -33,6 +36,7 @@ __all__ = [
     "outcome",
     "Resources",
     "kill_writer_processes",
+    "isolated",
 ]
 
 EXECUTORS = ("thread", "process")
@@ -42,6 +46,25 @@ OUTCOME_TIMEOUT_S = 30.0
 #: Columns of the sharded matrix: 4 rows per rank of float32, 1 MiB per rank, so that the background
 #: write takes longer than what the test does right after the call returns.
 _COLUMNS = 1 << 16
+
+
+def isolated(test: Callable[..., None]) -> Callable[..., None]:
+    """A test that, when it fails, shuts its implementation's async saves down before the next test runs
+    on the same ranks: a failed save may leave a dead writer process or a broken pipe behind, which
+    would fail the next test for a requirement it does not check."""
+
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> None:
+        try:
+            test(*args, **kwargs)
+        except BaseException:
+            impl = kwargs.get("impl")
+            if impl is not None and impl.unsupported_reason("async_checkpoint") is None:
+                with contextlib.suppress(Exception):
+                    impl.async_checkpoint().shutdown()
+            raise
+
+    return run
 
 
 def async_ops(impl: Adapter, executor: str) -> AsyncCheckpointOps:

@@ -25,6 +25,7 @@ from conformance.async_support import (
     Resources,
     async_ops,
     async_save,
+    isolated,
     kill_writer_processes,
     outcome,
     train_on,
@@ -77,6 +78,7 @@ def _assert_holds(dist: RankContext, impl: Adapter, path: Path, fill: float, *, 
 
 @pytest.mark.req("AS-1")
 @pytest.mark.parametrize("executor", EXECUTORS)
+@isolated
 def test_checkpoint_is_the_state_when_staging_completed(dist, impl, executor: str) -> None:
     """Right after the staging future resolves, training changes every value (in place, replaced,
     stepped, appended to); the checkpoint, once complete, holds the values at staging, bit for bit."""
@@ -95,11 +97,43 @@ def test_checkpoint_is_the_state_when_staging_completed(dist, impl, executor: st
     assert_same_bits(_loaded(dist, impl, path), training_state(dist, 2.0), what=f"the checkpoint of an async save ({executor}) after training went on")
 
 
+@pytest.mark.req("AS-1")
+@pytest.mark.parametrize("executor", EXECUTORS)
+@isolated
+def test_gpu_state_is_staged_as_it_was_at_the_call(dist, impl, executor: str) -> None:
+    """State on the rank's GPU (a sharded DTensor on a CUDA mesh, a plain tensor, a step): once the
+    staging future resolves, kernels change every tensor; the checkpoint holds the values at the call."""
+    if dist.device.type != "cuda":
+        pytest.skip(f"CUDA staging needs a GPU per rank (--backend nccl); this run's ranks are on {dist.device.type}")
+    ops = async_ops(impl, executor)
+    path = dist.tmp_dir / "ckpt"
+
+    def gpu_state(fill: float) -> dict[str, Any]:
+        state = training_state(dist, fill)
+        state["model"]["bias"] = state["model"]["bias"].to(dist.device)
+        state["model"]["scale"] = state["model"]["scale"].to(dist.device)
+        return state
+
+    state = gpu_state(2.0)
+    response = async_save(ops, state, path, dist, executor)
+    outcome(response.staging_completion, "the staging future", f"rank {dist.rank}")
+    train_on(state)
+    state["model"]["scale"].mul_(-3)  # a kernel on the current stream, as the next step's
+    error = outcome(response.upload_completion, "the completion future", f"rank {dist.rank}")
+    if error is not None:
+        fail("the async save of GPU state", f"{type(error).__name__}: {error}"[:600], "success", f"rank {dist.rank}")
+    dist.barrier()
+    target = gpu_state(-7.0)
+    checkpoint_ops(impl).load(target, path, process_group=dist.group)
+    assert_same_bits(target, gpu_state(2.0), what=f"the checkpoint of GPU state ({executor}) after training went on")
+
+
 # -- AS-2 completion means published ---------------------------------------------------------------------------------
 
 
 @pytest.mark.req("AS-2")
 @pytest.mark.parametrize("executor", EXECUTORS)
+@isolated
 def test_completion_means_the_checkpoint_loads_whole(dist, impl, executor: str) -> None:
     """Over a previous checkpoint, with the publication held back where the test can (thread executor):
     a load made the moment the completion future resolves, with no barrier, gets the new checkpoint."""
@@ -117,6 +151,7 @@ def test_completion_means_the_checkpoint_loads_whole(dist, impl, executor: str) 
 
 @pytest.mark.req("AS-2", "ML-25")
 @pytest.mark.parametrize("executor", EXECUTORS)
+@isolated
 def test_async_checkpoint_loads_with_upstream_and_the_reference(dist, impl, reference_impl, executor: str) -> None:
     """An async save's checkpoint is DCP's format: upstream's ``dcp.load`` and the reference's load each
     read it back whole."""
@@ -138,10 +173,12 @@ def test_async_checkpoint_loads_with_upstream_and_the_reference(dist, impl, refe
 
 @pytest.mark.req("AS-3")
 @pytest.mark.parametrize("executor", EXECUTORS)
+@isolated
 def test_loads_during_the_background_write_get_one_whole_checkpoint(dist, impl, executor: str) -> None:
-    """Over a previous checkpoint: loads made while the background write runs (three, on every rank,
-    the first right after the call returned) each get the previous checkpoint or the new one whole,
-    never an error and never a mix."""
+    """Over a previous checkpoint: the ranks load the path again and again while the background write
+    runs (until every rank's completion future has resolved), the first load right after the call
+    returned; each load gets the previous checkpoint or the new one whole, never an error and never a
+    mix."""
     path = dist.tmp_dir / "ckpt"
     _save_and_wait(dist, impl, executor, path, 1.0)
     dist.barrier()
@@ -149,7 +186,7 @@ def test_loads_during_the_background_write_get_one_whole_checkpoint(dist, impl, 
     seen: list[str] = []
     with slowed_publication(path, _PUBLICATION_DELAY_S):
         response = async_save(ops, training_state(dist, 2.0), path, dist, executor)
-        for _ in range(3):
+        while len(seen) < _MAX_LOADS_DURING_WRITE and not _every_rank(dist, response.upload_completion.done()):
             target = training_state(dist, -7.0)
             error = raised(lambda target=target: checkpoint_ops(impl).load(target, path, process_group=dist.group))  # type: ignore[misc]
             if error is not None:
@@ -165,6 +202,19 @@ def test_loads_during_the_background_write_get_one_whole_checkpoint(dist, impl, 
         fail("the async save", f"{type(error).__name__}: {error}"[:600], "success", f"rank {dist.rank}")
     if any(s not in ("previous", "new") for s in seen):
         fail(f"loads during an async save's background write ({executor})", seen, "each the previous or the new checkpoint, whole", f"rank {dist.rank}")
+    if not seen:
+        pytest.skip("the background write ended before the first load: nothing was tried (a race this test lost)")
+
+
+#: Loads at most during one background write (each a fraction of a second here).
+_MAX_LOADS_DURING_WRITE = 50
+
+
+def _every_rank(dist: RankContext, flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank (collective)."""
+    value = torch.tensor([1 if flag else 0], device=dist.device)
+    torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MIN, group=dist.group)
+    return bool(value.item())
 
 
 #: Where a child doing an async save over a checkpoint is killed: at its n-th write, fsync or rename
@@ -215,6 +265,7 @@ _FAULTS = ("full-disk-mid-data", "fsync-fails", "read-only", "refusing-stateful"
 @pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("fault", _FAULTS)
 @pytest.mark.parametrize("executor", EXECUTORS)
+@isolated
 def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, fault: str, where: str) -> None:
     """Over a previous checkpoint, an async save meets ``fault`` on every rank or on the last only: the
     completion future of every rank resolves, within seconds, with the same error, naming the path (or
@@ -284,6 +335,7 @@ def _after_a_failure(dist: RankContext, impl: Adapter, executor: str, path: Path
 @pytest.mark.req("AS-5")
 @pytest.mark.parametrize("target", ["same-path", "new-path"])
 @pytest.mark.parametrize("executor", EXECUTORS)
+@isolated
 def test_a_second_save_while_one_is_in_flight_never_mixes(dist, impl, executor: str, target: str) -> None:
     """Two async saves issued back to back, the second before the first completed (into the same path,
     or the next step's directory): each that completed loads whole with its own values (the same path
@@ -312,6 +364,7 @@ def test_a_second_save_while_one_is_in_flight_never_mixes(dist, impl, executor: 
 
 @pytest.mark.req("AS-5")
 @pytest.mark.parametrize("executor", EXECUTORS)
+@isolated
 def test_staged_copies_stay_bounded(dist, impl, executor: str) -> None:
     """Four async saves of 16 MiB per rank issued back to back without waiting (and then waited for)
     raise the process's peak memory by less than three staged copies: an implementation that holds a
@@ -343,6 +396,7 @@ def test_staged_copies_stay_bounded(dist, impl, executor: str) -> None:
 
 @pytest.mark.req("AS-6")
 @pytest.mark.parametrize("executor", EXECUTORS)
+@isolated
 def test_training_collectives_during_the_background_write(dist, impl, executor: str) -> None:
     """While the background write runs, the training thread makes 30 all-reduces on the group the save
     was given: each returns the sum of what the ranks gave, and the save completes."""
@@ -368,6 +422,7 @@ def test_training_collectives_during_the_background_write(dist, impl, executor: 
 @pytest.mark.req("AS-7")
 @pytest.mark.rank_timeout(90)
 @pytest.mark.parametrize("executor", EXECUTORS)
+@isolated
 def test_shutdown_releases_threads_processes_and_descriptors(dist, impl, executor: str) -> None:
     """After a first async save and shutdown, two async saves and a failed one, then shutdown again: the
     process has no more threads, child processes or file descriptors than after the first shutdown."""
