@@ -139,6 +139,9 @@ def test_completion_means_the_checkpoint_loads_whole(dist, impl, executor: str) 
     a load made the moment the completion future resolves, with no barrier, gets the new checkpoint."""
     path = dist.tmp_dir / "ckpt"
     _save_and_wait(dist, impl, executor, path, 1.0)
+    # Checked at once, like the second save below: and the first save's publication, if it were still
+    # to come, would otherwise be the one held back.
+    _assert_holds(dist, impl, path, 1.0, what=f"the checkpoint when the first completion future resolved ({executor})")
     dist.barrier()
     ops = async_ops(impl, executor)
     with slowed_publication(path, _PUBLICATION_DELAY_S):

@@ -112,8 +112,9 @@ def _run(defect: Defect, world_sizes: str, timeout: float) -> tuple[str, str]:
             done = subprocess.run(command, cwd=scratch / "repo", capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return "caught", f"the run outlived {timeout:.0f} s"
-        last = (done.stdout.strip().splitlines() or [""])[-1]
-        return ("caught" if done.returncode != 0 else "survived"), last
+        lines = done.stdout.strip().splitlines() or [""]
+        got = next((line.strip() for line in lines if line.strip().startswith(("got:", "E ", "Failed:"))), "")
+        return ("caught" if done.returncode != 0 else "survived"), f"{lines[-1]}; {got[:160]}".strip("; ")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
