@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -35,7 +34,7 @@ __all__ = [
     "train_on",
     "outcome",
     "Resources",
-    "kill_writer_processes",
+    "signal_writer_processes",
     "isolated",
 ]
 
@@ -184,13 +183,14 @@ def _children() -> dict[int, str]:
     return found
 
 
-def kill_writer_processes() -> list[int]:
-    """SIGKILL every child process of this one that multiprocessing spawned (an async save's writer
-    process, whatever the implementation); the pids killed."""
-    killed = []
+def signal_writer_processes(signum: int) -> list[int]:
+    """Send ``signum`` to every child process of this one that multiprocessing spawned (an async save's
+    writer process, whatever the implementation); the pids it reached. SIGSTOP first, then the save,
+    then SIGKILL: the writer dies with the save's write surely not done."""
+    reached = []
     for pid, command in _children().items():
         if "multiprocessing" in command or "spawn_main" in command:
-            error = raised(lambda pid=pid: os.kill(pid, signal.SIGKILL))  # type: ignore[misc]
+            error = raised(lambda pid=pid: os.kill(pid, signum))  # type: ignore[misc]
             if error is None:
-                killed.append(pid)
-    return killed
+                reached.append(pid)
+    return reached

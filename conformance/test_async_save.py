@@ -11,6 +11,7 @@ save that never ends fails its test instead of stopping the run.
 from __future__ import annotations
 
 import multiprocessing.resource_tracker
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,8 @@ from conformance.async_support import (
     async_ops,
     async_save,
     isolated,
-    kill_writer_processes,
     outcome,
+    signal_writer_processes,
     train_on,
     training_state,
 )
@@ -291,10 +292,14 @@ def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, faul
 
     def failing_save() -> None:
         if fault in ("refusing-stateful", "writer-dies"):
+            if fault == "writer-dies" and here:
+                # A writer kept from the save before is frozen first, so that it dies with this save's
+                # write surely not done (a fresh writer of this save is killed once staging completed).
+                signal_writer_processes(signal.SIGSTOP)
             response = async_save(ops, state, path, dist, executor)
             if fault == "writer-dies" and here:
                 outcome(response.staging_completion, "the staging future", f"rank {dist.rank}")
-                if not kill_writer_processes():
+                if not signal_writer_processes(signal.SIGKILL):
                     fail("a writer process to kill", "none: no child process of this rank was spawned by multiprocessing",
                          "the executor's writer process", f"rank {dist.rank}")
         else:

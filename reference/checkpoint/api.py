@@ -189,6 +189,11 @@ def load(
     :class:`~reference.checkpoint.errors.CheckpointFormatError` for a missing, truncated or corrupt
     checkpoint or an unknown format version.
 
+    A save that publishes over the checkpoint while the load plans or reads it (an async save's
+    background write, a training job beside an evaluation job) does not fail it: its files replace the
+    old ones, and the load starts again from the new metadata (at most twice), so it gets one save's
+    checkpoint whole.
+
     Tied weights: values that shared a storage on meta share one after loading. ``nn.Module.
     load_state_dict(sd, assign=True)`` still makes one Parameter per key, so re-tie afterwards
     (``model.head.weight = model.embed.weight``, or the model's ``tie_weights()``).
@@ -218,8 +223,11 @@ def load(
     )
     collective = Collective(process_group, action=f"load from {str(checkpoint_id)!r}")
 
+    planned_from: list[str | None] = [None]  # the save whose metadata this rank planned from
+
     def local_plan() -> LoadPlan:
         metadata = reader.read_metadata()
+        planned_from[0] = _save_id(metadata)
         planner.set_up_planner(state_dict, metadata, collective.is_coordinator)
         reader.set_up_storage_reader(metadata, collective.is_coordinator)
         return reader.prepare_local_plan(planner.create_local_plan())
@@ -227,15 +235,29 @@ def load(
     def global_plan(plans: list[LoadPlan]) -> list[LoadPlan]:
         return reader.prepare_global_plan(planner.create_global_plan(plans))
 
-    if _plans_stay_local(planner, reader):
-        plan = collective.all_succeed("planning", local_plan)
-    else:
-        plan = collective.gather_decide_scatter("planning", local_plan, global_plan)
+    def plan_and_read() -> None:
+        if _plans_stay_local(planner, reader):
+            plan = collective.all_succeed("planning", local_plan)
+        else:
+            plan = collective.gather_decide_scatter("planning", local_plan, global_plan)
 
-    def read() -> None:
-        reader.read_data(planner.finish_plan(plan), planner).wait()
+        def read() -> None:
+            reader.read_data(planner.finish_plan(plan), planner).wait()
 
-    collective.all_succeed("reading", read)
+        collective.all_succeed("reading", read)
+
+    # A save may publish over the checkpoint while this load plans or reads it (an async save's
+    # background write, an evaluation job beside training): the files the old metadata names are then
+    # removed, and planning or reading fails on one. The load then starts again from the new metadata,
+    # which is whole (AS-3); a failure under metadata that did not change is the load's own.
+    for attempt in range(1, _LOADS_AFTER_A_PUBLICATION + 2):
+        try:
+            plan_and_read()
+            break
+        except CheckpointError:
+            if attempt > _LOADS_AFTER_A_PUBLICATION or not _published_meanwhile(collective, reader, planned_from[0]):
+                raise
+            reader.reset(checkpoint_id)
     statefuls = {key: value for key, value in user_state_dict.items() if isinstance(value, Stateful)}
     undo: list[Callable[[], None]] = []
 
@@ -276,6 +298,34 @@ def load(
         if problems and add_note is not None:
             add_note("the state dict could not be restored: " + "; ".join(problems))
         raise
+
+
+#: How many times a load starts again because a save published over the checkpoint while it read.
+_LOADS_AFTER_A_PUBLICATION = 2
+
+
+def _save_id(metadata: Metadata) -> str | None:
+    storage_meta = getattr(metadata, "storage_meta", None)
+    return getattr(storage_meta, "save_id", None) if storage_meta is not None else None
+
+
+def _published_meanwhile(collective: Collective, reader: StorageReader, planned_from: str | None) -> bool:
+    """Whether, on any rank, the checkpoint's metadata now names another save than the one this rank
+    planned from (collective: every rank gets the same answer). Unknown (no save id, metadata that no
+    longer reads) counts as no."""
+
+    def replaced() -> bool:
+        if planned_from is None:
+            return False
+        try:
+            return _save_id(reader.read_metadata()) not in (None, planned_from)
+        except Exception:  # what the metadata now holds is the next attempt's to report
+            return False
+
+    try:
+        return bool(collective.gather_decide_broadcast("checking", replaced, any))
+    except CheckpointError:
+        return False
 
 
 def _writer_keeps_items(writer: StorageWriter) -> bool:

@@ -108,12 +108,12 @@ def test_shutdown_closes_the_arena_descriptor(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA staging needs a GPU; none is visible")
 def test_cuda_staging_copies_into_pinned_memory_on_the_current_stream() -> None:
-    source = {"w": torch.arange(1 << 20, dtype=torch.float32, device="cuda"), "step": 4}
+    weight = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
     stager = Stager()
-    staged = stager.stage(source)
+    staged = stager.stage({"w": weight, "step": 4})
     assert stager.arena is not None and stager.arena.bytes.is_pinned()
     assert staged.copies_done is not None, "copies from the GPU are waited for through an event"
-    source["w"].add_(5)  # queued after the copies on the same stream: never in the staged copy
+    weight.add_(5)  # queued after the copies on the same stream: never in the staged copy
     staged.wait()
     assert torch.equal(staged.state_dict["w"], torch.arange(1 << 20, dtype=torch.float32))
     assert staged.state_dict["w"].device.type == "cpu"
