@@ -118,3 +118,34 @@ def test_cuda_staging_copies_into_pinned_memory_on_the_current_stream() -> None:
     assert torch.equal(staged.state_dict["w"], torch.arange(1 << 20, dtype=torch.float32))
     assert staged.state_dict["w"].device.type == "cpu"
     stager.release()
+
+
+def test_a_load_that_a_publication_overtakes_starts_again_from_the_new_metadata(tmp_path: Path) -> None:
+    """AS-3 at the reference's load: a save publishes over the checkpoint (and removes the old files)
+    between the load's planning and its reading; the load starts again and gets the new checkpoint."""
+    from reference.checkpoint import FileSystemReader, wait_for_removals
+
+    checkpoint.save({"w": torch.full((64,), 1.0), "step": 1}, checkpoint_id=tmp_path)
+
+    class Overtaken(FileSystemReader):
+        reads = 0
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            Overtaken.reads += 1
+            if Overtaken.reads == 1:  # the publication lands after this load planned from the old metadata
+                checkpoint.save({"w": torch.full((64,), 2.0), "step": 2}, checkpoint_id=tmp_path)
+                wait_for_removals()
+            return super().read_data(plan, planner)
+
+    loaded: dict[str, Any] = {"w": torch.zeros(64), "step": 0}
+    checkpoint.load(loaded, checkpoint_id=tmp_path, storage_reader=Overtaken())
+    assert Overtaken.reads == 2
+    assert torch.equal(loaded["w"], torch.full((64,), 2.0)) and loaded["step"] == 2
+
+
+def test_a_load_failing_under_unchanged_metadata_is_not_retried(tmp_path: Path) -> None:
+    checkpoint.save({"w": torch.full((64,), 1.0)}, checkpoint_id=tmp_path)
+    for data_file in tmp_path.glob("*.distcp"):
+        data_file.unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="distcp"):
+        checkpoint.load({"w": torch.zeros(64)}, checkpoint_id=tmp_path)
