@@ -37,6 +37,9 @@ __all__ = ["SAVERS", "savers", "available", "AsyncFigures", "measure_once", "mea
 CAPABILITY = "async_checkpoint"
 #: torch's DefaultStager with async staging: not an adapter's executor, measured beside them.
 TORCH_STAGER = "torch/stager"
+#: The limit of an async save on this machine: the tensors copied (the stall), then written with plain
+#: file I/O and fsynced on one background thread, while the same training loop runs.
+RAW_ASYNC = "raw/thread"
 #: Matmul size of a training step (about a millisecond on one thread here).
 _STEP_WIDTH = 192
 #: Steps of the no-save loop at least, and the shortest time it runs.
@@ -46,7 +49,8 @@ _MIN_IDLE_STEPS, _MIN_IDLE_S = 20, 0.2
 def savers() -> list[str]:
     """Every way of saving measured: the reference's and torch's executors and synchronous saves,
     torch's DefaultStager, and the adapters of ``BENCH_IMPL`` (thread and process)."""
-    names = ["reference/thread", "reference/process", "reference/sync", "torch/thread", "torch/process", TORCH_STAGER, "torch/sync"]
+    names = [RAW_ASYNC, "reference/thread", "reference/process", "reference/sync", "torch/thread", "torch/process", TORCH_STAGER,
+             "torch/sync"]
     for spec in _impls.under_test():
         names += [f"{spec}/thread", f"{spec}/process", f"{spec}/sync"]
     return list(dict.fromkeys(names))
@@ -62,6 +66,8 @@ def _split(saver: str) -> tuple[str, str]:
 
 def available(saver: str) -> str | None:
     """None if ``saver`` can run here, else why not."""
+    if saver == RAW_ASYNC:
+        return None
     if saver == TORCH_STAGER:
         try:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: F401
@@ -135,6 +141,35 @@ def _torch_stager_save(sd: dict[str, Any], directory: str) -> Any:
     return dcp.async_save(sd, checkpoint_id=directory, async_stager=_TORCH_STAGER[0])
 
 
+class _RawAsync:
+    """:data:`RAW_ASYNC`'s save: a copy of every local tensor, then one thread writing them to this rank's
+    file and fsyncing it. ``done()`` and ``result()`` as a future's."""
+
+    def __init__(self, sd: dict[str, Any], directory: str) -> None:
+        import threading
+
+        import torch.distributed as dist
+
+        copies = [(tensor.to_local() if hasattr(tensor, "to_local") else tensor).clone() for _, tensor in ck.tensors_of(sd)]
+        path = os.path.join(directory, f"raw-async-{dist.get_rank()}.bin")
+
+        def write() -> None:
+            with open(path, "wb") as stream:
+                for copy in copies:
+                    stream.write(copy.numpy().data)
+                stream.flush()
+                os.fsync(stream.fileno())
+
+        self._thread = threading.Thread(target=write, name="raw-async-write")
+        self._thread.start()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> None:
+        self._thread.join()
+
+
 def measure_once(saver: str, directory: str) -> dict[str, float]:
     """One save of the prepared source state with ``saver`` into an emptied ``directory``, training
     going on meanwhile; this rank's figures (call on every rank; the controller takes the slowest)."""
@@ -154,7 +189,9 @@ def measure_once(saver: str, directory: str) -> dict[str, float]:
         idle_rate = _steps_per_second(_MIN_IDLE_S, tensor)
         dist.barrier()
         start = time.perf_counter()
-        if saver == TORCH_STAGER:
+        if saver == RAW_ASYNC:
+            answer: Any = _RawAsync(source, directory)
+        elif saver == TORCH_STAGER:
             answer = _torch_stager_save(source, directory)
         else:
             answer = _impls.ops(impl, CAPABILITY).async_save(source, directory, executor=how)
@@ -179,7 +216,7 @@ def measure_once(saver: str, directory: str) -> dict[str, float]:
 
 def release() -> None:
     """Drop the state and what savers keep between saves (writer processes, staging buffers)."""
-    for impl in {_split(s)[0] for s in SAVERS if _split(s)[1] != "sync"} - {"torch/stager"}:
+    for impl in {_split(s)[0] for s in SAVERS if _split(s)[1] != "sync"} - {"raw"}:
         if _impls.unavailable(impl, CAPABILITY) is None:
             _impls.ops(impl, CAPABILITY).shutdown()
     while _TORCH_STAGER:

@@ -62,7 +62,7 @@ from reference.checkpoint.api import expand_stateful, run_save
 from reference.checkpoint.collective import Collective
 from reference.checkpoint.planner import ReferenceSavePlanner
 from reference.checkpoint.staging import Arena, StagedState, Stager
-from reference.checkpoint.storage import FileSystemWriter
+from reference.checkpoint.storage import FileSystemWriter, background_write_threads
 from reference.checkpoint.writer_process import WriterProcess
 
 __all__ = ["AsyncCheckpointerType", "AsyncSaveResponse", "async_save", "async_shutdown", "ASYNC_GROUP_TIMEOUT"]
@@ -200,7 +200,8 @@ def async_save(
     if checkpoint_id is None and storage_writer is None:
         raise ValueError("async_save: no checkpoint directory: pass checkpoint_id or a storage_writer with a path")
     kind = AsyncCheckpointerType(async_checkpointer_type)
-    writer = storage_writer if storage_writer is not None else FileSystemWriter()
+    # The default writer leaves a core to training: its threads would otherwise take every core.
+    writer = storage_writer if storage_writer is not None else FileSystemWriter(thread_count=background_write_threads())
     if kind is AsyncCheckpointerType.PROCESS and not isinstance(writer, FileSystemWriter):
         # The writer process writes through the reference's FileSystemWriter, from the rank's plan.
         raise ValueError(f"async_save: the process executor writes through the reference's FileSystemWriter, got {type(writer).__name__}")

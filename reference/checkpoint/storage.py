@@ -71,7 +71,7 @@ from reference.checkpoint.metadata_io import (
 )
 from reference.checkpoint.records import ReadableFile, TensorLayout, parse_tensor_record, read_region, write_record
 
-__all__ = ["FileSystemWriter", "FileSystemReader", "DATA_SUFFIX", "wait_for_removals"]
+__all__ = ["FileSystemWriter", "FileSystemReader", "DATA_SUFFIX", "wait_for_removals", "background_write_threads"]
 
 DATA_SUFFIX = ".distcp"
 #: The file whose ``flock`` a save holds from planning to publication (see the module docstring).
@@ -107,6 +107,12 @@ def _cpus_per_local_rank() -> int:
     except ValueError:
         local_ranks = 1
     return max(1, cpus // local_ranks)
+
+
+def background_write_threads() -> int:
+    """Writer threads of a save written in the background while training goes on: the CPUs per rank of
+    this node less one, which the training loop keeps (at least one)."""
+    return max(1, min(DEFAULT_WRITE_THREADS, _cpus_per_local_rank() - 1))
 
 
 def _thread_count(requested: int | None, default: int) -> int:
