@@ -62,17 +62,21 @@ class _Response:
     upload_completion: Future[Any]
 
 
-def _require_executor(ops: AsyncCheckpointOps, executor: str) -> None:
-    if executor not in ops.executors:
-        raise Unsupported(f"no {executor} executor for async saves (provided: {', '.join(ops.executors)})")
+class _BothExecutors:
+    """The shipped ops' declarations: both executors, and a second save waits for the one in flight."""
+
+    executors: tuple[str, ...] = ("thread", "process")
+    concurrent_saves: Literal["wait", "refuse"] = "wait"
+
+    def _require_executor(self, executor: str) -> None:
+        if executor not in self.executors:
+            raise Unsupported(f"no {executor} executor for async saves (provided: {', '.join(self.executors)})")
 
 
-class ReferenceAsyncCheckpointOps:
+class ReferenceAsyncCheckpointOps(_BothExecutors):
     """``reference.checkpoint.async_save`` (thread and process executors; a second save waits)."""
 
     name = "reference"
-    executors: tuple[str, ...] = ("thread", "process")
-    concurrent_saves: Literal["wait", "refuse"] = "wait"
 
     def async_save(
         self, state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, process_group: Any = None,
@@ -80,7 +84,7 @@ class ReferenceAsyncCheckpointOps:
     ) -> AsyncSave:
         from reference import checkpoint
 
-        _require_executor(self, executor)
+        self._require_executor(executor)
         return checkpoint.async_save(
             state_dict, checkpoint_id=checkpoint_id, process_group=process_group,
             async_checkpointer_type=checkpoint.AsyncCheckpointerType(executor),
@@ -92,15 +96,15 @@ class ReferenceAsyncCheckpointOps:
         checkpoint.async_shutdown()
 
 
-class TorchAsyncCheckpointOps:
+class TorchAsyncCheckpointOps(_BothExecutors):
     """``torch.distributed.checkpoint.async_save`` with its default stager, thread or process executor.
 
     Without an async stager upstream stages before returning and answers with one future, the upload's;
-    the staging future here is then already resolved."""
+    the staging future here is then already resolved. Upstream declares no policy for a second save in
+    flight (each call starts its own executor); ``wait`` is what its callers are told to do, and what
+    AS-5 holds it to."""
 
     name = "torch"
-    executors: tuple[str, ...] = ("thread", "process")
-    concurrent_saves: Literal["wait", "refuse"] = "wait"
 
     def async_save(
         self, state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, process_group: Any = None,
@@ -110,7 +114,7 @@ class TorchAsyncCheckpointOps:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-        _require_executor(self, executor)
+        self._require_executor(executor)
         if executor == "process" and not (dist.is_available() and dist.is_initialized()):
             raise Unsupported("torch's process executor needs an initialized default process group (it hands the "
                               "group's rendezvous to its writer process)")
