@@ -31,6 +31,7 @@ __all__ = [
     "async_ops",
     "async_save",
     "training_state",
+    "full_training_state",
     "train_on",
     "outcome",
     "Resources",
@@ -86,18 +87,24 @@ def training_state(dist: RankContext, fill: float) -> dict[str, Any]:
     replicated one, optimizer state keyed by FQN with a tensor step and hyperparameters, a bfloat16 and
     an int64 buffer, and non-tensor progress (an int step, nested lists and dicts). Every value derives
     from ``fill``: two fills differ everywhere."""
-    rows = 4 * dist.world_size
-    full = torch.arange(rows * _COLUMNS, dtype=torch.float32).reshape(rows, _COLUMNS) + fill
     mesh = dist.mesh()
+    return full_training_state(dist.world_size, fill, shard=lambda full: dtensor_of(full, mesh, [Shard(0)]))
+
+
+def full_training_state(world_size: int, fill: float, shard: Callable[[torch.Tensor], Any] = lambda full: full) -> dict[str, Any]:
+    """:func:`training_state` of ``world_size`` ranks with the sharded values whole (``shard`` makes
+    them DTensors): what an evaluation job, one process without a group, loads."""
+    rows = 4 * world_size
+    full = torch.arange(rows * _COLUMNS, dtype=torch.float32).reshape(rows, _COLUMNS) + fill
     return {
         "model": {
-            "w": dtensor_of(full, mesh, [Shard(0)]),
+            "w": shard(full),
             "bias": torch.linspace(-1, 1, 4096, dtype=torch.float64) * fill,
             "scale": torch.full((33,), fill, dtype=torch.bfloat16),
             "tokens_seen": torch.arange(17, dtype=torch.int64) * int(fill),
         },
         "optim": {
-            "state": {"w": {"exp_avg": dtensor_of(full * 0.5, mesh, [Shard(0)]), "step": torch.tensor(fill)}},
+            "state": {"w": {"exp_avg": shard(full * 0.5), "step": torch.tensor(fill)}},
             "param_groups": [{"lr": fill / 10, "betas": [0.9, 0.99 + fill / 1000], "params": ["w"]}],
         },
         "step": int(fill),

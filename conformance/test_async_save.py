@@ -11,6 +11,7 @@ save that never ends fails its test instead of stopping the run.
 from __future__ import annotations
 
 import multiprocessing.resource_tracker
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,51 @@ def test_loads_during_the_background_write_get_one_whole_checkpoint(dist, impl, 
         fail(f"loads during an async save's background write ({executor})", seen, "each the previous or the new checkpoint, whole", f"rank {dist.rank}")
     if not seen:
         pytest.skip("the background write ended before the first load: nothing was tried (a race this test lost)")
+
+
+@pytest.mark.req("AS-3")
+@pytest.mark.parametrize("executor", EXECUTORS)
+@isolated
+def test_an_evaluation_job_loading_during_the_write_gets_one_whole_checkpoint(dist, impl, executor: str) -> None:
+    """Over a previous checkpoint: an evaluation job of its own (one process, no group) loads the path
+    again and again from before the async save until after it completed; each of its loads gets one
+    save's checkpoint whole, never an error and never a mix."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    path = dist.tmp_dir / "ckpt"
+    _save_and_wait(dist, impl, executor, path, 1.0)
+    ops = async_ops(impl, executor)
+    files = {name: dist.tmp_dir / f"eval-{name}" for name in ("ready", "stop", "out")}
+    job, stderr = None, ""
+    if dist.rank == 0:
+        repo = Path(__file__).resolve().parent.parent
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH", "")]))}
+        job = subprocess.Popen([sys.executable, "-m", "conformance.eval_child", impl.spec, str(path), str(dist.world_size),
+                                str(files["ready"]), str(files["stop"]), str(files["out"])], env=env, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 40
+        while not files["ready"].exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    dist.barrier()
+    try:
+        with slowed_publication(path, _PUBLICATION_DELAY_S):
+            response = async_save(ops, training_state(dist, 2.0), path, dist, executor)
+            error = outcome(response.upload_completion, "the completion future", f"rank {dist.rank}")
+        if error is not None:
+            fail("the async save", f"{type(error).__name__}: {error}"[:600], "success", f"rank {dist.rank}")
+    finally:
+        if job is not None:
+            files["stop"].touch()
+            _, stderr = job.communicate(timeout=60)
+    seen = dist.broadcast_object(json.loads(files["out"].read_text()) if job is not None and files["out"].exists() else None)
+    if seen is None:
+        output = (stderr or "")[-600:] if job is not None else ""
+        fail("the evaluation job", f"no record of its loads: {output}", "a list of what each load got", f"rank {dist.rank}")
+    if any(s not in ("fill 1.0", "fill 2.0") for s in seen):
+        fail(f"an evaluation job's loads during an async save's background write ({executor})", seen[:8],
+             "each the previous or the new checkpoint, whole", f"rank {dist.rank}")
 
 
 #: Loads at most during one background write (each a fraction of a second here).
