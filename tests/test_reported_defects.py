@@ -1,0 +1,26 @@
+"""tools/reported_defects: each defect still applies to the reference as it is (its text to replace
+occurs exactly once), names a report that SPEC's table lists, and selects tests of the AS section."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tools.reported_defects import DEFECTS, REPO_ROOT
+
+
+@pytest.mark.parametrize("defect", DEFECTS, ids=[d.key for d in DEFECTS])
+def test_each_defect_applies_to_the_reference_as_it_is(defect) -> None:
+    text = (REPO_ROOT / defect.file).read_text()
+    assert text.count(defect.old) == 1, f"{defect.key}: the text to replace occurs {text.count(defect.old)} times in {defect.file}"
+    assert defect.new != defect.old
+
+
+@pytest.mark.parametrize("defect", DEFECTS, ids=[d.key for d in DEFECTS])
+def test_each_defect_answers_a_report_in_the_spec(defect) -> None:
+    spec = Path(REPO_ROOT / "conformance" / "SPEC.md").read_text()
+    first = defect.report.split(",")[0].strip()
+    number = first.split("#")[-1]
+    assert f"#{number}" in spec, f"{defect.key}: {first} is not in SPEC's reports"
+    assert defect.tests.strip(), defect.key
