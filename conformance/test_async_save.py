@@ -478,29 +478,30 @@ def test_training_collectives_during_the_background_write(dist, impl, executor: 
 @pytest.mark.parametrize("executor", EXECUTORS)
 @isolated
 def test_shutdown_releases_threads_processes_and_descriptors(dist, impl, executor: str) -> None:
-    """After a first async save and shutdown, two async saves and a failed one, then shutdown again: the
-    process has no more threads, child processes or file descriptors than after the first shutdown."""
+    """Two async saves, a failed one and a shutdown, twice: after the second round the process has no
+    more threads, child processes or file descriptors than after the first. The first round starts
+    what an implementation starts once per process or grows lazily to a bound (the background's group,
+    I/O thread pools, torch's intra-op threads, Python's resource tracker); what a round leaves behind
+    shows in the second."""
     ops = async_ops(impl, executor)
-    path = dist.tmp_dir / "ckpt"
-    # The baseline follows a first async save, a load and a shutdown: what is started once per process
-    # (the background's group, I/O thread pools, torch's intra-op threads, Python's resource tracker) is
-    # in it, and only what saves and shutdowns leave behind is counted.
-    _save_and_wait(dist, impl, executor, dist.tmp_dir / "warm", 0.0)
-    _loaded(dist, impl, dist.tmp_dir / "warm")
     multiprocessing.resource_tracker.ensure_running()
-    ops.shutdown()
-    dist.barrier()
+
+    def one_round(path: Path) -> None:
+        for fill in (1.0, 2.0):
+            _save_and_wait(dist, impl, executor, path, fill)
+        refusing = {**training_state(dist, 3.0), "loader": _RefusingStateful()}
+        issued: list[Any] = []
+        raised_at_call = raised(lambda: issued.append(async_save(ops, refusing, path, dist, executor)))
+        if raised_at_call is None and outcome(issued[0].upload_completion, "the completion future of a failing save", f"rank {dist.rank}") is None:
+            fail("an async save with a refusing Stateful", "succeeded", "an error", f"rank {dist.rank}")
+        _loaded(dist, impl, path)
+        dist.barrier()
+        ops.shutdown()
+        dist.barrier()
+
+    one_round(dist.tmp_dir / "first")
     before = Resources()
-    for fill in (1.0, 2.0):
-        _save_and_wait(dist, impl, executor, path, fill)
-    refusing = {**training_state(dist, 3.0), "loader": _RefusingStateful()}
-    issued: list[Any] = []
-    raised_at_call = raised(lambda: issued.append(async_save(ops, refusing, path, dist, executor)))
-    if raised_at_call is None and outcome(issued[0].upload_completion, "the completion future of a failing save", f"rank {dist.rank}") is None:
-        fail("an async save with a refusing Stateful", "succeeded", "an error", f"rank {dist.rank}")
-    dist.barrier()
-    ops.shutdown()
-    dist.barrier()
+    one_round(dist.tmp_dir / "second")
     grown = Resources().grown_since(before)
     if grown:
-        fail(f"what async saves ({executor}) left after shutdown", grown, "nothing more than before the first save", f"rank {dist.rank}")
+        fail(f"what a round of async saves ({executor}) and a shutdown left", grown, "nothing more than the round before left", f"rank {dist.rank}")
