@@ -1,5 +1,5 @@
 """tools/reported_defects: each defect still applies to the reference as it is (its text to replace
-occurs exactly once), names a report that SPEC's table lists, and selects tests of the AS section."""
+occurs exactly once), names a report that SPEC's table lists, and selects tests of a conformance file that exists."""
 
 from __future__ import annotations
 
@@ -24,3 +24,4 @@ def test_each_defect_answers_a_report_in_the_spec(defect) -> None:
     number = first.split("#")[-1]
     assert f"#{number}" in spec, f"{defect.key}: {first} is not in SPEC's reports"
     assert defect.tests.strip(), defect.key
+    assert (REPO_ROOT / defect.test_file).is_file(), f"{defect.key}: {defect.test_file} does not exist"

@@ -5,10 +5,10 @@
 Each defect is a small edit of ``reference/`` that reintroduces what a report describes (a staging
 buffer refilled while the write still reads it, completion before publication, a swallowed background
 error, ...). It is applied to a scratch copy of the checkout (the working tree is never written), and
-the tests named for it run there against ``--impl reference``. A defect is *caught* when they fail.
+the tests named for it (a ``-k`` expression over one conformance file) run there against ``--impl
+reference``. A defect is *caught* when they fail.
 The exit status is 1 if any defect survives, so this is also a check of the suite, run by hand (a few
-minutes) and not by ``make test``. Automatic mutants of the same modules: ``make mutation
-MUTATION_SECTIONS=AS``.
+minutes) and not by ``make test``. Automatic mutants of the same modules: ``make mutation``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ class Defect:
     file: str  #: relative to the checkout
     old: str  #: text of ``file`` replaced (exactly once)
     new: str
-    tests: str  #: a pytest ``-k`` expression over conformance/test_async_save.py
+    tests: str  #: a pytest ``-k`` expression over ``test_file``
+    test_file: str = "conformance/test_async_save.py"  #: relative to the checkout
 
 
 DEFECTS = (
@@ -106,7 +107,7 @@ def _run(defect: Defect, world_sizes: str, timeout: float) -> tuple[str, str]:
         if text.count(defect.old) != 1:
             return "error", f"the text to replace occurs {text.count(defect.old)} times in {defect.file}"
         target.write_text(text.replace(defect.old, defect.new))
-        command = [sys.executable, "-m", "pytest", "conformance/test_async_save.py", "--impl", "reference", "--world-size", world_sizes,
+        command = [sys.executable, "-m", "pytest", defect.test_file, "--impl", "reference", "--world-size", world_sizes,
                    "-k", defect.tests, "-q", "-x", "-p", "no:cacheprovider", "--rank-timeout", "60"]
         try:
             done = subprocess.run(command, cwd=scratch / "repo", capture_output=True, text=True, timeout=timeout)
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [d for d in DEFECTS if not args.defect or d.key in args.defect]
     if args.list:
         for defect in chosen:
-            print(f"{defect.key:36} {defect.report:48} -k {defect.tests!r}")
+            print(f"{defect.key:36} {defect.report:48} {defect.test_file} -k {defect.tests!r}")
         return 0
     survived = 0
     for defect in chosen:
