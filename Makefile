@@ -31,12 +31,13 @@ TIP       ?= HEAD
 GATE_ARGS ?=
 
 PY      := $(VENV)/bin/python
+comma   := ,
 STAMP   := $(VENV)/.installed
 IMPL_ARG := $(if $(IMPL),--impl $(IMPL),)
 RERUN_ARG := $(if $(RERUN_CRASHES),--rerun-crashes $(RERUN_CRASHES),)
 BENCH_ENV := $(if $(IMPL),BENCH_IMPL=$(IMPL),)
 
-.PHONY: setup conformance lint test stress bench asv asv-gate mutation clean
+.PHONY: setup conformance lint test stress bench asv asv-gate mutation matrix clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +59,14 @@ conformance: setup
 test: setup lint
 	$(PY) -m pytest tests conformance --world-size $(WORLD_SIZE) $(IMPL_ARG) $(RERUN_ARG) $(PYTEST_ARGS)
 	$(PY) -m pytest bench --benchmark-disable -q -p no:cacheprovider
+
+# The installed suite on torch releases (default: every minor from pyproject's lower bound, newest
+# patch), each installed from the registry into a bare venv of its own (several GB, removed after), and
+# docs/compatibility.md written from the results; fails where a release is not green. Hours for all.
+MATRIX_RELEASES ?=
+MATRIX_WORLD_SIZE ?= 1,2
+matrix: setup
+	$(PY) -m tools.matrix run $(foreach r,$(subst $(comma), ,$(MATRIX_RELEASES)),--release $(r)) --world-size $(MATRIX_WORLD_SIZE) $(IMPL_ARG) $(if $(PYTEST_ARGS),-- $(PYTEST_ARGS),)
 
 # The suite STRESS_RUNS times with fresh random examples under glibc's heap checks (MALLOC_CHECK_=3,
 # MALLOC_PERTURB_): reports every test that failed in any run; exits non-zero if one did.
@@ -96,4 +105,4 @@ mutation: setup
 	$(PY) -m tools.mutation --sample $(MUTATION_SAMPLE) --sections $(MUTATION_SECTIONS) --jobs $(MUTATION_JOBS) $(MUTATION_ARGS)
 
 clean:
-	rm -rf $(VENV) .asv .pytest_cache .benchmarks *.egg-info .mutation .stress
+	rm -rf $(VENV) .asv .pytest_cache .benchmarks *.egg-info .mutation .stress .matrix

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,59 @@ def test_ids_under_pyargs_name_the_suites_files_and_rerun(installed: Path, tmp_p
     out = rerun.stdout + rerun.stderr
     assert rerun.returncode == 1 and "1 failed" in out, out
     assert "FAILED conformance/test_state_dict.py::test_model_keys_are_canonical_fqns[myfork-mlp-plain]" in out, out
+
+
+#: Put first on PYTHONPATH, this makes the process an environment without numpy (as a venv with only
+#: ``pip install torch`` is: torch's CPU wheel does not pull numpy in): every import of it fails.
+_WITHOUT_NUMPY = '''
+import sys
+
+
+class _NoNumpy:
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" or name.startswith("numpy."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NoNumpy())
+'''
+
+
+@pytest.mark.req("HX-34")
+def test_a_bare_environment_is_a_usage_error_naming_what_is_missing(installed: Path, tmp_path: Path) -> None:
+    """The installed suite where numpy cannot be imported: the run stops before any test, with pytest's
+    usage-error status and a message naming numpy and what needs it; no test is reported as the
+    adapter's failure. (The package declares numpy, so ``pip install`` brings it; this is the
+    ``--no-deps`` install.)"""
+    blocker = tmp_path / "bare"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(_WITHOUT_NUMPY)
+    elsewhere = tmp_path / "fork-repo"
+    elsewhere.mkdir()
+    report = tmp_path / "report.json"
+    env = {**_env(installed), "PYTHONPATH": os.pathsep.join((str(blocker), str(installed)))}
+    probe = subprocess.run([sys.executable, "-c", "import numpy"], env=env, capture_output=True, text=True)
+    assert probe.returncode != 0, "the blocker did not hide numpy"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "conformance", "--impl", "torch", "--world-size", "1", "-p", "no:cacheprovider",
+         "-q", "-k", "test_model_keys_are_canonical_fqns", "--report-json", str(report)],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, out
+    assert "numpy" in out and "object collectives" in out, out
+    assert "failed" not in result.stdout and not report.exists(), out
+
+
+@pytest.mark.req("HX-34")
+def test_the_package_declares_what_the_harness_needs() -> None:
+    """Every module the harness refuses to start without is a dependency of the package (not an
+    extra): ``pip install statedict-conformance`` into a venv with only torch brings it."""
+    from conformance.harness.plugin import _NEEDED_MODULES
+
+    block = re.search(r"^dependencies = \[(.*?)^\]", (REPO_ROOT / "pyproject.toml").read_text(), re.S | re.M)
+    assert block is not None, "pyproject.toml has no [project] dependencies list"
+    names = {m.lower() for m in re.findall(r'^\s*"([A-Za-z0-9_.-]+)', block.group(1), re.M)}
+    for module, _ in _NEEDED_MODULES:
+        assert module in names, f"{module} is needed by the harness but not a dependency in pyproject.toml: {sorted(names)}"

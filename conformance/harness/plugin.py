@@ -135,6 +135,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     from conformance.harness.torchrun import SESSION_FINISH, default_world_sizes, manager_for
 
+    _check_environment()
     config.stash[SESSION_FINISH] = pytest_sessionfinish
     config.option.world_size = config.option.world_size or default_world_sizes() or "1,2"
     config.stash[_ENTRIES] = load_xfail_entries(config)
@@ -146,6 +147,28 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_MANAGER] = manager
     SESSION_RESULTS.clear()
     atexit.register(manager.stop_all)
+
+
+#: Modules the harness needs that torch does not install: (module, what needs it).
+_NEEDED_MODULES = (("numpy", "torch's object collectives (all_gather_object, broadcast_object_list), which the harness and torch's adapters call"),)
+
+
+def _check_environment() -> None:
+    """Refuse to start, naming what is missing, in an environment where every rank test would fail
+    for a reason that is the environment's, not the implementation's (HX-34)."""
+    import importlib
+
+    missing = []
+    for name, why in _NEEDED_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(f"{name} ({why})")
+    if missing:
+        raise pytest.UsageError(
+            "this environment lacks what the suite needs, so every verdict would blame the implementation for it: "
+            + "; ".join(missing) + ". Install it (pip install " + " ".join(m.split()[0] for m in missing) + ")"
+        )
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

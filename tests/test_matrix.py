@@ -1,0 +1,53 @@
+"""tools/matrix: the compatibility table from per-release results, and what makes a release red."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tools.matrix import load_runs, main, render
+
+
+def _result(torch: str, tests: dict[str, Any]) -> dict[str, Any]:
+    return {"torch": torch, "world_sizes": [1, 2], "impls": ["reference", "torch"], "spec": {"SD-1": "", "SD-2": "", "ML-3": ""},
+            "known_deviations": [], "tests": tests}
+
+
+def _write(results: Path, release: str, tests: dict[str, Any]) -> None:
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"torch-{release}.json").write_text(json.dumps(_result(release, tests)))
+
+
+ENTRY = {"pattern": "conformance/test_state_dict.py::test_a*", "reason": "pytorch/pytorch#1: it drops the key"}
+
+
+def test_cells_per_requirement_and_release(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    _write(results, "2.10.0", {
+        "a[torch]": {"outcome": "xfailed", "reqs": ["SD-1"], "impl": "torch", "entry": ENTRY},
+        "a[reference]": {"outcome": "passed", "reqs": ["SD-1"], "impl": "reference"},
+        "b[torch]": {"outcome": "skipped", "reqs": ["ML-3"], "impl": "torch", "reason": "torch 2.10.0 lacks X"},
+    })
+    _write(results, "2.9.1", {
+        "a[torch]": {"outcome": "failed", "reqs": ["SD-1"], "impl": "torch", "reason": "boom"},
+        "a[reference]": {"outcome": "passed", "reqs": ["SD-1"], "impl": "reference"},
+    })
+    runs = load_runs(results)
+    assert [r.release for r in runs] == ["2.9.1", "2.10.0"]  # by version, not by name
+    doc = render(runs)
+    assert "| SD-1 | **1 failed** | 1 known |" in doc
+    assert "| ML-3 | - | skip |" in doc
+    assert "| SD-2 |" not in doc  # no test of the run names it
+    assert "| torch | `conformance/test_state_dict.py::test_a*` | 2.10.0 | pytorch/pytorch#1: it drops the key |" in doc
+    assert "- torch 2.9.1: `a[torch]` failed: boom" in doc
+
+
+def test_render_exits_one_where_a_release_is_not_green(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _write(out / "results", "2.13.0", {"a[torch]": {"outcome": "xpassed", "strict": "no longer deviates", "reqs": ["SD-1"], "impl": "torch"}})
+    doc = tmp_path / "compat.md"
+    assert main(["render", "--out", str(out), "--doc", str(doc)]) == 1
+    assert "| SD-1 | pass |" not in doc.read_text() and "strict" in doc.read_text()
+    _write(out / "results", "2.13.0", {"a[torch]": {"outcome": "xpassed", "reqs": ["SD-1"], "impl": "torch"}})  # flaky: allowed
+    assert main(["render", "--out", str(out), "--doc", str(doc)]) == 0

@@ -1,0 +1,259 @@
+"""The suite against torch releases, each in a bare environment of its own, and the compatibility table.
+
+    python -m tools.matrix run [--release 2.14.1 ...] [--impl reference,torch,torch-fsdp2] [--world-size 1,2]
+    python -m tools.matrix render [--doc docs/compatibility.md]
+
+``run`` builds this checkout's wheel once; then, per release, it makes a new venv, installs
+``torch==<release>`` from the package registry and the wheel with only its declared dependencies (what
+``pip install statedict-conformance`` gives a fork: no extras, no numpy unless declared), and runs the
+installed suite from a directory that is not a checkout (``pytest --pyargs conformance``), writing
+``<out>/results/torch-<release>.json`` (``--report-json``) and the log beside it. A missing dependency
+or an API a release lacks therefore shows as what it is. The venv is removed afterwards (several GB
+each: the registry's builds are CUDA builds, which run on the CPU) unless ``--keep``.
+
+``render`` reads every result there and writes the requirement x release table and the known
+deviations per release (``docs/compatibility.md``). It exits 1 if a release's run had a failure, an
+error or a strict pass (a known deviation that no longer deviates), so ``make matrix`` fails where a
+release is not green.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / ".matrix"
+DEFAULT_DOC = REPO_ROOT / "docs" / "compatibility.md"
+#: The newest patch of every minor release from ``pyproject.toml``'s lower bound to the newest here.
+RELEASES = ("2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1")
+DEFAULT_IMPLS = "reference,torch,torch-fsdp2"
+#: Outcomes that make a release red.
+RED = ("failed", "error")
+
+
+def _log(message: str) -> None:
+    print(f"[matrix] {message}", file=sys.stderr, flush=True)
+
+
+def build_wheel(out: Path) -> Path:
+    """This checkout as a wheel in ``out/dist`` (rebuilt every run: it is what the releases install)."""
+    dist = out / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist), str(REPO_ROOT)],
+                   check=True, timeout=600)
+    (wheel,) = dist.glob("statedict_conformance-*.whl")
+    return wheel
+
+
+def _pip(venv: Path, *args: str, log: Path) -> None:
+    with log.open("a") as sink:
+        sink.write(f"$ pip {' '.join(args)}\n")
+        sink.flush()
+        subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-cache-dir", *args],
+                       check=True, stdout=sink, stderr=subprocess.STDOUT, timeout=3600)
+
+
+def run_release(release: str, wheel: Path, out: Path, *, impls: str, world_sizes: str, pytest_args: Sequence[str], keep: bool) -> int:
+    """Install ``torch==release`` and ``wheel`` into a new venv and run the installed suite there.
+    Returns pytest's exit status (a failed install is reported as status 3 with its log)."""
+    results = out / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    log = results / f"torch-{release}.log"
+    report = results / f"torch-{release}.json"
+    log.write_text("")
+    report.unlink(missing_ok=True)
+    venv = out / "venvs" / f"torch-{release}"
+    shutil.rmtree(venv, ignore_errors=True)
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+        try:
+            _pip(venv, f"torch=={release}", log=log)
+            _pip(venv, str(wheel), log=log)
+        except subprocess.CalledProcessError:
+            _log(f"torch {release}: install failed, see {log}")
+            return 3
+        with tempfile.TemporaryDirectory(prefix="matrix-cwd-") as elsewhere, log.open("a") as sink:
+            command = [str(venv / "bin" / "python"), "-m", "pytest", "--pyargs", "conformance", "--impl", impls,
+                       "--world-size", world_sizes, "--report-json", str(report), "-p", "no:cacheprovider", "-q",
+                       "--rerun-crashes", "torch,torch-fsdp2", *pytest_args]
+            sink.write(f"$ {' '.join(command)}\n")
+            sink.flush()
+            done = subprocess.run(command, cwd=elsewhere, stdout=sink, stderr=subprocess.STDOUT)
+        return done.returncode
+    finally:
+        if not keep:
+            shutil.rmtree(venv, ignore_errors=True)
+
+
+# -- render ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ReleaseRun:
+    release: str
+    data: dict[str, Any]
+
+    @property
+    def tests(self) -> dict[str, dict[str, Any]]:
+        return self.data.get("tests", {})
+
+    def red(self) -> list[tuple[str, dict[str, Any]]]:
+        """Tests that make this release red: failures, errors, and strict passes of known deviations."""
+        return [(tid, t) for tid, t in sorted(self.tests.items())
+                if t.get("outcome") in RED or (t.get("outcome") == "xpassed" and t.get("strict"))]
+
+
+def _version_key(release: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", release.split("+")[0])[:3])
+
+
+def load_runs(results: Path) -> list[ReleaseRun]:
+    runs = []
+    for path in results.glob("torch-*.json"):
+        release = path.stem[len("torch-"):]
+        runs.append(ReleaseRun(release, json.loads(path.read_text())))
+    return sorted(runs, key=lambda r: _version_key(r.release))
+
+
+def _cell(outcomes: Counter[str]) -> str:
+    """One requirement's outcomes on one release, for one adapter."""
+    if not outcomes:
+        return "-"
+    red = outcomes["failed"] + outcomes["error"]
+    if red:
+        return f"**{red} failed**"
+    ran = outcomes["passed"] + outcomes["xfailed"] + outcomes["xpassed"]
+    if not ran:
+        return "skip"
+    known = outcomes["xfailed"]
+    return f"{known} known" if known else "pass"
+
+
+def _by_requirement(run: ReleaseRun, impl: str) -> dict[str, Counter[str]]:
+    table: dict[str, Counter[str]] = defaultdict(Counter)
+    for test in run.tests.values():
+        if test.get("impl") != impl:
+            continue
+        outcome = str(test.get("outcome"))
+        strict = outcome == "xpassed" and test.get("strict")
+        for req in test.get("reqs", []):
+            table[req]["failed" if strict else outcome] += 1  # a known deviation that no longer deviates is red
+    return table
+
+
+def _requirement_ids(runs: Iterable[ReleaseRun]) -> list[str]:
+    ids: set[str] = set()
+    for run in runs:
+        ids.update(run.data.get("spec", {}))
+    section_order = {s: i for i, s in enumerate(("HX", "FP", "SD", "OS", "ML", "AS"))}
+    return sorted(ids, key=lambda r: (section_order.get(r.split("-")[0], 99), r.split("-")[0], int(re.sub(r"\D", "", r.split("-")[1]) or 0)))
+
+
+def _skipped_apis(run: ReleaseRun, impl: str) -> list[str]:
+    """Distinct skip reasons of ``impl``'s tests that name this release (an API the release lacks)."""
+    version = run.data.get("torch", run.release).split("+")[0]
+    reasons = {t.get("reason", "") for t in run.tests.values() if t.get("impl") == impl and t.get("outcome") == "skipped"}
+    return sorted(r for r in reasons if version in r or "torch " in r and "lacks" in r)
+
+
+def render(runs: Sequence[ReleaseRun]) -> str:
+    releases = [r.release for r in runs]
+    impls = sorted({i for r in runs for i in r.data.get("impls", [])}, key=lambda i: (i != "reference", i))
+    lines = [
+        "# Compatibility: the suite on each torch release",
+        "",
+        "Written by `make matrix` (`python -m tools.matrix`): every release below was installed from the",
+        "package registry into a new venv together with this project's wheel and only its declared",
+        "dependencies, and the installed suite ran there (`pytest --pyargs conformance`) on the CPU with gloo.",
+        "Regenerate after a change to the suite or its known deviations; do not edit by hand.",
+        "",
+        "A cell gives, for the tests that name the requirement: `pass`, `N known` (N tests failed as a",
+        "known deviation of that release says; see the list below), `skip` (none ran: an API the release",
+        "lacks, or a capability the adapter does not have), or `N failed` (a release that is not green).",
+        "",
+        "## Runs",
+        "",
+        "| torch | world sizes | adapters | passed | known deviations | skipped | failed | strict passes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        counts = Counter(str(t.get("outcome")) for t in run.tests.values())
+        strict = sum(1 for t in run.tests.values() if t.get("outcome") == "xpassed" and t.get("strict"))
+        ws = ",".join(str(w) for w in run.data.get("world_sizes", []))
+        lines.append(f"| {run.data.get('torch', run.release)} | {ws} | {', '.join(run.data.get('impls', []))} | {counts['passed']} | "
+                     f"{counts['xfailed']} | {counts['skipped']} | {counts['failed'] + counts['error']} | {strict} |")
+    for impl in impls:
+        lines += ["", f"## {impl}", "", "| requirement | " + " | ".join(releases) + " |", "|---|" + "---|" * len(releases)]
+        per_release = [_by_requirement(run, impl) for run in runs]
+        for req in _requirement_ids(runs):
+            cells = [_cell(table.get(req, Counter())) for table in per_release]
+            if set(cells) == {"-"}:
+                continue
+            lines.append(f"| {req} | " + " | ".join(cells) + " |")
+    lines += ["", "## Known deviations by release", "",
+              "Each shipped entry that marked a failing test on some release, with the releases where it did",
+              "(the entry's reason names the upstream report behind it).", ""]
+    marked: dict[tuple[str, str], set[str]] = defaultdict(set)
+    reasons: dict[tuple[str, str], str] = {}
+    for run in runs:
+        for test in run.tests.values():
+            entry = test.get("entry")
+            if test.get("outcome") == "xfailed" and isinstance(entry, dict):
+                key = (str(test.get("impl")), str(entry.get("pattern")))
+                marked[key].add(run.release)
+                reasons[key] = str(entry.get("reason", ""))
+    lines += ["| adapter | test pattern | releases | reason |", "|---|---|---|---|"]
+    for (impl, pattern), held in sorted(marked.items()):
+        span = ", ".join(r for r in releases if r in held)
+        lines.append(f"| {impl} | `{pattern}` | {span} | {reasons[(impl, pattern)].replace('|', '/')} |")
+    red = [(run.release, tid, t) for run in runs for tid, t in run.red()]
+    if red:
+        lines += ["", "## Not green", ""]
+        lines += [f"- torch {release}: `{tid}` {t.get('outcome')}: {str(t.get('reason', ''))[:200]}" for release, tid, t in red]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the installed suite on each release")
+    run.add_argument("--release", action="append", default=[], help=f"a torch release (repeatable; default {', '.join(RELEASES)})")
+    run.add_argument("--impl", default=DEFAULT_IMPLS)
+    run.add_argument("--world-size", default="1,2")
+    run.add_argument("--keep", action="store_true", help="keep each release's venv")
+    run.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
+    for p in (run, sub.add_parser("render", help="write the compatibility table from the results")):
+        p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+        p.add_argument("--doc", type=Path, default=DEFAULT_DOC)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        wheel = build_wheel(args.out)
+        for release in args.release or RELEASES:
+            _log(f"torch {release}: installing and running")
+            status = run_release(release, wheel, args.out, impls=args.impl, world_sizes=args.world_size,
+                                 pytest_args=args.pytest_args, keep=args.keep)
+            _log(f"torch {release}: pytest exit status {status}")
+    runs = load_runs(args.out / "results")
+    if not runs:
+        _log(f"no results in {args.out / 'results'}")
+        return 2
+    args.doc.write_text(render(runs))
+    _log(f"wrote {args.doc}")
+    red = [(run.release, tid) for run in runs for tid, _ in run.red()]
+    for release, tid in red:
+        _log(f"not green on torch {release}: {tid}")
+    return 1 if red else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
