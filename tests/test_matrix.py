@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
-from tools.matrix import load_runs, main, render
+from tools.matrix import RELEASES, REPO_ROOT, load_runs, main, render
 
 
 def _result(torch: str, tests: dict[str, Any]) -> dict[str, Any]:
@@ -51,3 +52,20 @@ def test_render_exits_one_where_a_release_is_not_green(tmp_path: Path) -> None:
     assert "| SD-1 | pass |" not in doc.read_text() and "strict" in doc.read_text()
     _write(out / "results", "2.13.0", {"a[torch]": {"outcome": "xpassed", "reqs": ["SD-1"], "impl": "torch"}})  # flaky: allowed
     assert main(["render", "--out", str(out), "--doc", str(doc)]) == 0
+
+
+def test_releases_without_a_result_are_listed_as_not_run(tmp_path: Path) -> None:
+    _write(tmp_path / "results", "2.13.0", {"a[torch]": {"outcome": "passed", "reqs": ["SD-1"], "impl": "torch"}})
+    doc = render(load_runs(tmp_path / "results"), expected=("2.12.1", "2.13.0", "2.14.1"))
+    assert "Releases the matrix covers that have no result here: 2.12.1, 2.14.1." in doc
+    assert "MATRIX_RELEASES=2.12.1,2.14.1" in doc
+
+
+def test_the_matrix_starts_at_the_declared_lower_bound() -> None:
+    """The first release the matrix runs is the lowest that ``pyproject.toml`` admits: a release the
+    package installs on is a release the matrix has a verdict for."""
+
+    bound = re.search(r'"torch>=([0-9.]+)"', (REPO_ROOT / "pyproject.toml").read_text())
+    assert bound is not None
+    assert RELEASES[0].startswith(bound.group(1) + "."), (RELEASES[0], bound.group(1))
+    assert [tuple(map(int, r.split(".")[:2])) for r in RELEASES] == sorted({tuple(map(int, r.split(".")[:2])) for r in RELEASES})

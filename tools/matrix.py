@@ -36,7 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / ".matrix"
 DEFAULT_DOC = REPO_ROOT / "docs" / "compatibility.md"
 #: The newest patch of every minor release from ``pyproject.toml``'s lower bound to the newest here.
-RELEASES = ("2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1")
+RELEASES = ("2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1")
 DEFAULT_IMPLS = "reference,torch,torch-fsdp2"
 #: Outcomes that make a release red.
 RED = ("failed", "error")
@@ -166,7 +166,7 @@ def _skipped_apis(run: ReleaseRun, impl: str) -> list[str]:
     return sorted(r for r in reasons if version in r or "torch " in r and "lacks" in r)
 
 
-def render(runs: Sequence[ReleaseRun]) -> str:
+def render(runs: Sequence[ReleaseRun], expected: Sequence[str] = RELEASES) -> str:
     releases = [r.release for r in runs]
     impls = sorted({i for r in runs for i in r.data.get("impls", [])}, key=lambda i: (i != "reference", i))
     lines = [
@@ -216,6 +216,11 @@ def render(runs: Sequence[ReleaseRun]) -> str:
     for (impl, pattern), held in sorted(marked.items()):
         span = ", ".join(r for r in releases if r in held)
         lines.append(f"| {impl} | `{pattern}` | {span} | {reasons[(impl, pattern)].replace('|', '/')} |")
+    missing = [r for r in expected if r not in releases]
+    if missing:
+        lines += ["", "## Not yet run", "",
+                  "Releases the matrix covers that have no result here: " + ", ".join(missing) + ".",
+                  "`make matrix MATRIX_RELEASES=" + ",".join(missing) + "` runs them."]
     red = [(run.release, tid, t) for run in runs for tid, t in run.red()]
     if red:
         lines += ["", "## Not green", ""]
