@@ -202,7 +202,7 @@ def test_extra_state_round_trips_on_a_plain_model(impl: Adapter) -> None:
     checks: dict[str, Callable[[], None]] = {}
     for kind in EXTRA_KINDS:
 
-        def check(kind: str = kind) -> None:
+        def get_and_set(kind: str = kind) -> None:
             source = build_extra(kind, 0)
             got = ops.get_model_state_dict(source)
             assert_extra_entries(got, kind, 0, "get", "plain model")
@@ -211,15 +211,23 @@ def test_extra_state_round_trips_on_a_plain_model(impl: Adapter) -> None:
             target = build_extra(kind, 1)
             ops.set_model_state_dict(target, copy.deepcopy(got))
             assert_holds(holders(target), kind, 0, "set", "plain model")
-            partial = {k: v for k, v in copy.deepcopy(got).items() if k != PLACES["unit"]}
+
+        def strict(kind: str = kind) -> None:
+            partial = {k: v for k, v in ops.get_model_state_dict(build_extra(kind, 0)).items() if k != PLACES["unit"]}
             target = build_extra(kind, 1)
             before = snapshot(model=target)
             expect_error(lambda: ops.set_model_state_dict(target, partial), RuntimeError, keys=[PLACES["unit"]],
                          what="a strict set without an extra-state entry", where="plain model")
             assert_unchanged(before, model=target, where="after the refused strict set")
-            if target.inp.received or not same(target.inp.extra, extra_value(kind, 1, "unit")):
-                fail("a refused strict set changed an extra state", comparable(target.inp.extra), comparable(extra_value(kind, 1, "unit")))
-            result = ops.set_model_state_dict(target, copy.deepcopy(partial), options=ops.options(strict=False))
+            for place, module in holders(target).items():
+                if module.received or not same(module.extra, extra_value(kind, 1, place)):
+                    fail(f"a refused strict set changed the {place} module's extra state", comparable(module.extra),
+                         comparable(extra_value(kind, 1, place)))
+
+        def nonstrict(kind: str = kind) -> None:
+            partial = {k: v for k, v in ops.get_model_state_dict(build_extra(kind, 0)).items() if k != PLACES["unit"]}
+            target = build_extra(kind, 1)
+            result = ops.set_model_state_dict(target, partial, options=ops.options(strict=False))
             if PLACES["unit"] not in list(getattr(result, "missing_keys", [])):
                 fail("a non-strict set without an extra-state entry: missing_keys", list(getattr(result, "missing_keys", [])),
                      f"a list naming {PLACES['unit']!r}")
@@ -227,7 +235,7 @@ def test_extra_state_round_trips_on_a_plain_model(impl: Adapter) -> None:
             assert_same_state(comparable(target.inp.extra), comparable(extra_value(kind, 1, "unit")),
                               what="the unit's extra state, not given to a non-strict set", where="plain model")
 
-        checks[kind] = check
+        checks.update({f"{kind}-get-set": get_and_set, f"{kind}-strict": strict, f"{kind}-nonstrict": nonstrict})
     check_each(**checks)
 
 
