@@ -43,10 +43,12 @@ from conformance.asserts import (
     assert_unchanged,
     check_each,
     expect_error,
+    expected_local_chunk,
     fail,
     raised,
     snapshot,
 )
+from conformance.compare import fqn_keyed_optim
 from conformance.harness.context import RankContext
 from conformance.test_state_dict import PROMPTLY_S, sd_ops
 
@@ -577,6 +579,20 @@ def test_cpu_offload_alone_keeps_every_ranks_own_state(dist: RankContext, impl: 
                 fail(f"cpu_offload: devices of the {what} state dict's tensors", devices, ["cpu"], where)
         if list(got_model) != list(want):
             fail("cpu_offload: model state dict keys", list(got_model), list(want), where)
+        want_optim = fqn_keyed_optim(oracle, oracle_optim)["state"]
+        if sorted(got_optim["state"]) != sorted(want_optim):
+            fail("cpu_offload: FQNs with optimizer state", sorted(got_optim["state"]), sorted(want_optim), where)
+        for fqn, state in got_optim["state"].items():
+            for name, value in state.items():
+                full = want_optim[fqn][name]
+                if isinstance(value, DTensor):
+                    mesh = value.device_mesh
+                    piece, _ = expected_local_chunk(full.detach().cpu(), value.placements, tuple(mesh.shape), tuple(mesh.get_coordinate() or ()))
+                    value, full = value.to_local(), piece
+                elif kind == "sharded" and isinstance(full, torch.Tensor) and full.dim() > 0 and dist.world_size > 1:
+                    fail("cpu_offload: a positional optimizer state is not a DTensor", type(value).__name__, "DTensor", f"{where}: {fqn!r}")
+                assert_same_state(value, full.cpu() if isinstance(full, torch.Tensor) else full, what="cpu_offload: optimizer state",
+                                  where=f"{where}: {fqn!r}[{name!r}]", atol=None if kind == "plain" else 1e-6)
         params = dict(oracle.named_parameters())
         for key, value in got_model.items():
             full = want[key].detach().cpu()
