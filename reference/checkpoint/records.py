@@ -417,6 +417,13 @@ def _latin1_bytes(text: str, encoding: str) -> bytes:
     return text.encode("latin1")
 
 
+def _empty_bytes(*args: Any) -> bytes:
+    """``bytes()`` as pickle protocol 2 calls it for an empty ``bytes`` value, and for nothing else."""
+    if args:
+        raise _NotUnderstood("bytes() with arguments")
+    return b""
+
+
 class _PlainUnpickler(pickle.Unpickler):
     """Unpickles values built from pickle's own types only (numbers, strings, None, bools, lists,
     tuples, dicts) and ``io.BytesIO``: it refuses every other global and every persistent id, so it can
@@ -429,6 +436,8 @@ class _PlainUnpickler(pickle.Unpickler):
             return io.BytesIO
         if (module, name) == ("_codecs", "encode"):  # how protocol 2 spells bytes (a BytesIO's too)
             return _latin1_bytes
+        if name == "bytes" and module in ("__builtin__", "builtins"):  # and empty bytes
+            return _empty_bytes
         raise _NotUnderstood(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
