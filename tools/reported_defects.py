@@ -35,7 +35,7 @@ class Defect:
     test_file: str = "conformance/test_async_save.py"  #: relative to the checkout
 
 
-DEFECTS = (
+DEFECTS: tuple[Defect, ...] = (
     Defect(
         "buffer-reused-while-written", "Megatron-LM PR #2288",
         "reference/checkpoint/async_save.py",
@@ -96,6 +96,78 @@ DEFECTS = (
         "staged_copies_stay_bounded or shutdown_releases",
     ),
 )
+
+
+# Module state beyond parameters: extra state, a dtype change after wrapping, cpu_offload alone.
+_MODULE_STATE = (
+    Defect(
+        "extra-state-detached-like-a-tensor", "pytorch/pytorch#122946, PR #125336",
+        "reference/fsdp/model_state.py",
+        "                out[names.clean_key(key)] = _copied(value, cpu_offload=cpu_offload)\n",
+        "                value = value.detach()\n"
+        "                out[names.clean_key(key)] = value.cpu().clone() if cpu_offload else value.clone()\n",
+        "fsdp_model_state_dicts or sharded_model",
+        test_file="conformance/test_module_state.py",
+    ),
+    Defect(
+        "extra-state-never-handed-to-the-module", "pytorch/pytorch#122946, PR #125336",
+        "reference/fsdp/model_state.py",
+        "                module.set_extra_state(rest[key])\n",
+        "                _copied(module.get_extra_state(), cpu_offload=False)  # into what the get returned\n",
+        "fsdp_model_state_dicts or sharded_model",
+        test_file="conformance/test_module_state.py",
+    ),
+    Defect(
+        "extra-state-size-checked", "NVIDIA/TransformerEngine#1860",
+        "reference/state_dict/api.py",
+        "        if model_key is None or not isinstance(value, torch.Tensor) or _is_extra_state(fqn):\n",
+        "        if model_key is None or not isinstance(value, torch.Tensor):\n",
+        "plain_model",
+        test_file="conformance/test_module_state.py",
+    ),
+    Defect(
+        "extra-state-bytesio-refused-by-the-loader", "NVIDIA/TransformerEngine#1860",
+        "reference/checkpoint/records.py",
+        "        if (module, name) == (\"_io\", \"BytesIO\"):\n            return io.BytesIO\n",
+        "",
+        "through_a_checkpoint",
+        test_file="conformance/test_module_state.py",
+    ),
+    Defect(
+        "wrapped-root-extra-state-taken-as-the-wrappers", "pytorch/pytorch#122946",
+        "reference/flat_param/prefix_hooks.py",
+        "    if type(wrapper).get_extra_state is not nn.Module.get_extra_state:\n        names.add(\"_extra_state\")\n",
+        "    names.add(\"_extra_state\")\n",
+        "flat_param_wrapper",
+        test_file="conformance/test_module_state.py",
+    ),
+    Defect(
+        "dtype-change-misses-flat-params", "pytorch/pytorch#138467",
+        "reference/fsdp/unit.py",
+        "        handle = self._handle\n        if handle is None:\n            super()._apply(fn, recurse)",
+        "        handle = None\n        if handle is None:\n            super()._apply(fn, recurse)",
+        "dtype_change_after_sharding",
+        test_file="conformance/test_module_state.py",
+    ),
+    Defect(
+        "cpu-offload-rank0-only-sharded", "pytorch/pytorch PR #112837",
+        "reference/state_dict/backend.py",
+        "        if options.cpu_offload and not options.full_state_dict:\n            offloaded",
+        "        if options.cpu_offload and not options.full_state_dict:\n"
+        "            if not comm.is_coordinator(comm.default_group()):\n                return {}\n            offloaded",
+        "cpu_offload_alone",
+        test_file="conformance/test_module_state.py",
+    ),
+    Defect(
+        "cpu-offload-rank0-only-plain", "pytorch/pytorch PR #112837",
+        "reference/state_dict/backend.py",
+        "        if options.full_state_dict and not comm.is_coordinator(comm.default_group()):\n",
+        "        if not comm.is_coordinator(comm.default_group()):\n",
+        "cpu_offload_alone",
+        test_file="conformance/test_module_state.py",
+    ),
+)
+DEFECTS = DEFECTS + _MODULE_STATE
 
 
 def _run(defect: Defect, world_sizes: str, timeout: float) -> tuple[str, str]:

@@ -410,12 +410,34 @@ class _HeaderUnpickler(pickle.Unpickler):
         return _StorageRef(dtype, str(key), int(numel))
 
 
+def _latin1_bytes(text: str, encoding: str) -> bytes:
+    """``_codecs.encode`` as pickle protocol 2 calls it for a ``bytes`` value, and for nothing else."""
+    if encoding != "latin1" or not isinstance(text, str):
+        raise _NotUnderstood(f"_codecs.encode with {encoding!r}")
+    return text.encode("latin1")
+
+
+def _empty_bytes(*args: Any) -> bytes:
+    """``bytes()`` as pickle protocol 2 calls it for an empty ``bytes`` value, and for nothing else."""
+    if args:
+        raise _NotUnderstood("bytes() with arguments")
+    return b""
+
+
 class _PlainUnpickler(pickle.Unpickler):
     """Unpickles values built from pickle's own types only (numbers, strings, None, bools, lists,
-    tuples, dicts): it refuses every global and persistent id, so it can construct nothing else and
-    run no code."""
+    tuples, dicts) and ``io.BytesIO``: it refuses every other global and every persistent id, so it can
+    construct nothing else and run no code."""
 
     def find_class(self, module: str, name: str) -> Any:
+        # A BytesIO is bytes and a position (its __setstate__ runs no code of the record's): a module's
+        # extra state may be one (Transformer Engine keeps its FP8 metadata so), and torch's DCP loads it.
+        if (module, name) == ("_io", "BytesIO"):
+            return io.BytesIO
+        if (module, name) == ("_codecs", "encode"):  # how protocol 2 spells bytes (a BytesIO's too)
+            return _latin1_bytes
+        if name == "bytes" and module in ("__builtin__", "builtins"):  # and empty bytes
+            return _empty_bytes
         raise _NotUnderstood(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:

@@ -86,7 +86,10 @@ def _own_names(wrapper: nn.Module, child_name: str) -> set[str]:
     names = {name for name, _ in wrapper.named_parameters(recurse=False)}
     names.update(name for name, _ in wrapper.named_buffers(recurse=False))
     names.update(name for name, _ in wrapper.named_children() if name != child_name)
-    names.add("_extra_state")
+    # The wrapper's own extra state, if its class has one; otherwise "_extra_state" is the wrapped
+    # module's (a model whose root keeps extra state, wrapped whole).
+    if type(wrapper).get_extra_state is not nn.Module.get_extra_state:
+        names.add("_extra_state")
     return names
 
 

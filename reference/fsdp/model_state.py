@@ -3,6 +3,12 @@
 Every function is collective over the model's group (every rank calls it, in the same order) except
 :func:`state_dict_layout` and :func:`to_dtensor`, which are local. Keys are canonical FQNs
 (:mod:`reference.fqn`): exactly the keys ``state_dict()`` of the unwrapped model has.
+
+A module's *extra state* (what its ``get_extra_state()`` returns, under ``<module>._extra_state``: Transformer
+Engine keeps FP8 scaling metadata there) is any picklable object, a tensor included. It is opaque: the get
+gives what ``get_extra_state()`` returned (tensors in it copied, to the CPU with ``cpu_offload``), never
+sharded; the load hands the given value to that module's ``set_extra_state()``, unchecked for shape (the
+module decides, as ``nn.Module.load_state_dict`` lets it), and under ``strict`` a missing one is a missing key.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from reference import comm
-from reference.fqn import FQNResolver
+from reference.fqn import FQNResolver, join_fqn
 from reference.fsdp.sharding import FlatParamHandle
 from reference.fsdp.unit import (
     FLAT_PARAM,
@@ -27,6 +33,7 @@ from reference.fsdp.unit import (
 )
 
 __all__ = [
+    "EXTRA_STATE",
     "full_state_dict",
     "sharded_state_dict",
     "load_full_state_dict",
@@ -34,6 +41,38 @@ __all__ = [
     "state_dict_layout",
     "to_dtensor",
 ]
+
+
+#: The last segment of the key under which ``nn.Module.state_dict`` puts ``get_extra_state()``.
+EXTRA_STATE = "_extra_state"
+
+
+def _has_extra_state(module: nn.Module) -> bool:
+    """Whether ``module`` contributes an extra-state entry (its class overrides ``get_extra_state``, the
+    test ``nn.Module.state_dict`` applies)."""
+    return type(module).get_extra_state is not nn.Module.get_extra_state
+
+
+def _extra_state_modules(model: nn.Module, resolver: FQNResolver) -> dict[str, nn.Module]:
+    """Clean FQN of every extra-state entry under ``model`` -> the module whose ``set_extra_state`` takes it."""
+    return {
+        resolver.clean_key(join_fqn(prefix, EXTRA_STATE)): module
+        for prefix, module in model.named_modules()
+        if _has_extra_state(module)
+    }
+
+
+def _copied(value: Any, *, cpu_offload: bool) -> Any:
+    """``value`` with every tensor in it (itself, or inside plain dicts, lists and tuples) detached and
+    copied, to the CPU with ``cpu_offload``; other objects as they are (an extra state may be anything)."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        return value.cpu().clone() if cpu_offload else value.clone()
+    if type(value) is dict:
+        return {k: _copied(v, cpu_offload=cpu_offload) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_copied(v, cpu_offload=cpu_offload) for v in value)
+    return value
 
 
 def _owned_handle(unit: FullyShardedDataParallel) -> FlatParamHandle:
@@ -73,7 +112,8 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu_offload: 
 
     Collective: every rank of the model's groups calls it. With ``rank0_only`` only the coordinator
     (the first rank of the model's group, :func:`model_group`) gets the values, the other ranks ``{}``;
-    with ``cpu_offload`` values are on the CPU. Values are copies, never views of the model."""
+    with ``cpu_offload`` values are on the CPU. Values are copies, never views of the model; extra state
+    is what ``get_extra_state()`` returned, its tensors copied (module docstring)."""
     keep = not rank0_only or comm.is_coordinator(model_group(model))
     names = FQNResolver(model)
     with _unsharded_params(model):
@@ -81,8 +121,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu_offload: 
         out = {}
         for key, value in raw.items():
             if keep:
-                value = value.detach()
-                out[names.clean_key(key)] = value.cpu().clone() if cpu_offload else value.clone()
+                out[names.clean_key(key)] = _copied(value, cpu_offload=cpu_offload)
     return out
 
 
@@ -165,9 +204,10 @@ def load_sharded_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, 
     load_full_state_dict(model, full, strict=strict)
 
 
-def state_dict_layout(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Clean FQN -> (shape, dtype) of every parameter entry of the full state dict, computed locally
-    (no collective), so any rank can describe a sharded model without gathering it."""
+def state_dict_layout(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype] | None]:
+    """Clean FQN -> (shape, dtype) of every entry of the full state dict, computed locally (no
+    collective), so any rank can describe a sharded model without gathering it; None for an extra-state
+    entry (opaque: any object, checked by its module's ``set_extra_state`` alone)."""
     shapes = {}
     resolver = FQNResolver(model)
     for base, unit in units(model):
@@ -175,19 +215,19 @@ def state_dict_layout(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dty
         for slot, names in zip(handle.slots, _slot_names(resolver, base, handle)):
             for name in names:
                 shapes[name] = (slot.shape, handle.flat_param.dtype)
-    out = {}
+    out: dict[str, tuple[torch.Size, torch.dtype] | None] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         name = resolver.clean_key(key)
         # Flattened parameters show as 1-D shards (or not at all) here; their real shapes are above.
         if key.split(".")[-1] == FLAT_PARAM or name in shapes:
             continue
-        out[name] = (value.shape, value.dtype)
+        out[name] = None if key.split(".")[-1] == EXTRA_STATE else (value.shape, value.dtype)
     out.update(shapes)
     return out
 
 
 def _check_state_dict(
-    model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool, expected: dict[str, tuple[torch.Size, torch.dtype]]
+    model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool, expected: dict[str, tuple[torch.Size, torch.dtype] | None]
 ) -> None:
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
@@ -197,9 +237,10 @@ def _check_state_dict(
             f"(the model expects {len(expected)} clean FQNs)"
         )
     for key, value in state_dict.items():
-        if key not in expected:
+        layout = expected.get(key)
+        if layout is None:  # not the model's, or an extra state (opaque)
             continue
-        shape, _ = expected[key]
+        shape, _ = layout
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"state dict entry {key!r}: expected a tensor, got {type(value).__name__}")
         if tuple(value.shape) != tuple(shape):
@@ -207,7 +248,7 @@ def _check_state_dict(
 
 
 def _checked_on_every_rank(
-    model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool, expected: dict[str, tuple[torch.Size, torch.dtype]]
+    model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool, expected: dict[str, tuple[torch.Size, torch.dtype] | None]
 ) -> None:
     """:func:`_check_state_dict` on every rank of the model's groups, agreed: if any rank's dict is bad,
     every rank raises that rank's error. Collective."""
@@ -220,7 +261,8 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     Every entry is checked first (missing/unexpected keys under ``strict``, shapes), on every rank: if
     any rank's dict is bad, every rank raises that error naming the key, and no model changes.
     Collective (the check's outcome is agreed on); each rank then copies its own shard.
-    A tied parameter is written from the first of its names present."""
+    A tied parameter is written from the first of its names present. An extra-state entry is handed to
+    its module's ``set_extra_state`` (module docstring), after every tensor was written."""
     expected = state_dict_layout(model)
     _checked_on_every_rank(model, state_dict, strict=strict, expected=expected)
     reshard_all(model)
@@ -239,9 +281,15 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
                 handle.local_shard[r.in_shard].copy_(source)
         # Everything else (buffers, parameters outside any unit) is plain: load it as torch would.
         rest = {k: v for k, v in state_dict.items() if k not in done}
+        extra = _extra_state_modules(model, resolver)
         for key, tensor in _plain_entries(model).items():
-            if key in rest:
+            if key in rest and key not in extra:
                 tensor.copy_(rest[key])
+        # Extra state is the module's to take: writing into the object get_extra_state() returned (a
+        # fresh tensor for most modules) would change nothing.
+        for key, module in extra.items():
+            if key in rest:
+                module.set_extra_state(rest[key])
 
 
 def _plain_entries(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -249,7 +297,7 @@ def _plain_entries(model: nn.Module) -> dict[str, torch.Tensor]:
     resolver = FQNResolver(model)
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict(keep_vars=True).items():
-        if value is None or key.split(".")[-1] == FLAT_PARAM:
+        if value is None or key.split(".")[-1] in (FLAT_PARAM, EXTRA_STATE):
             continue
         out.setdefault(resolver.clean_key(key), value)
     owners = _param_owner_units(model)

@@ -29,6 +29,7 @@ unit must also expose the sharded state (``use_orig_params``) and mix frozen and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -333,6 +334,36 @@ class FlatParamHandle:
         assert self._is_unsharded or self.shard_world == 1, "full_param_views needs the handle unsharded"
         full = self._full if self.shard_world > 1 else self.local_shard
         return [full[s.flat.as_slice()].view(s.shape).detach() for s in self.slots]
+
+    # -- conversion ----------------------------------------------------------------------------------
+
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Convert the sharded state with ``fn`` (a dtype or device change, as ``nn.Module._apply``
+        passes it): the local shard, the flat parameter and its gradients. Afterwards every tensor
+        derived from the shard is derived again, so that they keep one dtype and device: the gathered
+        buffer (re-allocated, storage freed) and each original parameter's view. The same objects stay
+        registered, so an optimizer built before keeps training them. Only while sharded; local."""
+        assert not self._is_unsharded, "apply needs the handle sharded"
+        with torch.no_grad():
+            shard = fn(self.local_shard)
+            # Invariant: the shard keeps its layout; only its dtype or device may change.
+            if shard.shape != self.local_shard.shape:
+                raise RuntimeError(f"{fn!r} changed the shape of a flat parameter's shard: {tuple(self.local_shard.shape)} -> {tuple(shard.shape)}")
+            # Gradients are taken off while the data changes dtype (a gradient must match its data).
+            grad, self.flat_param.grad = self.flat_param.grad, None
+            self.local_shard = shard
+            self.flat_param.data = shard
+            self.flat_param.grad = None if grad is None else fn(grad)
+            self._saved_grad = None if self._saved_grad is None else fn(self._saved_grad)
+            if self.shard_world == 1:
+                self._full = shard
+            else:
+                self._full = torch.empty(self._full.numel(), dtype=shard.dtype, device=shard.device)
+                self._full.untyped_storage().resize_(0)
+            for param, slot in zip(self.orig_params, self.slots):
+                param_grad, param.grad = param.grad, None
+                param.data = self.local_view(slot)
+                param.grad = None if param_grad is None else fn(param_grad)
 
     # -- unshard / reshard ---------------------------------------------------------------------------
 

@@ -240,6 +240,40 @@ class FullyShardedDataParallel(nn.Module):
         handle.post_forward()
         return output
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FullyShardedDataParallel:
+        """What ``.to()``, ``.double()``, ``.half()``, ``.bfloat16()``, ``.cpu()`` apply: to this unit's
+        sharded flat parameter and everything derived from it (the gathered buffer, the original
+        parameters' views, gradients), as torch's FSDP1 does, and to the rest of the module as usual.
+
+        ``nn.Module._apply`` alone would convert each registered parameter on its own: the flat
+        parameter's data, but not the shard the handle gathers from (the next forward would gather the
+        old dtype), or with ``use_orig_params`` each original parameter into a tensor that is no longer
+        a view of the shard (training would stop reaching the flat parameter). The unit's own
+        parameters are therefore hidden from it, and converted through the handle. Local; no collective
+        (a unit is converted on every rank, as the model is)."""
+        handle = self._handle
+        if handle is None:
+            super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # nn.Module._apply is untyped
+            return self
+        if handle.is_unsharded or handle.in_backward:
+            handle.reshard()
+        flat = self._parameters.get(FLAT_PARAM)
+        for slot in handle.slots:
+            slot.module._parameters[slot.name] = None
+        for alias in handle.aliases:
+            alias.module._parameters[alias.name] = None
+        if flat is not None:
+            self._parameters[FLAT_PARAM] = None
+        try:
+            super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        finally:
+            if flat is not None:
+                self._parameters[FLAT_PARAM] = flat
+            handle.use_sharded_params()
+        handle.apply(fn)
+        self.device = handle.local_shard.device
+        return self
+
     # -- torch-mirroring static API -----------------------------------------------------------------
 
     @staticmethod

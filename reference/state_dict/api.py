@@ -68,6 +68,11 @@ _MAX_KEYS_IN_MESSAGE = 10
 # helpers
 
 
+def _is_extra_state(fqn: str) -> bool:
+    """Whether ``fqn`` is a module's extra-state entry (its last segment, not merely a suffix of it)."""
+    return fqn.rpartition(".")[2] == _EXTRA_STATE_SUFFIX
+
+
 def _name_keys(keys: Iterable[str]) -> str:
     keys = list(keys)
     shown = ", ".join(repr(k) for k in keys[:_MAX_KEYS_IN_MESSAGE])
@@ -307,7 +312,7 @@ def _plan_model_load(
     frozen = backend.frozen_fqns(model, resolver) if options.ignore_frozen_params else set()
 
     for fqn, value in state_dict.items():
-        if not isinstance(value, torch.Tensor) and not fqn.endswith(_EXTRA_STATE_SUFFIX):
+        if not isinstance(value, torch.Tensor) and not _is_extra_state(fqn):
             raise TypeError(f"model state dict: {fqn!r} must be a tensor, got {type(value).__name__}")
 
     unexpected = [fqn for fqn in state_dict if fqn not in expected]
@@ -328,7 +333,9 @@ def _plan_model_load(
     mismatched = []
     for fqn, value in state_dict.items():
         model_key = expected.get(fqn)
-        if model_key is None or not isinstance(value, torch.Tensor):
+        # An extra state is opaque (any object, a tensor of any shape: Transformer Engine's grows once FP8
+        # is initialized); its module's set_extra_state judges it, as nn.Module.load_state_dict lets it.
+        if model_key is None or not isinstance(value, torch.Tensor) or _is_extra_state(fqn):
             continue
         want = tuple(local[model_key].shape)
         if tuple(value.shape) != want:

@@ -220,10 +220,14 @@ class ShardedBackend(PlainBackend):
         return model_state.sharded_state_dict(model)
 
     def local_state(self, model: nn.Module) -> Mapping[str, Any]:
-        # Shapes without a collective: meta tensors of each entry's full shape.
+        # Shapes without a collective: meta tensors of each entry's full shape; an extra state (opaque,
+        # layout None) stands as None, its key all a load checks.
         from reference.fsdp.model_state import state_dict_layout
 
-        return {key: torch.empty(shape, dtype=dtype, device="meta") for key, (shape, dtype) in state_dict_layout(model).items()}
+        return {
+            key: None if layout is None else torch.empty(layout[0], dtype=layout[1], device="meta")
+            for key, layout in state_dict_layout(model).items()
+        }
 
     def load_model_state_dict(self, model: nn.Module, state_dict: dict[str, Any], options: StateDictOptions) -> None:
         from reference.fsdp import model_state

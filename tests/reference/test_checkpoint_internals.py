@@ -5,6 +5,7 @@ The multi-rank behaviour is the conformance suite's job (``conformance/test_chec
 
 from __future__ import annotations
 
+import fractions
 import io
 import itertools
 import math
@@ -1038,7 +1039,7 @@ def test_a_value_torch_load_refuses_is_refused() -> None:
     from reference.checkpoint.records import read_object_record
 
     buffer = io.BytesIO()
-    torch.save(io.BytesIO(b"x"), buffer)  # any class torch does not allow
+    torch.save(fractions.Fraction(1, 3), buffer)  # any class torch does not allow
     with pytest.raises(pickle.UnpicklingError, match="[Ww]eights only|weights_only"):
         read_object_record(buffer.getvalue())
     damaged = buffer.getvalue()[:40]
@@ -1047,6 +1048,38 @@ def test_a_value_torch_load_refuses_is_refused() -> None:
     with pytest.raises(RuntimeError) as got:  # a damaged record: torch.load's own error
         read_object_record(damaged)
     assert str(got.value) == str(expected.value)
+
+
+@pytest.mark.parametrize("value", [io.BytesIO(b"\x00fp8\xff"), io.BytesIO(b""), b"\x00\x01\xfe", {"meta": io.BytesIO(b"ab"), "n": 2}])
+def test_a_bytesio_record_is_read_without_torch_load(monkeypatch: pytest.MonkeyPatch, value: Any) -> None:
+    """A BytesIO (a module's extra state, as Transformer Engine keeps it; DCP saves it with torch.save)
+    and protocol 2's spelling of bytes (``_codecs.encode(str, "latin1")``) are read by the plain
+    unpickler, as what was saved, and torch.load is not asked."""
+    from reference.checkpoint.records import read_object_record
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: pytest.fail("torch.load was asked"))
+    got = read_object_record(buffer.getvalue())
+
+    def readable(v: Any) -> Any:
+        return ("BytesIO", v.getvalue()) if isinstance(v, io.BytesIO) else {k: readable(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+    assert type(got) is type(value) and readable(got) == readable(value)
+
+
+def test_protocol_2_bytes_are_taken_in_their_own_spelling_only() -> None:
+    """``_codecs.encode`` and ``bytes()`` are how protocol 2 spells bytes; with any other codec, or
+    ``bytes`` with arguments (a size to allocate), they are refused (torch.load then decides)."""
+    from reference.checkpoint.records import _empty_bytes, _latin1_bytes
+
+    assert _latin1_bytes("\x00\xff", "latin1") == b"\x00\xff"
+    for encoding in ("zlib_codec", "utf-8", "rot13"):
+        with pytest.raises(Exception, match="_codecs.encode"):
+            _latin1_bytes("x", encoding)
+    assert _empty_bytes() == b""
+    with pytest.raises(Exception, match="bytes"):
+        _empty_bytes(10**12)
 
 
 def test_non_tensor_values_of_one_record_length_each_read_as_themselves() -> None:

@@ -134,3 +134,27 @@ def test_reference_construction_error_on_one_rank_is_raised_on_every_rank(dist, 
                        ValueError, needles=["stem.weight"], where=f"rank {dist.rank}")
     assert_same_error_on_every_rank(dist, exc, what=f"construction with a {given}")
     assert_unchanged(before, where=f"rank {dist.rank}", model=model)
+
+
+@pytest.mark.req("OS-26")
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+def test_dtype_change_keeps_parameter_objects_and_views(dist, use_orig_params: bool) -> None:
+    """After ``.double()`` every unit's registered parameters are the same objects as before (an
+    optimizer built before keeps them), in float64, and each original parameter is still a view of its
+    unit's local shard (training reaches the flat parameter), whose gathered buffer is float64 too."""
+    model = models.build("nested", device=dist.device)
+    model = FullyShardedDataParallel(model, use_orig_params=use_orig_params, auto_wrap_policy=lambda m: m is model.get_submodule("10"),
+                                     device_id=dist.device)
+    before = [id(p) for p in model.parameters()]
+    model.double()
+    assert [id(p) for p in model.parameters()] == before, "a dtype change replaced registered parameters"
+    for unit in FullyShardedDataParallel.fsdp_modules(model):
+        handle = unit.handle
+        assert handle is not None
+        shard = handle.local_shard
+        assert shard.dtype == handle.flat_param.dtype == handle._full.dtype == torch.float64
+        assert handle.flat_param.data_ptr() == shard.data_ptr()
+        start, end = shard.data_ptr(), shard.data_ptr() + shard.numel() * shard.element_size()
+        for param in handle.orig_params:
+            assert param.dtype == torch.float64
+            assert param.numel() == 0 or start <= param.data_ptr() < end, "an original parameter is no view of its shard"
