@@ -217,3 +217,26 @@ def test_the_package_declares_what_the_harness_needs() -> None:
     names = {m.lower() for m in re.findall(r'^\s*"([A-Za-z0-9_.-]+)', block.group(1), re.M)}
     for module, _ in _NEEDED_MODULES:
         assert module in names, f"{module} is needed by the harness but not a dependency in pyproject.toml: {sorted(names)}"
+
+
+@pytest.mark.req("HX-34")
+def test_the_harness_lower_bound_is_the_packages() -> None:
+    """The release the plugin refuses to start below is the lower bound ``pip`` enforces."""
+    from conformance.harness.plugin import MIN_TORCH
+
+    bound = re.search(r'"torch>=([0-9]+)\.([0-9]+)"', (REPO_ROOT / "pyproject.toml").read_text())
+    assert bound is not None, "pyproject.toml names no torch lower bound"
+    assert (int(bound.group(1)), int(bound.group(2))) == MIN_TORCH
+
+
+@pytest.mark.req("HX-34")
+def test_a_torch_below_the_lower_bound_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a torch that reports an older release than the lower bound, the run stops before any test
+    with a usage error naming the release found and the one needed."""
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", "2.7.1+cu126")
+    from conformance.harness.plugin import _check_environment
+
+    with pytest.raises(pytest.UsageError, match=r"torch 2\.7\.1\+cu126 is older than the lowest release the suite runs on \(2\.9"):
+        _check_environment()

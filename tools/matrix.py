@@ -36,7 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / ".matrix"
 DEFAULT_DOC = REPO_ROOT / "docs" / "compatibility.md"
 #: The newest patch of every minor release from ``pyproject.toml``'s lower bound to the newest here.
-RELEASES = ("2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1")
+RELEASES = ("2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1")
 DEFAULT_IMPLS = "reference,torch,torch-fsdp2"
 #: Outcomes that make a release red.
 RED = ("failed", "error")

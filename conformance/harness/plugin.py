@@ -16,6 +16,7 @@ import atexit
 import inspect
 import itertools
 import json
+import re
 import shutil
 import signal
 import tempfile
@@ -153,11 +154,23 @@ def pytest_configure(config: pytest.Config) -> None:
 _NEEDED_MODULES = (("numpy", "torch's object collectives (all_gather_object, broadcast_object_list), which the harness and torch's adapters call"),)
 
 
+#: The lowest torch release the suite and the reference run on (pyproject.toml's lower bound).
+MIN_TORCH = (2, 9)
+
+
 def _check_environment() -> None:
     """Refuse to start, naming what is missing, in an environment where every rank test would fail
     for a reason that is the environment's, not the implementation's (HX-34)."""
     import importlib
 
+    import torch
+
+    release = tuple(int(part) for part in re.findall(r"\d+", torch.__version__.split("+")[0])[:2])
+    if release < MIN_TORCH:
+        raise pytest.UsageError(
+            f"torch {torch.__version__} is older than the lowest release the suite runs on "
+            f"({'.'.join(map(str, MIN_TORCH))}; see docs/compatibility.md): its APIs lack what the suite and the reference use"
+        )
     missing = []
     for name, why in _NEEDED_MODULES:
         try:
