@@ -53,11 +53,16 @@ from conformance.asserts import (
     snapshot,
 )
 from conformance.checkpoint_support import (
+    CODE_ROUTES,
+    EXT_CODES,
+    NAME_LIES,
     assert_same_bits,
     call_or_skip,
     check_after_kill,
     checkpoint_ops,
     child_save,
+    crafted_pickle,
+    crafted_record,
     damage,
     dtensor_of,
     exact,
@@ -66,6 +71,7 @@ from conformance.checkpoint_support import (
     is_same_bits,
     peak_bytes_during,
     record_location,
+    replace_record,
     sharded_values,
     zoo_model,
 )
@@ -1307,6 +1313,97 @@ def test_successive_saves_each_hold_their_own_state(dist, impl) -> None:
     save_and_check("model-e", "model", 6.0)  # the save after a refused one
     for directory in last_saved:
         check(directory, after="every save")
+
+
+# -- ML-27 / ML-28 crafted checkpoints -----------------------------------------------------------------------------------
+
+#: The environment variable the crafted code sets (besides creating its marker file) where it runs.
+_RAN_ENV = "CONFORMANCE_CRAFTED_CODE_RAN"
+
+#: (what is crafted, the route, who reads it). ``object``: the record of the non-tensor value ``note``
+#: (asked for by every rank, or by the last only); ``tensor``: the record of the replicated tensor ``b``
+#: (every rank reads it) or of the last rank's shard of ``w`` (only that rank reads it); ``metadata``:
+#: the ``.metadata`` file itself (every rank reads it).
+_CRAFTED = (
+    [("object", route, who) for route in CODE_ROUTES + NAME_LIES for who in WHERE]
+    + [("tensor", route, who) for route in ("global", "stack-global", "ext1", "duplicate-data-pkl", "other-folder") for who in WHERE]
+    + [("metadata", route, "every-rank") for route in CODE_ROUTES]
+)
+
+
+@contextlib.contextmanager
+def _extension_for_exec(route: str) -> Any:
+    """Inside, this process's ``copyreg`` registry resolves the ``route``'s extension code (an ``ext``
+    route) to ``builtins.exec``, as a library that registers extension codes would leave it."""
+    import copyreg
+
+    code = EXT_CODES.get(route)
+    if code is None:
+        yield
+        return
+    copyreg.add_extension("builtins", "exec", code)
+    try:
+        yield
+    finally:
+        copyreg.remove_extension("builtins", "exec", code)
+
+
+@pytest.mark.req("ML-27", "ML-28")
+@pytest.mark.rank_timeout(30)
+@pytest.mark.parametrize("target, route, who", _CRAFTED, ids=[f"{t}-{r}-{w}" for t, r, w in _CRAFTED])
+def test_a_crafted_checkpoint_runs_no_code(dist, impl, target: str, route: str, who: str) -> None:
+    """A good checkpoint whose record (of a non-tensor value, or of a tensor chunk) or ``.metadata`` is
+    replaced by a crafted one that would run code (create a marker file, set an environment variable)
+    by one pickle route (a global, a global built on the stack, BUILD calling a ``__setstate__`` set
+    on an allow-listed class, a persistent id built by a call, an extension code), or a record whose
+    zip member names lie (a second ``data.pkl``, a member of another folder, a ``..`` name), read by
+    every rank or by one: the load raises the same error on every rank, naming the key (or the
+    metadata file) and the file, and for a code route the global it asked for (``builtins.exec``);
+    the code ran on no rank; no rank's state dict has a meta entry built or a non-tensor value loaded."""
+    bad_input_here(dist, who)  # skips the one-rank case at world size 1
+    ops = checkpoint_ops(impl)
+    group = group_of(dist)
+    path = dist.tmp_dir / "ckpt"
+    marker = dist.tmp_dir / "crafted-code-ran"
+    os.environ.pop(_RAN_ENV, None)
+    code = f"import os; open({str(marker)!r}, 'a').close(); os.environ[{_RAN_ENV!r}] = '1'"
+    full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(7))
+    saved_b = torch.arange(5.0)
+    ops.save({"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "b": saved_b, "step": 7, "note": "saved"}, path, process_group=group)
+    dist.barrier()
+    key = {"object": "note", "metadata": None, "tensor": "b" if who == "every-rank" else "w"}[target]
+    if dist.rank == 0:
+        if target == "metadata":
+            (path / ".metadata").write_bytes(crafted_pickle(route, code))
+            name = ".metadata"
+        else:
+            offset = (4 * (dist.world_size - 1), 0) if key == "w" else None
+            name = replace_record(path, str(key), crafted_record(route, code), offset)
+    name = dist.broadcast_object(name if dist.rank == 0 else None)
+    sd: dict[str, Any] = {"w": dtensor_of(full.to("meta"), dist.mesh(), [Shard(0)]), "b": different_like(saved_b), "step": 0}
+    if target != "object" or bad_input_here(dist, who):
+        sd["note"] = ""
+
+    def checked() -> dict[str, Any]:  # what a failed load leaves as it was (``b`` is filled in place: ML-20)
+        return {k: v for k, v in sd.items() if k != "b"}
+
+    before = snapshot(state_dict=checked())
+    with _extension_for_exec(route):
+        exc = raised(lambda: ops.load(sd, path, process_group=group))
+    ran = dist.all_gather_object((marker.exists(), os.environ.pop(_RAN_ENV, None) is not None))
+    what = f"load of a checkpoint with a crafted {target} ({route})"
+
+    def no_code_ran() -> None:
+        if any(created or set_env for created, set_env in ran):
+            fail(f"{what}: the crafted code ran", [f"rank {r}: marker file {c}, environment variable {e}" for r, (c, e) in enumerate(ran)],
+                 "nothing from the checkpoint runs", f"rank {dist.rank}")
+
+    needles = (name,) if route in NAME_LIES else (name, "builtins.exec")
+    check_each(
+        ran=no_code_ran,
+        raises=lambda: _fails_alike(dist, lambda: reraise(exc), keys=(key,) if key else (), needles=needles, what=what),
+        unchanged=lambda: assert_unchanged(before, state_dict=checked(), where=f"rank {dist.rank}"),
+    )
 
 
 # -- ML-14 / ML-15 bad checkpoints and error types ---------------------------------------------------------------------
