@@ -1834,6 +1834,10 @@ def test_a_load_failing_at_any_step_replaces_nothing(dist, impl, target: str, ca
 #: (step of the save, which occurrence) a child is killed at: its first data file opened, mid-data,
 #: its last writes and fsyncs (after data, before or during metadata), the publication.
 KILL_POINTS = (("open", 1), ("write", 1), ("write", 6), ("fsync", 1), ("open", 2), ("fsync", 2), ("rename", 1))
+#: Every write and rename of publication (ML-29), whatever the implementation names its files: a
+#: metadata file just opened for writing (truncated, if written in place), torn in the middle of a write,
+#: just renamed into place (before the old files' removal), and just after a file was removed.
+PUBLICATION_KILL_POINTS = (("open-metadata", 1), ("write-metadata", 1), ("renamed", 1), ("removed", 1))
 #: Each trial is a fresh process (a second or two): the default profile tries these, ``thorough`` all.
 QUICK_KILL_POINTS = (("write", 6), ("fsync", 1), ("open", 2), ("rename", 1))
 
@@ -1841,23 +1845,28 @@ QUICK_KILL_POINTS = (("write", 6), ("fsync", 1), ("open", 2), ("rename", 1))
 def _kill_points() -> tuple[tuple[str, int], ...]:
     from hypothesis import settings
 
-    return KILL_POINTS if settings.get_current_profile_name() == "thorough" else QUICK_KILL_POINTS
+    points = KILL_POINTS if settings.get_current_profile_name() == "thorough" else QUICK_KILL_POINTS
+    return points + PUBLICATION_KILL_POINTS
 
 
-#: (kill point, which rank) of the two-rank trials: the last rank mid-data, and after its data before the
-#: metadata; ``thorough`` adds every kill point on the last rank and on both.
-QUICK_TWO_RANK_KILLS = ((("write", 2), "1"), (("fsync", 1), "1"))
+#: (kill point, which rank) of the two-rank trials: the last rank as it opens its data file, mid-data
+#: and after its data before the metadata; the coordinator (rank 0) at every step of publication;
+#: ``thorough`` adds every kill point on each rank and on both.
+QUICK_TWO_RANK_KILLS = (
+    (("open", 1), "1"), (("write", 2), "1"), (("fsync", 1), "1"),
+    *((point, "0") for point in PUBLICATION_KILL_POINTS),
+)
 
 
 def _two_rank_kills() -> tuple[tuple[tuple[str, int], str], ...]:
     from hypothesis import settings
 
     if settings.get_current_profile_name() == "thorough":
-        return tuple((point, who) for point in KILL_POINTS for who in ("1", "all"))
+        return tuple((point, who) for point in KILL_POINTS + PUBLICATION_KILL_POINTS for who in ("0", "1", "all"))
     return QUICK_TWO_RANK_KILLS
 
 
-@pytest.mark.req("ML-13")
+@pytest.mark.req("ML-13", "ML-29")
 @pytest.mark.parametrize("kill", _kill_points(), ids=[f"{op}-{n}" for op, n in _kill_points()])
 @pytest.mark.parametrize("directory", ["fresh", "overwrite"])
 def test_a_killed_save_leaves_one_whole_checkpoint(impl: Adapter, tmp_path: Path, directory: str, kill: tuple[str, int]) -> None:
@@ -1867,7 +1876,7 @@ def test_a_killed_save_leaves_one_whole_checkpoint(impl: Adapter, tmp_path: Path
     check_after_kill(impl, tmp_path / "ckpt", directory, kill, world=1, killed="all")
 
 
-@pytest.mark.req("ML-13")
+@pytest.mark.req("ML-13", "ML-29")
 @pytest.mark.parametrize("kill, killed", _two_rank_kills(), ids=[f"{op}-{n}-rank-{who}" for (op, n), who in _two_rank_kills()])
 @pytest.mark.parametrize("directory", ["fresh", "overwrite"])
 def test_a_save_killed_on_one_rank_of_two_leaves_one_whole_checkpoint(impl: Adapter, tmp_path: Path, directory: str, kill: tuple[str, int],
