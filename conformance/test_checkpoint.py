@@ -1315,6 +1315,116 @@ def test_successive_saves_each_hold_their_own_state(dist, impl) -> None:
         check(directory, after="every save")
 
 
+#: The layout properties ML-30 changes one at a time between two saves of a job.
+_ONE_PROPERTY = ("dtype", "shape", "nesting", "rank", "chunking")
+
+
+def _one_property_state(dist: RankContext, prop: str, second: bool, step: float) -> dict[str, Any]:
+    """A job's state at ``step`` in the first layout, or (``second``) in the layout that differs from
+    it in ``prop`` alone: ``dtype``, the bias float64 instead of float32 (same shape); ``shape``, the
+    bias of 5 elements instead of 3 (same dtype); ``nesting``, the scale out of ``layers`` under a
+    top-level key of the same flat name (same tensors); ``rank``, a counter held by the last rank
+    instead of rank 0 (same key, shape and dtype); ``chunking``, the weight sharded along columns
+    instead of rows (same global shape and dtype)."""
+    changed = second
+    rows, cols = 4 * dist.world_size, 2 * dist.world_size
+    weight = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) * 0.5 + step
+    placements = [Shard(1)] if prop == "chunking" and changed else [Shard(0)]
+    bias = torch.arange(5 if prop == "shape" and changed else 3, dtype=torch.float64 if prop == "dtype" and changed else torch.float32) + step
+    layer: dict[str, Any] = {"weight": dtensor_of(weight, dist.mesh(), placements), "bias": bias}
+    sd: dict[str, Any] = {"layers": {"0": layer}, "note": f"step {step}"}
+    scale = torch.tensor([step, -step])
+    if prop == "nesting" and changed:
+        sd["layers.0.scale"] = scale
+    else:
+        layer["scale"] = scale
+    holder = dist.world_size - 1 if prop == "rank" and changed else 0
+    if prop == "rank" and dist.rank == holder:
+        sd["counter"] = torch.tensor([int(step) * 7])
+    return sd
+
+
+def _described(dist: RankContext, sd: dict[str, Any]) -> dict[str, Any]:
+    """What every rank's state dicts together say the metadata must list: flat key -> (its path in
+    the nesting, and for a tensor its dtype, global shape and the set of (offsets, sizes) chunks the
+    ranks hold; ``bytes`` for a non-tensor value)."""
+    mine: dict[str, Any] = {}
+
+    def walk(value: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, path + (key,))
+            return
+        flat = ".".join(map(str, path))
+        if isinstance(value, DTensor):
+            mesh = value.device_mesh
+            piece, offsets = expected_local_chunk(torch.empty(value.shape, device="meta"), value.placements, tuple(mesh.shape),
+                                                  tuple(mesh.get_coordinate()))
+            mine[flat] = (path, str(value.dtype), tuple(value.shape), ((tuple(offsets), tuple(piece.shape)),))
+        elif isinstance(value, torch.Tensor):
+            mine[flat] = (path, str(value.dtype), tuple(value.shape), (((0,) * value.dim(), tuple(value.shape)),))
+        else:
+            mine[flat] = (path, "bytes")
+
+    walk(sd, ())
+    described: dict[str, Any] = {}
+    for rank_items in dist.all_gather_object(mine):
+        for flat, entry in rank_items.items():
+            if flat in described and entry[1] != "bytes":
+                entry = entry[:3] + (tuple(sorted(set(described[flat][3]) | set(entry[3]))),)
+            described[flat] = entry
+    return described
+
+
+def _listed(path: Path) -> dict[str, Any]:
+    """What the checkpoint's metadata lists, in the shape of :func:`_described`."""
+    metadata = read_metadata(path)
+    listed: dict[str, Any] = {}
+    for flat, entry in metadata.state_dict_metadata.items():
+        nesting = tuple((metadata.planner_data or {}).get(flat, ()))
+        if hasattr(entry, "chunks"):
+            chunks = tuple(sorted({(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks}))
+            listed[flat] = (nesting, str(entry.properties.dtype), tuple(entry.size), chunks)
+        else:
+            listed[flat] = (nesting, "bytes")
+    return listed
+
+
+@pytest.mark.req("ML-26", "ML-30")
+@pytest.mark.rank_timeout(60)
+@pytest.mark.parametrize("prop", _ONE_PROPERTY)
+def test_a_save_that_changes_one_property_of_its_layout_holds_its_own(dist, impl, prop: str) -> None:
+    """Two saves of a job whose layouts differ in one property only (see :func:`_one_property_state`),
+    then the first layout again: after each save its metadata lists exactly that save's keys, paths,
+    dtypes, global shapes and chunks (as every rank's state dict describes them), and it loads back
+    strictly into a target of its own layout with its own values, bit for bit on every rank; each
+    earlier checkpoint still does. A plan cache whose key ignores the changed property (the dtypes,
+    say: ML-26's own case changes shape and dtype together) reuses the earlier save's metadata here."""
+    if prop in ("rank", "chunking") and dist.world_size == 1:
+        pytest.skip(f"at world size 1 there is no other rank to move a {prop!r} to")
+    ops = checkpoint_ops(impl)
+    group = group_of(dist)
+    saves: list[tuple[str, bool, float]] = []
+
+    def check(directory: str, second: bool, step: float, *, after: str) -> None:
+        path = dist.tmp_dir / directory
+        described, listed = _described(dist, _one_property_state(dist, prop, second, step)), _listed(path)
+        if listed != described:
+            differ = sorted(k for k in described.keys() | listed.keys() if described.get(k) != listed.get(k))
+            fail(f"the metadata of {directory} after {after}", {k: listed.get(k) for k in differ},
+                 {k: described.get(k) for k in differ}, f"{prop} changed, rank {dist.rank} of {dist.world_size}")
+        target = _one_property_state(dist, prop, second, -100.0 - step)
+        call_or_skip(lambda: ops.load(target, path, process_group=group))
+        assert_same_bits(target, _one_property_state(dist, prop, second, step), what=f"{directory} (step {step}) loaded after {after}")
+
+    for directory, second, step in (("first", False, 1.0), ("second", True, 2.0), ("first-again", False, 3.0)):
+        ops.save(_one_property_state(dist, prop, second, step), dist.tmp_dir / directory, process_group=group)
+        saves.append((directory, second, step))
+        check(directory, second, step, after="its save")
+    for directory, second, step in saves:
+        check(directory, second, step, after="every save")
+
+
 # -- ML-27 / ML-28 crafted checkpoints -----------------------------------------------------------------------------------
 
 #: The environment variable the crafted code sets (besides creating its marker file) where it runs.
