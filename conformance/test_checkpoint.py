@@ -32,6 +32,7 @@ from typing import Any, TypedDict
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conformance import models
@@ -1358,8 +1359,10 @@ def _described(dist: RankContext, sd: dict[str, Any]) -> dict[str, Any]:
         flat = ".".join(map(str, path))
         if isinstance(value, DTensor):
             mesh = value.device_mesh
+            coordinate = mesh.get_coordinate()
+            assert coordinate is not None  # every rank of the pool is in the mesh
             piece, offsets = expected_local_chunk(torch.empty(value.shape, device="meta"), value.placements, tuple(mesh.shape),
-                                                  tuple(mesh.get_coordinate()))
+                                                  tuple(coordinate))
             mine[flat] = (path, str(value.dtype), tuple(value.shape), ((tuple(offsets), tuple(piece.shape)),))
         elif isinstance(value, torch.Tensor):
             mine[flat] = (path, str(value.dtype), tuple(value.shape), (((0,) * value.dim(), tuple(value.shape)),))
@@ -1382,7 +1385,7 @@ def _listed(path: Path) -> dict[str, Any]:
     listed: dict[str, Any] = {}
     for flat, entry in metadata.state_dict_metadata.items():
         nesting = tuple((metadata.planner_data or {}).get(flat, ()))
-        if hasattr(entry, "chunks"):
+        if isinstance(entry, TensorStorageMetadata):
             chunks = tuple(sorted({(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks}))
             listed[flat] = (nesting, str(entry.properties.dtype), tuple(entry.size), chunks)
         else:

@@ -35,7 +35,7 @@ class Defect:
     test_file: str = "conformance/test_async_save.py"  #: relative to the checkout
 
 
-DEFECTS = (
+DEFECTS: tuple[Defect, ...] = (
     Defect(
         "buffer-reused-while-written", "Megatron-LM PR #2288",
         "reference/checkpoint/async_save.py",
