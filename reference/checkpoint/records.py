@@ -13,6 +13,13 @@ record), where the raw bytes start and how they are laid out, and :func:`read_re
 not understood, a big-endian file, a strided region) falls back to ``torch.load(weights_only=True)``
 or to one temporary of the record's size: slower, never wrong. ``data.pkl`` is parsed by an
 allow-list unpickler that accepts only the tensor-rebuild call, so reading never runs code from the file.
+
+What a record may ask for (SPEC ML-27, ML-28): the globals ``torch.load(weights_only=True)`` allows, and
+nothing wider: the fast paths allow less (a non-tensor value of pickle's own types, a tensor's rebuild
+call), and everything else goes to ``torch.load(weights_only=True)``, whose refusal is reported with
+the globals the record asked for (:func:`asked_globals`). A record whose zip member names are
+ambiguous (a second ``data.pkl``, another folder, a ``..`` name) is refused before either reads it:
+two readers would read different members of it.
 """
 
 from __future__ import annotations
