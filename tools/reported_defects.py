@@ -179,6 +179,13 @@ _CHECKPOINT_LOADING = (
         "    return _digest(([row[:6] + row[7:] for row in rows], list(paths.items())))\n",
         "one_property", test_file="conformance/test_checkpoint.py",
     ),
+    Defect(
+        "lying-member-names-resolved", "promptfoo/modelaudit PR #1408, protectai/modelscan #354",
+        "reference/checkpoint/records.py",
+        '        if not short or top != folder or short in members or any(part in ("", ".", "..") for part in short.split("/")) or "\\\\" in name:\n',
+        "        if False:  # member names trusted: the last member of a name wins\n",
+        "crafted and (duplicate or dot)", test_file="conformance/test_checkpoint.py",
+    ),
 )
 DEFECTS = DEFECTS + _CHECKPOINT_LOADING
 
