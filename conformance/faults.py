@@ -252,9 +252,19 @@ def unreadable_bytes(directory: Path, regions: dict[str, list[tuple[int, int]]],
         yield
 
 
-#: The steps of a save a child can be killed at: a file opened for writing below the checkpoint
-#: directory, a write to one, an fsync, a rename (the publication of metadata).
-KILL_OPS = ("open", "write", "fsync", "rename")
+#: The steps of a save a child can be killed at. Before the op: a file opened for writing below the
+#: checkpoint directory, a write to one, an fsync, a rename into it. The steps of publication, after
+#: the op (whatever an implementation names its files, its metadata's start with ``.metadata``):
+#: ``open-metadata``, right after a metadata file (final or temporary) was opened for writing (created
+#: or truncated, nothing written); ``write-metadata``, in the middle of a write to one (the first half
+#: of the bytes written and flushed to the OS, the rest never); ``renamed``, right after a rename into
+#: the directory; ``removed``, right after a file of the directory was removed (``os.unlink``,
+#: ``os.remove``, ``Path.unlink``): the old files' removal after publication, or a removal before it.
+KILL_OPS = ("open", "write", "fsync", "rename", "open-metadata", "write-metadata", "renamed", "removed")
+
+
+def _is_metadata(path: Path | None) -> bool:
+    return path is not None and path.name.startswith(".metadata")
 
 
 def kill_at(directory: Path, op: str, nth: int) -> None:
@@ -264,27 +274,45 @@ def kill_at(directory: Path, op: str, nth: int) -> None:
         raise ValueError(f"kill_at: op must be one of {KILL_OPS}, got {op!r}")
     seen = [0]
 
-    def hit() -> None:
+    def hit(before: Callable[[], Any] | None = None) -> None:
         seen[0] += 1
         if seen[0] == nth:
+            if before is not None:
+                before()
             os.kill(os.getpid(), signal.SIGKILL)
 
-    real_open, real_io_open, real_fsync, real_replace, real_rename = builtins.open, io.open, os.fsync, os.replace, os.rename
+    real_open, real_io_open, real_fsync = builtins.open, io.open, os.fsync
+    real_replace, real_rename, real_unlink, real_remove = os.replace, os.rename, os.unlink, os.remove
 
     class _Counted(_FileProxy):
+        def __init__(self, raw: Any, metadata: bool) -> None:
+            super().__init__(raw)
+            self._metadata = metadata
+
         def write(self, data: Any) -> int:
             if op == "write":
                 hit()
+            if op == "write-metadata" and self._metadata:
+                hit(before=lambda: self._torn(data))
             written: int = self._raw.write(data)
             return written
 
+        def _torn(self, data: Any) -> None:
+            """Half of ``data`` written and flushed to the OS: what a kill in the middle of the write leaves."""
+            view = memoryview(data).cast("B")
+            self._raw.write(view[: len(view) // 2])
+            self._raw.flush()
+
     def patched(real: Callable[..., Any]) -> Callable[..., Any]:
         def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-            inside = _under(directory, file) is not None and _writing(mode)
+            path = _under(directory, file)
+            inside = path is not None and _writing(mode)
             if inside and op == "open":
                 hit()
             handle = real(file, mode, *args, **kwargs)
-            return _Counted(handle) if inside else handle
+            if inside and op == "open-metadata" and _is_metadata(path):
+                hit()
+            return _Counted(handle, _is_metadata(path)) if inside else handle
 
         return open_
 
@@ -295,17 +323,33 @@ def kill_at(directory: Path, op: str, nth: int) -> None:
 
     def rename(real: Callable[..., Any]) -> Callable[..., Any]:
         def move(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
-            if op == "rename" and _under(directory, dst) is not None:
+            inside = _under(directory, dst) is not None
+            if op == "rename" and inside:
                 hit()
-            return real(src, dst, *args, **kwargs)
+            moved = real(src, dst, *args, **kwargs)
+            if op == "renamed" and inside:
+                hit()
+            return moved
 
         return move
+
+    def remove(real: Callable[..., Any]) -> Callable[..., Any]:
+        def unlink(path: Any, *args: Any, **kwargs: Any) -> Any:
+            inside = _under(directory, path) is not None
+            removed = real(path, *args, **kwargs)
+            if op == "removed" and inside:
+                hit()
+            return removed
+
+        return unlink
 
     builtins.open = patched(real_open)
     io.open = patched(real_io_open)
     os.fsync = fsync
     os.replace = rename(real_replace)
     os.rename = rename(real_rename)
+    os.unlink = remove(real_unlink)
+    os.remove = remove(real_remove)
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ from typing import Any, TypedDict
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conformance import models
@@ -53,11 +54,16 @@ from conformance.asserts import (
     snapshot,
 )
 from conformance.checkpoint_support import (
+    CODE_ROUTES,
+    EXT_CODES,
+    NAME_LIES,
     assert_same_bits,
     call_or_skip,
     check_after_kill,
     checkpoint_ops,
     child_save,
+    crafted_pickle,
+    crafted_record,
     damage,
     dtensor_of,
     exact,
@@ -66,6 +72,7 @@ from conformance.checkpoint_support import (
     is_same_bits,
     peak_bytes_during,
     record_location,
+    replace_record,
     sharded_values,
     zoo_model,
 )
@@ -1309,6 +1316,209 @@ def test_successive_saves_each_hold_their_own_state(dist, impl) -> None:
         check(directory, after="every save")
 
 
+#: The layout properties ML-30 changes one at a time between two saves of a job.
+_ONE_PROPERTY = ("dtype", "shape", "nesting", "rank", "chunking")
+
+
+def _one_property_state(dist: RankContext, prop: str, second: bool, step: float) -> dict[str, Any]:
+    """A job's state at ``step`` in the first layout, or (``second``) in the layout that differs from
+    it in ``prop`` alone: ``dtype``, the bias float64 instead of float32 (same shape); ``shape``, the
+    bias of 5 elements instead of 3 (same dtype); ``nesting``, the scale out of ``layers`` under a
+    top-level key of the same flat name (same tensors); ``rank``, a counter held by the last rank
+    instead of rank 0 (same key, shape and dtype); ``chunking``, the weight sharded along columns
+    instead of rows (same global shape and dtype)."""
+    changed = second
+    rows, cols = 4 * dist.world_size, 2 * dist.world_size
+    weight = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) * 0.5 + step
+    placements = [Shard(1)] if prop == "chunking" and changed else [Shard(0)]
+    bias = torch.arange(5 if prop == "shape" and changed else 3, dtype=torch.float64 if prop == "dtype" and changed else torch.float32) + step
+    layer: dict[str, Any] = {"weight": dtensor_of(weight, dist.mesh(), placements), "bias": bias}
+    sd: dict[str, Any] = {"layers": {"0": layer}, "note": f"step {step}"}
+    scale = torch.tensor([step, -step])
+    if prop == "nesting" and changed:
+        sd["layers.0.scale"] = scale
+    else:
+        layer["scale"] = scale
+    holder = dist.world_size - 1 if prop == "rank" and changed else 0
+    if prop == "rank" and dist.rank == holder:
+        sd["counter"] = torch.tensor([int(step) * 7])
+    return sd
+
+
+def _described(dist: RankContext, sd: dict[str, Any]) -> dict[str, Any]:
+    """What every rank's state dicts together say the metadata must list: flat key -> (its path in
+    the nesting, and for a tensor its dtype, global shape and the set of (offsets, sizes) chunks the
+    ranks hold; ``bytes`` for a non-tensor value)."""
+    mine: dict[str, Any] = {}
+
+    def walk(value: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, path + (key,))
+            return
+        flat = ".".join(map(str, path))
+        if isinstance(value, DTensor):
+            mesh = value.device_mesh
+            coordinate = mesh.get_coordinate()
+            assert coordinate is not None  # every rank of the pool is in the mesh
+            piece, offsets = expected_local_chunk(torch.empty(value.shape, device="meta"), value.placements, tuple(mesh.shape),
+                                                  tuple(coordinate))
+            mine[flat] = (path, str(value.dtype), tuple(value.shape), ((tuple(offsets), tuple(piece.shape)),))
+        elif isinstance(value, torch.Tensor):
+            mine[flat] = (path, str(value.dtype), tuple(value.shape), (((0,) * value.dim(), tuple(value.shape)),))
+        else:
+            mine[flat] = (path, "bytes")
+
+    walk(sd, ())
+    described: dict[str, Any] = {}
+    for rank_items in dist.all_gather_object(mine):
+        for flat, entry in rank_items.items():
+            if flat in described and entry[1] != "bytes":
+                entry = entry[:3] + (tuple(sorted(set(described[flat][3]) | set(entry[3]))),)
+            described[flat] = entry
+    return described
+
+
+def _listed(path: Path) -> dict[str, Any]:
+    """What the checkpoint's metadata lists, in the shape of :func:`_described`."""
+    metadata = read_metadata(path)
+    listed: dict[str, Any] = {}
+    for flat, entry in metadata.state_dict_metadata.items():
+        nesting = tuple((metadata.planner_data or {}).get(flat, ()))
+        if isinstance(entry, TensorStorageMetadata):
+            chunks = tuple(sorted({(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks}))
+            listed[flat] = (nesting, str(entry.properties.dtype), tuple(entry.size), chunks)
+        else:
+            listed[flat] = (nesting, "bytes")
+    return listed
+
+
+@pytest.mark.req("ML-26", "ML-30")
+@pytest.mark.rank_timeout(60)
+@pytest.mark.parametrize("prop", _ONE_PROPERTY)
+def test_a_save_that_changes_one_property_of_its_layout_holds_its_own(dist, impl, prop: str) -> None:
+    """Two saves of a job whose layouts differ in one property only (see :func:`_one_property_state`),
+    then the first layout again: after each save its metadata lists exactly that save's keys, paths,
+    dtypes, global shapes and chunks (as every rank's state dict describes them), and it loads back
+    strictly into a target of its own layout with its own values, bit for bit on every rank; each
+    earlier checkpoint still does. A plan cache whose key ignores the changed property (the dtypes,
+    say: ML-26's own case changes shape and dtype together) reuses the earlier save's metadata here."""
+    if prop in ("rank", "chunking") and dist.world_size == 1:
+        pytest.skip(f"at world size 1 there is no other rank to move a {prop!r} to")
+    ops = checkpoint_ops(impl)
+    group = group_of(dist)
+    saves: list[tuple[str, bool, float]] = []
+
+    def check(directory: str, second: bool, step: float, *, after: str) -> None:
+        path = dist.tmp_dir / directory
+        described, listed = _described(dist, _one_property_state(dist, prop, second, step)), _listed(path)
+        if listed != described:
+            differ = sorted(k for k in described.keys() | listed.keys() if described.get(k) != listed.get(k))
+            fail(f"the metadata of {directory} after {after}", {k: listed.get(k) for k in differ},
+                 {k: described.get(k) for k in differ}, f"{prop} changed, rank {dist.rank} of {dist.world_size}")
+        target = _one_property_state(dist, prop, second, -100.0 - step)
+        call_or_skip(lambda: ops.load(target, path, process_group=group))
+        assert_same_bits(target, _one_property_state(dist, prop, second, step), what=f"{directory} (step {step}) loaded after {after}")
+
+    for directory, second, step in (("first", False, 1.0), ("second", True, 2.0), ("first-again", False, 3.0)):
+        ops.save(_one_property_state(dist, prop, second, step), dist.tmp_dir / directory, process_group=group)
+        saves.append((directory, second, step))
+        check(directory, second, step, after="its save")
+    for directory, second, step in saves:
+        check(directory, second, step, after="every save")
+
+
+# -- ML-27 / ML-28 crafted checkpoints -----------------------------------------------------------------------------------
+
+#: The environment variable the crafted code sets (besides creating its marker file) where it runs.
+_RAN_ENV = "CONFORMANCE_CRAFTED_CODE_RAN"
+
+#: (what is crafted, the route, who reads it). ``object``: the record of the non-tensor value ``note``
+#: (asked for by every rank, or by the last only); ``tensor``: the record of the replicated tensor ``b``
+#: (every rank reads it) or of the last rank's shard of ``w`` (only that rank reads it); ``metadata``:
+#: the ``.metadata`` file itself (every rank reads it).
+_CRAFTED = (
+    [("object", route, who) for route in CODE_ROUTES + NAME_LIES for who in WHERE]
+    + [("tensor", route, who) for route in ("global", "stack-global", "ext1", "duplicate-data-pkl", "other-folder") for who in WHERE]
+    + [("metadata", route, "every-rank") for route in CODE_ROUTES]
+)
+
+
+@contextlib.contextmanager
+def _extension_for_exec(route: str) -> Any:
+    """Inside, this process's ``copyreg`` registry resolves the ``route``'s extension code (an ``ext``
+    route) to ``builtins.exec``, as a library that registers extension codes would leave it."""
+    import copyreg
+
+    code = EXT_CODES.get(route)
+    if code is None:
+        yield
+        return
+    copyreg.add_extension("builtins", "exec", code)
+    try:
+        yield
+    finally:
+        copyreg.remove_extension("builtins", "exec", code)
+
+
+@pytest.mark.req("ML-27", "ML-28")
+@pytest.mark.rank_timeout(30)
+@pytest.mark.parametrize("target, route, who", _CRAFTED, ids=[f"{t}-{r}-{w}" for t, r, w in _CRAFTED])
+def test_a_crafted_checkpoint_runs_no_code(dist, impl, target: str, route: str, who: str) -> None:
+    """A good checkpoint whose record (of a non-tensor value, or of a tensor chunk) or ``.metadata`` is
+    replaced by a crafted one that would run code (create a marker file, set an environment variable)
+    by one pickle route (a global, a global built on the stack, BUILD calling a ``__setstate__`` set
+    on an allow-listed class, a persistent id built by a call, an extension code), or a record whose
+    zip member names lie (a second ``data.pkl``, a member of another folder, a ``..`` name), read by
+    every rank or by one: the load raises the same error on every rank, naming the key (or the
+    metadata file) and the file, and for a code route the global it asked for (``builtins.exec``);
+    the code ran on no rank; no rank's state dict has a meta entry built or a non-tensor value loaded."""
+    bad_input_here(dist, who)  # skips the one-rank case at world size 1
+    ops = checkpoint_ops(impl)
+    group = group_of(dist)
+    path = dist.tmp_dir / "ckpt"
+    marker = dist.tmp_dir / "crafted-code-ran"
+    os.environ.pop(_RAN_ENV, None)
+    code = f"import os; open({str(marker)!r}, 'a').close(); os.environ[{_RAN_ENV!r}] = '1'"
+    full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(7))
+    saved_b = torch.arange(5.0)
+    ops.save({"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "b": saved_b, "step": 7, "note": "saved"}, path, process_group=group)
+    dist.barrier()
+    key = {"object": "note", "metadata": None, "tensor": "b" if who == "every-rank" else "w"}[target]
+    if dist.rank == 0:
+        if target == "metadata":
+            (path / ".metadata").write_bytes(crafted_pickle(route, code))
+            name = ".metadata"
+        else:
+            offset = (4 * (dist.world_size - 1), 0) if key == "w" else None
+            name = replace_record(path, str(key), crafted_record(route, code), offset)
+    name = dist.broadcast_object(name if dist.rank == 0 else None)
+    sd: dict[str, Any] = {"w": dtensor_of(full.to("meta"), dist.mesh(), [Shard(0)]), "b": different_like(saved_b), "step": 0}
+    if target != "object" or bad_input_here(dist, who):
+        sd["note"] = ""
+
+    def checked() -> dict[str, Any]:  # what a failed load leaves as it was (``b`` is filled in place: ML-20)
+        return {k: v for k, v in sd.items() if k != "b"}
+
+    before = snapshot(state_dict=checked())
+    with _extension_for_exec(route):
+        exc = raised(lambda: ops.load(sd, path, process_group=group))
+    ran = dist.all_gather_object((marker.exists(), os.environ.pop(_RAN_ENV, None) is not None))
+    what = f"load of a checkpoint with a crafted {target} ({route})"
+
+    def no_code_ran() -> None:
+        if any(created or set_env for created, set_env in ran):
+            fail(f"{what}: the crafted code ran", [f"rank {r}: marker file {c}, environment variable {e}" for r, (c, e) in enumerate(ran)],
+                 "nothing from the checkpoint runs", f"rank {dist.rank}")
+
+    needles = (name,) if route in NAME_LIES else (name, "builtins.exec")
+    check_each(
+        ran=no_code_ran,
+        raises=lambda: _fails_alike(dist, lambda: reraise(exc), keys=(key,) if key else (), needles=needles, what=what),
+        unchanged=lambda: assert_unchanged(before, state_dict=checked(), where=f"rank {dist.rank}"),
+    )
+
+
 # -- ML-14 / ML-15 bad checkpoints and error types ---------------------------------------------------------------------
 
 
@@ -1737,6 +1947,10 @@ def test_a_load_failing_at_any_step_replaces_nothing(dist, impl, target: str, ca
 #: (step of the save, which occurrence) a child is killed at: its first data file opened, mid-data,
 #: its last writes and fsyncs (after data, before or during metadata), the publication.
 KILL_POINTS = (("open", 1), ("write", 1), ("write", 6), ("fsync", 1), ("open", 2), ("fsync", 2), ("rename", 1))
+#: Every write and rename of publication (ML-29), whatever the implementation names its files: a
+#: metadata file just opened for writing (truncated, if written in place), torn in the middle of a write,
+#: just renamed into place (before the old files' removal), and just after a file was removed.
+PUBLICATION_KILL_POINTS = (("open-metadata", 1), ("write-metadata", 1), ("renamed", 1), ("removed", 1))
 #: Each trial is a fresh process (a second or two): the default profile tries these, ``thorough`` all.
 QUICK_KILL_POINTS = (("write", 6), ("fsync", 1), ("open", 2), ("rename", 1))
 
@@ -1744,23 +1958,28 @@ QUICK_KILL_POINTS = (("write", 6), ("fsync", 1), ("open", 2), ("rename", 1))
 def _kill_points() -> tuple[tuple[str, int], ...]:
     from hypothesis import settings
 
-    return KILL_POINTS if settings.get_current_profile_name() == "thorough" else QUICK_KILL_POINTS
+    points = KILL_POINTS if settings.get_current_profile_name() == "thorough" else QUICK_KILL_POINTS
+    return points + PUBLICATION_KILL_POINTS
 
 
-#: (kill point, which rank) of the two-rank trials: the last rank mid-data, and after its data before the
-#: metadata; ``thorough`` adds every kill point on the last rank and on both.
-QUICK_TWO_RANK_KILLS = ((("write", 2), "1"), (("fsync", 1), "1"))
+#: (kill point, which rank) of the two-rank trials: the last rank as it opens its data file, mid-data
+#: and after its data before the metadata; the coordinator (rank 0) at every step of publication;
+#: ``thorough`` adds every kill point on each rank and on both.
+QUICK_TWO_RANK_KILLS = (
+    (("open", 1), "1"), (("write", 2), "1"), (("fsync", 1), "1"),
+    *((point, "0") for point in PUBLICATION_KILL_POINTS),
+)
 
 
 def _two_rank_kills() -> tuple[tuple[tuple[str, int], str], ...]:
     from hypothesis import settings
 
     if settings.get_current_profile_name() == "thorough":
-        return tuple((point, who) for point in KILL_POINTS for who in ("1", "all"))
+        return tuple((point, who) for point in KILL_POINTS + PUBLICATION_KILL_POINTS for who in ("0", "1", "all"))
     return QUICK_TWO_RANK_KILLS
 
 
-@pytest.mark.req("ML-13")
+@pytest.mark.req("ML-13", "ML-29")
 @pytest.mark.parametrize("kill", _kill_points(), ids=[f"{op}-{n}" for op, n in _kill_points()])
 @pytest.mark.parametrize("directory", ["fresh", "overwrite"])
 def test_a_killed_save_leaves_one_whole_checkpoint(impl: Adapter, tmp_path: Path, directory: str, kill: tuple[str, int]) -> None:
@@ -1770,7 +1989,7 @@ def test_a_killed_save_leaves_one_whole_checkpoint(impl: Adapter, tmp_path: Path
     check_after_kill(impl, tmp_path / "ckpt", directory, kill, world=1, killed="all")
 
 
-@pytest.mark.req("ML-13")
+@pytest.mark.req("ML-13", "ML-29")
 @pytest.mark.parametrize("kill, killed", _two_rank_kills(), ids=[f"{op}-{n}-rank-{who}" for (op, n), who in _two_rank_kills()])
 @pytest.mark.parametrize("directory", ["fresh", "overwrite"])
 def test_a_save_killed_on_one_rank_of_two_leaves_one_whole_checkpoint(impl: Adapter, tmp_path: Path, directory: str, kill: tuple[str, int],

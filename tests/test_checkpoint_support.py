@@ -6,13 +6,25 @@ from __future__ import annotations
 import math
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from conformance.adapters.base import Unsupported
-from conformance.checkpoint_support import assert_same_bits, call_or_skip, exact, record_location
+from conformance.checkpoint_support import (
+    CODE_ROUTES,
+    EXT_CODES,
+    NAME_LIES,
+    assert_same_bits,
+    call_or_skip,
+    crafted_pickle,
+    crafted_record,
+    exact,
+    record_location,
+    replace_record,
+)
 from conformance.dcp_files import read_metadata, storage_bytes_range
 
 
@@ -70,3 +82,57 @@ def test_a_damaged_record_is_refused(tmp_path: Path) -> None:
     (tmp_path / name).write_bytes(bytes(data))
     with open(tmp_path / name, "rb") as file, pytest.raises(ValueError, match="not a torch.save archive"):
         storage_bytes_range(file, offset, length)
+
+
+# -- crafted checkpoints: the payloads are real, and torch's weights-only loader refuses each --------------------------
+
+
+@pytest.mark.parametrize("route", CODE_ROUTES)
+def test_each_crafted_pickle_runs_its_code_under_a_plain_unpickler(route: str, tmp_path: Path) -> None:
+    """Without the allow-list the crafted pickle of every route does run its code (so a loader that
+    lets the route through fails ML-27), and ``torch.load(weights_only=True)`` refuses its record."""
+    import copyreg
+    import io
+    import pickle
+
+    marker = tmp_path / "ran"
+    code = f"open({str(marker)!r}, 'a').close()"
+    if route in EXT_CODES:
+        copyreg.add_extension("builtins", "exec", EXT_CODES[route])
+    try:
+        with pytest.raises(pickle.UnpicklingError):
+            torch.load(io.BytesIO(crafted_record(route, code)), weights_only=True)
+        assert not marker.exists()
+        try:
+            pickle.loads(crafted_pickle(route, code))
+        except Exception:  # the persistent id route: no persistent_load after the call ran
+            pass
+    finally:
+        if route in EXT_CODES:
+            copyreg.remove_extension("builtins", "exec", EXT_CODES[route])
+    assert marker.exists(), f"the {route} payload ran nothing"
+
+
+@pytest.mark.parametrize("route", NAME_LIES)
+def test_a_record_with_lying_names_holds_the_lie_beside_a_harmless_data_pkl(route: str) -> None:
+    import io
+    import zipfile
+
+    names = [info.filename for info in zipfile.ZipFile(io.BytesIO(crafted_record(route, "pass"))).infolist()]
+    lie = {"duplicate-data-pkl": "archive/data.pkl", "other-folder": "other/data.pkl", "dot-dot": "archive/../data.pkl"}[route]
+    assert names[-1] == lie and "archive/data.pkl" in names[:-1]
+
+
+def test_replace_record_points_the_metadata_at_the_new_record(tmp_path: Path) -> None:
+    import io
+
+    dcp.save({"note": "saved", "w": torch.ones(3)}, checkpoint_id=tmp_path, no_dist=True)
+    buffer = io.BytesIO()
+    torch.save("replaced", buffer)
+    name = replace_record(tmp_path, "note", buffer.getvalue())
+    file, offset, length = record_location(tmp_path, "note")
+    assert file == name and length == len(buffer.getvalue())
+    assert (tmp_path / file).read_bytes()[offset:offset + length] == buffer.getvalue()
+    target: dict[str, Any] = {"note": "", "w": torch.zeros(3)}
+    dcp.load(target, checkpoint_id=tmp_path, no_dist=True)
+    assert target["note"] == "replaced" and torch.equal(target["w"], torch.ones(3))

@@ -56,3 +56,40 @@ def test_outside_the_context_everything_reads(tmp_path: Path) -> None:
         pass
     assert builtins.open is real_open and io.open is real_io_open
     assert len((directory / "__0_0.distcp").read_bytes()) == 1024
+
+
+# -- kill_at: the steps of publication ----------------------------------------------------------------------------------
+
+_PUBLICATION = """
+import os, sys
+from pathlib import Path
+from conformance.faults import kill_at
+d = Path(sys.argv[1]); op = sys.argv[2]
+(d / "__old.distcp").write_bytes(b"old")
+kill_at(d, op, 1)
+with open(d / ".metadata.tmp", "wb") as f:
+    f.write(b"0123456789")
+os.replace(d / ".metadata.tmp", d / ".metadata")
+os.unlink(d / "__old.distcp")
+(d / "done").write_bytes(b"")
+"""
+
+
+@pytest.mark.parametrize(("op", "left"), [
+    ("open-metadata", {"__old.distcp": b"old", ".metadata.tmp": b""}),
+    ("write-metadata", {"__old.distcp": b"old", ".metadata.tmp": b"01234"}),
+    ("renamed", {"__old.distcp": b"old", ".metadata": b"0123456789"}),
+    ("removed", {".metadata": b"0123456789"}),
+])
+def test_a_kill_at_a_step_of_publication_leaves_what_that_step_left(op: str, left: dict[str, bytes], tmp_path: Path) -> None:
+    """The child is killed right after the metadata file is opened, in the middle of its write (half
+    of it written), right after the rename, right after the removal: exactly that is on disk."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    done = subprocess.run([sys.executable, "-c", _PUBLICATION, str(tmp_path), op], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == -9, done.stderr
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == left

@@ -169,6 +169,54 @@ _MODULE_STATE = (
 )
 DEFECTS = DEFECTS + _MODULE_STATE
 
+#: Loading and publication of checkpoints (ML-27, ML-29, ML-30): a wider allow-list than torch's for
+#: records and for the metadata, a metadata written in place, a plan-cache key blind to dtypes.
+_CHECKPOINT_LOADING = (
+    Defect(
+        "builtins-in-the-record-allow-list", "google/orbax PR #3014, pytorch/pytorch#189308",
+        "reference/checkpoint/records.py",
+        '        if (module, name) == ("_io", "BytesIO"):\n            return io.BytesIO\n',
+        '        if module == "builtins" and name != "bytes":  # any builtins global: wider than torch.load(weights_only=True)\n'
+        '            import builtins\n'
+        '            return getattr(builtins, name)\n'
+        '        if (module, name) == ("_io", "BytesIO"):\n            return io.BytesIO\n',
+        "crafted and object", test_file="conformance/test_checkpoint.py",
+    ),
+    Defect(
+        "builtins-in-the-metadata-allow-list", "pytorch/pytorch#189308, PR #191326",
+        "reference/checkpoint/metadata_io.py",
+        "        allowed = _ALLOWED.get((module, name))\n        if allowed is not None:\n            return allowed\n",
+        "        allowed = _ALLOWED.get((module, name))\n        if allowed is not None:\n            return allowed\n"
+        "        if module == \"builtins\":  # any builtins global\n"
+        "            import builtins\n"
+        "            return getattr(builtins, name)\n",
+        "crafted and metadata", test_file="conformance/test_checkpoint.py",
+    ),
+    Defect(
+        "metadata-written-in-place", "pytorch/torchtitan PR #315, google/flax PR #1200",
+        "reference/checkpoint/storage.py",
+        '        tmp = self.path / f"{METADATA_FILE}.{self._tag}.tmp"\n',
+        "        tmp = self.path / METADATA_FILE  # written in place: truncated, then written\n",
+        "killed and (metadata or renamed or removed)", test_file="conformance/test_checkpoint.py",
+    ),
+    Defect(
+        "dtype-blind-plan-cache-key", "pytorch/pytorch PR #148577, PR #147343",
+        "reference/checkpoint/plan_cache.py",
+        "    return _digest((packed, list(paths.items())))\n",
+        "    rows, _ = packed  # the tensor properties (dtypes) left out of the key\n"
+        "    return _digest(([row[:6] + row[7:] for row in rows], list(paths.items())))\n",
+        "one_property", test_file="conformance/test_checkpoint.py",
+    ),
+    Defect(
+        "lying-member-names-resolved", "promptfoo/modelaudit PR #1408, protectai/modelscan #354",
+        "reference/checkpoint/records.py",
+        '        if not short or top != folder or short in members or any(part in ("", ".", "..") for part in short.split("/")) or "\\\\" in name:\n',
+        "        if False:  # member names trusted: the last member of a name wins\n",
+        "crafted and (duplicate or dot)", test_file="conformance/test_checkpoint.py",
+    ),
+)
+DEFECTS = DEFECTS + _CHECKPOINT_LOADING
+
 
 def _run(defect: Defect, world_sizes: str, timeout: float) -> tuple[str, str]:
     scratch = Path(tempfile.mkdtemp(prefix=f"defect-{defect.key}-"))

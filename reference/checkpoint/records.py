@@ -13,6 +13,13 @@ record), where the raw bytes start and how they are laid out, and :func:`read_re
 not understood, a big-endian file, a strided region) falls back to ``torch.load(weights_only=True)``
 or to one temporary of the record's size: slower, never wrong. ``data.pkl`` is parsed by an
 allow-list unpickler that accepts only the tensor-rebuild call, so reading never runs code from the file.
+
+What a record may ask for (SPEC ML-27, ML-28): the globals ``torch.load(weights_only=True)`` allows, and
+nothing wider: the fast paths allow less (a non-tensor value of pickle's own types, a tensor's rebuild
+call), and everything else goes to ``torch.load(weights_only=True)``, whose refusal is reported with
+the globals the record asked for (:func:`asked_globals`). A record whose zip member names are
+ambiguous (a second ``data.pkl``, another folder, a ``..`` name) is refused before either reads it:
+two readers would read different members of it.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import torch
 
 from reference.host_bytes import element_bytes, storage_bytes
 
-__all__ = ["TensorLayout", "write_record", "parse_tensor_record", "read_region", "FileWindow"]
+__all__ = ["TensorLayout", "write_record", "parse_tensor_record", "read_region", "read_object_record", "asked_globals", "FileWindow"]
 
 
 class ReadableFile(Protocol):
@@ -564,6 +571,7 @@ def _members(record: _RecordBytes) -> dict[str, _Member]:
         raise ValueError("truncated torch.save record (central directory beyond its end)")
     directory = record.at(cd_offset, cd_size)
     members: dict[str, _Member] = {}
+    folder: str | None = None
     pos = 0
     for _ in range(count):
         if pos + _CENTRAL.size > len(directory) or directory[pos:pos + 4] != b"PK\x01\x02":
@@ -574,7 +582,18 @@ def _members(record: _RecordBytes) -> dict[str, _Member]:
         name_end = pos + _CENTRAL.size + name_len
         name = directory[pos + _CENTRAL.size:name_end].decode("utf-8", "replace")
         size, csize, header_offset = _zip64_extra(directory[name_end:name_end + extra_len], size, csize, header_offset)
-        short = name.split("/", 1)[-1]
+        # A record is one folder of uniquely named members (torch.save's archive). Member names that
+        # lie (a second data.pkl, a member of another folder, a ``..`` segment) would let two readers
+        # of one record, this one and torch.load, read different members: refused, never resolved.
+        top, _, short = name.partition("/")
+        if folder is None:
+            folder = top
+        if not short or top != folder or short in members or any(part in ("", ".", "..") for part in short.split("/")) or "\\" in name:
+            raise ValueError(
+                f"refused torch.save record: its member names are ambiguous ({name!r}"
+                f"{' again' if short in members else ''} in an archive of folder {folder!r}), so it is not "
+                "one record that every reader reads alike"
+            )
         members[short] = _Member(short, method, size, csize, header_offset)
         pos = name_end + extra_len + comment_len
     return members
@@ -681,6 +700,16 @@ def parse_tensor_record(file: ReadableFile, offset: int, length: int) -> TensorL
     )
 
 
+def _record_pickle(file: ReadableFile, offset: int, length: int) -> bytes | None:
+    """The ``data.pkl`` bytes of the record at ``[offset, offset + length)``, or None if not found."""
+    record = _RecordBytes(file, offset, length)
+    try:
+        start, size = _parsed(record, _pickle_span)
+    except Exception:
+        return None
+    return record.at(start, size)
+
+
 def _pickle_span(record: _RecordBytes) -> tuple[int, int]:
     """Where the record's ``data.pkl`` is: (start from the record's start, bytes)."""
     member = _members(record)["data.pkl"]
@@ -697,12 +726,80 @@ def read_object_record(data: bytes | memoryview) -> Any:
     unpickled straight from the record's ``data.pkl`` by :class:`_PlainUnpickler`: a checkpoint holds
     one record per such value (every ``param_groups`` entry is one), and ``torch.load`` costs about
     80 us each, mostly in setting up its zip reader. Anything else (tensors, ``torch.Size``, a set, a
-    damaged record) goes to ``torch.load(weights_only=True)``, whose result or error is the answer."""
+    damaged record) goes to ``torch.load(weights_only=True)``: its allow-list, and nothing wider,
+    decides which globals a record may ask for. A record whose member names are ambiguous is refused
+    (ValueError) before either reads it; a refused one names the globals it asked for."""
+    record = _RecordBytes(io.BytesIO(data), 0, len(data))
     try:
-        start, size = _parsed(_RecordBytes(io.BytesIO(data), 0, len(data)), _pickle_span)
-        return _PlainUnpickler(io.BytesIO(data[start:start + size])).load()
-    except Exception:  # not a plain value, or not readable here: torch.load decides
-        return torch.load(io.BytesIO(data), weights_only=True)
+        start, size = _parsed(record, _pickle_span)
+    except ValueError as exc:
+        if "member names are ambiguous" in str(exc):
+            raise
+        return _torch_load(data, None)
+    except Exception:  # no data.pkl, or compressed: torch.load decides
+        return _torch_load(data, None)
+    pickled = bytes(data[start:start + size])
+    try:
+        return _PlainUnpickler(io.BytesIO(pickled)).load()
+    except Exception:  # not a plain value: torch.load decides
+        return _torch_load(data, pickled)
+
+
+def _torch_load(data: bytes | memoryview | FileWindow, pickled: bytes | None, **kwargs: Any) -> Any:
+    """``torch.load(data, weights_only=True)``; if it refuses, the error (UnpicklingError) also names the
+    globals that ``pickled`` (the record's ``data.pkl``) asks for, by whichever opcode: torch's message
+    names a ``GLOBAL`` by its bare name and a ``STACK_GLOBAL`` or extension code not at all."""
+    stream = io.BytesIO(data) if isinstance(data, (bytes, memoryview)) else data
+    try:
+        return torch.load(stream, weights_only=True, **kwargs)  # type: ignore[arg-type]  # a RawIOBase is a binary file; torch's stub lists IO[bytes] only
+    except pickle.UnpicklingError as exc:
+        asked = asked_globals(pickled) if pickled is not None else []
+        if not asked:
+            raise
+        raise pickle.UnpicklingError(
+            f"refused by torch.load(weights_only=True), whose allow-list is the one applied: the record asks "
+            f"for {', '.join(asked)}"
+        ) from exc
+
+
+def asked_globals(pickled: bytes) -> list[str]:
+    """Every global (``module.name``) that the pickle ``pickled`` names, in order, each once: by
+    ``GLOBAL``, by ``STACK_GLOBAL`` (its two strings, pushed or fetched from the memo) or by an
+    extension code (``EXT1/2/4``, as the ``copyreg`` registry of this process resolves it); read
+    with :mod:`pickletools`, so nothing is built or run. A pickle that cannot be read to its end
+    names what was read before."""
+    import copyreg
+    import pickletools
+
+    asked: list[str] = []
+    strings: list[Any] = []  #: the values pushed, as far as they are strings (else None)
+    memo: dict[Any, Any] = {}
+    try:
+        for opcode, arg, _ in pickletools.genops(pickled):
+            name = opcode.name
+            if name == "GLOBAL":
+                asked.append(str(arg).replace(" ", "."))
+            elif name == "STACK_GLOBAL":
+                module, attr = (strings[-2:] + [None, None])[:2] if len(strings) >= 2 else (None, None)
+                asked.append(f"{module}.{attr}" if isinstance(module, str) and isinstance(attr, str) else "a global built on the stack")
+            elif name in ("EXT1", "EXT2", "EXT4"):
+                # Private, unavoidable: copyreg has no public lookup of an extension code; the
+                # unpickler resolves the code through this same table.
+                found = copyreg._inverted_registry.get(arg)  # type: ignore[attr-defined]
+                asked.append(f"{found[0]}.{found[1]} (extension code {arg})" if found else f"extension code {arg}")
+            elif name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8", "SHORT_BINSTRING", "BINSTRING", "STRING"):
+                strings.append(arg)
+            elif name == "MEMOIZE":
+                memo[len(memo)] = strings[-1] if strings else None
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = strings[-1] if strings else None
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                strings.append(memo.get(arg))
+            elif name in ("BINPERSID", "PERSID"):
+                asked.append("a persistent id")
+    except Exception:  # a damaged or cut pickle: what was read so far
+        pass
+    return list(dict.fromkeys(asked))
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -758,7 +855,7 @@ def read_region(
     if math.prod(lengths) == 0:
         return
     if layout is None:
-        saved = torch.load(FileWindow(file, offset, length), map_location="cpu", weights_only=True)  # type: ignore[arg-type]  # a RawIOBase is a binary file; torch's stub lists IO[bytes] only
+        saved = _torch_load(FileWindow(file, offset, length), _record_pickle(file, offset, length), map_location="cpu")
         dest.copy_(_narrow(saved, saved_offsets, lengths))
         return
     if (

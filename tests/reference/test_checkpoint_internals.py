@@ -1221,3 +1221,21 @@ def test_files_of_an_earlier_save_that_cannot_be_removed_are_warned_about_and_re
     out = {"w": torch.zeros(3)}
     load(out, checkpoint_id=tmp_path)
     assert torch.equal(out["w"], torch.ones(3) * 3)
+
+
+@pytest.mark.parametrize("protocol", [0, 2, 4, 5])
+def test_asked_globals_names_every_global_by_any_opcode(protocol: int) -> None:
+    """GLOBAL (protocols 0-3) and STACK_GLOBAL with memoized strings (4, 5) name the same globals, in
+    order, each once; an extension code is named through copyreg's registry."""
+    import collections
+    import copyreg
+
+    from reference.checkpoint.records import asked_globals
+
+    value = [collections.OrderedDict, collections.Counter, collections.OrderedDict, math.floor]
+    assert asked_globals(pickle.dumps(value, protocol=protocol)) == ["collections.OrderedDict", "collections.Counter", "math.floor"]
+    copyreg.add_extension("collections", "Counter", 0xF7)
+    try:
+        assert asked_globals(pickle.dumps(collections.Counter, protocol=2)) == ["collections.Counter (extension code 247)"]
+    finally:
+        copyreg.remove_extension("collections", "Counter", 0xF7)

@@ -17,8 +17,9 @@ PACKAGE = ROOT / "reference"
 #: Other packages held to the private-name rule (no private names read across their modules).
 OTHER_PACKAGES = ("conformance.generated",)
 
-#: nn.Module internals with no public equivalent, each used where a comment says why.
+#: nn.Module (and standard-library) internals with no public equivalent, each used where a comment says why.
 TORCH_PRIVATE_ATTRIBUTES = {
+    "_inverted_registry",  # copyreg's extension codes: how a refused record's EXT1/2/4 opcodes are named
     "_parameters",  # put a plain tensor (a view) under a parameter's name; register None placeholders
     "_modules",  # walk children in registration order, None entries included
     "_orig_mod",  # torch.compile's OptimizedModule holds the module there (no public accessor)
