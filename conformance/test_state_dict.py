@@ -712,6 +712,7 @@ REQ_MARKS = {
     "SD-13": pytest.mark.req("SD-13"),
     "SD-14": pytest.mark.req("SD-14"),
     "SD-17": pytest.mark.req("SD-17"),
+    "SD-33": pytest.mark.req("SD-33"),
 }
 
 ERROR_CASES = {
@@ -726,6 +727,8 @@ ERROR_CASES = {
         ErrorCase("empty", "SD-10", "nested", "model", RuntimeError),
         ErrorCase("optim-missing", "SD-8", "nested", "optim", RuntimeError, key="1.proj.bias"),
         ErrorCase("optim-unexpected", "SD-8", "nested", "optim", RuntimeError, key="11.weight"),
+        # Adam's state of one trainable parameter dropped, the parameter still listed in its group.
+        ErrorCase("optim-state-missing", "SD-33", "nested", "optim", RuntimeError, key="1.proj.weight"),
         ErrorCase("broadcast-options", "SD-14", "nested", "options", ValueError, needle="full_state_dict"),
     )
 }
@@ -753,8 +756,11 @@ def break_input(case: ErrorCase, model_sd: dict[str, Any], optim_sd: dict[str, A
         model_sd[case.fqn] = _wrong_shape_like(model_sd[case.fqn])
     elif case.kind == "empty":
         model_sd = {}
+    elif case.kind == "optim-state-missing":
+        # Listed in its group, no state: Adam keeps state for it, so the dict lacks its moments (SD-33).
+        del optim_sd["state"][case.fqn]
     elif case.kind == "optim-missing":
-        # A parameter the saved dict does not list at all (a parameter listed without state is no error: SD-23).
+        # A parameter the saved dict does not list at all.
         optim_sd["state"].pop(case.key, None)
         optim_sd["param_groups"] = [{**g, "params": [p for p in g["params"] if p != case.key]} for g in optim_sd["param_groups"]]
     elif case.kind == "optim-unexpected":
@@ -1386,9 +1392,9 @@ def test_strict_load_into_dtensor_parameters_names_the_missing_key(dist: RankCon
 #: The error cases of sharded loads: the model and optimizer state are full dicts, except "shape-dtensor"
 #: (a DTensor of the wrong global shape in a sharded dict); "broadcast-options" breaks the options.
 SHARDED_ERROR_KINDS = ("missing", "unexpected", "shape", "shape-dtensor", "empty", "optim-missing", "optim-unexpected",
-                       "broadcast-options")
+                       "optim-state-missing", "broadcast-options")
 #: The one-rank cases: one per requirement and kind of input that reaches a collective.
-ONE_RANK_ERROR_KINDS = ("missing", "shape-dtensor", "empty", "optim-missing", "broadcast-options")
+ONE_RANK_ERROR_KINDS = ("missing", "shape-dtensor", "empty", "optim-missing", "optim-state-missing", "broadcast-options")
 
 
 def sharded_error_run(dist: RankContext, impl: Adapter, kind: str, bad_ranks: set[int]) -> None:
