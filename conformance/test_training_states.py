@@ -1,4 +1,5 @@
-"""SD: the optimizer states real training jobs leave (conformance/SPEC.md, SD-20, SD-21, SD-23..SD-25).
+"""SD: the optimizer states real training jobs leave (conformance/SPEC.md, SD-20, SD-21, SD-23..SD-25,
+SD-32, SD-33).
 
 Each requirement answers a defect users reported against ``torch.distributed.checkpoint.state_dict``
 or the trainers built on it (SPEC names the reports). The states are the ones a job really has:
@@ -8,7 +9,9 @@ or the trainers built on it (SPEC names the reports). The states are the ones a 
   is not wired in yet), or whose parameters hold accumulated gradients (a get between micro-batches);
 * an optimizer that keeps no state at all (SGD without momentum);
 * a parameter trained, then frozen while still held by the optimizer;
-* a param group without parameters (kept for a scheduler or a later ``add_param_group``).
+* a param group without parameters (kept for a scheduler or a later ``add_param_group``), or several;
+* the optimizer's own ``state_dict()`` (keyed by ids) handed to the state_dict API;
+* a dict that lists a parameter without its state (cut short, or written by a stateless optimizer).
 
 Oracle: the run that never took a state dict, trained identically on one process on the whole batch.
 Every comparison of a get or a set with what was saved is bitwise; a sharded run is compared with the
@@ -30,8 +33,18 @@ from torch import nn
 
 from conformance.adapters.sharding import ShardingPlan, child_units
 from conformance.adapters.state_dict import StateDictOps
-from conformance.asserts import assert_same_state, fail
+from conformance.asserts import (
+    assert_names_key,
+    assert_same_error_on_every_rank,
+    assert_same_state,
+    assert_unchanged,
+    check_each,
+    fail,
+    raised,
+    snapshot,
+)
 from conformance.compare import fqn_keyed_optim
+from conformance.error_cases import WHERE, bad_input_here
 from conformance.values import perturb_hyperparameters
 
 #: Ranks average gradients; only results of training are compared with this tolerance.
@@ -436,3 +449,147 @@ def test_saved_extra_keys_are_restored_into_groups_that_lack_them(impl: Any) -> 
     got = [{k: v for k, v in g.items() if k != "params"} for g in ops.get_optimizer_state_dict(target_model, target_optim)["param_groups"]]
     assert_same_state(got, [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]],
                       what="param groups after a set into groups without initial_lr", check_order=False)
+
+
+# -- SD-25: groups without parameters pair in order, wherever they sit ------------------------------------------
+
+#: Param-group layouts: "trunk" and "head" hold those modules' parameters, "empty" none. The source's
+#: two empty groups sit before and between, the target's after all the others: a load that pairs
+#: groups by position gives them the wrong hyperparameters.
+EMPTY_LAYOUTS = {"source": ("empty", "trunk", "empty", "head"), "target": ("trunk", "head", "empty", "empty")}
+
+
+def groups_in_layout(model: nn.Module, layout: tuple[str, ...], tag: str) -> list[dict[str, Any]]:
+    """Param groups of ``model`` in ``layout``; the k-th empty group has lr ``0.125 * (k + 1)``, its own
+    ``initial_lr`` and a user key naming ``tag`` and k."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups: list[dict[str, Any]] = []
+    empties = 0
+    for part in layout:
+        if part == "empty":
+            groups.append({"params": [], "lr": 0.125 * (empties + 1), "initial_lr": 0.5 + empties, "sdc_custom": f"{tag}-empty-{empties}"})
+            empties += 1
+        else:
+            head = part == "head"
+            groups.append({"params": [p for n, p in named if ("head" in n.split(".")) == head], "initial_lr": 0.1, "sdc_custom": part})
+    return groups
+
+
+def _empty_groups(optim: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups if not g["params"]]
+
+
+def _run_in_layout(impl: Any, dist: Any, seed: int, layout: tuple[str, ...], tag: str, use_orig_params: bool | None) -> Run:
+    run = make_run(impl, dist, "adamw", seed, use_orig_params=use_orig_params)
+    return Run(run.model, OPTIMIZERS["adamw"](groups_in_layout(run.model, layout, tag)), run.rows)
+
+
+def _empty_groups_round_trip(impl: Any, dist: Any, use_orig_params: bool | None) -> None:
+    __tracebackhide__ = True
+    ops: StateDictOps = impl.require("state_dict")
+    device = dist.device if dist is not None else "cpu"
+    where = where_of(dist, "adamw", use_orig_params) + f", groups {EMPTY_LAYOUTS['source']} -> {EMPTY_LAYOUTS['target']}"
+    source = _run_in_layout(impl, dist, 0, EMPTY_LAYOUTS["source"], "saved", use_orig_params)
+    for step in range(2):
+        source.step(step, device, use_aux=True)
+    options = full_options(ops, dist)
+    saved = on_cpu(ops.get_optimizer_state_dict(source.model, source.optim, options=options))
+    expected = _empty_groups(source.optim)
+    target = _run_in_layout(impl, dist, 1, EMPTY_LAYOUTS["target"], "target", use_orig_params)
+    target.step(7, device, use_aux=True)
+    perturb_hyperparameters(target.optim)
+    ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(saved), options=options)
+    assert_same_state(_empty_groups(target.optim), expected,
+                      what="the groups without parameters after the load, in order (the k-th takes the k-th saved)", where=where)
+
+
+@pytest.mark.req("SD-25")
+def test_groups_without_parameters_pair_in_order_wherever_they_sit(impl: Any) -> None:
+    """Two groups without parameters, each with its own hyperparameters and user key, sit first and
+    third in the source's groups and last in the target's: after a set the target's first empty group
+    holds the source's first one's hyperparameters and its second the second's, whatever their
+    positions (a load pairing groups by position gives them a group of parameters' or each other's)."""
+    _empty_groups_round_trip(impl, None, None)
+
+
+@pytest.mark.req("SD-25")
+@sharding_params()
+def test_sharded_groups_without_parameters_pair_in_order_wherever_they_sit(dist: Any, impl: Any, use_orig_params: bool) -> None:
+    """As the plain test, on a sharded model, full state dicts, on every rank."""
+    _empty_groups_round_trip(impl, dist, use_orig_params)
+
+
+# -- SD-32: the optimizer's own state dict, given to the state_dict API -------------------------------------------
+
+
+@pytest.mark.req("SD-32", "SD-27")
+@pytest.mark.parametrize("kind", ("adamw", "sgd-momentum", "sgd"))
+def test_optimizers_own_state_dict_loads(impl: Any, kind: str) -> None:
+    """``set_optimizer_state_dict(model, optim, optim.state_dict())``, without a process group: the
+    int-keyed dict ``torch.optim`` gives (of a source that trained every parameter) loads into another
+    seed's optimizer with other hyperparameters and state of its own, leaving exactly the source's
+    state and hyperparameters (bit for bit, no tensor shared with the dict), and training on equals the
+    run that never stopped (pytorch/pytorch#124942: the dict was refused; PR #127385)."""
+    ops: StateDictOps = impl.require("state_dict")
+    where = f"{kind}, id-keyed dict, no process group"
+    oracle = make_run(impl, None, kind, 0, use_orig_params=None)
+    source = make_run(impl, None, kind, 0, use_orig_params=None)
+    for step in range(2):
+        oracle.step(step, "cpu", use_aux=True)
+        source.step(step, "cpu", use_aux=True)
+    given = source.optim.state_dict()
+    expected = copy.deepcopy(fqn_keyed_optim(source.model, source.optim))
+    target = make_run(impl, None, kind, 1, use_orig_params=None)
+    target.step(7, "cpu", use_aux=True)
+    perturb_hyperparameters(target.optim)
+    target.model.load_state_dict(source.model.state_dict())
+    ops.set_optimizer_state_dict(target.model, target.optim, given)
+    assert_same_state(fqn_keyed_optim(target.model, target.optim), expected, what="optimizer after the set of the id-keyed dict vs the source's",
+                      where=where)
+    source.step(2, "cpu", use_aux=True)  # steps the tensors `given` holds: the target's must not move
+    for step in range(2, 4):
+        oracle.step(step, "cpu", use_aux=True)
+        target.step(step, "cpu", use_aux=True)
+    assert_matches_oracle(ops, target, oracle, None, what="after 2 more steps, vs the run that never stopped", where=where, exact=True)
+
+
+#: Ways an id-keyed dict does not fit the optimizers it is given with.
+ID_KEYED_MISFITS = ("other-groups", "two-optimizers")
+
+
+@pytest.mark.req("SD-32")
+@pytest.mark.parametrize("misfit", ID_KEYED_MISFITS)
+def test_optimizers_own_state_dict_that_does_not_fit_changes_nothing(impl: Any, misfit: str) -> None:
+    """An id-keyed dict whose groups do not fit the optimizer (one group for the target's two), or given
+    with two optimizers (its ids name positions in one: the dict of the first, which would load into it,
+    given with both) is refused with a ``ValueError`` or ``RuntimeError``, and neither optimizer nor the
+    model changes."""
+    ops: StateDictOps = impl.require("state_dict")
+    target_model = build(1)
+    trunk = [p for n, p in target_model.named_parameters() if "head" not in n.split(".")]
+    head = [p for n, p in target_model.named_parameters() if "head" in n.split(".")]
+    if misfit == "other-groups":
+        source = make_run(impl, None, "adamw", 0, use_orig_params=None)
+        source.step(0, "cpu", use_aux=True)
+        given = source.optim.state_dict()
+        optims: list[torch.optim.Optimizer] = [OPTIMIZERS["adamw"]([{"params": trunk + head}])]
+    else:
+        # The first optimizer's own dict, from another seed's model: alone, that optimizer takes it.
+        twin = build(2)
+        twin_optim = OPTIMIZERS["adamw"]([{"params": [p for n, p in twin.named_parameters() if "head" not in n.split(".")]}])
+        twin(batch(3), use_aux=True).pow(2).mean().backward()
+        twin_optim.step()
+        given = twin_optim.state_dict()
+        optims = [OPTIMIZERS["adamw"]([{"params": trunk}]), OPTIMIZERS["adamw"]([{"params": head}])]
+    target_model(batch(7), use_aux=True).pow(2).mean().backward()
+    for optim in optims:
+        optim.step()
+    before = snapshot(model=target_model, optims=optims)
+    exc = raised(lambda: ops.set_optimizer_state_dict(target_model, optims if len(optims) > 1 else optims[0], copy.deepcopy(given)))
+    where = f"id-keyed dict, {misfit}"
+
+    def raises() -> None:
+        if not isinstance(exc, (ValueError, RuntimeError)):
+            fail(f"{where}: the set", "a normal return" if exc is None else f"{type(exc).__name__}: {exc}", "ValueError or RuntimeError")
+
+    check_each(raises=raises, unchanged=lambda: assert_unchanged(before, where=where, model=target_model, optims=optims))
