@@ -593,3 +593,137 @@ def test_optimizers_own_state_dict_that_does_not_fit_changes_nothing(impl: Any, 
             fail(f"{where}: the set", "a normal return" if exc is None else f"{type(exc).__name__}: {exc}", "ValueError or RuntimeError")
 
     check_each(raises=raises, unchanged=lambda: assert_unchanged(before, where=where, model=target_model, optims=optims))
+
+
+# -- SD-33: a parameter listed without state ----------------------------------------------------------------------
+
+#: What a cut-short dict lacks: every state entry of ``head.weight`` (its moments, its step), or every
+#: state entry of every parameter (the ``state`` section gone, the groups kept).
+DROPS = ("one-parameter", "every-parameter")
+
+
+def without_state(saved: Mapping[str, Any], *, flatten: bool, drop: str) -> dict[str, Any]:
+    """``saved`` (nested or flattened) without the state ``drop`` names; its groups list every parameter."""
+    if flatten:
+        prefix = "state.head.weight." if drop == "one-parameter" else "state."
+        return {k: v for k, v in saved.items() if not k.startswith(prefix)}
+    state = {fqn: entry for fqn, entry in saved["state"].items() if drop == "one-parameter" and fqn != "head.weight"}
+    return {"state": state, "param_groups": saved["param_groups"]}
+
+
+def names_a_parameter(message: str, fqns: list[str]) -> bool:
+    for fqn in fqns:
+        try:
+            assert_names_key(message, fqn)
+        except pytest.fail.Exception:
+            continue
+        return True
+    return False
+
+
+def check_missing_state_error(exc: BaseException | None, fqns: list[str], where: str) -> None:
+    """``exc`` is a ``RuntimeError`` naming one of ``fqns`` whole (the parameters without state)."""
+    __tracebackhide__ = True
+    if not isinstance(exc, RuntimeError):
+        fail(f"{where}: a strict set of a dict that lists a parameter without its state",
+             "a normal return" if exc is None else f"{type(exc).__name__}: {exc}", "RuntimeError naming the parameter")
+    if not names_a_parameter(str(exc), fqns):
+        fail(f"{where}: the error names no parameter without state", str(exc)[:600], f"one of {fqns} named whole")
+
+
+def _trainable_fqns(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+@pytest.mark.req("SD-33", "SD-8")
+@pytest.mark.parametrize("drop", DROPS)
+@pytest.mark.parametrize("flatten", (False, True), ids=("nested", "flattened"))
+@pytest.mark.parametrize("kind", ("adamw", "sgd-momentum"))
+def test_missing_state_the_optimizer_keeps_is_an_error(impl: Any, kind: str, flatten: bool, drop: str) -> None:
+    """A dict of an optimizer that keeps state for every trainable parameter (AdamW's moments, SGD's
+    momentum buffer), cut short: ``head.weight`` (or every parameter) still listed in its group, its
+    state gone. A strict set raises a ``RuntimeError`` naming the parameter and changes nothing, not
+    the state nor the hyperparameters (pytorch/pytorch#192224: the flattened form loaded and dropped the
+    moments silently; torch 2.13 refuses the nested form)."""
+    ops: StateDictOps = impl.require("state_dict")
+    where = f"{kind}, {'flattened' if flatten else 'nested'}, state of {drop} dropped"
+    options = ops.options(flatten_optimizer_state_dict=flatten)
+    source = make_run(impl, None, kind, 0, use_orig_params=None)
+    for step in range(2):
+        source.step(step, "cpu", use_aux=True)
+    bad = without_state(ops.get_optimizer_state_dict(source.model, source.optim, options=options), flatten=flatten, drop=drop)
+    target = make_run(impl, None, kind, 1, use_orig_params=None)
+    target.step(7, "cpu", use_aux=True)
+    perturb_hyperparameters(target.optim)
+    before = snapshot(model=target.model, optim=target.optim)
+    exc = raised(lambda: ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(bad), options=options))
+    fqns = ["head.weight"] if drop == "one-parameter" else _trainable_fqns(target.model)
+    check_each(raises=lambda: check_missing_state_error(exc, fqns, where),
+               unchanged=lambda: assert_unchanged(before, where=where, model=target.model, optim=target.optim))
+
+
+@pytest.mark.req("SD-33", "SD-23")
+@pytest.mark.parametrize("case", ("stateless-into-momentum", "momentum-into-stateless"))
+def test_missing_state_follows_the_loaded_hyperparameters(impl: Any, case: str) -> None:
+    """Whether a listed parameter without state is an error depends on the optimizer with the loaded
+    hyperparameters, not on the target's own nor on the dict alone. "stateless-into-momentum": SGD
+    without momentum saves no state; a strict set into SGD with momentum (which holds buffers) loads
+    ``momentum=0`` and leaves no state entry at all; training on equals the run that never stopped.
+    "momentum-into-stateless": SGD with momentum's dict with every state entry gone, into SGD without
+    momentum: with the loaded ``momentum=0.9`` the buffers would be dropped, so a strict set raises
+    naming a parameter and changes nothing."""
+    ops: StateDictOps = impl.require("state_dict")
+    source_kind, target_kind = ("sgd", "sgd-momentum") if case == "stateless-into-momentum" else ("sgd-momentum", "sgd")
+    oracle = make_run(impl, None, source_kind, 0, use_orig_params=None)
+    source = make_run(impl, None, source_kind, 0, use_orig_params=None)
+    for step in range(2):
+        oracle.step(step, "cpu", use_aux=True)
+        source.step(step, "cpu", use_aux=True)
+    saved = without_state(ops.get_optimizer_state_dict(source.model, source.optim), flatten=False, drop="every-parameter")
+    target = make_run(impl, None, target_kind, 1, use_orig_params=None)
+    target.step(7, "cpu", use_aux=True)
+    target.model.load_state_dict(source.model.state_dict())
+    if case == "momentum-into-stateless":
+        before = snapshot(model=target.model, optim=target.optim)
+        exc = raised(lambda: ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(saved)))
+        check_each(raises=lambda: check_missing_state_error(exc, _trainable_fqns(target.model), case),
+                   unchanged=lambda: assert_unchanged(before, where=case, model=target.model, optim=target.optim))
+        return
+    ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(saved))
+    _assert_no_state_entries(target.optim, case)
+    for step in range(2, 4):
+        oracle.step(step, "cpu", use_aux=True)
+        target.step(step, "cpu", use_aux=True)
+    assert_matches_oracle(ops, target, oracle, None, what="after 2 more steps, vs the run that never stopped", where=case, exact=True)
+
+
+@pytest.mark.req("SD-33")
+@pytest.mark.rank_timeout(60)
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("flatten", (False, True), ids=("nested", "flattened"))
+@sharding_params()
+def test_sharded_missing_state_is_an_error(dist: Any, impl: Any, use_orig_params: bool, flatten: bool, where: str) -> None:
+    """As the plain test, on a sharded model (full dicts, nested or flattened) whose ``head`` unit
+    flattens ``head.weight`` and ``head.bias`` into one flat parameter without ``use_orig_params``:
+    the dict lacks ``head.weight``'s state only (on every rank, or on the last rank while the others
+    get the whole dict). Every rank raises the same ``RuntimeError`` naming it, and no rank changes
+    anything (a flat parameter half of whose state is missing must not be filled with zeros)."""
+    ops: StateDictOps = impl.require("state_dict")
+    options = full_options(ops, dist, flatten_optimizer_state_dict=flatten)
+    source = make_run(impl, dist, "adamw", 0, use_orig_params=use_orig_params)
+    for step in range(2):
+        source.step(step, dist.device, use_aux=True)
+    good = ops.get_optimizer_state_dict(source.model, source.optim, options=options)
+    given = without_state(good, flatten=flatten, drop="one-parameter") if bad_input_here(dist, where) else good
+    target = make_run(impl, dist, "adamw", 1, use_orig_params=use_orig_params)
+    target.step(7, dist.device, use_aux=True)
+    perturb_hyperparameters(target.optim)
+    before = snapshot(model=target.model, optim=target.optim)
+    exc = raised(lambda: ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(given), options=options))
+    label = f"{where_of(dist, 'adamw', use_orig_params)}, {'flattened' if flatten else 'nested'}, head.weight's state dropped on {where}"
+
+    def raises() -> None:
+        assert_same_error_on_every_rank(dist, exc, what=label)
+        check_missing_state_error(exc, ["head.weight"], label)
+
+    check_each(raises=raises, unchanged=lambda: assert_unchanged(before, where=label, model=target.model, optim=target.optim))
