@@ -35,7 +35,7 @@ class Defect:
     test_file: str = "conformance/test_async_save.py"  #: relative to the checkout
 
 
-DEFECTS = (
+DEFECTS: tuple[Defect, ...] = (
     Defect(
         "buffer-reused-while-written", "Megatron-LM PR #2288",
         "reference/checkpoint/async_save.py",
@@ -96,6 +96,51 @@ DEFECTS = (
         "staged_copies_stay_bounded or shutdown_releases",
     ),
 )
+
+
+#: Optimizer-state rules (SPEC SD-25, SD-32, SD-33, OS-16): what a set makes of the dict it is given.
+_OPTIMIZER_STATE = (
+    Defect(
+        "optimizer-own-dict-refused", "pytorch/pytorch#124942",
+        "reference/state_dict/api.py",
+        "        if _optim.is_id_keyed(osd):\n", "        if False:\n",
+        "own_state_dict", test_file="conformance/test_training_states.py",
+    ),
+    Defect(
+        "missing-state-dropped-silently", "pytorch/pytorch#192224",
+        "reference/state_dict/optim_fqn.py",
+        "            if p in stateful:\n", "            if False:\n",
+        "missing_state or optim-state-missing", test_file="conformance/test_training_states.py",
+    ),
+    Defect(
+        "missing-state-judged-by-the-targets-hyperparameters", "pytorch/pytorch#192225",
+        "reference/state_dict/optim_fqn.py",
+        "            home[p].update({k: v for k, v in hyper_of[p].items() if k != PARAMS})\n", "            pass\n",
+        "missing_state", test_file="conformance/test_training_states.py",
+    ),
+    Defect(
+        "empty-groups-paired-by-position", "pytorch/pytorch#143828",
+        "reference/state_dict/optim_fqn.py",
+        "    return dict(zip(local, saved))\n", "    return {(oi, gi): gi for oi, gi in local if gi < len(loaded_groups)}\n",
+        "without_parameters", test_file="conformance/test_training_states.py",
+    ),
+    Defect(
+        "state-shape-checked-by-numel", "pytorch/pytorch#113673",
+        "reference/fsdp/optim_keys.py",
+        "        if _is_positional(value) and tuple(value.shape) != tuple(shape if shape is not None else full_shape(fqn)):\n",
+        "        if _is_positional(value) and value.numel() != torch.Size(shape if shape is not None else full_shape(fqn)).numel():\n",
+        "same-numel", test_file="conformance/test_optim_state.py",
+    ),
+    Defect(
+        "sharded-state-shape-checked-by-numel", "pytorch/pytorch#113673",
+        "reference/fsdp/optim_keys.py",
+        "        if value.dim() > 0 and tuple(value.shape) != tuple(shapes[fqn]):\n",
+        "        if value.dim() > 0 and value.numel() != shapes[fqn].numel():\n",
+        "same-numel and sharded", test_file="conformance/test_optim_state.py",
+    ),
+)
+
+DEFECTS = DEFECTS + _OPTIMIZER_STATE
 
 
 def _run(defect: Defect, world_sizes: str, timeout: float) -> tuple[str, str]:
