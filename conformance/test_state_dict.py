@@ -1333,6 +1333,38 @@ def test_broadcast_from_rank0(dist: RankContext, impl: Adapter, name: str, shard
     _check_broadcast_result(ops, dist, target, target_optim, expected_model, expected_optim)
 
 
+def _hyperparameters(optim: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
+
+
+@pytest.mark.req("SD-34", "SD-14")
+@pytest.mark.parametrize("api", ("set_optimizer_state_dict", "set_state_dict"))
+@pytest.mark.parametrize("sharded", (False, True), ids=("plain", "sharded"))
+def test_broadcast_leaves_rank0s_hyperparameters_on_every_rank(dist: RankContext, impl: Adapter, sharded: bool, api: str) -> None:
+    """Each rank's optimizer starts with hyperparameters of its own (lr, betas, eps, and a key only that
+    rank's groups have); rank 0's dict carries a key no rank's optimizer has. After a broadcast set,
+    every rank's optimizer itself (its ``param_groups``, not a get, which may report the coordinator's
+    groups) holds exactly rank 0's hyperparameters: the rank's own key gone, rank 0's key there."""
+    ops = sd_ops(impl)
+    expected_model, expected_optim = _oracle_state("nested", dist.device)
+    expected_optim["param_groups"][0]["sdc_from_rank0"] = "a key only rank 0's dict has"
+    target, target_optim = _broadcast_target(impl, dist, "nested", sharded, expected_model)
+    for group in target_optim.param_groups:
+        group["lr"] = 0.5 + dist.rank
+        group["betas"] = (0.1 * (dist.rank + 1), 0.2 * (dist.rank + 1))
+        group["eps"] = 10.0 ** -(dist.rank + 3)
+        group[f"sdc_rank_{dist.rank}_only"] = dist.rank
+    options = ops.options(full_state_dict=True, broadcast_from_rank0=True)
+    model_sd, optim_sd = copy.deepcopy((expected_model, expected_optim)) if dist.rank == 0 else ({}, {})
+    if api == "set_state_dict":
+        ops.set_state_dict(target, target_optim, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+    else:
+        ops.set_optimizer_state_dict(target, target_optim, optim_sd, options=options)
+    expected = [{k: v for k, v in g.items() if k != "params"} for g in expected_optim["param_groups"]]
+    assert_same_state(_hyperparameters(target_optim), expected, what="the optimizer's own param groups after the broadcast set",
+                      where=f"rank {dist.rank} ({'sharded' if sharded else 'plain'}, {api})")
+
+
 @pytest.mark.req("SD-16")
 @pytest.mark.rank_timeout(PROMPTLY_S)
 def test_set_state_dict_broadcast_with_empty_dicts_on_other_ranks(dist: RankContext, impl: Adapter) -> None:
