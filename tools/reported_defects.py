@@ -125,6 +125,13 @@ _OPTIMIZER_STATE = (
         "without_parameters", test_file="conformance/test_training_states.py",
     ),
     Defect(
+        "ranks-keep-their-own-hyperparameters", "horovod/horovod#526",
+        "reference/fsdp/optim_keys.py",
+        '        loaded = copy.deepcopy({k: v for k, v in saved_groups[home].items() if k != "params"})\n',
+        '        loaded = copy.deepcopy({k: v for k, v in (saved_groups[home] if dist.get_rank() == 0 else group).items() if k != "params"})\n',
+        "rank0s_hyperparameters", test_file="conformance/test_state_dict.py",
+    ),
+    Defect(
         "state-shape-checked-by-numel", "pytorch/pytorch#113673",
         "reference/fsdp/optim_keys.py",
         "        if _is_positional(value) and tuple(value.shape) != tuple(shape if shape is not None else full_shape(fqn)):\n",
