@@ -1365,6 +1365,74 @@ def test_broadcast_leaves_rank0s_hyperparameters_on_every_rank(dist: RankContext
                       where=f"rank {dist.rank} ({'sharded' if sharded else 'plain'}, {api})")
 
 
+@pytest.mark.req("SD-35", "SD-12", "SD-14")
+@pytest.mark.world_size(min=3)
+@pytest.mark.rank_timeout(PROMPTLY_S)
+def test_sharded_on_a_subgroup_without_global_rank0(dist: RankContext, impl: Adapter) -> None:
+    """A model sharded over a process group of ranks ``1 .. n-1`` (global rank 0 is in no unit and
+    only takes part in building the group, as a pipeline stage or a job of several models leaves it).
+    "Rank 0" of every option is the group's first rank, global rank 1: with ``full_state_dict`` and
+    ``cpu_offload`` it alone gets the dict, equal to the full dict every member gets without
+    ``cpu_offload``; with ``broadcast_from_rank0`` it alone holds the model and optimizer state, the
+    other members pass ``{}``, and afterwards every member's model, optimizer state and own param
+    groups are that dict's (pytorch/pytorch#63213: global ranks taken for the group's)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ops = sd_ops(impl)
+    members = list(range(1, dist.world_size))
+    mesh = DeviceMesh(dist.device.type, torch.tensor(members))  # every rank of the job builds the group
+    if dist.rank not in members:
+        return
+    where = f"global rank {dist.rank}, group of ranks {members}"
+
+    def sharded(seed: int) -> nn.Module:
+        raw = zoo.build("nested", seed=seed, device=dist.device)
+        plan = ShardingPlan("FULL_SHARD", units=child_units(raw), device=dist.device, mesh=mesh)
+        try:
+            return impl.require("sharding").shard(raw, plan)
+        except Unsupported as exc:
+            pytest.skip(f"sharding over a subgroup: {exc}")
+
+    source = sharded(0)
+    source_optim = single_group_adam(source)
+    group_rank = members.index(dist.rank)
+    for seed in range(2):
+        zoo.train_step(source, source_optim, zoo.batch("nested", seed=seed, device=dist.device).chunk(len(members))[group_rank])
+    full = ops.options(full_state_dict=True)
+    everywhere = copy.deepcopy(ops.get_state_dict(source, source_optim, options=full))
+    offloaded = ops.get_state_dict(source, source_optim, options=ops.options(full_state_dict=True, cpu_offload=True))
+    if dist.rank == members[0]:
+        assert_same_state(on_cpu_tree(offloaded[0]), on_cpu_tree(everywhere[0]), what="model state dict with cpu_offload on the group's first rank",
+                          where=where)
+        assert_same_optim(on_cpu_tree(offloaded[1]), on_cpu_tree(everywhere[1]), "optimizer state dict with cpu_offload on the group's first rank",
+                          where=where)
+    elif offloaded != ({}, {}):
+        fail("full_state_dict + cpu_offload on a member other than the group's first rank", sorted(offloaded[0])[:5], "{} for both", where)
+
+    target = sharded(1)
+    target_optim = target_optimizer([[p for p in target.parameters() if p.requires_grad]], "reversed")
+    for seed in range(5, 6):
+        zoo.train_step(target, target_optim, zoo.batch("nested", seed=seed, device=dist.device).chunk(len(members))[group_rank])
+    given = copy.deepcopy(everywhere) if dist.rank == members[0] else ({}, {})
+    ops.set_state_dict(target, target_optim, model_state_dict=given[0], optim_state_dict=given[1],
+                       options=ops.options(full_state_dict=True, broadcast_from_rank0=True))
+    got_model, got_optim = ops.get_state_dict(target, target_optim, options=full)
+    assert_same_state(got_model, everywhere[0], what="model after a broadcast from the group's first rank", where=where)
+    assert_same_optim(got_optim, everywhere[1], "optimizer after a broadcast from the group's first rank", where=where)
+    assert_same_state(_hyperparameters(target_optim), [{k: v for k, v in g.items() if k != "params"} for g in everywhere[1]["param_groups"]],
+                      what="the optimizer's own param groups after the broadcast", where=where)
+
+
+def on_cpu_tree(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, Mapping):
+        return {k: on_cpu_tree(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(on_cpu_tree(v) for v in tree)
+    return tree
+
+
 @pytest.mark.req("SD-16")
 @pytest.mark.rank_timeout(PROMPTLY_S)
 def test_set_state_dict_broadcast_with_empty_dicts_on_other_ranks(dist: RankContext, impl: Adapter) -> None:
