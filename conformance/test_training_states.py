@@ -727,3 +727,49 @@ def test_sharded_missing_state_is_an_error(dist: Any, impl: Any, use_orig_params
         check_missing_state_error(exc, ["head.weight"], label)
 
     check_each(raises=raises, unchanged=lambda: assert_unchanged(before, where=label, model=target.model, optim=target.optim))
+
+
+# -- SD-36: scheduler state with int-keyed containers --------------------------------------------------------------
+
+
+def _scheduled(milestones: list[int], gamma: float, epochs: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.MultiStepLR]:
+    optim = torch.optim.SGD(build(0).parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optim, milestones=milestones, gamma=gamma)
+    for _ in range(epochs):
+        optim.step()
+        scheduler.step()
+    return optim, scheduler
+
+
+@pytest.mark.req("SD-36")
+def test_scheduler_state_with_a_counter_round_trips_through_a_checkpoint(impl: Any, tmp_path: Any) -> None:
+    """``MultiStepLR``'s state holds ``milestones``, a ``collections.Counter`` keyed by int epochs (a
+    milestone listed twice counts 2). Saved in a checkpoint beside the training state and loaded into
+    the state dict of a scheduler built from the same milestones, at another epoch and with another
+    count and gamma: ``milestones`` is still a ``Counter`` whose keys are ints (no ``'7'`` beside
+    ``7``), every value is the saved one, and the loaded scheduler then gives the source's learning
+    rate at every later epoch (its optimizer loaded too, as a resume does), and the loaded state saves
+    again (pytorch/pytorch#153842: ``'7'`` beside ``7``, and the next save failed on the duplicate)."""
+    ops = impl.require("checkpoint")
+    _, source = _scheduled([3, 7, 7], 0.5, epochs=4)
+    saved = copy.deepcopy(source.state_dict())
+    ops.save({"scheduler": source.state_dict()}, tmp_path / "ckpt")
+    target_optim, target = _scheduled([3, 7], 0.9, epochs=1)
+    state = {"scheduler": target.state_dict()}
+    ops.load(state, tmp_path / "ckpt")
+    loaded = state["scheduler"]
+    milestones = loaded.get("milestones")
+    if type(milestones) is not type(saved["milestones"]) or sorted(map(repr, milestones)) != sorted(map(repr, saved["milestones"])):
+        fail("MultiStepLR milestones after the load", f"{type(milestones).__name__} {milestones!r}",
+             f"{type(saved['milestones']).__name__} {saved['milestones']!r} (int keys)")
+    assert_same_state(loaded, saved, what="scheduler state after the load vs the saved one")
+    ops.save({"scheduler": loaded}, tmp_path / "again")
+    source_optim = source.optimizer
+    target_optim.load_state_dict(copy.deepcopy(source_optim.state_dict()))  # the learning rate it had (not the point here)
+    target.load_state_dict(loaded)
+    for epoch in range(4, 10):
+        if target.get_last_lr() != source.get_last_lr():
+            fail("learning rate of the loaded scheduler", target.get_last_lr(), source.get_last_lr(), f"epoch {epoch}")
+        for optim, scheduler in ((source_optim, source), (target_optim, target)):
+            optim.step()
+            scheduler.step()

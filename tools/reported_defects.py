@@ -138,6 +138,13 @@ _OPTIMIZER_STATE = (
         "subgroup_without", test_file="conformance/test_state_dict.py",
     ),
     Defect(
+        "int-keys-loaded-as-text", "pytorch/pytorch#153842",
+        "reference/checkpoint/flatten.py",
+        "    container[native_path[-1]] = value\n",
+        "    container[native_path[-1] if isinstance(container, list) else str(native_path[-1])] = value\n",
+        "counter", test_file="conformance/test_training_states.py",
+    ),
+    Defect(
         "state-shape-checked-by-numel", "pytorch/pytorch#113673",
         "reference/fsdp/optim_keys.py",
         "        if _is_positional(value) and tuple(value.shape) != tuple(shape if shape is not None else full_shape(fqn)):\n",
