@@ -758,7 +758,7 @@ def test_scheduler_state_with_a_counter_round_trips_through_a_checkpoint(impl: A
     state = {"scheduler": target.state_dict()}
     ops.load(state, tmp_path / "ckpt")
     loaded = state["scheduler"]
-    milestones = loaded.get("milestones")
+    milestones: Any = loaded.get("milestones")
     if type(milestones) is not type(saved["milestones"]) or sorted(map(repr, milestones)) != sorted(map(repr, saved["milestones"])):
         fail("MultiStepLR milestones after the load", f"{type(milestones).__name__} {milestones!r}",
              f"{type(saved['milestones']).__name__} {saved['milestones']!r} (int keys)")
