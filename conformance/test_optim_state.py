@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.hooks import RemovableHandle
 
 from conformance import models
@@ -946,6 +946,17 @@ def _bad_osd(kind: str, osd: dict[str, Any]) -> tuple[dict[str, Any], str]:
         # sharded: another parameter's DTensor, a well-formed DTensor of the wrong global shape
         state["net.2.weight"]["exp_avg"] = state["net.0.weight"]["exp_avg"] if isinstance(exp_avg, DTensor) else torch.zeros(3, 7)
         fqn = "net.2.weight"
+    elif kind == "same-numel":
+        # net.2.weight's exp_avg reshaped (15, 10) -> (10, 15): every element there, in order, but not its
+        # shape; a check by element count loads it as if it fit. Sharded: a DTensor of that global shape.
+        exp_avg = state["net.2.weight"]["exp_avg"]
+        if isinstance(exp_avg, DTensor):
+            full = exp_avg.full_tensor()
+            reshaped = distribute_tensor(full.reshape(full.shape[1], full.shape[0]), exp_avg.device_mesh, exp_avg.placements)
+        else:
+            reshaped = exp_avg.reshape(exp_avg.shape[1], exp_avg.shape[0]).clone()
+        state["net.2.weight"]["exp_avg"] = reshaped
+        fqn = "net.2.weight"
     elif kind == "extra-group":  # a saved group of parameters the optimizer does not hold (the frozen stem)
         groups.append({**{k: v for k, v in groups[0].items() if k != "params"}, "params": ["stem.weight", "stem.bias"]})
         fqn = "stem.weight"
@@ -962,13 +973,14 @@ def _bad_osd(kind: str, osd: dict[str, Any]) -> tuple[dict[str, Any], str]:
 @pytest.mark.rank_timeout(30)
 @pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize(("use_orig_params", "form"), [(False, "full"), (True, "full"), (True, "sharded")], ids=["flat-full", "orig-full", "orig-sharded"])
-@pytest.mark.parametrize("kind", ["unknown-fqn", "wrong-shape", "group-mismatch", "extra-group"])
+@pytest.mark.parametrize("kind", ["unknown-fqn", "wrong-shape", "same-numel", "group-mismatch", "extra-group"])
 def test_bad_optimizer_state_dict_is_a_clear_error(dist, impl, kind: str, use_orig_params: bool, form: str, where: str) -> None:
     """A broken optimizer state dict, full or sharded (on every rank, or on the last rank only while
     the others load a good one): every rank raises the same ValueError/RuntimeError naming the FQN
     whole, and on every rank the optimizer (state, param groups, order) and the model are as they
     were. "extra-group": one more saved param group than the optimizer has, listing parameters of the
-    model the optimizer does not hold (frozen ones)."""
+    model the optimizer does not hold (frozen ones). "same-numel": a positional state of another shape
+    with the parameter's number of elements."""
     ops = impl.require("optim_state")
     run = Run(dist, impl, Setup(model="frozen" if kind == "extra-group" else "mlp", use_orig_params=use_orig_params))
     run.train(1)
@@ -986,7 +998,7 @@ def test_bad_optimizer_state_dict_is_a_clear_error(dist, impl, kind: str, use_or
 @pytest.mark.req("OS-16")
 @pytest.mark.rank_timeout(30)
 @pytest.mark.parametrize(("use_orig_params", "form"), [(False, "full"), (True, "full"), (True, "sharded")], ids=["flat-full", "orig-full", "orig-sharded"])
-@pytest.mark.parametrize("kind", ["wrong-shape", "group-mismatch"])
+@pytest.mark.parametrize("kind", ["wrong-shape", "same-numel", "group-mismatch"])
 def test_bad_optimizer_state_dict_fails_alike_and_changes_nothing(dist, impl, kind: str, use_orig_params: bool, form: str) -> None:
     """A positional state of the wrong shape, or param groups that do not match the optimizer's (a
     parameter moved to a group of its own), in a full or sharded optimizer state dict on every rank:

@@ -712,6 +712,7 @@ REQ_MARKS = {
     "SD-13": pytest.mark.req("SD-13"),
     "SD-14": pytest.mark.req("SD-14"),
     "SD-17": pytest.mark.req("SD-17"),
+    "SD-33": pytest.mark.req("SD-33"),
 }
 
 ERROR_CASES = {
@@ -726,6 +727,8 @@ ERROR_CASES = {
         ErrorCase("empty", "SD-10", "nested", "model", RuntimeError),
         ErrorCase("optim-missing", "SD-8", "nested", "optim", RuntimeError, key="1.proj.bias"),
         ErrorCase("optim-unexpected", "SD-8", "nested", "optim", RuntimeError, key="11.weight"),
+        # Adam's state of one trainable parameter dropped, the parameter still listed in its group.
+        ErrorCase("optim-state-missing", "SD-33", "nested", "optim", RuntimeError, key="1.proj.weight"),
         ErrorCase("broadcast-options", "SD-14", "nested", "options", ValueError, needle="full_state_dict"),
     )
 }
@@ -753,8 +756,11 @@ def break_input(case: ErrorCase, model_sd: dict[str, Any], optim_sd: dict[str, A
         model_sd[case.fqn] = _wrong_shape_like(model_sd[case.fqn])
     elif case.kind == "empty":
         model_sd = {}
+    elif case.kind == "optim-state-missing":
+        # Listed in its group, no state: Adam keeps state for it, so the dict lacks its moments (SD-33).
+        del optim_sd["state"][case.fqn]
     elif case.kind == "optim-missing":
-        # A parameter the saved dict does not list at all (a parameter listed without state is no error: SD-23).
+        # A parameter the saved dict does not list at all.
         optim_sd["state"].pop(case.key, None)
         optim_sd["param_groups"] = [{**g, "params": [p for p in g["params"] if p != case.key]} for g in optim_sd["param_groups"]]
     elif case.kind == "optim-unexpected":
@@ -1327,6 +1333,106 @@ def test_broadcast_from_rank0(dist: RankContext, impl: Adapter, name: str, shard
     _check_broadcast_result(ops, dist, target, target_optim, expected_model, expected_optim)
 
 
+def _hyperparameters(optim: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
+
+
+@pytest.mark.req("SD-34", "SD-14")
+@pytest.mark.parametrize("api", ("set_optimizer_state_dict", "set_state_dict"))
+@pytest.mark.parametrize("sharded", (False, True), ids=("plain", "sharded"))
+def test_broadcast_leaves_rank0s_hyperparameters_on_every_rank(dist: RankContext, impl: Adapter, sharded: bool, api: str) -> None:
+    """Each rank's optimizer starts with hyperparameters of its own (lr, betas, eps, and a key only that
+    rank's groups have); rank 0's dict carries a key no rank's optimizer has. After a broadcast set,
+    every rank's optimizer itself (its ``param_groups``, not a get, which may report the coordinator's
+    groups) holds exactly rank 0's hyperparameters: the rank's own key gone, rank 0's key there."""
+    ops = sd_ops(impl)
+    expected_model, expected_optim = _oracle_state("nested", dist.device)
+    expected_optim["param_groups"][0]["sdc_from_rank0"] = "a key only rank 0's dict has"
+    target, target_optim = _broadcast_target(impl, dist, "nested", sharded, expected_model)
+    for group in target_optim.param_groups:
+        group["lr"] = 0.5 + dist.rank
+        group["betas"] = (0.1 * (dist.rank + 1), 0.2 * (dist.rank + 1))
+        group["eps"] = 10.0 ** -(dist.rank + 3)
+        group[f"sdc_rank_{dist.rank}_only"] = dist.rank
+    options = ops.options(full_state_dict=True, broadcast_from_rank0=True)
+    model_sd, optim_sd = copy.deepcopy((expected_model, expected_optim)) if dist.rank == 0 else ({}, {})
+    if api == "set_state_dict":
+        ops.set_state_dict(target, target_optim, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+    else:
+        ops.set_optimizer_state_dict(target, target_optim, optim_sd, options=options)
+    expected = [{k: v for k, v in g.items() if k != "params"} for g in expected_optim["param_groups"]]
+    assert_same_state(_hyperparameters(target_optim), expected, what="the optimizer's own param groups after the broadcast set",
+                      where=f"rank {dist.rank} ({'sharded' if sharded else 'plain'}, {api})")
+
+
+@pytest.mark.req("SD-35", "SD-12", "SD-14")
+@pytest.mark.world_size(min=3)
+@pytest.mark.rank_timeout(PROMPTLY_S)
+def test_sharded_on_a_subgroup_without_global_rank0(dist: RankContext, impl: Adapter) -> None:
+    """A model sharded over a process group of ranks ``1 .. n-1`` (global rank 0 is in no unit and
+    only takes part in building the group, as a pipeline stage or a job of several models leaves it).
+    "Rank 0" of every option is the group's first rank, global rank 1: with ``full_state_dict`` and
+    ``cpu_offload`` it alone gets the dict, equal to the full dict every member gets without
+    ``cpu_offload``; with ``broadcast_from_rank0`` it alone holds the model and optimizer state, the
+    other members pass ``{}``, and afterwards every member's model, optimizer state and own param
+    groups are that dict's (pytorch/pytorch#63213: global ranks taken for the group's)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ops = sd_ops(impl)
+    members = list(range(1, dist.world_size))
+    mesh = DeviceMesh(dist.device.type, torch.tensor(members))  # every rank of the job builds the group
+    if dist.rank not in members:
+        return
+    where = f"global rank {dist.rank}, group of ranks {members}"
+
+    def sharded(seed: int) -> nn.Module:
+        raw = zoo.build("nested", seed=seed, device=dist.device)
+        plan = ShardingPlan("FULL_SHARD", units=child_units(raw), device=dist.device, mesh=mesh)
+        try:
+            return impl.require("sharding").shard(raw, plan)
+        except Unsupported as exc:
+            pytest.skip(f"sharding over a subgroup: {exc}")
+
+    source = sharded(0)
+    source_optim = single_group_adam(source)
+    group_rank = members.index(dist.rank)
+    for seed in range(2):
+        zoo.train_step(source, source_optim, zoo.batch("nested", seed=seed, device=dist.device).chunk(len(members))[group_rank])
+    full = ops.options(full_state_dict=True)
+    everywhere = copy.deepcopy(ops.get_state_dict(source, source_optim, options=full))
+    offloaded = ops.get_state_dict(source, source_optim, options=ops.options(full_state_dict=True, cpu_offload=True))
+    if dist.rank == members[0]:
+        assert_same_state(on_cpu_tree(offloaded[0]), on_cpu_tree(everywhere[0]), what="model state dict with cpu_offload on the group's first rank",
+                          where=where)
+        assert_same_optim(on_cpu_tree(offloaded[1]), on_cpu_tree(everywhere[1]), "optimizer state dict with cpu_offload on the group's first rank",
+                          where=where)
+    elif offloaded != ({}, {}):
+        fail("full_state_dict + cpu_offload on a member other than the group's first rank", sorted(offloaded[0])[:5], "{} for both", where)
+
+    target = sharded(1)
+    target_optim = target_optimizer([[p for p in target.parameters() if p.requires_grad]], "reversed")
+    for seed in range(5, 6):
+        zoo.train_step(target, target_optim, zoo.batch("nested", seed=seed, device=dist.device).chunk(len(members))[group_rank])
+    given = copy.deepcopy(everywhere) if dist.rank == members[0] else ({}, {})
+    ops.set_state_dict(target, target_optim, model_state_dict=given[0], optim_state_dict=given[1],
+                       options=ops.options(full_state_dict=True, broadcast_from_rank0=True))
+    got_model, got_optim = ops.get_state_dict(target, target_optim, options=full)
+    assert_same_state(got_model, everywhere[0], what="model after a broadcast from the group's first rank", where=where)
+    assert_same_optim(got_optim, everywhere[1], "optimizer after a broadcast from the group's first rank", where=where)
+    assert_same_state(_hyperparameters(target_optim), [{k: v for k, v in g.items() if k != "params"} for g in everywhere[1]["param_groups"]],
+                      what="the optimizer's own param groups after the broadcast", where=where)
+
+
+def on_cpu_tree(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, Mapping):
+        return {k: on_cpu_tree(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(on_cpu_tree(v) for v in tree)
+    return tree
+
+
 @pytest.mark.req("SD-16")
 @pytest.mark.rank_timeout(PROMPTLY_S)
 def test_set_state_dict_broadcast_with_empty_dicts_on_other_ranks(dist: RankContext, impl: Adapter) -> None:
@@ -1386,9 +1492,9 @@ def test_strict_load_into_dtensor_parameters_names_the_missing_key(dist: RankCon
 #: The error cases of sharded loads: the model and optimizer state are full dicts, except "shape-dtensor"
 #: (a DTensor of the wrong global shape in a sharded dict); "broadcast-options" breaks the options.
 SHARDED_ERROR_KINDS = ("missing", "unexpected", "shape", "shape-dtensor", "empty", "optim-missing", "optim-unexpected",
-                       "broadcast-options")
+                       "optim-state-missing", "broadcast-options")
 #: The one-rank cases: one per requirement and kind of input that reaches a collective.
-ONE_RANK_ERROR_KINDS = ("missing", "shape-dtensor", "empty", "optim-missing", "broadcast-options")
+ONE_RANK_ERROR_KINDS = ("missing", "shape-dtensor", "empty", "optim-missing", "optim-state-missing", "broadcast-options")
 
 
 def sharded_error_run(dist: RankContext, impl: Adapter, kind: str, bad_ranks: set[int]) -> None:

@@ -1,4 +1,5 @@
-"""SD: the optimizer states real training jobs leave (conformance/SPEC.md, SD-20, SD-21, SD-23..SD-25).
+"""SD: the optimizer states real training jobs leave (conformance/SPEC.md, SD-20, SD-21, SD-23..SD-25,
+SD-32, SD-33).
 
 Each requirement answers a defect users reported against ``torch.distributed.checkpoint.state_dict``
 or the trainers built on it (SPEC names the reports). The states are the ones a job really has:
@@ -8,7 +9,9 @@ or the trainers built on it (SPEC names the reports). The states are the ones a 
   is not wired in yet), or whose parameters hold accumulated gradients (a get between micro-batches);
 * an optimizer that keeps no state at all (SGD without momentum);
 * a parameter trained, then frozen while still held by the optimizer;
-* a param group without parameters (kept for a scheduler or a later ``add_param_group``).
+* a param group without parameters (kept for a scheduler or a later ``add_param_group``), or several;
+* the optimizer's own ``state_dict()`` (keyed by ids) handed to the state_dict API;
+* a dict that lists a parameter without its state (cut short, or written by a stateless optimizer).
 
 Oracle: the run that never took a state dict, trained identically on one process on the whole batch.
 Every comparison of a get or a set with what was saved is bitwise; a sharded run is compared with the
@@ -30,8 +33,18 @@ from torch import nn
 
 from conformance.adapters.sharding import ShardingPlan, child_units
 from conformance.adapters.state_dict import StateDictOps
-from conformance.asserts import assert_same_state, fail
+from conformance.asserts import (
+    assert_names_key,
+    assert_same_error_on_every_rank,
+    assert_same_state,
+    assert_unchanged,
+    check_each,
+    fail,
+    raised,
+    snapshot,
+)
 from conformance.compare import fqn_keyed_optim
+from conformance.error_cases import WHERE, bad_input_here
 from conformance.values import perturb_hyperparameters
 
 #: Ranks average gradients; only results of training are compared with this tolerance.
@@ -436,3 +449,327 @@ def test_saved_extra_keys_are_restored_into_groups_that_lack_them(impl: Any) -> 
     got = [{k: v for k, v in g.items() if k != "params"} for g in ops.get_optimizer_state_dict(target_model, target_optim)["param_groups"]]
     assert_same_state(got, [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]],
                       what="param groups after a set into groups without initial_lr", check_order=False)
+
+
+# -- SD-25: groups without parameters pair in order, wherever they sit ------------------------------------------
+
+#: Param-group layouts: "trunk" and "head" hold those modules' parameters, "empty" none. The source's
+#: two empty groups sit before and between, the target's after all the others: a load that pairs
+#: groups by position gives them the wrong hyperparameters.
+EMPTY_LAYOUTS = {"source": ("empty", "trunk", "empty", "head"), "target": ("trunk", "head", "empty", "empty")}
+
+
+def groups_in_layout(model: nn.Module, layout: tuple[str, ...], tag: str) -> list[dict[str, Any]]:
+    """Param groups of ``model`` in ``layout``; the k-th empty group has lr ``0.125 * (k + 1)``, its own
+    ``initial_lr`` and a user key naming ``tag`` and k."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups: list[dict[str, Any]] = []
+    empties = 0
+    for part in layout:
+        if part == "empty":
+            groups.append({"params": [], "lr": 0.125 * (empties + 1), "initial_lr": 0.5 + empties, "sdc_custom": f"{tag}-empty-{empties}"})
+            empties += 1
+        else:
+            head = part == "head"
+            groups.append({"params": [p for n, p in named if ("head" in n.split(".")) == head], "initial_lr": 0.1, "sdc_custom": part})
+    return groups
+
+
+def _empty_groups(optim: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups if not g["params"]]
+
+
+def _run_in_layout(impl: Any, dist: Any, seed: int, layout: tuple[str, ...], tag: str, use_orig_params: bool | None) -> Run:
+    run = make_run(impl, dist, "adamw", seed, use_orig_params=use_orig_params)
+    return Run(run.model, OPTIMIZERS["adamw"](groups_in_layout(run.model, layout, tag)), run.rows)
+
+
+def _empty_groups_round_trip(impl: Any, dist: Any, use_orig_params: bool | None) -> None:
+    __tracebackhide__ = True
+    ops: StateDictOps = impl.require("state_dict")
+    device = dist.device if dist is not None else "cpu"
+    where = where_of(dist, "adamw", use_orig_params) + f", groups {EMPTY_LAYOUTS['source']} -> {EMPTY_LAYOUTS['target']}"
+    source = _run_in_layout(impl, dist, 0, EMPTY_LAYOUTS["source"], "saved", use_orig_params)
+    for step in range(2):
+        source.step(step, device, use_aux=True)
+    options = full_options(ops, dist)
+    saved = on_cpu(ops.get_optimizer_state_dict(source.model, source.optim, options=options))
+    expected = _empty_groups(source.optim)
+    target = _run_in_layout(impl, dist, 1, EMPTY_LAYOUTS["target"], "target", use_orig_params)
+    target.step(7, device, use_aux=True)
+    perturb_hyperparameters(target.optim)
+    ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(saved), options=options)
+    assert_same_state(_empty_groups(target.optim), expected,
+                      what="the groups without parameters after the load, in order (the k-th takes the k-th saved)", where=where)
+
+
+@pytest.mark.req("SD-25")
+def test_groups_without_parameters_pair_in_order_wherever_they_sit(impl: Any) -> None:
+    """Two groups without parameters, each with its own hyperparameters and user key, sit first and
+    third in the source's groups and last in the target's: after a set the target's first empty group
+    holds the source's first one's hyperparameters and its second the second's, whatever their
+    positions (a load pairing groups by position gives them a group of parameters' or each other's)."""
+    _empty_groups_round_trip(impl, None, None)
+
+
+@pytest.mark.req("SD-25")
+@sharding_params()
+def test_sharded_groups_without_parameters_pair_in_order_wherever_they_sit(dist: Any, impl: Any, use_orig_params: bool) -> None:
+    """As the plain test, on a sharded model, full state dicts, on every rank."""
+    _empty_groups_round_trip(impl, dist, use_orig_params)
+
+
+# -- SD-32: the optimizer's own state dict, given to the state_dict API -------------------------------------------
+
+
+@pytest.mark.req("SD-32", "SD-27")
+@pytest.mark.parametrize("kind", ("adamw", "sgd-momentum", "sgd"))
+def test_optimizers_own_state_dict_loads(impl: Any, kind: str) -> None:
+    """``set_optimizer_state_dict(model, optim, optim.state_dict())``, without a process group: the
+    int-keyed dict ``torch.optim`` gives (of a source that trained every parameter) loads into another
+    seed's optimizer with other hyperparameters and state of its own, leaving exactly the source's
+    state and hyperparameters (bit for bit, no tensor shared with the dict), and training on equals the
+    run that never stopped (pytorch/pytorch#124942: the dict was refused; PR #127385)."""
+    ops: StateDictOps = impl.require("state_dict")
+    where = f"{kind}, id-keyed dict, no process group"
+    oracle = make_run(impl, None, kind, 0, use_orig_params=None)
+    source = make_run(impl, None, kind, 0, use_orig_params=None)
+    for step in range(2):
+        oracle.step(step, "cpu", use_aux=True)
+        source.step(step, "cpu", use_aux=True)
+    given = source.optim.state_dict()
+    expected = copy.deepcopy(fqn_keyed_optim(source.model, source.optim))
+    target = make_run(impl, None, kind, 1, use_orig_params=None)
+    target.step(7, "cpu", use_aux=True)
+    perturb_hyperparameters(target.optim)
+    target.model.load_state_dict(source.model.state_dict())
+    ops.set_optimizer_state_dict(target.model, target.optim, given)
+    assert_same_state(fqn_keyed_optim(target.model, target.optim), expected, what="optimizer after the set of the id-keyed dict vs the source's",
+                      where=where)
+    source.step(2, "cpu", use_aux=True)  # steps the tensors `given` holds: the target's must not move
+    for step in range(2, 4):
+        oracle.step(step, "cpu", use_aux=True)
+        target.step(step, "cpu", use_aux=True)
+    assert_matches_oracle(ops, target, oracle, None, what="after 2 more steps, vs the run that never stopped", where=where, exact=True)
+
+
+#: Ways an id-keyed dict does not fit the optimizers it is given with.
+ID_KEYED_MISFITS = ("other-groups", "two-optimizers")
+
+
+@pytest.mark.req("SD-32")
+@pytest.mark.parametrize("misfit", ID_KEYED_MISFITS)
+def test_optimizers_own_state_dict_that_does_not_fit_changes_nothing(impl: Any, misfit: str) -> None:
+    """An id-keyed dict whose groups do not fit the optimizer (one group for the target's two), or given
+    with two optimizers (its ids name positions in one: the dict of the first, which would load into it,
+    given with both) is refused with a ``ValueError`` or ``RuntimeError``, and neither optimizer nor the
+    model changes."""
+    ops: StateDictOps = impl.require("state_dict")
+    target_model = build(1)
+    trunk = [p for n, p in target_model.named_parameters() if "head" not in n.split(".")]
+    head = [p for n, p in target_model.named_parameters() if "head" in n.split(".")]
+    if misfit == "other-groups":
+        source = make_run(impl, None, "adamw", 0, use_orig_params=None)
+        source.step(0, "cpu", use_aux=True)
+        given = source.optim.state_dict()
+        optims: list[torch.optim.Optimizer] = [OPTIMIZERS["adamw"]([{"params": trunk + head}])]
+    else:
+        # The first optimizer's own dict, from another seed's model: alone, that optimizer takes it.
+        twin = build(2)
+        twin_optim = OPTIMIZERS["adamw"]([{"params": [p for n, p in twin.named_parameters() if "head" not in n.split(".")]}])
+        twin(batch(3), use_aux=True).pow(2).mean().backward()
+        twin_optim.step()
+        given = twin_optim.state_dict()
+        optims = [OPTIMIZERS["adamw"]([{"params": trunk}]), OPTIMIZERS["adamw"]([{"params": head}])]
+    target_model(batch(7), use_aux=True).pow(2).mean().backward()
+    for optim in optims:
+        optim.step()
+    before = snapshot(model=target_model, optims=optims)
+    exc = raised(lambda: ops.set_optimizer_state_dict(target_model, optims if len(optims) > 1 else optims[0], copy.deepcopy(given)))
+    where = f"id-keyed dict, {misfit}"
+
+    def raises() -> None:
+        if not isinstance(exc, (ValueError, RuntimeError)):
+            fail(f"{where}: the set", "a normal return" if exc is None else f"{type(exc).__name__}: {exc}", "ValueError or RuntimeError")
+
+    check_each(raises=raises, unchanged=lambda: assert_unchanged(before, where=where, model=target_model, optims=optims))
+
+
+# -- SD-33: a parameter listed without state ----------------------------------------------------------------------
+
+#: What a cut-short dict lacks: every state entry of ``head.weight`` (its moments, its step), or every
+#: state entry of every parameter (the ``state`` section gone, the groups kept).
+DROPS = ("one-parameter", "every-parameter")
+
+
+def without_state(saved: Mapping[str, Any], *, flatten: bool, drop: str) -> dict[str, Any]:
+    """``saved`` (nested or flattened) without the state ``drop`` names; its groups list every parameter."""
+    if flatten:
+        prefix = "state.head.weight." if drop == "one-parameter" else "state."
+        return {k: v for k, v in saved.items() if not k.startswith(prefix)}
+    state = {fqn: entry for fqn, entry in saved["state"].items() if drop == "one-parameter" and fqn != "head.weight"}
+    return {"state": state, "param_groups": saved["param_groups"]}
+
+
+def names_a_parameter(message: str, fqns: list[str]) -> bool:
+    for fqn in fqns:
+        try:
+            assert_names_key(message, fqn)
+        except pytest.fail.Exception:
+            continue
+        return True
+    return False
+
+
+def check_missing_state_error(exc: BaseException | None, fqns: list[str], where: str) -> None:
+    """``exc`` is a ``RuntimeError`` naming one of ``fqns`` whole (the parameters without state)."""
+    __tracebackhide__ = True
+    if not isinstance(exc, RuntimeError):
+        fail(f"{where}: a strict set of a dict that lists a parameter without its state",
+             "a normal return" if exc is None else f"{type(exc).__name__}: {exc}", "RuntimeError naming the parameter")
+    if not names_a_parameter(str(exc), fqns):
+        fail(f"{where}: the error names no parameter without state", str(exc)[:600], f"one of {fqns} named whole")
+
+
+def _trainable_fqns(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+@pytest.mark.req("SD-33", "SD-8")
+@pytest.mark.parametrize("drop", DROPS)
+@pytest.mark.parametrize("flatten", (False, True), ids=("nested", "flattened"))
+@pytest.mark.parametrize("kind", ("adamw", "sgd-momentum"))
+def test_missing_state_the_optimizer_keeps_is_an_error(impl: Any, kind: str, flatten: bool, drop: str) -> None:
+    """A dict of an optimizer that keeps state for every trainable parameter (AdamW's moments, SGD's
+    momentum buffer), cut short: ``head.weight`` (or every parameter) still listed in its group, its
+    state gone. A strict set raises a ``RuntimeError`` naming the parameter and changes nothing, not
+    the state nor the hyperparameters (pytorch/pytorch#192224: the flattened form loaded and dropped the
+    moments silently; torch 2.13 refuses the nested form)."""
+    ops: StateDictOps = impl.require("state_dict")
+    where = f"{kind}, {'flattened' if flatten else 'nested'}, state of {drop} dropped"
+    options = ops.options(flatten_optimizer_state_dict=flatten)
+    source = make_run(impl, None, kind, 0, use_orig_params=None)
+    for step in range(2):
+        source.step(step, "cpu", use_aux=True)
+    bad = without_state(ops.get_optimizer_state_dict(source.model, source.optim, options=options), flatten=flatten, drop=drop)
+    target = make_run(impl, None, kind, 1, use_orig_params=None)
+    target.step(7, "cpu", use_aux=True)
+    perturb_hyperparameters(target.optim)
+    before = snapshot(model=target.model, optim=target.optim)
+    exc = raised(lambda: ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(bad), options=options))
+    fqns = ["head.weight"] if drop == "one-parameter" else _trainable_fqns(target.model)
+    check_each(raises=lambda: check_missing_state_error(exc, fqns, where),
+               unchanged=lambda: assert_unchanged(before, where=where, model=target.model, optim=target.optim))
+
+
+@pytest.mark.req("SD-33", "SD-23")
+@pytest.mark.parametrize("case", ("stateless-into-momentum", "momentum-into-stateless"))
+def test_missing_state_follows_the_loaded_hyperparameters(impl: Any, case: str) -> None:
+    """Whether a listed parameter without state is an error depends on the optimizer with the loaded
+    hyperparameters, not on the target's own nor on the dict alone. "stateless-into-momentum": SGD
+    without momentum saves no state; a strict set into SGD with momentum (which holds buffers) loads
+    ``momentum=0`` and leaves no state entry at all; training on equals the run that never stopped.
+    "momentum-into-stateless": SGD with momentum's dict with every state entry gone, into SGD without
+    momentum: with the loaded ``momentum=0.9`` the buffers would be dropped, so a strict set raises
+    naming a parameter and changes nothing."""
+    ops: StateDictOps = impl.require("state_dict")
+    source_kind, target_kind = ("sgd", "sgd-momentum") if case == "stateless-into-momentum" else ("sgd-momentum", "sgd")
+    oracle = make_run(impl, None, source_kind, 0, use_orig_params=None)
+    source = make_run(impl, None, source_kind, 0, use_orig_params=None)
+    for step in range(2):
+        oracle.step(step, "cpu", use_aux=True)
+        source.step(step, "cpu", use_aux=True)
+    saved = without_state(ops.get_optimizer_state_dict(source.model, source.optim), flatten=False, drop="every-parameter")
+    target = make_run(impl, None, target_kind, 1, use_orig_params=None)
+    target.step(7, "cpu", use_aux=True)
+    target.model.load_state_dict(source.model.state_dict())
+    if case == "momentum-into-stateless":
+        before = snapshot(model=target.model, optim=target.optim)
+        exc = raised(lambda: ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(saved)))
+        check_each(raises=lambda: check_missing_state_error(exc, _trainable_fqns(target.model), case),
+                   unchanged=lambda: assert_unchanged(before, where=case, model=target.model, optim=target.optim))
+        return
+    ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(saved))
+    _assert_no_state_entries(target.optim, case)
+    for step in range(2, 4):
+        oracle.step(step, "cpu", use_aux=True)
+        target.step(step, "cpu", use_aux=True)
+    assert_matches_oracle(ops, target, oracle, None, what="after 2 more steps, vs the run that never stopped", where=case, exact=True)
+
+
+@pytest.mark.req("SD-33")
+@pytest.mark.rank_timeout(60)
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("flatten", (False, True), ids=("nested", "flattened"))
+@sharding_params()
+def test_sharded_missing_state_is_an_error(dist: Any, impl: Any, use_orig_params: bool, flatten: bool, where: str) -> None:
+    """As the plain test, on a sharded model (full dicts, nested or flattened) whose ``head`` unit
+    flattens ``head.weight`` and ``head.bias`` into one flat parameter without ``use_orig_params``:
+    the dict lacks ``head.weight``'s state only (on every rank, or on the last rank while the others
+    get the whole dict). Every rank raises the same ``RuntimeError`` naming it, and no rank changes
+    anything (a flat parameter half of whose state is missing must not be filled with zeros)."""
+    ops: StateDictOps = impl.require("state_dict")
+    options = full_options(ops, dist, flatten_optimizer_state_dict=flatten)
+    source = make_run(impl, dist, "adamw", 0, use_orig_params=use_orig_params)
+    for step in range(2):
+        source.step(step, dist.device, use_aux=True)
+    good = ops.get_optimizer_state_dict(source.model, source.optim, options=options)
+    given = without_state(good, flatten=flatten, drop="one-parameter") if bad_input_here(dist, where) else good
+    target = make_run(impl, dist, "adamw", 1, use_orig_params=use_orig_params)
+    target.step(7, dist.device, use_aux=True)
+    perturb_hyperparameters(target.optim)
+    before = snapshot(model=target.model, optim=target.optim)
+    exc = raised(lambda: ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(given), options=options))
+    label = f"{where_of(dist, 'adamw', use_orig_params)}, {'flattened' if flatten else 'nested'}, head.weight's state dropped on {where}"
+
+    def raises() -> None:
+        assert_same_error_on_every_rank(dist, exc, what=label)
+        check_missing_state_error(exc, ["head.weight"], label)
+
+    check_each(raises=raises, unchanged=lambda: assert_unchanged(before, where=label, model=target.model, optim=target.optim))
+
+
+# -- SD-36: scheduler state with int-keyed containers --------------------------------------------------------------
+
+
+def _scheduled(milestones: list[int], gamma: float, epochs: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.MultiStepLR]:
+    optim = torch.optim.SGD(build(0).parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optim, milestones=milestones, gamma=gamma)
+    for _ in range(epochs):
+        optim.step()
+        scheduler.step()
+    return optim, scheduler
+
+
+@pytest.mark.req("SD-36")
+def test_scheduler_state_with_a_counter_round_trips_through_a_checkpoint(impl: Any, tmp_path: Any) -> None:
+    """``MultiStepLR``'s state holds ``milestones``, a ``collections.Counter`` keyed by int epochs (a
+    milestone listed twice counts 2). Saved in a checkpoint beside the training state and loaded into
+    the state dict of a scheduler built from the same milestones, at another epoch and with another
+    count and gamma: ``milestones`` is still a ``Counter`` whose keys are ints (no ``'7'`` beside
+    ``7``), every value is the saved one, and the loaded scheduler then gives the source's learning
+    rate at every later epoch (its optimizer loaded too, as a resume does), and the loaded state saves
+    again (pytorch/pytorch#153842: ``'7'`` beside ``7``, and the next save failed on the duplicate)."""
+    ops = impl.require("checkpoint")
+    _, source = _scheduled([3, 7, 7], 0.5, epochs=4)
+    saved = copy.deepcopy(source.state_dict())
+    ops.save({"scheduler": source.state_dict()}, tmp_path / "ckpt")
+    target_optim, target = _scheduled([3, 7], 0.9, epochs=1)
+    state = {"scheduler": target.state_dict()}
+    ops.load(state, tmp_path / "ckpt")
+    loaded = state["scheduler"]
+    milestones: Any = loaded.get("milestones")
+    if type(milestones) is not type(saved["milestones"]) or sorted(map(repr, milestones)) != sorted(map(repr, saved["milestones"])):
+        fail("MultiStepLR milestones after the load", f"{type(milestones).__name__} {milestones!r}",
+             f"{type(saved['milestones']).__name__} {saved['milestones']!r} (int keys)")
+    assert_same_state(loaded, saved, what="scheduler state after the load vs the saved one")
+    ops.save({"scheduler": loaded}, tmp_path / "again")
+    source_optim = source.optimizer
+    target_optim.load_state_dict(copy.deepcopy(source_optim.state_dict()))  # the learning rate it had (not the point here)
+    target.load_state_dict(loaded)
+    for epoch in range(4, 10):
+        if target.get_last_lr() != source.get_last_lr():
+            fail("learning rate of the loaded scheduler", target.get_last_lr(), source.get_last_lr(), f"epoch {epoch}")
+        for optim, scheduler in ((source_optim, source), (target_optim, target)):
+            optim.step()
+            scheduler.step()

@@ -33,6 +33,7 @@ class Defect:
     new: str
     tests: str  #: a pytest ``-k`` expression over ``test_file``
     test_file: str = "conformance/test_async_save.py"  #: relative to the checkout
+    world_size: str = ""  #: the world sizes its tests need, when not those of ``--world-size``
 
 
 DEFECTS: tuple[Defect, ...] = (
@@ -217,25 +218,96 @@ _CHECKPOINT_LOADING = (
 )
 DEFECTS = DEFECTS + _CHECKPOINT_LOADING
 
+#: Optimizer-state rules (SPEC SD-25, SD-32, SD-33, OS-16): what a set makes of the dict it is given.
+_OPTIMIZER_STATE = (
+    Defect(
+        "optimizer-own-dict-refused", "pytorch/pytorch#124942",
+        "reference/state_dict/api.py",
+        "        if _optim.is_id_keyed(osd):\n", "        if False:\n",
+        "own_state_dict", test_file="conformance/test_training_states.py",
+    ),
+    Defect(
+        "missing-state-dropped-silently", "pytorch/pytorch#192224",
+        "reference/state_dict/optim_fqn.py",
+        "            if p in stateful:\n", "            if False:\n",
+        "missing_state or optim-state-missing", test_file="conformance/test_training_states.py",
+    ),
+    Defect(
+        "missing-state-judged-by-the-targets-hyperparameters", "pytorch/pytorch#192225",
+        "reference/state_dict/optim_fqn.py",
+        "            home[p].update({k: v for k, v in hyper_of[p].items() if k != PARAMS})\n", "            pass\n",
+        "missing_state", test_file="conformance/test_training_states.py",
+    ),
+    Defect(
+        "empty-groups-paired-by-position", "pytorch/pytorch#143828",
+        "reference/state_dict/optim_fqn.py",
+        "    return dict(zip(local, saved))\n", "    return {(oi, gi): gi for oi, gi in local if gi < len(loaded_groups)}\n",
+        "without_parameters", test_file="conformance/test_training_states.py",
+    ),
+    Defect(
+        "ranks-keep-their-own-hyperparameters", "horovod/horovod#526",
+        "reference/fsdp/optim_keys.py",
+        '        loaded = copy.deepcopy({k: v for k, v in saved_groups[home].items() if k != "params"})\n',
+        '        loaded = copy.deepcopy({k: v for k, v in (saved_groups[home] if dist.get_rank() == 0 else group).items() if k != "params"})\n',
+        "rank0s_hyperparameters", test_file="conformance/test_state_dict.py",
+    ),
+    Defect(  # its test needs a rank outside the group: run with --world-size 4
+        "coordinator-is-global-rank-0", "pytorch/pytorch#63213",
+        "reference/comm.py",
+        "    return group_rank(group) == 0\n", "    return group is None or dist.get_rank() == 0\n",
+        "subgroup_without", test_file="conformance/test_state_dict.py", world_size="4",
+    ),
+    Defect(
+        "int-keys-loaded-as-text", "pytorch/pytorch#153842",
+        "reference/checkpoint/flatten.py",
+        "    container[native_path[-1]] = value\n",
+        "    container[native_path[-1] if isinstance(container, list) else str(native_path[-1])] = value\n",
+        "counter", test_file="conformance/test_training_states.py",
+    ),
+    Defect(
+        "state-shape-checked-by-numel", "pytorch/pytorch#113673",
+        "reference/fsdp/optim_keys.py",
+        "        if _is_positional(value) and tuple(value.shape) != tuple(shape if shape is not None else full_shape(fqn)):\n",
+        "        if _is_positional(value) and value.numel() != torch.Size(shape if shape is not None else full_shape(fqn)).numel():\n",
+        "same-numel", test_file="conformance/test_optim_state.py",
+    ),
+    Defect(
+        "sharded-state-shape-checked-by-numel", "pytorch/pytorch#113673",
+        "reference/fsdp/optim_keys.py",
+        "        if value.dim() > 0 and tuple(value.shape) != tuple(shapes[fqn]):\n",
+        "        if value.dim() > 0 and value.numel() != shapes[fqn].numel():\n",
+        "same-numel and sharded", test_file="conformance/test_optim_state.py",
+    ),
+)
+
+DEFECTS = DEFECTS + _OPTIMIZER_STATE
+
+
+#: pytest's exit status when tests ran and some failed (``pytest.ExitCode.TESTS_FAILED``).
+TESTS_FAILED = 1
+
 
 def _run(defect: Defect, world_sizes: str, timeout: float) -> tuple[str, str]:
     scratch = Path(tempfile.mkdtemp(prefix=f"defect-{defect.key}-"))
     try:
-        shutil.copytree(REPO_ROOT, scratch / "repo", ignore=shutil.ignore_patterns(".venv*", ".git", ".asv", ".mutation", "__pycache__"))
+        shutil.copytree(REPO_ROOT, scratch / "repo", ignore=shutil.ignore_patterns(".venv*", ".git", ".asv", ".mutation", ".matrix", ".stress", "__pycache__"))
         target = scratch / "repo" / defect.file
         text = target.read_text()
         if text.count(defect.old) != 1:
             return "error", f"the text to replace occurs {text.count(defect.old)} times in {defect.file}"
         target.write_text(text.replace(defect.old, defect.new))
-        command = [sys.executable, "-m", "pytest", defect.test_file, "--impl", "reference", "--world-size", world_sizes,
+        command = [sys.executable, "-m", "pytest", defect.test_file, "--impl", "reference", "--world-size", defect.world_size or world_sizes,
                    "-k", defect.tests, "-q", "-x", "-p", "no:cacheprovider", "--rank-timeout", "60"]
         try:
             done = subprocess.run(command, cwd=scratch / "repo", capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            return "caught", f"the run outlived {timeout:.0f} s"
+            return "caught", f"the run outlived {timeout:.0f} s"  # a hang the rank timeout did not cut
         lines = done.stdout.strip().splitlines() or [""]
         got = next((line.strip() for line in lines if line.strip().startswith(("got:", "E ", "Failed:"))), "")
-        return ("caught" if done.returncode != 0 else "survived"), f"{lines[-1]}; {got[:160]}".strip("; ")
+        detail = f"{lines[-1]}; {got[:160]}".strip("; ")
+        if done.returncode not in (0, TESTS_FAILED):  # no test selected, a usage or collection error
+            return "error", f"pytest exit status {done.returncode}: {detail}"
+        return ("caught" if done.returncode else "survived"), detail
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -389,11 +389,14 @@ def set_optimizer_state_dict(
     *,
     options: StateDictOptions | None = None,
 ) -> None:
-    """Load an FQN-keyed optimizer state dict (nested or flattened) into ``optimizers``.
+    """Load an FQN-keyed optimizer state dict (nested or flattened) into ``optimizers``; or, with one
+    optimizer of a model that is not sharded, that optimizer's own ``state_dict()`` (keyed by parameter
+    ids, read as ``Optimizer.load_state_dict`` reads it, then loaded as the FQN-keyed dict it stands for).
 
     Every optimizer's part is checked before any optimizer is changed. Under ``strict``, a trainable
-    parameter without state, or state for an FQN that no given optimizer holds, is a ``RuntimeError``
-    naming the FQN; otherwise such parameters keep their current state."""
+    parameter without saved state that the optimizer holds state for, a parameter in no loaded group,
+    or state for an FQN that no given optimizer holds, is a ``RuntimeError`` naming the FQN; otherwise
+    such parameters keep their current state."""
     options = options or StateDictOptions()
     with _gc_paused():
         backend = _backend.for_model(model)
@@ -420,7 +423,12 @@ def _plan_optim_load(
     def check() -> OptimizerStateDict:
         if not osd:
             raise RuntimeError("optimizer state dict is empty; nothing was loaded")
-        nested = osd if _optim.STATE in osd else _optim.unflatten(osd, backend.param_fqns(model))
+        if _optim.is_id_keyed(osd):
+            # The optimizer's own dict (pytorch/pytorch#124942): read as the FQN-keyed dict it stands for,
+            # then loaded, and checked, exactly like one.
+            nested = backend.from_ids(model, optims, osd)
+        else:
+            nested = osd if _optim.STATE in osd else _optim.unflatten(osd, backend.param_fqns(model))
         backend.check_optim_load(model, optims, nested, options)
         return nested
 

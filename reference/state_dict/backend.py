@@ -75,6 +75,10 @@ class ModelBackend(Protocol):
         before :meth:`plan_optim_load`, which may gather)."""
         ...
 
+    def from_ids(self, model: nn.Module, optims: tuple[torch.optim.Optimizer, ...], osd: dict[str, Any]) -> dict[str, Any]:
+        """The FQN-keyed dict an optimizer's own (id-keyed) state dict stands for, or ``ValueError``."""
+        ...
+
     def plan_optim_load(
         self,
         model: nn.Module,
@@ -187,6 +191,9 @@ class PlainBackend:
     ) -> None:
         """Nothing beyond :meth:`plan_optim_load`, which is local here."""
 
+    def from_ids(self, model: nn.Module, optims: tuple[torch.optim.Optimizer, ...], osd: dict[str, Any]) -> dict[str, Any]:
+        return _optim.from_ids(optims, osd, self.param_fqns(model))
+
     def plan_optim_load(
         self,
         model: nn.Module,
@@ -284,6 +291,13 @@ class ShardedBackend(PlainBackend):
                 slots.setdefault(info.flat_param, {}).setdefault(info.param_indices[fqn], []).append(fqn)
         flat_slots = {p: list(by_index.values()) for p, by_index in slots.items()}
         _optim.check_keys(optims, osd, self.param_fqns(model), strict=options.strict, flat_slots=flat_slots)
+
+    def from_ids(self, model: nn.Module, optims: tuple[torch.optim.Optimizer, ...], osd: dict[str, Any]) -> dict[str, Any]:
+        # Its ids name this rank's flat shards (or parts of parameters): local state, not a model's.
+        raise ValueError(
+            "an optimizer's own state dict (keyed by parameter ids) of a sharded model holds one rank's shards: "
+            "load the FQN-keyed dict of get_optimizer_state_dict instead; nothing was loaded"
+        )
 
     def plan_optim_load(
         self,

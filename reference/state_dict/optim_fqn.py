@@ -9,6 +9,9 @@ parameters were split among optimizers and groups. A *flattened* one is a single
 (``state.<fqn>.ema.fast``, ``state.<fqn>.history.0``); un-flattening reads an all-digit segment as
 an int key, as optimizer state uses ints (the text form cannot tell ``0`` from ``"0"``).
 
+An *id-keyed* dict given to a set is read as the FQN-keyed dict it stands for in its optimizer
+(:func:`from_ids`); after that there is one path, with one set of checks, for every form.
+
 Nothing here talks to a process group.
 """
 
@@ -24,7 +27,10 @@ __all__ = [
     "PG",
     "PARAMS",
     "init_state",
+    "stateful_after_load",
     "to_fqn_keyed",
+    "is_id_keyed",
+    "from_ids",
     "plan_load",
     "check_keys",
     "empty_group_matches",
@@ -95,6 +101,42 @@ def init_state(optim: torch.optim.Optimizer, only: Collection[torch.Tensor] | No
                 entry[name] = type(counter)(0)
 
 
+def stateful_after_load(optim: torch.optim.Optimizer, hyper_of: Mapping[torch.Tensor, Mapping[str, Any]]) -> set[torch.Tensor]:
+    """The parameters of ``optim`` among ``hyper_of`` for which ``optim`` holds state once its groups have
+    the hyperparameters ``hyper_of`` gives them (those of the loaded groups: SGD keeps a momentum
+    buffer only with ``momentum > 0``). Frozen parameters hold none (nothing steps them).
+
+    Decided by the optimizer itself, not by a list of classes: its state is materialized as
+    :func:`init_state` does, with those hyperparameters, and everything is then put back as it was:
+    every state entry (in its order), hyperparameter and gradient. Local: no collective."""
+    candidates = [p for p in hyper_of if p.requires_grad]
+    if not candidates:
+        return set()
+    home = {p: group for group in optim.param_groups for p in group[PARAMS]}
+    groups_before = [dict(group) for group in optim.param_groups]
+    state_before = list(optim.state.items())
+    try:
+        for p in candidates:
+            optim.state.pop(p, None)  # materialized afresh, under the loaded hyperparameters
+            home[p].update({k: v for k, v in hyper_of[p].items() if k != PARAMS})
+        init_state(optim, only=set(candidates))
+        return {p for p in candidates if optim.state.get(p)}
+    finally:
+        optim.state.clear()
+        optim.state.update(state_before)
+        for group, before in zip(optim.param_groups, groups_before):
+            group.clear()
+            group.update(before)
+
+
+def _missing_state_error(fqn: str, oi: int, optim: torch.optim.Optimizer) -> RuntimeError:
+    return RuntimeError(
+        f"Missing optimizer state for parameter {fqn!r} of optimizers[{oi}]: it requires gradients and "
+        f"{type(optim).__name__} with the loaded hyperparameters holds state for it, but the optimizer state dict has none "
+        "(strict=False keeps its current state); nothing was loaded"
+    )
+
+
 def _key_of(param: torch.Tensor, param_fqns: ParamFQNs, where: str) -> str:
     names = param_fqns.get(param)
     if not names:
@@ -123,6 +165,64 @@ def to_fqn_keyed(optims: tuple[torch.optim.Optimizer, ...], param_fqns: ParamFQN
         for group in osd[PG]:
             groups.append({**group, PARAMS: [fqn_of_id[pid] for pid in group[PARAMS]]})
     return {STATE: state, PG: groups}
+
+
+def _is_id(name: Any) -> bool:
+    return isinstance(name, int) and not isinstance(name, bool)
+
+
+def is_id_keyed(osd: Mapping[str, Any]) -> bool:
+    """Whether ``osd`` is an optimizer's own state dict (``Optimizer.state_dict()``): its param groups
+    list parameters by integer id (a dict without a parameter anywhere is not told apart, and is read
+    as FQN-keyed: both forms load it alike)."""
+    groups, state = osd.get(PG), osd.get(STATE)
+    if not isinstance(groups, list) or not isinstance(state, Mapping):
+        return False
+    names = [n for g in groups if isinstance(g, Mapping) for n in g.get(PARAMS, ())] + list(state)
+    return any(_is_id(n) for n in names)
+
+
+def from_ids(optims: tuple[torch.optim.Optimizer, ...], osd: Mapping[str, Any], param_fqns: ParamFQNs) -> dict[str, Any]:
+    """The FQN-keyed dict that the id-keyed ``osd`` stands for in the one optimizer given, read as
+    ``Optimizer.load_state_dict`` reads it: saved group ``k`` is the optimizer's group ``k``, and the
+    ids it lists are that group's parameters in order. ``ValueError`` (nothing is loaded) when it does
+    not fit: several optimizers (ids name positions in one), another number of groups or of
+    parameters in a group, state for an id that no group lists, ids mixed with FQNs."""
+    if len(optims) != 1:
+        raise ValueError(
+            f"an optimizer's own state dict (keyed by parameter ids) names parameters by their position in one optimizer, "
+            f"but {len(optims)} optimizers were given: load it into its own optimizer, or pass the FQN-keyed dict of "
+            "get_optimizer_state_dict; nothing was loaded"
+        )
+    (optim,) = optims
+    saved_groups: list[Mapping[str, Any]] = osd[PG]
+    if len(saved_groups) != len(optim.param_groups):
+        raise ValueError(
+            f"optimizer state dict keyed by ids: {len(saved_groups)} param groups, but optimizers[0] has "
+            f"{len(optim.param_groups)}; nothing was loaded"
+        )
+    fqn_of_id: dict[int, str] = {}
+    for gi, (saved, group) in enumerate(zip(saved_groups, optim.param_groups)):
+        ids = list(saved.get(PARAMS, ()))
+        odd = [i for i in ids if not _is_id(i)]
+        if odd:
+            raise ValueError(f"optimizer state dict keyed by ids: param group {gi} also lists {odd[:3]}, which are not ids; nothing was loaded")
+        if len(ids) != len(group[PARAMS]):
+            raise ValueError(
+                f"optimizer state dict keyed by ids: param group {gi} lists {len(ids)} parameters, but group {gi} of "
+                f"optimizers[0] holds {len(group[PARAMS])}; nothing was loaded"
+            )
+        for pid, p in zip(ids, group[PARAMS]):
+            fqn_of_id[pid] = _key_of(p, param_fqns, "optimizers[0]")
+    unknown = [pid for pid in osd[STATE] if pid not in fqn_of_id]
+    if unknown:
+        raise ValueError(
+            f"optimizer state dict keyed by ids: state for {unknown[:10]}, which no param group lists; nothing was loaded"
+        )
+    return {
+        STATE: {fqn_of_id[pid]: entry for pid, entry in osd[STATE].items()},
+        PG: [{**g, PARAMS: [fqn_of_id[pid] for pid in g.get(PARAMS, ())]} for g in saved_groups],
+    }
 
 
 def _copied(entry: Any) -> Any:
@@ -162,16 +262,19 @@ def plan_load(
     """Check an FQN-keyed ``osd`` against ``optims`` and return the function that loads it.
 
     A parameter listed in a loaded param group takes that group's hyperparameters and its saved state;
-    saved state of a frozen parameter is loaded like any other. Without saved state, under ``strict``
-    (the dict is the whole truth) it has no state after the load, as ``Optimizer.load_state_dict``
-    leaves it (a stateless optimizer); otherwise it keeps its own (a partial dict). Groups are matched by their parameters, not
-    by position, so the optimizers may be split differently than when the dict was saved; groups
-    without parameters by :func:`empty_group_matches`; a tied parameter may be keyed by any of its FQNs.
+    saved state of a frozen parameter is loaded like any other. A parameter listed without saved
+    state: under ``strict`` (the dict is the whole truth) it is an error exactly when the optimizer,
+    with the loaded hyperparameters, holds state for it (:func:`stateful_after_load`: Adam's moments
+    would be dropped silently), and otherwise it has no state after the load (a stateless optimizer,
+    or a frozen parameter); without ``strict`` it keeps its own (a partial dict). Groups are matched by
+    their parameters, not by position, so the optimizers may be split differently than when the dict
+    was saved; groups without parameters by :func:`empty_group_matches`; a tied parameter may be keyed
+    by any of its FQNs.
 
     Raises before returning (nothing is changed): ``RuntimeError`` naming the FQN for, under
-    ``strict``, a parameter in no loaded group and state for an FQN that no optimizer holds (otherwise
-    the first keeps its current state and group, the second is ignored); ``ValueError`` for a
-    malformed dict."""
+    ``strict``, a parameter in no loaded group, a missing state as above, and state for an FQN that no
+    optimizer holds (otherwise the first keeps its current state and group, the last is ignored);
+    ``ValueError`` for a malformed dict."""
     if not isinstance(osd.get(STATE), Mapping) or not isinstance(osd.get(PG), list):
         raise ValueError(f"optimizer state dict: expected {STATE!r} (dict) and {PG!r} (list), got keys {sorted(osd)}")
     loaded_state: Mapping[str, Any] = osd[STATE]
@@ -189,6 +292,7 @@ def plan_load(
 
     held: set[str] = set()
     new_dicts: list[dict[str, Any]] = []
+    unsaved: list[dict[torch.Tensor, tuple[str, Mapping[str, Any]]]] = [{} for _ in optims]  # listed, no saved state
     for oi, optim in enumerate(optims):
         current = optim.state_dict()
         state: dict[int, Any] = {}
@@ -221,6 +325,8 @@ def plan_load(
                     state[pid] = _copied(state_of[fqn])
                 elif (loaded_gi is None or not strict) and pid in current[STATE]:
                     state[pid] = current[STATE][pid]  # not given: left as it is (SD-7)
+                elif loaded_gi is not None:
+                    unsaved[oi][p] = (fqn, loaded_groups[loaded_gi])
                 ids.append(pid)
                 pid += 1
             if chosen is not None:
@@ -236,12 +342,26 @@ def plan_load(
             f"optimizer state dict: state for {', '.join(repr(n) for n in unexpected[:10])}, "
             "which no given optimizer holds; nothing was loaded"
         )
+    if strict:
+        _check_unsaved_state(optims, unsaved)
 
     def apply() -> None:
         for optim, new in zip(optims, new_dicts):
             optim.load_state_dict(new)
 
     return apply
+
+
+def _check_unsaved_state(
+    optims: tuple[torch.optim.Optimizer, ...], unsaved: list[dict[torch.Tensor, tuple[str, Mapping[str, Any]]]]
+) -> None:
+    """Under ``strict``: ``unsaved[oi]`` maps each parameter of ``optims[oi]`` that a loaded group lists
+    without saved state to (its FQN, that group); one the optimizer would hold state for is an error."""
+    for oi, (optim, params) in enumerate(zip(optims, unsaved)):
+        stateful = stateful_after_load(optim, {p: group for p, (_, group) in params.items()})
+        for p, (fqn, _) in params.items():
+            if p in stateful:
+                raise _missing_state_error(fqn, oi, optim)
 
 
 def check_keys(
@@ -257,30 +377,36 @@ def check_keys(
     of its names), state for an FQN that no optimizer holds, or groups without parameters that do not
     pair up, a ``RuntimeError`` naming them. ``flat_slots`` gives, for a flat parameter, the names of
     each parameter it flattens (first name, then tied aliases): each must be listed. A parameter listed
-    without saved state is not an error (it has none after the load)."""
+    without saved state (for a flat parameter: any of the parameters it flattens) is an error exactly
+    when the optimizer would hold state for it, as in :func:`plan_load`."""
     if not isinstance(osd.get(STATE), Mapping) or not isinstance(osd.get(PG), list):
         raise ValueError(f"optimizer state dict: expected {STATE!r} (dict) and {PG!r} (list), got keys {sorted(osd)}")
     if not strict:
         return
     empty_group_matches(optims, osd[PG], strict=True)
-    listed = {name for group in osd[PG] for name in group.get(PARAMS, ())}
+    group_of = {name: group for group in osd[PG] for name in group.get(PARAMS, ())}
     held: set[str] = set()
+    unsaved: list[dict[torch.Tensor, tuple[str, Mapping[str, Any]]]] = [{} for _ in optims]
     for oi, optim in enumerate(optims):
         for group in optim.param_groups:
             for p in group[PARAMS]:
                 slots = (flat_slots or {}).get(p) or [param_fqns.get(p) or [_key_of(p, param_fqns, f"optimizers[{oi}]")]]
                 for names in slots:
                     held.update(names)
-                    if not any(n in listed for n in names):
+                    home = next((group_of[n] for n in names if n in group_of), None)
+                    if home is None:
                         raise RuntimeError(
                             f"optimizer state dict: parameter {names[0]!r} of optimizers[{oi}] is in no loaded param group; nothing was loaded"
                         )
+                    if p not in unsaved[oi] and not any(n in osd[STATE] for n in names):
+                        unsaved[oi][p] = (names[0], home)
     unexpected = [name for name in osd[STATE] if name not in held]
     if unexpected:
         raise RuntimeError(
             f"optimizer state dict: state for {', '.join(repr(n) for n in unexpected[:10])}, "
             "which no given optimizer holds; nothing was loaded"
         )
+    _check_unsaved_state(optims, unsaved)
 
 
 def part_of(

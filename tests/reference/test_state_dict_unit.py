@@ -5,6 +5,8 @@ Single process, no process group. The behaviour users see is checked by conforma
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -89,3 +91,60 @@ def test_flatten_unflatten_round_trip() -> None:
     assert [g["params"] for g in back["param_groups"]] == [g["params"] for g in nested["param_groups"]]
     with pytest.raises(ValueError, match="state.9.weight"):
         optim_sd.unflatten({"state.9.weight.step": 1}, fqns)
+
+
+def _stepped(optim_class: Any, **hyper: Any) -> tuple[nn.Sequential, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    groups = [{"params": list(model[0].parameters()), "sdc_key": "a"}, {"params": list(model[1].parameters())}]
+    optim: torch.optim.Optimizer = optim_class(groups, lr=0.1, **hyper)
+    model(torch.randn(4, 3)).sum().backward()
+    optim.step()
+    model(torch.randn(4, 3)).sum().backward()  # gradients held while the helper runs
+    return model, optim
+
+
+def _everything(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[object, ...]:
+    state = [(id(p), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}) for p, s in optim.state.items()]
+    groups = [{k: (list(map(id, v)) if k == "params" else v) for k, v in g.items()} for g in optim.param_groups]
+    return state, groups, [p.grad.clone() for p in model.parameters()], [p.detach().clone() for p in model.parameters()]
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return bool(torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize(("optim_class", "hyper", "loaded", "holds"), [
+    (torch.optim.AdamW, {}, {}, True),
+    (torch.optim.SGD, {"momentum": 0.9}, {}, True),
+    (torch.optim.SGD, {}, {}, False),
+    (torch.optim.SGD, {}, {"momentum": 0.9}, True),  # the loaded hyperparameters decide
+    (torch.optim.SGD, {"momentum": 0.9}, {"momentum": 0.0}, False),
+])
+def test_stateful_after_load_decides_by_the_loaded_hyperparameters_and_changes_nothing(
+        optim_class: Any, hyper: dict[str, Any], loaded: dict[str, Any], holds: bool) -> None:
+    model, optim = _stepped(optim_class, **hyper)
+    before = _everything(model, optim)
+    weight = optim.param_groups[1]["params"][0]  # 1.weight
+    group = {**{k: v for k, v in optim.param_groups[1].items() if k != "params"}, **loaded}
+    assert optim_sd.stateful_after_load(optim, {weight: group}) == ({weight} if holds else set())
+    assert _same(_everything(model, optim), before), "the optimizer, its gradients or the parameters changed"
+
+
+def test_from_ids_reads_groups_by_position_and_refuses_what_does_not_fit() -> None:
+    model, optim = _stepped(torch.optim.AdamW)
+    fqns = named_parameter_fqns(model)
+    got = optim_sd.from_ids((optim,), optim.state_dict(), fqns)
+    assert [g["params"] for g in got["param_groups"]] == [["0.weight", "0.bias"], ["1.weight", "1.bias"]]
+    assert sorted(got["state"]) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    one_group = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="2 param groups"):
+        optim_sd.from_ids((one_group,), optim.state_dict(), fqns)
+    with pytest.raises(ValueError, match="2 optimizers"):
+        optim_sd.from_ids((optim, one_group), optim.state_dict(), fqns)
