@@ -33,9 +33,10 @@ from typing import Any, Literal
 
 import pytest
 
-from conformance.harness.launch_env import LaunchEnv, detect, hybrid_mesh_shape, launcher_variables
+from conformance.harness.launch_env import LaunchEnv, detect, launcher_variables
 from conformance.harness.torchrun import _collection_difference
 from conformance.harness.torchrun_agreement import Summary, agree
+from conformance.rank_context import hybrid_mesh_shape
 from tests.conftest import REPO_ROOT
 
 # -- the pieces, without a launcher ------------------------------------------------------------------
@@ -94,10 +95,10 @@ def test_the_launchers_environment_is_read() -> None:
 
 @pytest.mark.req("HX-30")
 def test_two_d_meshes_follow_the_nodes() -> None:
-    assert hybrid_mesh_shape(8, (8, 2)) == (4, 2)  # four nodes of two: replicas across nodes
-    assert hybrid_mesh_shape(16, (16, 8)) == (2, 8)
-    assert hybrid_mesh_shape(8, (16, 8)) == (2, 4)  # within one node: two replicas, as the pools do
-    assert hybrid_mesh_shape(6, (8, 4)) == (2, 3)  # not whole nodes
+    assert hybrid_mesh_shape(8, 2) == (4, 2)  # four nodes of two: replicas across nodes
+    assert hybrid_mesh_shape(16, 8) == (2, 8)
+    assert hybrid_mesh_shape(8, 8) == (2, 4)  # within one node: two replicas, as the pools do
+    assert hybrid_mesh_shape(6, 4) == (2, 3)  # not whole nodes
     assert hybrid_mesh_shape(8, None) == (2, 4) and hybrid_mesh_shape(3, None) == (1, 3)
 
 
@@ -209,7 +210,7 @@ def test_layout(dist):
     shards = c10d.get_process_group_ranks(mesh.get_group("shard"))
     print(f"layout ws{dist.world_size} rank {dist.rank}: where {where} replicas {replicas} shards {shards}")
     if dist.world_size == 4:
-        assert hybrid_mesh_shape(4) == (2, 2)
+        assert dist.ranks_per_node == 2 and dist.hybrid_mesh_shape() == hybrid_mesh_shape(4) == (2, 2)
         assert len(set(where)) == 2, where
         assert len({where[r] for r in replicas}) == 2, (where, replicas)  # replicas on both nodes
         assert len({where[r] for r in shards}) == 1, (where, shards)  # shards within one node

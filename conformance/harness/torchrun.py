@@ -56,13 +56,14 @@ from typing import Any
 import pytest
 
 from conformance.harness.control import JobAborted
-from conformance.harness.launch_env import detect, launcher_variables, set_active_layout
+from conformance.harness.launch_env import detect, launcher_variables
 from conformance.harness.pool import PoolManager
 from conformance.harness.torchrun_agreement import Agreement
 from conformance.harness.torchrun_job import SESSION_FINISH, Job, current_job, set_current_job
 from conformance.harness.torchrun_manager import TorchrunManager, skip_at_test
 from conformance.harness.torchrun_startup import join_job
 from conformance.harness.torchrun_watchdog import add_launch_info
+from conformance.rank_context import hybrid_mesh_shape
 
 __all__ = [
     "Job", "TorchrunManager", "current_job", "manager_for", "job_cuda_count", "default_world_sizes", "after_unhealthy_run",
@@ -164,9 +165,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def _layout_text(job: Job) -> str:
-    from conformance.harness.launch_env import hybrid_mesh_shape
-
-    replicate, shard = hybrid_mesh_shape(job.world_size)
+    replicate, shard = hybrid_mesh_shape(job.world_size, job.layout[1] if job.layout else None)
     return f"(replicate {replicate}, shard {shard})"
 
 
@@ -284,6 +283,5 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     job = current_job()
     if job is not None and job.config is config:
         job.group.drop()
-        set_active_layout(None)
 
 

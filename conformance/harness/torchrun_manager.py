@@ -132,7 +132,8 @@ def run_member(job: Job, k: int, world_size: int, backend: str, timeout_s: float
         outcome: RankOutcome | None = None
         job.in_body, job.cut_pending = True, False
         try:
-            outcome = run_task(task, job.rank, world_size, backend, device=job.group.device)
+            per_node = job.layout[1] if job.layout is not None else None
+            outcome = run_task(task, job.rank, world_size, backend, device=job.group.device, ranks_per_node=per_node)
         except (BodyCut, BodyTerminated):
             outcome = None
         finally:

@@ -21,7 +21,7 @@ from types import FrameType
 import pytest
 
 from conformance.harness.control import ControlStore, DefaultGroup, Peer
-from conformance.harness.launch_env import LaunchEnv, set_active_layout
+from conformance.harness.launch_env import LaunchEnv
 from conformance.harness.torchrun_job import CUT_SIGNAL, BodyCut, BodyTerminated, Job, current_job, set_current_job
 from conformance.harness.torchrun_watchdog import wait_for_report
 
@@ -63,7 +63,6 @@ def join_job(config: pytest.Config, env: LaunchEnv) -> Job:
         cuda_ranks += 1
     per_node = {p.local_world_size for p in peers.values()}
     layout = (env.world_size, env.local_world_size) if len(per_node) == 1 and env.world_size % env.local_world_size == 0 else None
-    set_active_layout(layout)
     if has_gpu:
         torch.cuda.set_device(env.local_rank)
     device_type = "cuda" if has_gpu else "cpu"

@@ -133,12 +133,13 @@ def _resolve(task: Task) -> Any:
     return obj
 
 
-def run_task(task: Task, rank: int, world_size: int, backend: str, device: Any = None) -> RankOutcome:
-    """Run ``task`` as ``rank`` (on ``device``; default :func:`device_for_rank`), as one outcome."""
+def run_task(task: Task, rank: int, world_size: int, backend: str, device: Any = None, ranks_per_node: int | None = None) -> RankOutcome:
+    """Run ``task`` as ``rank`` (on ``device``; default :func:`device_for_rank`), as one outcome.
+    ``ranks_per_node``: a launched job's layout (:attr:`RankContext.ranks_per_node`); None for a pool."""
     import pytest
     import torch
 
-    from conformance.harness.context import RankContext, device_for_rank
+    from conformance.rank_context import RankContext, device_for_rank
 
     ctx = RankContext(
         rank=rank,
@@ -146,6 +147,7 @@ def run_task(task: Task, rank: int, world_size: int, backend: str, device: Any =
         backend=backend,
         device=device if device is not None else device_for_rank(backend, rank),
         tmp_dir=Path(task.tmp_dir),
+        ranks_per_node=ranks_per_node,
     )
     failures: list[Failure] = []
     try:
@@ -153,7 +155,8 @@ def run_task(task: Task, rank: int, world_size: int, backend: str, device: Any =
         args = tuple(ctx if isinstance(a, DistArg) else a for a in task.args)
         kwargs = {k: (ctx if isinstance(v, DistArg) else v) for k, v in task.kwargs.items()}
         torch.manual_seed(task.seed)
-        value = fn(*args, **kwargs)
+        with ctx.running():
+            value = fn(*args, **kwargs)
         status, error = "ok", ""
     except pytest.skip.Exception as exc:
         status, error, value = "skip", str(exc.msg), None
