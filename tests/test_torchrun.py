@@ -33,9 +33,9 @@ from typing import Any, Literal
 
 import pytest
 
-from conformance.harness.launch_env import LaunchEnv, detect, launcher_variables
-from conformance.harness.torchrun import _collection_difference
-from conformance.harness.torchrun_agreement import Summary, agree
+from conformance.harness.torchrun.agreement import Summary, agree
+from conformance.harness.torchrun.hooks import collection_difference
+from conformance.harness.torchrun.launch_env import LaunchEnv, detect, launcher_variables
 from conformance.rank_context import hybrid_mesh_shape
 from tests.conftest import REPO_ROOT
 
@@ -111,7 +111,7 @@ def test_an_nccl_default_group_is_bound_to_the_ranks_gpu(monkeypatch: pytest.Mon
     import torch
     import torch.distributed as dist
 
-    from conformance.harness.control import DefaultGroup
+    from conformance.harness.torchrun.control import DefaultGroup
 
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.append(kwargs))
@@ -124,11 +124,11 @@ def test_an_nccl_default_group_is_bound_to_the_ranks_gpu(monkeypatch: pytest.Mon
 @pytest.mark.req("HX-28")
 def test_a_collection_difference_names_the_first_differing_test() -> None:
     a = ["t.py::test_a", "t.py::test_b", "t.py::test_c"]
-    message = _collection_difference(0, a, ("x", 3, 0), 2, ["t.py::test_a", "t.py::test_x", "t.py::test_c"], ("y", 3, 0))
+    message = collection_difference(0, a, ("x", 3, 0), 2, ["t.py::test_a", "t.py::test_x", "t.py::test_c"], ("y", 3, 0))
     assert "test #1 is t.py::test_b on rank 0 but t.py::test_x on rank 2" in message
-    message = _collection_difference(0, a, ("x", 3, 0), 1, [*a, "t.py::test_d"], ("y", 4, 0))
+    message = collection_difference(0, a, ("x", 3, 0), 1, [*a, "t.py::test_d"], ("y", 4, 0))
     assert "rank 1 has 4 tests, rank 0 3; the first extra one is t.py::test_d" in message
-    assert "rank 0 had 0 collection error(s), rank 1 1" in _collection_difference(0, a, ("x", 3, 0), 1, a, ("y", 3, 1))
+    assert "rank 0 had 0 collection error(s), rank 1 1" in collection_difference(0, a, ("x", 3, 0), 1, a, ("y", 3, 1))
 
 
 def _report(

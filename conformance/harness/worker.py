@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any
 
 from conformance.harness.failures import Failure
 
-__all__ = ["Task", "RankOutcome", "DistArg", "DIST_ARG", "rank_main", "run_task", "send_message", "recv_message"]
+__all__ = ["Task", "RankOutcome", "DistArg", "DIST_ARG", "make_task", "rank_main", "run_task", "send_message", "recv_message"]
 
 
 def send_message(conn: Any, obj: Any) -> None:
@@ -66,6 +67,25 @@ class Task:
     tmp_dir: str
     sys_path: tuple[str, ...]
     seed: int = 0
+
+
+def make_task(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, tmp_dir: str, seed: int = 0) -> Task:
+    """The task that runs ``fn(*args, **kwargs)`` on each rank; ``fn`` must be importable by name."""
+    task = Task(
+        module=fn.__module__,
+        qualname=fn.__qualname__,
+        args=args,
+        kwargs=kwargs,
+        tmp_dir=tmp_dir,
+        sys_path=tuple(sys.path),
+        seed=seed,
+    )
+    if "<locals>" in task.qualname or "<lambda>" in task.qualname:
+        raise ValueError(
+            f"{fn.__module__}.{task.qualname} cannot run on the ranks: the function must be defined at "
+            "module level so that every rank can import it"
+        )
+    return task
 
 
 @dataclass
