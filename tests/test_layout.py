@@ -31,6 +31,14 @@ def test_reference_imports_only_itself() -> None:
     assert not {m: i for m, i in bad.items() if i}, bad
 
 
+def test_adapters_import_nothing_of_the_harness() -> None:
+    """A fork codes against ``conformance/adapters``: what an adapter needs of a rank (its process group,
+    the mesh layout) reaches it through :mod:`conformance.rank_context`, never the harness's internals."""
+    graph = import_graph(MODULES)
+    bad = {m: sorted(i for i in imported if i.startswith("conformance.harness")) for m, imported in graph.items() if m.startswith("conformance.adapters")}
+    assert not {m: i for m, i in bad.items() if i}, bad
+
+
 def test_the_private_import_finder_finds_one(tmp_path) -> None:
     source = tmp_path / "m.py"
     source.write_text("from conformance.asserts import _short, check_each\nfrom os import _exit\n")

@@ -33,9 +33,10 @@ from typing import Any, Literal
 
 import pytest
 
-from conformance.harness.launch_env import LaunchEnv, detect, hybrid_mesh_shape, launcher_variables
-from conformance.harness.torchrun import _collection_difference
-from conformance.harness.torchrun_agreement import Summary, agree
+from conformance.harness.torchrun.agreement import Summary, agree
+from conformance.harness.torchrun.hooks import collection_difference
+from conformance.harness.torchrun.launch_env import LaunchEnv, detect, launcher_variables
+from conformance.rank_context import hybrid_mesh_shape
 from tests.conftest import REPO_ROOT
 
 # -- the pieces, without a launcher ------------------------------------------------------------------
@@ -94,10 +95,10 @@ def test_the_launchers_environment_is_read() -> None:
 
 @pytest.mark.req("HX-30")
 def test_two_d_meshes_follow_the_nodes() -> None:
-    assert hybrid_mesh_shape(8, (8, 2)) == (4, 2)  # four nodes of two: replicas across nodes
-    assert hybrid_mesh_shape(16, (16, 8)) == (2, 8)
-    assert hybrid_mesh_shape(8, (16, 8)) == (2, 4)  # within one node: two replicas, as the pools do
-    assert hybrid_mesh_shape(6, (8, 4)) == (2, 3)  # not whole nodes
+    assert hybrid_mesh_shape(8, 2) == (4, 2)  # four nodes of two: replicas across nodes
+    assert hybrid_mesh_shape(16, 8) == (2, 8)
+    assert hybrid_mesh_shape(8, 8) == (2, 4)  # within one node: two replicas, as the pools do
+    assert hybrid_mesh_shape(6, 4) == (2, 3)  # not whole nodes
     assert hybrid_mesh_shape(8, None) == (2, 4) and hybrid_mesh_shape(3, None) == (1, 3)
 
 
@@ -110,7 +111,7 @@ def test_an_nccl_default_group_is_bound_to_the_ranks_gpu(monkeypatch: pytest.Mon
     import torch
     import torch.distributed as dist
 
-    from conformance.harness.control import DefaultGroup
+    from conformance.harness.torchrun.control import DefaultGroup
 
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.append(kwargs))
@@ -123,11 +124,11 @@ def test_an_nccl_default_group_is_bound_to_the_ranks_gpu(monkeypatch: pytest.Mon
 @pytest.mark.req("HX-28")
 def test_a_collection_difference_names_the_first_differing_test() -> None:
     a = ["t.py::test_a", "t.py::test_b", "t.py::test_c"]
-    message = _collection_difference(0, a, ("x", 3, 0), 2, ["t.py::test_a", "t.py::test_x", "t.py::test_c"], ("y", 3, 0))
+    message = collection_difference(0, a, ("x", 3, 0), 2, ["t.py::test_a", "t.py::test_x", "t.py::test_c"], ("y", 3, 0))
     assert "test #1 is t.py::test_b on rank 0 but t.py::test_x on rank 2" in message
-    message = _collection_difference(0, a, ("x", 3, 0), 1, [*a, "t.py::test_d"], ("y", 4, 0))
+    message = collection_difference(0, a, ("x", 3, 0), 1, [*a, "t.py::test_d"], ("y", 4, 0))
     assert "rank 1 has 4 tests, rank 0 3; the first extra one is t.py::test_d" in message
-    assert "rank 0 had 0 collection error(s), rank 1 1" in _collection_difference(0, a, ("x", 3, 0), 1, a, ("y", 3, 1))
+    assert "rank 0 had 0 collection error(s), rank 1 1" in collection_difference(0, a, ("x", 3, 0), 1, a, ("y", 3, 1))
 
 
 def _report(
@@ -209,7 +210,7 @@ def test_layout(dist):
     shards = c10d.get_process_group_ranks(mesh.get_group("shard"))
     print(f"layout ws{dist.world_size} rank {dist.rank}: where {where} replicas {replicas} shards {shards}")
     if dist.world_size == 4:
-        assert hybrid_mesh_shape(4) == (2, 2)
+        assert dist.ranks_per_node == 2 and dist.hybrid_mesh_shape() == hybrid_mesh_shape(4) == (2, 2)
         assert len(set(where)) == 2, where
         assert len({where[r] for r in replicas}) == 2, (where, replicas)  # replicas on both nodes
         assert len({where[r] for r in shards}) == 1, (where, shards)  # shards within one node

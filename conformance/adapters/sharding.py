@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 
 from conformance.adapters.unsupported import Unsupported
-from conformance.harness import launch_env
-from conformance.harness.context import per_group_cache
+from conformance.rank_context import hybrid_mesh_shape as _layout_mesh_shape
+from conformance.rank_context import per_group_cache
 
 __all__ = [
     "STRATEGIES",
@@ -92,9 +92,10 @@ def child_units(model: nn.Module) -> UnitPredicate:
 
 def hybrid_mesh_shape(world_size: int) -> tuple[int, int]:
     """``(replicate, shard)`` for HYBRID_SHARD: under torchrun, ``(nodes, ranks per node)`` when the
-    world fills whole nodes (replicas across nodes, shards within one); otherwise two replicas when the
-    world splits in two, else one (:func:`conformance.harness.launch_env.hybrid_mesh_shape`)."""
-    return launch_env.hybrid_mesh_shape(world_size)
+    world fills whole nodes (replicas across nodes, shards within one; the running body's
+    :class:`~conformance.rank_context.RankContext` says how many ranks a node runs); otherwise two
+    replicas when the world splits in two, else one (:func:`conformance.rank_context.hybrid_mesh_shape`)."""
+    return _layout_mesh_shape(world_size)
 
 
 def strategy_layout(strategy: str, world_size: int) -> tuple[int, int]:

@@ -379,7 +379,7 @@ def _run(args: argparse.Namespace, pytest_args: Sequence[str]) -> int:
 
 def _launched_rank() -> int | None:
     """This process's rank in a torchrun/srun job, None outside one."""
-    from conformance.harness.launch_env import detect
+    from conformance.harness.torchrun.launch_env import detect
 
     try:
         env = detect(os.environ)

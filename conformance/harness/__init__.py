@@ -31,6 +31,7 @@ How a test uses it (the contract; see ``conformance/SPEC.md`` HX-*):
 Under torchrun (:mod:`conformance.harness.torchrun`) the same contract holds with the job's ranks in
 place of the pools: a rank body of world size ``w`` runs on ranks ``0 .. w-1`` of the job, whose default
 process group is made for it and replaced when the world size changes. A module-level cache of
-meshes or groups must therefore be a :func:`~conformance.harness.context.per_group_cache`, emptied
-when its group goes.
+meshes or groups must therefore be a :func:`~conformance.rank_context.per_group_cache`, emptied
+when its group goes. The plugin runs bodies through a :class:`~conformance.harness.runner.Runner`
+(the pools, or the torchrun job's ranks), chosen once at configure.
 """

@@ -1,6 +1,6 @@
 """The axes a test of the suite runs along, as the plugin reads them from the options and a test's
-parameters: world sizes (:func:`selected_world_sizes`), the process-group backend of a world size
-(:func:`backend_for`), the adapters under test (:func:`impl_specs`, :func:`item_impl`), the value of
+parameters: world sizes (:func:`selected_world_sizes`), the process-group backend of a test
+(:func:`item_backend`), the adapters under test (:func:`impl_specs`, :func:`item_impl`), the value of
 ``dist`` on the controller (:class:`DistSpec`), and the id a test has wherever the suite is installed
 (:func:`suite_test_id`).
 """
@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from conformance.adapters.base import SHIPPED, Adapter
+from conformance.adapters.base import Adapter
+from conformance.harness.config import harness_config
 
 __all__ = [
-    "CONFORMANCE_DIR", "DistSpec", "selected_world_sizes", "impl_specs", "cuda_count", "backend_for", "item_impl", "item_backend",
+    "CONFORMANCE_DIR", "DistSpec", "selected_world_sizes", "impl_specs", "item_impl", "item_backend",
     "suite_test_id",
 ]
 
@@ -35,43 +36,14 @@ class DistSpec:
 
 
 def selected_world_sizes(config: pytest.Config) -> list[int]:
-    """The world sizes ``--world-size`` selects (the default when it is not given), sorted, each once; a
-    usage error for anything but positive integers. Tests that pick their own world sizes read them here."""
-    raw = config.getoption("--world-size")
-    try:
-        sizes = sorted({int(part) for part in str(raw).split(",") if part.strip()})
-    except ValueError:
-        raise pytest.UsageError(f"--world-size expects integers like 1,2,4; got {raw!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise pytest.UsageError(f"--world-size expects positive integers; got {raw!r}")
-    return sizes
+    """The world sizes ``--world-size`` selects (the default when it is not given), sorted, each once.
+    Tests that pick their own world sizes read them here."""
+    return list(harness_config(config).world_sizes)
 
 
 def impl_specs(config: pytest.Config) -> list[str]:
     """The adapters ``--impl`` names (comma-separated or repeated), each once, in order; every shipped one by default."""
-    specs = [s.strip() for opt in config.getoption("--impl") for s in opt.split(",") if s.strip()]
-    return list(dict.fromkeys(specs)) or list(SHIPPED)
-
-
-def cuda_count() -> int:
-    """CUDA devices for the ranks: this machine's; under torchrun, how many of the job's first ranks drive one."""
-    import torch
-
-    from conformance.harness.torchrun import job_cuda_count
-
-    launched = job_cuda_count()
-    if launched is not None:
-        return launched
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def backend_for(config: pytest.Config, world_size: int) -> str:
-    """The backend ``--backend`` gives ``world_size``: ``auto`` is nccl where every rank has a GPU, else gloo."""
-    choice = config.getoption("--backend")
-    if choice == "auto":
-        return "nccl" if cuda_count() >= world_size else "gloo"
-    return choice
+    return list(harness_config(config).impls)
 
 
 def item_impl(item: pytest.Item) -> Adapter | None:
@@ -91,7 +63,7 @@ def item_backend(item: pytest.Item) -> str | None:
         return spec.backend
     pair = callspec.params.get("world_size_pair")
     if pair:
-        return backend_for(item.config, max(pair))
+        return harness_config(item.config).backend_for(max(pair))
     return None
 
 

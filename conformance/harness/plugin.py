@@ -7,7 +7,10 @@ How tests use it is in :mod:`conformance.harness`.
 The hooks and fixtures are here; what they call lives in modules of its own: the axes and test ids
 (:mod:`~conformance.harness.axes`), the expected-failures machinery
 (:mod:`~conformance.harness.known_deviations`), the ``--report-json`` document
-(:mod:`~conformance.harness.report_json`), and the torchrun mode (:mod:`~conformance.harness.torchrun`).
+(:mod:`~conformance.harness.report_json`), the run's settings (:mod:`~conformance.harness.config`), and
+what runs the bodies on ranks (a :class:`~conformance.harness.runner.Runner`: the pools of
+:mod:`~conformance.harness.pool`, or the ranks of a torchrun job, :mod:`~conformance.harness.torchrun`),
+chosen once at configure.
 """
 
 from __future__ import annotations
@@ -16,18 +19,21 @@ import atexit
 import inspect
 import itertools
 import json
+import os
 import re
 import shutil
 import signal
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
 
 from conformance.adapters.base import SHIPPED, Adapter, capability_of, load_adapter
-from conformance.harness.axes import CONFORMANCE_DIR, DistSpec, backend_for, cuda_count, impl_specs, item_impl, selected_world_sizes, suite_test_id
+from conformance.harness.axes import CONFORMANCE_DIR, DistSpec, impl_specs, item_impl, selected_world_sizes, suite_test_id
+from conformance.harness.config import SETTINGS, HarnessConfig, harness_config
 from conformance.harness.failures import DIED, HUNG, Failure
 from conformance.harness.known_deviations import (
     AdapterFile,
@@ -43,31 +49,36 @@ from conformance.harness.known_deviations import (
     no_longer_deviates,
     warn_stale,
 )
-from conformance.harness.pool import PoolManager, PoolRun, PoolStartError
+from conformance.harness.pool import PoolRunner
 from conformance.harness.report_json import SESSION_RESULTS, record_report, report_payload
 from conformance.harness.requirements import load_spec
+from conformance.harness.runner import RankRun, RanksNotStarted, Runner
+from conformance.harness.torchrun import launched, start_runner
 from conformance.harness.worker import DIST_ARG
 from conformance.harness.xfails import XfailEntry
 
 __all__ = ["DistSpec", "Pools", "StaleXfailWarning", "selected_world_sizes", "suite_test_id", "AdapterFile", "adapter_xfail_files"]
 
-# The torchrun mode (every rank of a launched job a pytest process): its hooks, and the hooks here
-# that consult it (the manager, the default world sizes; the GPUs per rank are conformance.harness.axes').
-pytest_plugins = ("conformance.harness.torchrun",)
 
-_MANAGER = pytest.StashKey[PoolManager]()
-#: The expected-failures entries of the session (loaded once, at configure).
-_ENTRIES = pytest.StashKey[list[XfailEntry]]()
+@dataclass
+class _Session:
+    """What the plugin keeps for one pytest session (its settings are :data:`SETTINGS`)."""
+
+    #: runs the rank bodies: the pools, or a torchrun job's ranks
+    runner: Runner
+    #: the expected-failures entries (loaded once, at configure)
+    entries: list[XfailEntry]
+    #: the crashes rerun in the session (``--rerun-crashes``), in order, for the terminal summary
+    crashes: list[dict[str, Any]] = field(default_factory=list)
+
+
+_SESSION = pytest.StashKey[_Session]()
 #: The known-deviation entry applied to a test, for the pin check after it ran.
 _ENTRY = pytest.StashKey[XfailEntry]()
 #: The exclusions (``exclude=`` entries) that apply to a test, for the ``excluded_cases`` fixture.
 _EXCLUSIONS = pytest.StashKey[tuple[XfailEntry, ...]]()
 #: (world size, failures) of a test's last rank run.
 _RANK_FAILURES = pytest.StashKey[tuple[int, list[Failure]]]()
-#: The adapter names of ``--rerun-crashes``.
-_RERUN_CRASHES = pytest.StashKey[frozenset[str]]()
-#: The crashes rerun in the session (``--rerun-crashes``), in order, for the terminal summary.
-_CRASHES = pytest.StashKey[list[dict[str, Any]]]()
 #: The crashes rerun in one test, for its report.
 _ITEM_CRASHES = pytest.StashKey[list[dict[str, Any]]]()
 #: Signals of a native memory error (the only deaths ``--rerun-crashes`` reruns): a segfault is
@@ -117,8 +128,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "native code the suite does not test, e.g. upstream torch's); every such crash is still listed in the "
         "summary and the JSON report. Default none: every crash fails its test",
     )
+    group.addoption(
+        "--launcher",
+        default="auto",
+        choices=("auto", "pool", "env"),
+        help="auto: the ranks of a torchrun/srun job when its environment is set (RANK, WORLD_SIZE, ...), else rank pools; "
+        "pool: always rank pools; env: the launcher's ranks, an error without its environment",
+    )
+    group.addoption(
+        "--shared-tmp",
+        default=None,
+        help="torchrun mode: a directory every node sees (e.g. on Lustre/NFS) for the tests' checkpoints and the ranks' logs "
+        "(default: the system temporary directory, enough on one node)",
+    )
 
 
+# First: a torchrun rank joins its job here, and other plugins' configure must see what that sets
+# (hypothesis reads --hypothesis-seed, which every rank takes from rank 0).
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "req(*ids): the SPEC.md requirement IDs this test checks")
     config.addinivalue_line(
@@ -134,20 +161,27 @@ def pytest_configure(config: pytest.Config) -> None:
         "case_families(*names): the families of generated cases this test draws, which an expected-failures entry "
         "may leave out for an adapter (exclude=NAME); the test reads them with the excluded_cases fixture",
     )
-    from conformance.harness.torchrun import SESSION_FINISH, default_world_sizes, manager_for
-
     _check_environment()
-    config.stash[SESSION_FINISH] = pytest_sessionfinish
-    config.option.world_size = config.option.world_size or default_world_sizes() or "1,2"
-    config.stash[_ENTRIES] = load_xfail_entries(config)
-    config.stash[_RERUN_CRASHES] = frozenset(
-        name.strip() for value in config.getoption("--rerun-crashes") for name in value.split(",") if name.strip()
-    )
-    config.stash[_CRASHES] = []
-    manager = manager_for(config) or PoolManager(pg_timeout_s=max(60.0, config.getoption("--rank-timeout") * 2))
-    config.stash[_MANAGER] = manager
+    settings, runner = _start(config)
+    config.stash[SETTINGS] = settings
+    config.stash[_SESSION] = _Session(runner=runner, entries=load_xfail_entries(config))
     SESSION_RESULTS.clear()
-    atexit.register(manager.stop_all)
+    atexit.register(runner.stop)
+
+
+def _start(config: pytest.Config) -> tuple[HarnessConfig, Runner]:
+    """The run's settings and its runner: a torchrun job's ranks when this process is one (they
+    decide the default world size and the GPUs), else the pools."""
+    settings = HarnessConfig.from_options(config)
+    try:
+        env = launched(settings.launcher, os.environ)
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    if env is None:
+        return settings, PoolRunner(pg_timeout_s=settings.pg_timeout_s)
+    runner = start_runner(config, env, rank_timeout_s=settings.rank_timeout_s, shared_tmp=settings.shared_tmp, write_report=_write_report)
+    job = runner.job
+    return HarnessConfig.from_options(config, default_world_sizes=str(job.world_size), cuda_devices=job.cuda_ranks), runner
 
 
 #: Modules the harness needs that torch does not install: (module, what needs it).
@@ -185,20 +219,21 @@ def _check_environment() -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if _MANAGER in config.stash:
-        config.stash[_MANAGER].stop_all()
+    if _SESSION in config.stash:
+        config.stash[_SESSION].runner.stop()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     import torch
 
-    sizes = selected_world_sizes(config)
-    backends = ", ".join(f"ws{ws}={backend_for(config, ws)}" for ws in sizes)
+    settings = harness_config(config)
+    sizes = list(settings.world_sizes)
+    backends = ", ".join(f"ws{ws}={settings.backend_for(ws)}" for ws in sizes)
     return [
-        f"conformance: torch {torch.__version__}, cuda devices {cuda_count()}",
-        f"conformance: world sizes {sizes}, backends {backends}, rank timeout {config.getoption('--rank-timeout')}s",
+        f"conformance: torch {torch.__version__}, cuda devices {settings.cuda_devices}",
+        f"conformance: world sizes {sizes}, backends {backends}, rank timeout {settings.rank_timeout_s}s",
         f"conformance: implementations {', '.join(impl_specs(config))}",
-        *entries_header(config.stash.get(_ENTRIES, [])),
+        *entries_header(config.stash[_SESSION].entries if _SESSION in config.stash else []),
     ]
 
 
@@ -235,7 +270,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "dist" in metafunc.fixturenames and not _parametrized_by_the_test(metafunc, "dist"):
         allowed, need = _allowed_sizes(metafunc, sizes)
         if allowed:
-            specs = [DistSpec(ws, backend_for(config, ws)) for ws in allowed]
+            specs = [DistSpec(ws, harness_config(config).backend_for(ws)) for ws in allowed]
             metafunc.parametrize("dist", specs, ids=[f"ws{s.world_size}" for s in specs])
         else:
             reason = f"needs {need}; selected --world-size {','.join(map(str, sizes))}"
@@ -360,7 +395,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
     import torch
 
-    entries = config.stash.get(_ENTRIES, [])
+    entries = config.stash[_SESSION].entries
     candidates: dict[str | None, list[XfailEntry]] = {}
     used: set[XfailEntry] = set()
     misplaced: list[str] = []
@@ -380,7 +415,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         used.add(entry)
         item.stash[_ENTRY] = entry
         pinned = f"; pinned: {entry.pin.describe()}" if entry.pin else ""
-        if entry.hangs and not config.getoption("--run-known-hangs"):
+        if entry.hangs and not harness_config(config).run_known_hangs:
             reason = f"{entry.reason} [{entry.source}; a known hang, not run: --run-known-hangs runs it]"
             item.add_marker(pytest.mark.xfail(reason=reason, run=False))
         else:
@@ -408,12 +443,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     callspec = getattr(item, "callspec", None)
     if callspec is None:
         return
+    settings = harness_config(item.config)
     spec = callspec.params.get("dist")
-    if isinstance(spec, DistSpec) and spec.backend == "nccl" and cuda_count() < spec.world_size:
-        _skip(f"nccl at world size {spec.world_size} needs {spec.world_size} CUDA devices; found {cuda_count()}")
+    if isinstance(spec, DistSpec) and spec.backend == "nccl" and settings.cuda_devices < spec.world_size:
+        _skip(f"nccl at world size {spec.world_size} needs {spec.world_size} CUDA devices; found {settings.cuda_devices}")
     pair = callspec.params.get("world_size_pair")
-    if pair and item.config.getoption("--backend") == "nccl" and cuda_count() < max(pair):
-        _skip(f"nccl at world size {max(pair)} needs {max(pair)} CUDA devices; found {cuda_count()}")
+    if pair and settings.backend == "nccl" and settings.cuda_devices < max(pair):
+        _skip(f"nccl at world size {max(pair)} needs {max(pair)} CUDA devices; found {settings.cuda_devices}")
     impl = item_impl(item)
     if impl is not None:
         for capability in sorted({c for c in map(capability_of, _item_reqs(item)) if c}):
@@ -429,7 +465,7 @@ def _skip(reason: str) -> NoReturn:
     raise pytest.skip.Exception(reason, _use_item_location=True)
 
 
-def _format_run(run: PoolRun, backend: str, timeout_s: float, headline: str) -> str:
+def _format_run(run: RankRun, backend: str, timeout_s: float, headline: str, runner: Runner) -> str:
     lines = [f"{headline} (world size {run.world_size}, {backend})"]
     for rank in range(run.world_size):
         outcome = run.outcomes.get(rank)
@@ -442,9 +478,7 @@ def _format_run(run: PoolRun, backend: str, timeout_s: float, headline: str) -> 
             reason = f": {outcome.error}" if outcome.status in ("skip", "xfail") else ""
             lines.append(f"  rank {rank}: {status}{reason}")
     if not run.healthy:
-        from conformance.harness.torchrun import after_unhealthy_run
-
-        lines.append(f"  {after_unhealthy_run() or 'the pool was killed and is restarted for the next test'}")
+        lines.append(f"  {runner.after_unhealthy_run()}")
     for rank in range(run.world_size):
         outcome = run.outcomes.get(rank)
         if outcome is not None and outcome.status == "fail":
@@ -463,13 +497,13 @@ def _how_died(code: int | None) -> str:
     return f"signal {-code}" if code < 0 else f"exit code {code}"
 
 
-def _judge(run: PoolRun, backend: str, timeout_s: float) -> list[Any]:
+def _judge(run: RankRun, backend: str, timeout_s: float, runner: Runner) -> list[Any]:
     """Turn what the ranks did into one pytest outcome; return per-rank values when all passed."""
     statuses = {r: o.status for r, o in run.outcomes.items()}
     kinds = set(statuses.values())
     if not run.healthy or "fail" in kinds:
         culprits = sorted([r for r, s in statuses.items() if s == "fail"] + list(run.died) + run.hung)
-        pytest.fail(_format_run(run, backend, timeout_s, f"rank test failed on rank(s) {culprits}"), pytrace=False)
+        pytest.fail(_format_run(run, backend, timeout_s, f"rank test failed on rank(s) {culprits}", runner), pytrace=False)
     if kinds == {"ok"}:
         return [run.outcomes[r].value for r in range(run.world_size)]
     if len(kinds) == 1:
@@ -483,10 +517,10 @@ def _judge(run: PoolRun, backend: str, timeout_s: float) -> list[Any]:
         if kinds == {"skip"}:
             _skip(reason)
         pytest.xfail(reason)
-    pytest.fail(_format_run(run, backend, timeout_s, "ranks disagree"), pytrace=False)
+    pytest.fail(_format_run(run, backend, timeout_s, "ranks disagree", runner), pytrace=False)
 
 
-def rank_failures(run: PoolRun, timeout_s: float) -> list[Failure]:
+def rank_failures(run: RankRun, timeout_s: float) -> list[Failure]:
     """One :class:`Failure` per rank that failed, died or hung in ``run``, by rank."""
     failures = []
     for rank in range(run.world_size):
@@ -509,7 +543,7 @@ def health_check_body(ctx: Any) -> None:
 def _rank_timeout(config: pytest.Config, node: pytest.Item | None) -> float:
     """Seconds a rank test may run: ``--rank-timeout``, or less where the test's ``rank_timeout``
     marker says so (a test that may leave ranks waiting fails in seconds, not minutes)."""
-    limit = float(config.getoption("--rank-timeout"))
+    limit = harness_config(config).rank_timeout_s
     marker = node.get_closest_marker("rank_timeout") if node is not None else None
     if marker is None or node is None:
         return limit
@@ -529,28 +563,28 @@ def _run_on_ranks(
     *,
     rerun_crash: bool = False,
 ) -> list[Any]:
-    """Run ``fn`` on the ranks of the ``world_size`` pool and judge the outcomes (:func:`_judge`).
+    """Run ``fn`` on ``world_size`` ranks of the session's runner and judge the outcomes (:func:`_judge`).
     ``rerun_crash``: the call is the whole test, which ``--rerun-crashes`` may run again (a phase of a
     ``pools`` test is not: the state its earlier phases left on the ranks died with them)."""
-    manager = config.stash[_MANAGER]
+    runner = config.stash[_SESSION].runner
     timeout_s = _rank_timeout(config, node)
     tmp_dir = tempfile.mkdtemp(prefix="sdc-test-")
     try:
         try:
-            run = manager.run(world_size, backend, fn, args, kwargs, tmp_dir=tmp_dir, timeout_s=timeout_s)
+            run = runner.run(world_size, backend, fn, args, kwargs, tmp_dir=tmp_dir, timeout_s=timeout_s)
             if rerun_crash and node is not None and _crash_to_rerun(config, node, run, timeout_s):
                 _record_crash(config, node, run, backend, timeout_s)
                 # The crashed pool was stopped: the test runs again from the start on fresh ranks.
                 shutil.rmtree(tmp_dir, ignore_errors=True)
                 tmp_dir = tempfile.mkdtemp(prefix="sdc-test-")
-                run = manager.run(world_size, backend, fn, args, kwargs, tmp_dir=tmp_dir, timeout_s=timeout_s)
-        except PoolStartError as exc:
+                run = runner.run(world_size, backend, fn, args, kwargs, tmp_dir=tmp_dir, timeout_s=timeout_s)
+        except RanksNotStarted as exc:
             pytest.fail(str(exc), pytrace=False)
         if node is not None:
             node.stash[_RANK_FAILURES] = (world_size, rank_failures(run, timeout_s))
         if run.healthy and len({o.status for o in run.outcomes.values()}) > 1:
-            manager.run(world_size, backend, health_check_body, (DIST_ARG,), {}, tmp_dir=tmp_dir, timeout_s=30.0)
-        return _judge(run, backend, timeout_s)
+            runner.run(world_size, backend, health_check_body, (DIST_ARG,), {}, tmp_dir=tmp_dir, timeout_s=30.0)
+        return _judge(run, backend, timeout_s, runner)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
@@ -573,15 +607,15 @@ def _memory_error(code: int | None) -> bool:
     return code is not None and code < 0 and -code in MEMORY_ERROR_SIGNALS
 
 
-def _crash_to_rerun(config: pytest.Config, item: pytest.Item, run: PoolRun, timeout_s: float) -> bool:
+def _crash_to_rerun(config: pytest.Config, item: pytest.Item, run: RankRun, timeout_s: float) -> bool:
     """Whether ``run`` of ``item`` is a crash ``--rerun-crashes`` reruns: its adapter is named there
     (by its own name: an adapter derived from a named one is not), a rank died of a memory error, and
     that death is not the failure the test's known deviation expects (an entry with no pin, or one
     that the run matches, already accounts for it)."""
     impl = item_impl(item)
-    if impl is None or impl.name not in config.stash[_RERUN_CRASHES]:
+    if impl is None or impl.name not in harness_config(config).rerun_crashes:
         return False
-    if not isinstance(config.stash[_MANAGER], PoolManager):  # under torchrun a dead rank ends the job
+    if not config.stash[_SESSION].runner.contains_crashes:  # a dead rank ended the run: nothing reruns
         return False
     if not any(_memory_error(code) for code in run.died.values()):
         return False
@@ -591,7 +625,7 @@ def _crash_to_rerun(config: pytest.Config, item: pytest.Item, run: PoolRun, time
     return bool(entry.pin) and entry.pin.mismatch(rank_failures(run, timeout_s), run.world_size) is not None
 
 
-def _record_crash(config: pytest.Config, item: pytest.Item, run: PoolRun, backend: str, timeout_s: float) -> None:
+def _record_crash(config: pytest.Config, item: pytest.Item, run: RankRun, backend: str, timeout_s: float) -> None:
     """Keep the crash of ``item``'s first run for the terminal summary and its report."""
     record = {
         "nodeid": item.nodeid,
@@ -600,14 +634,14 @@ def _record_crash(config: pytest.Config, item: pytest.Item, run: PoolRun, backen
             str(rank): "\n".join(run.output.get(rank, "").rstrip().splitlines()[-_CRASH_OUTPUT_LINES:])
             for rank in sorted(run.died)
         },
-        "first_run": _format_run(run, backend, timeout_s, "first run")[:4000],
+        "first_run": _format_run(run, backend, timeout_s, "first run", config.stash[_SESSION].runner)[:4000],
     }
-    config.stash[_CRASHES].append(record)
+    config.stash[_SESSION].crashes.append(record)
     item.stash.setdefault(_ITEM_CRASHES, []).append(record)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    crashes = config.stash.get(_CRASHES, [])
+    crashes = config.stash[_SESSION].crashes if _SESSION in config.stash else []
     if not crashes:
         return
     terminalreporter.section("crashes rerun (--rerun-crashes)")
@@ -629,9 +663,10 @@ class Pools:
 
     def run(self, world_size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(ctx, *args, **kwargs)`` on every rank of the ``world_size`` pool; per-rank return values."""
-        backend = backend_for(self._config, world_size)
-        if backend == "nccl" and cuda_count() < world_size:
-            _skip(f"nccl at world size {world_size} needs {world_size} CUDA devices; found {cuda_count()}")
+        settings = harness_config(self._config)
+        backend = settings.backend_for(world_size)
+        if backend == "nccl" and settings.cuda_devices < world_size:
+            _skip(f"nccl at world size {world_size} needs {world_size} CUDA devices; found {settings.cuda_devices}")
         return _run_on_ranks(self._config, world_size, backend, fn, (DIST_ARG, *args), kwargs, self._node)
 
 
@@ -700,9 +735,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
-    if _MANAGER in config.stash:
-        config.stash[_MANAGER].stop_all()
+    if _SESSION in config.stash:
+        config.stash[_SESSION].runner.stop()
+    _write_report(session, exitstatus)
+
+
+def _write_report(session: pytest.Session, exitstatus: int) -> None:
+    """Write ``--report-json`` (where this process reports: under torchrun, the reporting rank). Also
+    what the torchrun runner calls when the job ends while the reporting rank is stuck in a test."""
+    config = session.config
     path = config.getoption("--report-json")
     if path:
-        payload = report_payload(config, config.stash.get(_ENTRIES, []))
+        payload = report_payload(config, config.stash[_SESSION].entries if _SESSION in config.stash else [])
         Path(path).write_text(json.dumps(payload, indent=1), encoding="utf-8")

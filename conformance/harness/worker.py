@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any
 
 from conformance.harness.failures import Failure
 
-__all__ = ["Task", "RankOutcome", "DistArg", "DIST_ARG", "rank_main", "run_task", "send_message", "recv_message"]
+__all__ = ["Task", "RankOutcome", "DistArg", "DIST_ARG", "make_task", "rank_main", "run_task", "send_message", "recv_message"]
 
 
 def send_message(conn: Any, obj: Any) -> None:
@@ -66,6 +67,25 @@ class Task:
     tmp_dir: str
     sys_path: tuple[str, ...]
     seed: int = 0
+
+
+def make_task(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, tmp_dir: str, seed: int = 0) -> Task:
+    """The task that runs ``fn(*args, **kwargs)`` on each rank; ``fn`` must be importable by name."""
+    task = Task(
+        module=fn.__module__,
+        qualname=fn.__qualname__,
+        args=args,
+        kwargs=kwargs,
+        tmp_dir=tmp_dir,
+        sys_path=tuple(sys.path),
+        seed=seed,
+    )
+    if "<locals>" in task.qualname or "<lambda>" in task.qualname:
+        raise ValueError(
+            f"{fn.__module__}.{task.qualname} cannot run on the ranks: the function must be defined at "
+            "module level so that every rank can import it"
+        )
+    return task
 
 
 @dataclass
@@ -133,12 +153,13 @@ def _resolve(task: Task) -> Any:
     return obj
 
 
-def run_task(task: Task, rank: int, world_size: int, backend: str, device: Any = None) -> RankOutcome:
-    """Run ``task`` as ``rank`` (on ``device``; default :func:`device_for_rank`), as one outcome."""
+def run_task(task: Task, rank: int, world_size: int, backend: str, device: Any = None, ranks_per_node: int | None = None) -> RankOutcome:
+    """Run ``task`` as ``rank`` (on ``device``; default :func:`device_for_rank`), as one outcome.
+    ``ranks_per_node``: a launched job's layout (:attr:`RankContext.ranks_per_node`); None for a pool."""
     import pytest
     import torch
 
-    from conformance.harness.context import RankContext, device_for_rank
+    from conformance.rank_context import RankContext, device_for_rank
 
     ctx = RankContext(
         rank=rank,
@@ -146,6 +167,7 @@ def run_task(task: Task, rank: int, world_size: int, backend: str, device: Any =
         backend=backend,
         device=device if device is not None else device_for_rank(backend, rank),
         tmp_dir=Path(task.tmp_dir),
+        ranks_per_node=ranks_per_node,
     )
     failures: list[Failure] = []
     try:
@@ -153,7 +175,8 @@ def run_task(task: Task, rank: int, world_size: int, backend: str, device: Any =
         args = tuple(ctx if isinstance(a, DistArg) else a for a in task.args)
         kwargs = {k: (ctx if isinstance(v, DistArg) else v) for k, v in task.kwargs.items()}
         torch.manual_seed(task.seed)
-        value = fn(*args, **kwargs)
+        with ctx.running():
+            value = fn(*args, **kwargs)
         status, error = "ok", ""
     except pytest.skip.Exception as exc:
         status, error, value = "skip", str(exc.msg), None

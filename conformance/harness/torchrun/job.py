@@ -1,10 +1,10 @@
 """This rank's view of a torchrun job (:class:`Job`), the process-wide handle to it, and the constants
 the parts of the torchrun mode share.
 
-The job is made once per pytest session by :func:`conformance.harness.torchrun_startup.join_job` and
-held here (:func:`current_job`, :func:`set_current_job`): the pytest hooks of
-:mod:`conformance.harness.torchrun`, the signal handlers and the watchdog thread all read it from here.
-This module imports none of the other torchrun modules.
+The job is made once per pytest session by :func:`conformance.harness.torchrun.startup.join_job` and
+handed to what needs it (the runner, the hooks, the agreement, the signal and exit handlers, the
+watchdog). :func:`current_job` is for tests that want their rank in the job. This module imports none
+of the other torchrun modules.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from conformance.harness.control import ControlStore, DefaultGroup, JobAborted, Peer
-from conformance.harness.launch_env import LaunchEnv
+from conformance.harness.torchrun.control import ControlStore, DefaultGroup, JobAborted, Peer
+from conformance.harness.torchrun.launch_env import LaunchEnv
 
 __all__ = [
     "UNSTICK_MIN_S", "UNSTICK_MAX_S", "REPORT_WAIT_S", "EXIT_HUNG", "CUT_SIGNAL", "SKEW_FACTOR", "SKEW_MIN_S",
-    "SESSION_FINISH", "BodyCut", "BodyTerminated", "Job", "current_job", "set_current_job", "say",
+    "BodyCut", "BodyTerminated", "Job", "current_job", "set_current_job", "say",
 ]
 
 #: After a cut, how long the body gets to give the thread back before the rank ends the job: its rank
@@ -38,11 +38,6 @@ CUT_SIGNAL = signal.SIGUSR2
 #: Seconds a rank may fall behind the others at the end of a test phase: this multiple of --rank-timeout,
 #: at least SKEW_MIN_S (a rank that is gone is noticed at once; this bounds one that is stuck).
 SKEW_FACTOR, SKEW_MIN_S = 2.0, 60.0
-
-#: The plugin's ``pytest_sessionfinish`` (writes ``--report-json``), put here by the plugin at configure:
-#: a job that ends early finishes the session through it (the plugin imports the torchrun mode, not back).
-SESSION_FINISH = pytest.StashKey[Callable[[pytest.Session, int], None]]()
-
 
 class BodyCut(BaseException):
     """Raised in the main thread when the watchdog cuts the test body on this rank."""
@@ -69,6 +64,11 @@ class Job:
     report_json: str | None
     config: pytest.Config
     terminal_fd: int
+    #: ``--rank-timeout``
+    rank_timeout_s: float
+    #: writes the session's ``--report-json`` (the plugin's): the watchdog's report of a reporting rank
+    #: that cannot be freed ends the session through it
+    write_report: Callable[[pytest.Session, int], None]
     log_path: Path | None = None
     thread_store: ControlStore | None = None
     #: manager runs and report exchanges so far (every rank counts the same ones)
@@ -97,7 +97,7 @@ class Job:
         return self.rank == self.reporter
 
     def skew_s(self) -> float:
-        return max(SKEW_MIN_S, SKEW_FACTOR * float(self.config.getoption("--rank-timeout")))
+        return max(SKEW_MIN_S, SKEW_FACTOR * self.rank_timeout_s)
 
     def test_label(self) -> str:
         return self.current[1] if self.current is not None else "(between tests)"

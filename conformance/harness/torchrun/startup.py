@@ -1,5 +1,5 @@
 """How a rank joins a torchrun job (:func:`join_job`): the job's store, rank 0's scratch directory and
-seed, every rank's :class:`~conformance.harness.control.Peer`, the device, each rank its private pytest
+seed, every rank's :class:`~conformance.harness.torchrun.control.Peer`, the device, each rank its private pytest
 directories, the output of ranks other than 0 to their log, and the handlers of SIGTERM, of the
 watchdog's cut signal and of the process's exit (which ends the job when a rank ends early).
 """
@@ -7,6 +7,7 @@ watchdog's cut signal and of the process's exit (which ends the job when a rank 
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import secrets
 import shutil
@@ -15,29 +16,38 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
 import pytest
 
-from conformance.harness.control import ControlStore, DefaultGroup, Peer
-from conformance.harness.launch_env import LaunchEnv, set_active_layout
-from conformance.harness.torchrun_job import CUT_SIGNAL, BodyCut, BodyTerminated, Job, current_job, set_current_job
-from conformance.harness.torchrun_watchdog import wait_for_report
+from conformance.harness.torchrun.control import ControlStore, DefaultGroup, Peer
+from conformance.harness.torchrun.job import CUT_SIGNAL, BodyCut, BodyTerminated, Job, set_current_job
+from conformance.harness.torchrun.launch_env import LaunchEnv
+from conformance.harness.torchrun.watchdog import wait_for_report
 
 __all__ = ["join_job"]
 
 
-def join_job(config: pytest.Config, env: LaunchEnv) -> Job:
+def join_job(
+    config: pytest.Config,
+    env: LaunchEnv,
+    *,
+    rank_timeout_s: float,
+    shared_tmp: str | None,
+    write_report: Callable[[pytest.Session, int], None],
+) -> Job:
     """This rank's :class:`Job`, once every rank of the job ``env`` describes has joined: the scratch
-    directory and seed are rank 0's, the peers every rank's; ranks other than 0 write to their log from
-    now on. Installs the handlers of SIGTERM, of :data:`CUT_SIGNAL` and of the exit of this process."""
+    directory (under ``shared_tmp``) and seed are rank 0's, the peers every rank's; ranks other than 0
+    write to their log from now on. Installs the handlers of SIGTERM, of :data:`CUT_SIGNAL` and of the
+    exit of this process. ``write_report`` writes the session's report (for a job that ends early)."""
     import torch
 
     control = ControlStore(env)
     control.start_heartbeat()
     if env.rank == 0:
-        root = Path(config.getoption("--shared-tmp") or tempfile.gettempdir()).resolve()
+        root = Path(shared_tmp or tempfile.gettempdir()).resolve()
         base = root / f"sdc-torchrun-{_safe(env.run_id)}-{env.restart_count}-{secrets.token_hex(3)}"
         base.mkdir(parents=True)
         control.put("seed", secrets.randbits(32))
@@ -63,11 +73,10 @@ def join_job(config: pytest.Config, env: LaunchEnv) -> Job:
         cuda_ranks += 1
     per_node = {p.local_world_size for p in peers.values()}
     layout = (env.world_size, env.local_world_size) if len(per_node) == 1 and env.world_size % env.local_world_size == 0 else None
-    set_active_layout(layout)
     if has_gpu:
         torch.cuda.set_device(env.local_rank)
     device_type = "cuda" if has_gpu else "cpu"
-    pg_timeout_s = max(60.0, float(config.getoption("--rank-timeout")) * 2)
+    pg_timeout_s = max(60.0, rank_timeout_s * 2)
     terminal_fd = os.dup(1)
     job = Job(
         env=env,
@@ -81,6 +90,8 @@ def join_job(config: pytest.Config, env: LaunchEnv) -> Job:
         report_json=config.getoption("--report-json"),
         config=config,
         terminal_fd=terminal_fd,
+        rank_timeout_s=rank_timeout_s,
+        write_report=write_report,
     )
     job.thread_store = control.client()
     _private_dirs(config, job)
@@ -89,8 +100,8 @@ def join_job(config: pytest.Config, env: LaunchEnv) -> Job:
         job.log_path = base / "logs" / f"rank{env.rank}.log"
         _redirect_output(config, job.log_path)
         print(f"rank {env.rank} of {env.world_size} (local rank {env.local_rank}, {me.host}, pid {me.pid})", flush=True)
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    signal.signal(CUT_SIGNAL, _on_cut)
+    signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, job))
+    signal.signal(CUT_SIGNAL, functools.partial(_on_cut, job))
     atexit.register(_at_exit, job)
     return job
 
@@ -137,10 +148,7 @@ def _redirect_output(config: pytest.Config, log_path: Path) -> None:
         capman.suspend_global_capture()
 
 
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    job = current_job()
-    if job is None:
-        raise SystemExit(128 + signum)
+def _on_sigterm(job: Job, signum: int, frame: FrameType | None) -> None:
     job.control.terminated.set()
     if job.stopping is None:
         job.control.post_abort("terminated", f"was terminated by the launcher (SIGTERM) during {job.test_label()}", job.test_label())
@@ -148,9 +156,8 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
             raise BodyTerminated()
 
 
-def _on_cut(signum: int, frame: FrameType | None) -> None:
-    job = current_job()
-    if job is not None and job.in_body and job.cut_pending:
+def _on_cut(job: Job, signum: int, frame: FrameType | None) -> None:
+    if job.in_body and job.cut_pending:
         raise BodyCut()
 
 
@@ -174,3 +181,9 @@ def _at_exit(job: Job) -> None:
     if job.is_reporter:
         shutil.rmtree(job.base / "tmp", ignore_errors=True)
     set_current_job(None)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM once the job is left: exit as the signal says."""
+    raise SystemExit(128 + signum)

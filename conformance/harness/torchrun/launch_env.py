@@ -1,4 +1,4 @@
-"""The environment a launcher gives each rank, and the mesh layout it implies (no torch, no pytest).
+"""The environment a launcher gives each rank (no torch, no pytest).
 
 torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT`` and ``TORCHELASTIC_*`` for every worker; SLURM's ``srun`` sets ``SLURM_PROCID``,
@@ -6,9 +6,10 @@ torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``
 ``MASTER_ADDR``/``MASTER_PORT``. :func:`detect` reads either into one :class:`LaunchEnv`; without
 them the suite runs its own rank pools (the default on one machine).
 
-The layout of the job decides the 2-D meshes of the suite (:func:`hybrid_mesh_shape`): a world that
-spans whole nodes is ``(nodes, ranks per node)``, so HYBRID_SHARD replicates across nodes and shards
-within a node, the layout that strategy exists for.
+The layout of the job (its ranks per node) decides the 2-D meshes of the suite: a world that spans
+whole nodes is ``(nodes, ranks per node)`` (:func:`conformance.rank_context.hybrid_mesh_shape`, fed by
+each body's :class:`~conformance.rank_context.RankContext`), so HYBRID_SHARD replicates across nodes
+and shards within a node, the layout that strategy exists for.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LaunchEnv", "detect", "launcher_variables", "hybrid_mesh_shape", "set_active_layout", "active_layout"]
+__all__ = ["LaunchEnv", "detect", "launcher_variables"]
 
 #: What a torchrun worker needs; all or none must be set.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -149,35 +150,3 @@ def launcher_variables(env: Mapping[str, str], launched: LaunchEnv) -> list[str]
     else:
         names = set(TORCHRUN_VARS) | {n for n in env if n.startswith(("GROUP_", "ROLE_", "TORCHELASTIC_"))}
     return sorted(n for n in names if n in env)
-
-
-#: ``(job world size, ranks per node)`` of the job this process is a rank of; None in pool mode.
-_ACTIVE: tuple[int, int] | None = None
-
-
-def set_active_layout(layout: tuple[int, int] | None) -> None:
-    """Called by the torchrun mode once the job's layout is agreed (None when it ends)."""
-    global _ACTIVE
-    _ACTIVE = layout
-
-
-def active_layout() -> tuple[int, int] | None:
-    """``(job world size, ranks per node)`` while this process runs tests as a rank of a launched job."""
-    return _ACTIVE
-
-
-def hybrid_mesh_shape(world_size: int, layout: tuple[int, int] | None = None) -> tuple[int, int]:
-    """``(replicate, shard)`` of a 2-D mesh over ``world_size`` ranks (ranks ``0 .. world_size - 1``).
-
-    In a launched job whose ``world_size`` ranks fill whole nodes of ``per_node`` ranks (``layout`` =
-    ``(job world size, per_node)``, default :func:`active_layout`): ``(nodes, per_node)``, replicas
-    across nodes and shards within one. Otherwise (one node, the pools): two replicas when the world
-    splits in two, else one.
-    """
-    layout = active_layout() if layout is None else layout
-    if layout is not None:
-        _, per_node = layout
-        if world_size > per_node and world_size % per_node == 0:
-            return world_size // per_node, per_node
-    replicate = 2 if world_size % 2 == 0 else 1
-    return replicate, world_size // replicate

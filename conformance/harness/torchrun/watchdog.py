@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from conformance.harness.control import ControlStore, JobAborted
 from conformance.harness.failures import HUNG, Failure
-from conformance.harness.pool import FAILURE_GRACE_S
-from conformance.harness.torchrun_job import CUT_SIGNAL, EXIT_HUNG, REPORT_WAIT_S, SESSION_FINISH, UNSTICK_MAX_S, UNSTICK_MIN_S, Job, say
+from conformance.harness.runner import FAILURE_GRACE_S
+from conformance.harness.torchrun.control import ControlStore, JobAborted
+from conformance.harness.torchrun.job import CUT_SIGNAL, EXIT_HUNG, REPORT_WAIT_S, UNSTICK_MAX_S, UNSTICK_MIN_S, Job, say
 from conformance.harness.worker import run_task
 
 __all__ = ["Capture", "Watchdog", "unstick_s", "give_up", "emergency_report", "wait_for_report", "add_launch_info"]
@@ -86,7 +86,7 @@ class Capture:
 
 class Watchdog:
     """Cuts this member's body of run ``k`` when it runs past ``timeout_s``, or past the pool's grace
-    (:data:`~conformance.harness.pool.FAILURE_GRACE_S`) after another member failed or died, or when
+    (:data:`~conformance.harness.runner.FAILURE_GRACE_S`) after another member failed or died, or when
     the job ends: posts ``hung`` with the body's output and Python stack, then gets the main thread
     free (:data:`CUT_SIGNAL`; nccl: the group's abort; gloo: the peers drop the group). A body that is
     not free after its rank timeout (10 to 30 s) ends the job."""
@@ -228,8 +228,8 @@ def emergency_report(job: Job, store: ControlStore, reason: str, output: str) ->
         except Exception:  # the report is written below whatever a reporter plugin thinks of it
             pass
     session = getattr(job.current[2], "session", None) if job.current is not None else None
-    if session is not None and SESSION_FINISH in config.stash:
-        config.stash[SESSION_FINISH](session, int(pytest.ExitCode.INTERRUPTED))
+    if session is not None:
+        job.write_report(session, int(pytest.ExitCode.INTERRUPTED))
         add_launch_info(job)
     written = f"; report written to {job.report_json}" if job.report_json else ""
     reporter = config.pluginmanager.getplugin("terminalreporter")

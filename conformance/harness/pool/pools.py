@@ -1,4 +1,5 @@
-"""Pools of rank processes, started once per (world size, backend) and reused by every test.
+"""Pools of rank processes, started once per (world size, backend) and reused by every test: the
+runner of the suite's own ranks (:class:`PoolRunner`).
 
 The controller (the pytest process) sends one :class:`~conformance.harness.worker.Task` to every rank
 and waits for every rank's answer, a rank dying, or the deadline, whichever comes first. A pool that
@@ -12,44 +13,20 @@ import os
 import pickle
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
-from conformance.harness.worker import RankOutcome, Task, rank_main, recv_message, send_message
+from conformance.harness.runner import FAILURE_GRACE_S, RankRun, RanksNotStarted
+from conformance.harness.worker import RankOutcome, Task, make_task, rank_main, recv_message, send_message
 
-__all__ = ["RankPool", "PoolManager", "PoolRun", "PoolStartError", "make_task"]
+__all__ = ["RankPool", "PoolRunner"]
 
-#: After the first rank fails, how long the others get to finish before they count as hung.
-FAILURE_GRACE_S = 10.0
 #: How long SIGUSR1's stack dump gets before the logs are read.
 STACK_DUMP_WAIT_S = 1.0
-
-
-class PoolStartError(RuntimeError):
-    """The ranks could not form a process group."""
-
-
-@dataclass
-class PoolRun:
-    """Everything observed on the ranks for one task."""
-
-    world_size: int
-    outcomes: dict[int, RankOutcome] = field(default_factory=dict)
-    output: dict[int, str] = field(default_factory=dict)
-    #: rank -> exit code (negative: the signal) of ranks that died during the task
-    died: dict[int, int | None] = field(default_factory=dict)
-    #: ranks that neither answered nor died by the deadline (their stacks are in ``output``)
-    hung: list[int] = field(default_factory=list)
-
-    @property
-    def healthy(self) -> bool:
-        return not self.died and not self.hung
 
 
 class RankPool:
@@ -105,11 +82,11 @@ class RankPool:
             details += "".join(f"\n[rank {r}] died with exit code {c}" for r, c in run.died.items())
             details += "".join(f"\n[rank {r}] did not join within {timeout_s:.0f}s" for r in run.hung)
             details += "".join(f"\n[rank {r} output]\n{out}" for r, out in run.output.items() if out.strip())
-            raise PoolStartError(
+            raise RanksNotStarted(
                 f"could not start a {self.backend} pool of world size {self.world_size}:\n{details}"
             )
 
-    def run(self, task: Task, timeout_s: float) -> PoolRun:
+    def run(self, task: Task, timeout_s: float) -> RankRun:
         """Run ``task`` on every rank. The pool is stopped (to be restarted) if the run was not healthy."""
         if not self.alive:
             self.start()
@@ -170,8 +147,8 @@ class RankPool:
         except (EOFError, OSError):
             return None
 
-    def _collect(self, deadline: float, offsets: dict[int, int]) -> PoolRun:
-        run = PoolRun(world_size=self.world_size)
+    def _collect(self, deadline: float, offsets: dict[int, int]) -> RankRun:
+        run = RankRun(world_size=self.world_size)
         pending = set(range(self.world_size))
         first_failure_at: float | None = None
         while pending:
@@ -211,33 +188,20 @@ class RankPool:
         return run
 
 
-def make_task(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, tmp_dir: str, seed: int = 0) -> Task:
-    """The task that runs ``fn(*args, **kwargs)`` on each rank; ``fn`` must be importable by name."""
-    task = Task(
-        module=fn.__module__,
-        qualname=fn.__qualname__,
-        args=args,
-        kwargs=kwargs,
-        tmp_dir=tmp_dir,
-        sys_path=tuple(sys.path),
-        seed=seed,
-    )
-    if "<locals>" in task.qualname or "<lambda>" in task.qualname:
-        raise ValueError(
-            f"{fn.__module__}.{task.qualname} cannot run on the ranks: the function must be defined at "
-            "module level so that every rank can import it"
-        )
-    return task
+class PoolRunner:
+    """The :class:`~conformance.harness.runner.Runner` of the suite's own ranks: one
+    :class:`RankPool` per (world size, backend), started at its first test and reused; a pool that hung
+    or lost a rank is killed and the next test starts a fresh one."""
 
-
-class PoolManager:
-    """The pools of one pytest session, keyed by (world size, backend); stops them all at exit."""
+    #: A rank is a child of the pytest process: its crash ends its pool, not the run.
+    contains_crashes = True
 
     def __init__(self, *, pg_timeout_s: float = 1800.0) -> None:
         self._pools: dict[tuple[int, str], RankPool] = {}
         self.pg_timeout_s = pg_timeout_s
 
-    def get(self, world_size: int, backend: str) -> RankPool:
+    def pool(self, world_size: int, backend: str) -> RankPool:
+        """The pool of ``(world_size, backend)`` (made, not yet started, at the first call)."""
         key = (world_size, backend)
         if key not in self._pools:
             self._pools[key] = RankPool(world_size, backend, pg_timeout_s=self.pg_timeout_s)
@@ -253,11 +217,13 @@ class PoolManager:
         *,
         tmp_dir: str,
         timeout_s: float,
-        seed: int = 0,
-    ) -> PoolRun:
-        return self.get(world_size, backend).run(make_task(fn, args, kwargs, tmp_dir=tmp_dir, seed=seed), timeout_s)
+    ) -> RankRun:
+        return self.pool(world_size, backend).run(make_task(fn, args, kwargs, tmp_dir=tmp_dir), timeout_s)
 
-    def stop_all(self) -> None:
+    def after_unhealthy_run(self) -> str:
+        return "the pool was killed and is restarted for the next test"
+
+    def stop(self) -> None:
         for pool in self._pools.values():
             pool.stop()
         self._pools.clear()

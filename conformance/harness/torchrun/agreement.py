@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from conformance.harness.control import JobAborted
 from conformance.harness.failures import DIED, HUNG, Failure
-from conformance.harness.torchrun_job import Job, current_job
+from conformance.harness.torchrun.control import JobAborted
+from conformance.harness.torchrun.job import Job
 
 __all__ = ["Summary", "Agreement", "lost_failures", "exchange", "agree", "fail_report"]
 
@@ -50,12 +50,13 @@ class Agreement:
     ``tryfirst`` wrapper is then the outermost one and sees each report as the plugin left it (pinned
     deviations judged)."""
 
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         report = yield
-        job = current_job()
-        if job is None:
-            return report
+        job = self.job
         if job.stopping is None:
             try:
                 summaries = exchange(job, Summary.of(report))

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from conformance.harness.context import clear_group_caches
-from conformance.harness.launch_env import LaunchEnv
+from conformance.harness.torchrun.launch_env import LaunchEnv
+from conformance.rank_context import clear_group_caches
 
 __all__ = ["ControlStore", "JobAborted", "Peer", "DefaultGroup", "HEARTBEAT_S", "STALE_S"]
 

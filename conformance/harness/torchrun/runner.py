@@ -1,8 +1,8 @@
-"""The rank bodies of a torchrun job, run in lockstep: :class:`TorchrunManager` is the
-:class:`~conformance.harness.pool.PoolManager` of torchrun mode. Rank 0 posts the task, the members
-(ranks ``0 .. world_size-1``) run it under a :class:`~conformance.harness.torchrun_watchdog.Watchdog`
+"""The rank bodies of a torchrun job, run in lockstep: :class:`TorchrunRunner` is the
+:class:`~conformance.harness.runner.Runner` of torchrun mode. Rank 0 posts the task, the members
+(ranks ``0 .. world_size-1``) run it under a :class:`~conformance.harness.torchrun.watchdog.Watchdog`
 and post their outcomes, and every rank of the job reads them all into the same
-:class:`~conformance.harness.pool.PoolRun` (:func:`run_member`, :func:`collect_outcomes`,
+:class:`~conformance.harness.runner.RankRun` (:func:`run_member`, :func:`collect_outcomes`,
 :func:`fill_lost` for a run the end of the job cut short).
 """
 
@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-from conformance.harness.control import JobAborted
-from conformance.harness.pool import PoolManager, PoolRun, RankPool, make_task
-from conformance.harness.torchrun_job import BodyCut, BodyTerminated, Job
-from conformance.harness.torchrun_watchdog import Capture, Watchdog, unstick_s
-from conformance.harness.worker import RankOutcome, Task, run_task
+from conformance.harness.runner import RankRun
+from conformance.harness.torchrun.control import JobAborted
+from conformance.harness.torchrun.job import BodyCut, BodyTerminated, Job
+from conformance.harness.torchrun.watchdog import Capture, Watchdog, unstick_s
+from conformance.harness.worker import RankOutcome, Task, make_task, run_task
 
-__all__ = ["TorchrunManager", "skip_at_test", "fill_lost", "run_member", "collect_outcomes"]
+__all__ = ["TorchrunRunner", "skip_at_test", "fill_lost", "run_member", "collect_outcomes"]
 
 
 def skip_at_test(reason: str) -> None:
@@ -33,20 +33,21 @@ def skip_at_test(reason: str) -> None:
     raise pytest.skip.Exception(reason, _use_item_location=True)
 
 
-class TorchrunManager(PoolManager):
+class TorchrunRunner:
     """Runs a rank body on the job's ranks ``0 .. world_size-1`` and returns what every member did, as
-    the :class:`PoolRun` a pool would return; every rank of the job calls :meth:`run` in the same
-    order with the same world size (they run the same test) and gets the same PoolRun."""
+    the :class:`RankRun` a pool would return; every rank of the job calls :meth:`run` in the same
+    order with the same world size (they run the same test) and gets the same RankRun."""
 
-    def __init__(self, job: Job | None) -> None:
-        super().__init__()
-        assert job is not None
+    #: A dead rank ends the job (torchrun stops the others): nothing runs after it to rerun a crash.
+    contains_crashes = False
+
+    def __init__(self, job: Job) -> None:
         self.job = job
 
-    def get(self, world_size: int, backend: str) -> RankPool:
-        raise RuntimeError("torchrun mode has no rank pools: the job's ranks run the tests")
+    def after_unhealthy_run(self) -> str:
+        return self.job.stopping or "the hung rank(s) were freed; the process group is made anew for the next test"
 
-    def stop_all(self) -> None:
+    def stop(self) -> None:
         """Nothing to stop: the default group is dropped when the session ends."""
 
     def run(
@@ -59,8 +60,7 @@ class TorchrunManager(PoolManager):
         *,
         tmp_dir: str,
         timeout_s: float,
-        seed: int = 0,
-    ) -> PoolRun:
+    ) -> RankRun:
         job = self.job
         if world_size > job.world_size:
             skip_at_test(f"world size {world_size} needs {world_size} ranks; the torchrun job has {job.world_size}")
@@ -69,21 +69,21 @@ class TorchrunManager(PoolManager):
         start = time.monotonic()
         member = job.rank < world_size
         if job.stopping is not None:
-            run = PoolRun(world_size=world_size)
+            run = RankRun(world_size=world_size)
             fill_lost(job, run)
             return run
         if job.rank == 0:
             # Every member runs rank 0's task (the pool's controller is rank 0 here): one tmp_dir, one
             # set of arguments, each rank its own unpickled copy.
-            task = make_task(fn, args, kwargs, tmp_dir=tmp_dir, seed=seed)
+            task = make_task(fn, args, kwargs, tmp_dir=tmp_dir)
             job.control.put_bytes(f"run{k}/task", pickle.dumps(task, protocol=pickle.HIGHEST_PROTOCOL))
         else:
-            make_task(fn, args, kwargs, tmp_dir=tmp_dir, seed=seed)  # the same check of fn on every rank
+            make_task(fn, args, kwargs, tmp_dir=tmp_dir)  # the same check of fn on every rank
         if job.group.current not in (None, (world_size, backend)):
             # Every rank, member or not, leaves a group of another size: the members all make the new
             # one together (a rank left holding an old group would skip joining it).
             job.group.drop()
-        run = PoolRun(world_size=world_size)
+        run = RankRun(world_size=world_size)
         try:
             if member:
                 run_member(job, k, world_size, backend, timeout_s)
@@ -94,7 +94,7 @@ class TorchrunManager(PoolManager):
         return run
 
 
-def fill_lost(job: Job, run: PoolRun, exc: JobAborted | None = None) -> None:
+def fill_lost(job: Job, run: RankRun, exc: JobAborted | None = None) -> None:
     """Complete the run of a test that the end of the job cut short: each member that did not answer
     is reported by what happened to it (died, terminated, hung); one whose fate is unknown is hung if
     it is still alive, else died."""
@@ -132,7 +132,8 @@ def run_member(job: Job, k: int, world_size: int, backend: str, timeout_s: float
         outcome: RankOutcome | None = None
         job.in_body, job.cut_pending = True, False
         try:
-            outcome = run_task(task, job.rank, world_size, backend, device=job.group.device)
+            per_node = job.layout[1] if job.layout is not None else None
+            outcome = run_task(task, job.rank, world_size, backend, device=job.group.device, ranks_per_node=per_node)
         except (BodyCut, BodyTerminated):
             outcome = None
         finally:
@@ -167,7 +168,7 @@ def run_member(job: Job, k: int, world_size: int, backend: str, timeout_s: float
     control.put(f"run{k}/st/{job.rank}", outcome.status)
 
 
-def collect_outcomes(job: Job, k: int, run: PoolRun, timeout_s: float, start: float) -> None:
+def collect_outcomes(job: Job, k: int, run: RankRun, timeout_s: float, start: float) -> None:
     """Every member's outcome of run ``k`` into ``run``, on every rank of the job (its own included)."""
     control = job.control
     world_size = run.world_size

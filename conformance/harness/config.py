@@ -1,0 +1,97 @@
+"""The settings of one run of the suite (:class:`HarnessConfig`), read once from the options.
+
+The plugin builds the object in ``pytest_configure``, after the runner is chosen (a torchrun job's
+world size is the default of ``--world-size``, and its ranks with a GPU decide ``--backend auto``),
+and keeps it in the config's stash (:func:`harness_config`). Nothing reads these options again; what
+the ranks need of it (a body's timeout, the backend) travels with each run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from conformance.adapters.base import SHIPPED
+
+__all__ = ["HarnessConfig", "SETTINGS", "harness_config", "parse_world_sizes"]
+
+
+def parse_world_sizes(raw: str) -> tuple[int, ...]:
+    """``--world-size``'s value as sorted distinct sizes; a usage error for anything but positive integers."""
+    try:
+        sizes = sorted({int(part) for part in str(raw).split(",") if part.strip()})
+    except ValueError:
+        raise pytest.UsageError(f"--world-size expects integers like 1,2,4; got {raw!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise pytest.UsageError(f"--world-size expects positive integers; got {raw!r}")
+    return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    """What the options of one run say, checked once."""
+
+    #: ``--world-size``: the world sizes rank tests run at (default 1,2; under torchrun the job's)
+    world_sizes: tuple[int, ...]
+    #: ``--backend``: ``auto``, ``gloo`` or ``nccl``
+    backend: str
+    #: how many of the ranks 0, 1, ... drive a GPU of their own (this machine's devices; under
+    #: torchrun the job's ranks with one): ``auto`` takes nccl up to this world size
+    cuda_devices: int
+    #: ``--impl``: the adapters under test, each once, in order (every shipped one by default)
+    impls: tuple[str, ...]
+    #: ``--rank-timeout``: seconds a rank test may run before it is cut
+    rank_timeout_s: float
+    #: ``--rerun-crashes``: adapter names whose memory-error crashes are run once more
+    rerun_crashes: frozenset[str]
+    #: ``--run-known-hangs``
+    run_known_hangs: bool
+    #: ``--launcher``: ``auto``, ``pool`` or ``env``
+    launcher: str
+    #: ``--shared-tmp``: torchrun mode's scratch root (None: the system temporary directory)
+    shared_tmp: str | None
+
+    @classmethod
+    def from_options(cls, config: pytest.Config, *, default_world_sizes: str | None = None, cuda_devices: int | None = None) -> HarnessConfig:
+        """The settings ``config``'s options give; ``default_world_sizes`` and ``cuda_devices`` are the
+        runner's (a torchrun job's) when it has its own, else ``1,2`` and this machine's GPUs."""
+        impls = [s.strip() for opt in config.getoption("--impl") for s in opt.split(",") if s.strip()]
+        return cls(
+            world_sizes=parse_world_sizes(config.getoption("--world-size") or default_world_sizes or "1,2"),
+            backend=str(config.getoption("--backend")),
+            cuda_devices=_local_cuda_devices() if cuda_devices is None else cuda_devices,
+            impls=tuple(dict.fromkeys(impls)) or tuple(SHIPPED),
+            rank_timeout_s=float(config.getoption("--rank-timeout")),
+            rerun_crashes=frozenset(name.strip() for value in config.getoption("--rerun-crashes") for name in value.split(",") if name.strip()),
+            run_known_hangs=bool(config.getoption("--run-known-hangs")),
+            launcher=str(config.getoption("--launcher")),
+            shared_tmp=config.getoption("--shared-tmp"),
+        )
+
+    @property
+    def pg_timeout_s(self) -> float:
+        """The process groups' own timeout: twice the rank timeout, at least a minute (the harness cuts
+        a hang first, and names it)."""
+        return max(60.0, self.rank_timeout_s * 2)
+
+    def backend_for(self, world_size: int) -> str:
+        """The backend of ``world_size``: ``auto`` is nccl where every rank has a GPU, else gloo."""
+        if self.backend == "auto":
+            return "nccl" if self.cuda_devices >= world_size else "gloo"
+        return self.backend
+
+
+def _local_cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+#: The run's settings, in ``config.stash`` from ``pytest_configure`` on.
+SETTINGS = pytest.StashKey[HarnessConfig]()
+
+
+def harness_config(config: pytest.Config) -> HarnessConfig:
+    """The settings of the run ``config`` belongs to (made by the plugin at configure)."""
+    return config.stash[SETTINGS]
