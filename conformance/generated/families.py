@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
 
-from conformance.adapters.sharding import hybrid_mesh_shape
 from conformance.generated.layout import is_below, max_names, owner_unit
 from conformance.generated.specs import Case, ModelSpec, Sharding
+from conformance.rank_context import hybrid_mesh_shape
 
 __all__ = [
     "STATE_DICT_TEST",
@@ -75,7 +75,17 @@ def _fsdp2_mesh(sharding: Sharding | None) -> tuple[int, ...]:
     """The mesh shape the torch-fsdp2 adapter shards on (conformance/adapters/optim_state.py)."""
     assert sharding is not None
     ws = sharding.world_size
-    return {"HYBRID_SHARD": hybrid_mesh_shape(ws), "NO_SHARD": (ws, 1)}.get(sharding.strategy, (ws,))
+    return {"HYBRID_SHARD": hybrid_mesh_shape(ws, _ranks_per_node()), "NO_SHARD": (ws, 1)}.get(sharding.strategy, (ws,))
+
+
+def _ranks_per_node() -> int | None:
+    """The launched job's ranks per node, which shapes HYBRID_SHARD's mesh when the world fills whole
+    nodes. Families are decided while collecting, outside any test body, so the rank context has no
+    layout yet: under torchrun it is the job's (joined before collection); None for the pools."""
+    from conformance.harness.torchrun.job import current_job
+
+    job = current_job()
+    return job.layout[1] if job is not None and job.layout else None
 
 
 _FAMILIES: tuple[CaseFamily, ...] = (
