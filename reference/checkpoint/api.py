@@ -37,8 +37,8 @@ def _collector_paused() -> Iterator[None]:
 
     A save or load makes thousands of short-lived, acyclic objects (plans, metadata, one record per
     tensor); each few hundred allocations trigger a collection, and every tenth of those a full one,
-    which walks every object of the process (a training process holds hundreds of thousands): reading
-    the metadata of a 344-tensor checkpoint took 3 to 9 ms with it, 1 ms without, here. Nothing of
+    which walks every object of the process (a training process holds hundreds of thousands) and
+    takes several times as long as reading a checkpoint's metadata (figures: docs/benchmark-results.md, "Why the fast paths"). Nothing of
     ours forms cycles, and whatever the caller's objects leave is collected once the collector is back."""
     was_enabled = gc.isenabled()
     gc.disable()

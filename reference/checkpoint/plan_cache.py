@@ -105,7 +105,7 @@ def _digest(value: Any) -> str:
     memo the bytes depend on the values alone, not on which objects happen to be shared: equal layouts
     give equal digests, in one process or across ranks. (Pickled with the memo, a key string shared
     by an item and a path would encode otherwise than two equal strings; ``repr`` is as faithful and
-    4x slower: 2 ms for the 514 items of a 128-parameter Adam checkpoint.)"""
+    slower (figures: docs/benchmark-results.md, "Why the fast paths").)"""
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=5)
     pickler.fast = True  # no memo: these values hold no cycles

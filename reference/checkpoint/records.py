@@ -115,7 +115,7 @@ def _crc32_option_is_per_thread() -> bool:
 @contextlib.contextmanager
 def _without_crc32() -> Iterator[None]:
     # torch.save computes a CRC32 of every member by default, which costs more than writing the bytes
-    # (measured here: 445 vs 1,050 MB/s for a 64 MB tensor). Nothing reads it back: this reader parses
+    # (figures: docs/benchmark-results.md, "Why the fast paths"). Nothing reads it back: this reader parses
     # the zip structure with struct, and torch's reader does not verify it. What catches a damaged
     # record instead: the structure checks of parse_tensor_record and the record's geometry checked
     # against the checkpoint metadata (FileSystemReader).
@@ -183,9 +183,9 @@ def write_record(stream: BinaryIO, value: torch.Tensor | bytes | memoryview) -> 
 
 # -- record templates -------------------------------------------------------------------------------
 #
-# torch.save costs about 50 us a tensor beyond writing its bytes (pickling data.pkl, setting up a zip
-# writer, some 35 small writes): with 164 records a rank, a tenth of a 512 MB save at world size 2
-# here (70 ms to write what raw writes in 51). Yet every byte of a record but the storage's is fixed
+# torch.save costs a fixed time per tensor beyond writing its bytes (pickling data.pkl, setting up a
+# zip writer, some 35 small writes), a tenth of a save of a few hundred records a rank
+# (figures: docs/benchmark-results.md, "Why the fast paths"). Yet every byte of a record but the storage's is fixed
 # by the tensor's geometry: CRC32s are off, the serialization id is a hash of the member names and
 # their (zero) CRC32s, and nothing records a time or a process. So the record is written as a
 # template around the storage bytes. The template is torch.save's own output under

@@ -22,8 +22,8 @@ across nodes).
 
 Removing the files of the earlier save is cleanup, not part of the save: it runs on a thread of the
 coordinator after publication (see :class:`_Removals`), so that no rank waits for it. Freeing an
-fsynced file's blocks is slow (unlinking 32 MB took 47-58 ms on a 2-CPU VM, ext4 on a virtual disk;
-128 MB, 190-210 ms), and the ranks would otherwise wait for it at the end of every save
+fsynced file's blocks is slow (tens of ms per 32 MB on ext4; figures: docs/benchmark-results.md,
+"Why the fast paths"), and the ranks would otherwise wait for it at the end of every save
 over an earlier checkpoint. Which files to remove is decided at publication, while the save still
 holds the directory: only names the new metadata does not reference, all written by earlier saves
 (every save's names are its own), so a later save's files are never among them.
@@ -81,8 +81,8 @@ LOCK_FILE = ".lock"
 #: Every record starts at a multiple of this many bytes of its data file (zero bytes between records).
 #: torch.save puts a tensor's bytes at a multiple of 64 bytes from the record's start, so they are
 #: 64-byte aligned in the file as they are in memory, and the kernel copies them from the page cache
-#: into a tensor at full speed: reading 16 x 4 MiB at a 17-byte misalignment took 3.9 ms here, 3.3 ms
-#: aligned (DCP's own writer packs records end to end). Readers, DCP's included, read each record at
+#: into a tensor at full speed; a misaligned read is measurably slower (figures: docs/benchmark-results.md, "Why the fast paths") (DCP's own
+#: writer packs records end to end). Readers, DCP's included, read each record at
 #: its (offset, length) in the metadata and never see the padding.
 RECORD_ALIGNMENT = 64
 
@@ -99,8 +99,7 @@ MIN_RUN_BYTES = 4 << 20
 def _cpus_per_local_rank() -> int:
     """The CPUs this process may run on, divided among the ranks of its node (torchrun's
     ``LOCAL_WORLD_SIZE``; 1 when unset): ranks that each start as many readers as the node has CPUs
-    slow each other down (measured at world size 2 on 2 CPUs: 64 MB read in 8.2-9.3 ms with two
-    threads per rank, 6.6 ms with one)."""
+    slow each other down (figures: docs/benchmark-results.md, "Why the fast paths")."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
         local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -158,8 +157,8 @@ def _write_bytes(item: WriteItem) -> int:
 
 
 # Reader and writer threads outlive a load or save: starting a thread costs about as much as reading a few MB from the
-# page cache (0.5-1 ms here, the new thread must be scheduled before ``start`` returns), so a load of
-# 64 MB that started its threads each time spent a quarter of its time on that. One pool per thread
+# page cache (the new thread must be scheduled before ``start`` returns), so a small load that started
+# its threads each time would spend a good part of its time on that (figures: docs/benchmark-results.md, "Why the fast paths"). One pool per thread
 # count, made on first use. A forked child inherits the pools' objects but not their threads, and
 # would wait forever on work no thread takes: the child starts with no pools.
 _POOLS: dict[int, ThreadPoolExecutor] = {}

@@ -5,10 +5,8 @@ gathers every rank's ``WriteResult`` list and broadcasts the checkpoint's ``Meta
 (:func:`reference.checkpoint.api.save`). Pickled as they are,
 these are slow to send: each write item is five nested dataclasses (pickled through ``copyreg``, with
 their ``__dict__``) holding three ``torch.Size`` and a dtype, layout and memory format (each through a
-Python-level ``__reduce__``). A 350-item plan (512 MB of model and Adam state, sharded over two ranks)
-took 4.2-6.7 ms to pickle and 3.6-4.0 ms to unpickle here (0.8 and 1.7 ms in this form), and
-those exchanges were about 26 ms of a 313 ms save at world size 2. The metadata of 465 entries took
-2.5 ms to pickle and 1.6 ms to unpickle, in 103 KB (0.6 and 1.3 ms, in 49 KB, this way).
+Python-level ``__reduce__``), a few times slower to pickle and unpickle than the form below and
+a visible part of a save at world size 2 (figures: docs/benchmark-results.md, "Why the fast paths").
 
 :class:`Compact` wraps such a value. Unpickled, it is the value again, rebuilt as an equal object of
 the same types with the same fields (index hints included), but it travels as tuples of plain
