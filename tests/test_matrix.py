@@ -69,3 +69,14 @@ def test_the_matrix_starts_at_the_declared_lower_bound() -> None:
     assert bound is not None
     assert RELEASES[0].startswith(bound.group(1) + "."), (RELEASES[0], bound.group(1))
     assert [tuple(map(int, r.split(".")[:2])) for r in RELEASES] == sorted({tuple(map(int, r.split(".")[:2])) for r in RELEASES})
+
+
+def test_each_run_names_the_suite_commit_it_measured(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    _write(results, "2.13.0", {"a[torch]": {"outcome": "passed", "reqs": ["SD-1"], "impl": "torch"}})
+    (results / "torch-2.13.0.meta.json").write_text(json.dumps({"commit": "abc1234+dirty"}))
+    _write(results, "2.14.1", {"a[torch]": {"outcome": "passed", "reqs": ["SD-1"], "impl": "torch"}})
+    runs = load_runs(results)
+    assert [(r.release, r.commit) for r in runs] == [("2.13.0", "abc1234+dirty"), ("2.14.1", "?")]
+    doc = render(runs)
+    assert "| 2.13.0 | abc1234+dirty | 1,2 |" in doc and "| 2.14.1 | ? | 1,2 |" in doc

@@ -56,6 +56,15 @@ def build_wheel(out: Path) -> Path:
     return wheel
 
 
+def suite_commit() -> str:
+    """The checkout's commit, with ``+dirty`` when its tracked files differ from it: what a result measured."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=False).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def _pip(venv: Path, *args: str, log: Path) -> None:
     with log.open("a") as sink:
         sink.write(f"$ pip {' '.join(args)}\n")
@@ -73,6 +82,7 @@ def run_release(release: str, wheel: Path, out: Path, *, impls: str, world_sizes
     report = results / f"torch-{release}.json"
     log.write_text("")
     report.unlink(missing_ok=True)
+    (results / f"torch-{release}.meta.json").write_text(json.dumps({"commit": suite_commit()}))
     venv = out / "venvs" / f"torch-{release}"
     shutil.rmtree(venv, ignore_errors=True)
     try:
@@ -102,6 +112,7 @@ def run_release(release: str, wheel: Path, out: Path, *, impls: str, world_sizes
 class ReleaseRun:
     release: str
     data: dict[str, Any]
+    commit: str = "?"  #: the suite's commit the run measured (``torch-<release>.meta.json``)
 
     @property
     def tests(self) -> dict[str, dict[str, Any]]:
@@ -120,8 +131,12 @@ def _version_key(release: str) -> tuple[int, ...]:
 def load_runs(results: Path) -> list[ReleaseRun]:
     runs = []
     for path in results.glob("torch-*.json"):
+        if path.name.endswith(".meta.json"):
+            continue
         release = path.stem[len("torch-"):]
-        runs.append(ReleaseRun(release, json.loads(path.read_text())))
+        meta = path.with_name(f"torch-{release}.meta.json")
+        commit = json.loads(meta.read_text()).get("commit", "?") if meta.exists() else "?"
+        runs.append(ReleaseRun(release, json.loads(path.read_text()), commit))
     return sorted(runs, key=lambda r: _version_key(r.release))
 
 
@@ -183,14 +198,14 @@ def render(runs: Sequence[ReleaseRun], expected: Sequence[str] = RELEASES) -> st
         "",
         "## Runs",
         "",
-        "| torch | world sizes | adapters | passed | known deviations | skipped | failed | strict passes |",
-        "|---|---|---|---|---|---|---|---|",
+        "| torch | suite at | world sizes | adapters | passed | known deviations | skipped | failed | strict passes |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         counts = Counter(str(t.get("outcome")) for t in run.tests.values())
         strict = sum(1 for t in run.tests.values() if t.get("outcome") == "xpassed" and t.get("strict"))
         ws = ",".join(str(w) for w in run.data.get("world_sizes", []))
-        lines.append(f"| {run.data.get('torch', run.release)} | {ws} | {', '.join(run.data.get('impls', []))} | {counts['passed']} | "
+        lines.append(f"| {run.data.get('torch', run.release)} | {run.commit} | {ws} | {', '.join(run.data.get('impls', []))} | {counts['passed']} | "
                      f"{counts['xfailed']} | {counts['skipped']} | {counts['failed'] + counts['error']} | {strict} |")
     for impl in impls:
         lines += ["", f"## {impl}", "", "| requirement | " + " | ".join(releases) + " |", "|---|" + "---|" * len(releases)]
