@@ -80,3 +80,13 @@ def test_each_run_names_the_suite_commit_it_measured(tmp_path: Path) -> None:
     assert [(r.release, r.commit) for r in runs] == [("2.13.0", "abc1234+dirty"), ("2.14.1", "?")]
     doc = render(runs)
     assert "| 2.13.0 | abc1234+dirty | 1,2 |" in doc and "| 2.14.1 | ? | 1,2 |" in doc
+
+
+def test_runs_of_another_suite_are_named_as_such(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    _write(results, "2.13.0", {"a[torch]": {"outcome": "failed", "reqs": ["SD-1"], "impl": "torch", "reason": "x"}})
+    (results / "torch-2.13.0.meta.json").write_text(json.dumps({"commit": "old1234"}))
+    doc = render(load_runs(results), current="new5678")
+    assert "Runs of another suite than the checkout this page was written from (new5678): 2.13.0 (old1234)." in doc
+    assert "MATRIX_RELEASES=2.13.0` measures them again" in doc
+    assert "Runs of another suite" not in render(load_runs(results), current="old1234")

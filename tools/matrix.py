@@ -181,7 +181,7 @@ def _skipped_apis(run: ReleaseRun, impl: str) -> list[str]:
     return sorted(r for r in reasons if version in r or "torch " in r and "lacks" in r)
 
 
-def render(runs: Sequence[ReleaseRun], expected: Sequence[str] = RELEASES) -> str:
+def render(runs: Sequence[ReleaseRun], expected: Sequence[str] = RELEASES, current: str | None = None) -> str:
     releases = [r.release for r in runs]
     impls = sorted({i for r in runs for i in r.data.get("impls", [])}, key=lambda i: (i != "reference", i))
     lines = [
@@ -207,6 +207,12 @@ def render(runs: Sequence[ReleaseRun], expected: Sequence[str] = RELEASES) -> st
         ws = ",".join(str(w) for w in run.data.get("world_sizes", []))
         lines.append(f"| {run.data.get('torch', run.release)} | {run.commit} | {ws} | {', '.join(run.data.get('impls', []))} | {counts['passed']} | "
                      f"{counts['xfailed']} | {counts['skipped']} | {counts['failed'] + counts['error']} | {strict} |")
+    stale = [run for run in runs if current is not None and run.commit != current]
+    if stale:
+        lines += ["", "Runs of another suite than the checkout this page was written from (" + str(current) + "): "
+                  + ", ".join(f"{run.release} ({run.commit})" for run in stale)
+                  + ". Their failures may have been pinned or fixed since; `make matrix MATRIX_RELEASES="
+                  + ",".join(run.release for run in stale) + "` measures them again."]
     for impl in impls:
         lines += ["", f"## {impl}", "", "| requirement | " + " | ".join(releases) + " |", "|---|" + "---|" * len(releases)]
         per_release = [_by_requirement(run, impl) for run in runs]
@@ -267,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not runs:
         _log(f"no results in {args.out / 'results'}")
         return 2
-    args.doc.write_text(render(runs))
+    args.doc.write_text(render(runs, current=suite_commit()))
     _log(f"wrote {args.doc}")
     red = [(run.release, tid) for run in runs for tid, _ in run.red()]
     for release, tid in red:
