@@ -57,12 +57,14 @@ def build_wheel(out: Path) -> Path:
 
 
 def suite_commit() -> str:
-    """The checkout's commit, with ``+dirty`` when its tracked files differ from it: what a result measured."""
+    """The checkout's commit, with ``+dirty`` when its tracked files differ from it: what a result
+    measured. The compatibility page itself, which ``render`` rewrites, does not count."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=False).stdout.strip()
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", f":!{DEFAULT_DOC.relative_to(REPO_ROOT)}")
+    return commit + ("+dirty" if changed else "")
 
 
 def _pip(venv: Path, *args: str, log: Path) -> None:
