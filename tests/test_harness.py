@@ -545,3 +545,23 @@ def test_without_rerun_crashes_a_segfault_fails_its_test(suite: pytest.Pytester)
     result.assert_outcomes(passed=1, failed=1)
     assert _runs(suite, "once-upstream") == 1
     assert "crashes rerun" not in result.stdout.str()
+
+
+@pytest.mark.req("HX-3")
+def test_a_test_module_imported_by_another_is_rewritten_on_ranks(tmp_path: Path) -> None:
+    """A rank imports the module a task names with pytest's assertion rewriting, and so every test module
+    that one imports: ``from conformance.test_x import helper`` in another test file must not leave
+    ``test_x``'s own asserts bare (empty messages) for the tests of ``test_x`` that run on that rank later."""
+    (tmp_path / "test_importer.py").write_text("from test_imported import check\n")
+    (tmp_path / "test_imported.py").write_text("def check():\n    values = [1]\n    assert values == [2]\n")
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "from conformance.harness.worker import _import_test_module\n"
+        "_import_test_module('test_importer')\n"
+        "imported = _import_test_module('test_imported')\n"
+        "try:\n    imported.check()\nexcept AssertionError as error:\n    print(repr(str(error)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "assert [1] == [2]" in done.stdout, done.stdout

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import faulthandler
 import importlib
+import importlib.abc
 import importlib.util
 import multiprocessing
 import os
@@ -119,28 +120,43 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
-def _import_test_module(name: str) -> Any:
-    """Import ``name``; a ``test_*.py`` module gets pytest's assertion rewriting, as on the controller,
-    so that a failing ``assert a == b`` on a rank shows both values."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.origin or not os.path.basename(spec.origin).startswith("test_"):
-        return importlib.import_module(name)
-    # Private: pytest offers no public way to rewrite a module outside a pytest session.
-    from _pytest.assertion.rewrite import rewrite_asserts
+class _RewritingFinder:
+    """Imports every ``test_*.py`` module with pytest's assertion rewriting, as on the controller, so
+    that a failing ``assert a == b`` on a rank shows both values. A meta path finder, not a rewrite of
+    the module a task names: a test module imported by another one (``from conformance.test_x
+    import ...``) is rewritten too, whichever a rank happens to import first."""
 
-    source = Path(spec.origin).read_bytes()
-    tree = ast.parse(source, filename=spec.origin)
-    rewrite_asserts(tree, source, spec.origin, None)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        exec(compile(tree, spec.origin, "exec", dont_inherit=True), module.__dict__)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        from importlib.machinery import PathFinder
+
+        spec = PathFinder.find_spec(name, path)
+        if spec is None or not spec.origin or not os.path.basename(spec.origin).startswith("test_") or not spec.origin.endswith(".py"):
+            return None
+        return importlib.util.spec_from_file_location(name, spec.origin, loader=_RewritingLoader(spec.origin))
+
+
+class _RewritingLoader(importlib.abc.Loader):
+    def __init__(self, origin: str) -> None:
+        self.origin = origin
+
+    def create_module(self, spec: Any) -> None:
+        return None  # the default module
+
+    def exec_module(self, module: Any) -> None:
+        # Private: pytest offers no public way to rewrite a module outside a pytest session.
+        from _pytest.assertion.rewrite import rewrite_asserts
+
+        source = Path(self.origin).read_bytes()
+        tree = ast.parse(source, filename=self.origin)
+        rewrite_asserts(tree, source, self.origin, None)
+        exec(compile(tree, self.origin, "exec", dont_inherit=True), module.__dict__)
+
+
+def _import_test_module(name: str) -> Any:
+    """Import ``name``, with every test module it imports rewritten (:class:`_RewritingFinder`)."""
+    if not any(isinstance(finder, _RewritingFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RewritingFinder())
+    return importlib.import_module(name)
 
 
 def _resolve(task: Task) -> Any:
