@@ -239,27 +239,25 @@ def child_save(impl: Adapter, path: Path, fill: float, kill: tuple[str, int] | N
                *, executor: str | None = None) -> int:
     """Run :mod:`conformance.crash_child` (a save of ``crash_state(fill)``, maybe killed at ``kill``);
     with ``executor``, the save is the adapter's async save on that executor, waited for. Its exit status."""
-    import subprocess
-    import sys
-
+    from conformance import crash_child
+    from conformance.child_process import run_child
     from conformance.crash_child import ASYNC_ENV, KILLED, UNSUPPORTED
 
-    args = [sys.executable, "-m", "conformance.crash_child", impl.spec, str(path), str(fill)]
+    args = [impl.spec, str(path), str(fill)]
     if kill:
         args += [kill[0], str(kill[1])]
         if world > 1:
             args += [str(world), killed]
-    repo = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH", "")]))}
+    env = dict(os.environ)
     env.pop(ASYNC_ENV, None)
     if executor is not None:
         env[ASYNC_ENV] = executor
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
-    if done.returncode == UNSUPPORTED:
-        pytest.skip(f"{impl.name}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'unsupported'}")
-    if done.returncode not in (0, -9, KILLED):
-        fail("a child's save", f"exit status {done.returncode}: {done.stderr[-800:]}", f"0 (finished), -9 or {KILLED} (killed)", " ".join(args))
-    return done.returncode
+    status, output = run_child(crash_child.main, args, timeout=120, env=env, description=f"python -m conformance.crash_child {' '.join(args)}")
+    if status == UNSUPPORTED:
+        pytest.skip(f"{impl.name}: {output.strip().splitlines()[-1] if output.strip() else 'unsupported'}")
+    if status not in (0, -9, KILLED):
+        fail("a child's save", f"exit status {status}: {output[-800:]}", f"0 (finished), -9 or {KILLED} (killed)", " ".join(args))
+    return status
 
 
 def check_after_kill(impl: Adapter, path: Path, directory: str, kill: tuple[str, int], *, world: int, killed: str,

@@ -11,7 +11,6 @@ save that never ends fails its test instead of stopping the run.
 from __future__ import annotations
 
 import multiprocessing.resource_tracker
-import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -219,9 +218,10 @@ def test_an_evaluation_job_loading_during_the_write_gets_one_whole_checkpoint(di
     again and again from before the async save until after it completed; each of its loads gets one
     save's checkpoint whole, never an error and never a mix."""
     import json
-    import subprocess
-    import sys
     import time
+
+    from conformance import eval_child
+    from conformance.child_process import start_child
 
     path = dist.tmp_dir / "ckpt"
     _save_and_wait(dist, impl, executor, path, 1.0)
@@ -229,10 +229,8 @@ def test_an_evaluation_job_loading_during_the_write_gets_one_whole_checkpoint(di
     files = {name: dist.tmp_dir / f"eval-{name}" for name in ("ready", "stop", "out")}
     job, stderr = None, ""
     if dist.rank == 0:
-        repo = Path(__file__).resolve().parent.parent
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH", "")]))}
-        job = subprocess.Popen([sys.executable, "-m", "conformance.eval_child", impl.spec, str(path), str(dist.world_size),
-                                str(files["ready"]), str(files["stop"]), str(files["out"])], env=env, stderr=subprocess.PIPE, text=True)
+        job = start_child(eval_child.main, [impl.spec, str(path), str(dist.world_size), str(files["ready"]), str(files["stop"]), str(files["out"])],
+                          description="the evaluation job")
         deadline = time.monotonic() + 40
         while not files["ready"].exists() and job.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -246,7 +244,9 @@ def test_an_evaluation_job_loading_during_the_write_gets_one_whole_checkpoint(di
     finally:
         if job is not None:
             files["stop"].touch()
-            _, stderr = job.communicate(timeout=60)
+            job.wait(timeout=60)
+            stderr = job.output
+            job.close()
     seen = dist.broadcast_object(json.loads(files["out"].read_text()) if job is not None and files["out"].exists() else None)
     if seen is None:
         output = (stderr or "")[-600:] if job is not None else ""

@@ -2007,20 +2007,18 @@ def test_two_jobs_saving_to_one_directory_at_once_never_mix(impl: Adapter, tmp_p
     """Two independent jobs (two processes, no shared group) save different values into one directory
     at the same moment: each either finishes or is refused with an error, and what loads afterwards is
     one save's values whole (or, in a fresh directory, nothing if both were refused); never a mix."""
-    import subprocess
-    import sys
-
+    from conformance import crash_child
+    from conformance.child_process import start_child
     from conformance.crash_child import crash_state
 
     ops = checkpoint_ops(impl)
     path = tmp_path / "ckpt"
     if directory == "overwrite":
         assert child_save(impl, path, 1.0) == 0
-    repo = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH", "")]))}
-    jobs = [subprocess.Popen([sys.executable, "-m", "conformance.crash_child", impl.name, str(path), str(fill)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for fill in (3.0, 4.0)]
-    outcomes = [(job.wait(timeout=120), job.communicate()[1]) for job in jobs]
+    jobs = [start_child(crash_child.main, [impl.name, str(path), str(fill)], description=f"the job saving fill {fill}") for fill in (3.0, 4.0)]
+    outcomes = [(job.wait(timeout=120), job.output) for job in jobs]
+    for job in jobs:
+        job.close()
     finished = [fill for fill, (code, _) in zip((3.0, 4.0), outcomes) if code == 0]
     where = f"{directory} directory, exit statuses {[code for code, _ in outcomes]}"
     target = crash_state(-5.0)
