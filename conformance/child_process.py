@@ -1,9 +1,11 @@
-"""Processes of their own that the suite's tests start: a save to be killed (``crash_child``), a second
-job saving into the same directory, an evaluation job loading during a save (``eval_child``).
+"""Processes of their own that the suite starts: the harness's ranks, and the processes tests start: a save
+to be killed (``crash_child``), a second job saving into the same directory, an evaluation job loading
+during a save (``eval_child``).
 
 Each is a real process (its own address space, killed with SIGKILL, no cleanup), but it is forked from a
 server process that imported torch once (multiprocessing's ``forkserver``), not started from scratch:
-importing torch costs seconds of CPU, and the kill tests start a hundred such processes. What a fresh
+importing torch costs seconds of CPU, the kill tests start a hundred such processes, and every pool
+(re)start and every self-test's inner run starts ranks. What a fresh
 interpreter would give a child and a fork must give it too is handed over explicitly: the environment
 (the server's is the one it started with) and where its output goes.
 """
@@ -18,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Child", "ChildTimeout", "start_child", "run_child"]
+__all__ = ["Child", "ChildTimeout", "process_context", "start_child", "run_child"]
 
 #: What the server imports before it forks: torch and the parts of it every adapter's checkpoint uses.
 #: A module missing here only costs time (the child imports it).
@@ -29,7 +31,9 @@ class ChildTimeout(Exception):
     """A child did not end in time; it was killed."""
 
 
-def _context() -> Any:
+def process_context() -> Any:
+    """The multiprocessing context whose processes are forked from the torch-preloaded server. A
+    process's environment is the server's, not its starter's: pass the starter's along and apply it."""
     context = multiprocessing.get_context("forkserver")
     # Only the first call before the server starts counts; later ones change nothing.
     context.set_forkserver_preload(list(PRELOAD))
@@ -90,7 +94,7 @@ def start_child(main: Callable[[list[str]], int], argv: Sequence[str], *, env: M
     process's environment) as its environment."""
     fd, output = tempfile.mkstemp(prefix="sdc-child-", suffix=".log")
     os.close(fd)
-    process = _context().Process(target=_entry, args=(main, list(argv), dict(os.environ if env is None else env), output),
+    process = process_context().Process(target=_entry, args=(main, list(argv), dict(os.environ if env is None else env), output),
                                  name=description, daemon=False)
     process.start()
     return Child(process, Path(output), description)

@@ -111,9 +111,22 @@ def _die_with_parent(parent_pid: int) -> None:
     except OSError:
         pass
 
+    # A rank forked from a server (conformance.child_process) is the server's child, and the server ends
+    # when the controller does: watch both the parent the rank started with and the controller.
+    started_with = os.getppid()
+
+    def controller_alive() -> bool:
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
     def watch() -> None:
         while True:
-            if os.getppid() != parent_pid:
+            if os.getppid() != started_with or not controller_alive():
                 os._exit(3)
             time.sleep(0.5)
 
@@ -217,8 +230,13 @@ def rank_main(
     conn: Any,
     parent_pid: int,
     pg_timeout_s: float,
+    env: dict[str, str] | None = None,
 ) -> None:
-    """Entry point of a rank process (multiprocessing spawn target)."""
+    """Entry point of a rank process (a multiprocessing target). ``env``: the controller's environment
+    when it started the rank, which a rank forked from a server would not otherwise see."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     # Ctrl-C in a terminal reaches the whole foreground process group: the controller handles it and
     # tears the pools down; a rank interrupted mid-collective would only leave its peers hanging.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

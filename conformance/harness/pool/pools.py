@@ -8,7 +8,6 @@ hung or lost a rank is killed; the next ``run`` starts a fresh one in a fresh re
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import shutil
@@ -20,6 +19,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+from conformance.child_process import process_context
 from conformance.harness.runner import FAILURE_GRACE_S, RankRun, RanksNotStarted
 from conformance.harness.worker import RankOutcome, Task, make_task, rank_main, recv_message, send_message
 
@@ -52,7 +52,7 @@ class RankPool:
         """Spawn the ranks and wait until each has joined the process group."""
         self.stop()
         self._dir = Path(tempfile.mkdtemp(prefix=f"sdc-pool-ws{self.world_size}-"))
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe()
             proc = ctx.Process(
@@ -67,6 +67,7 @@ class RankPool:
                     child_conn,
                     os.getpid(),
                     self.pg_timeout_s,
+                    dict(os.environ),
                 ),
                 daemon=True,
             )
