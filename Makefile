@@ -12,6 +12,10 @@ WORLD_SIZE ?= $(if $(TORCHRUN),,$(POOL_WORLD_SIZE))
 POOL_WORLD_SIZE := 1,2
 IMPL       ?=
 PYTEST_ARGS ?=
+# Parts of the tests run at once (--shard K/N, SPEC HX-35): on this 2-core machine two pytest processes
+# keep both cores busy where one leaves one idle (the controller waits on its ranks, a one-rank test
+# uses one core). JOBS=1 runs one. Under torchrun (TORCHRUN=...) always one.
+JOBS       ?= 2
 # Adapters whose rank tests are run once more after a segfault (--rerun-crashes, SPEC HX-33): upstream
 # torch's CPU/gloo build segfaults now and then in a gloo thread while DTensor gathers optimizer state.
 # A fork's adapter is not among them (not even one derived from torch's): its crashes fail the run.
@@ -52,13 +56,18 @@ setup: $(STAMP)
 
 # The main job: run the suite and print the table of requirement ID x implementation.
 conformance: setup
-	$(if $(TORCHRUN),$(VENV)/bin/torchrun $(TORCHRUN),$(PY)) -m tools.report run $(if $(WORLD_SIZE),--world-size $(WORLD_SIZE),) $(IMPL_ARG) -- $(RERUN_ARG) $(PYTEST_ARGS)
+	$(if $(TORCHRUN),$(VENV)/bin/torchrun $(TORCHRUN),$(PY)) -m tools.report run $(if $(WORLD_SIZE),--world-size $(WORLD_SIZE),) $(IMPL_ARG) $(if $(TORCHRUN),,--jobs $(JOBS)) -- $(RERUN_ARG) $(PYTEST_ARGS)
 
 # Everything CI runs: lint and types first (fail fast; configured in pyproject.toml), then harness and
-# tool self-tests, the conformance suite, every benchmark once.
+# tool self-tests and the conformance suite in JOBS parts at once (each part's output whole when it
+# ends), then every benchmark once.
+SHARDS := $(shell seq 1 $(JOBS))
 test: setup lint
-	$(PY) -m pytest tests conformance --world-size $(WORLD_SIZE) $(IMPL_ARG) $(RERUN_ARG) $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory -j$(JOBS) -Otarget $(addprefix test-shard-,$(SHARDS))
 	$(PY) -m pytest bench --benchmark-disable -q -p no:cacheprovider
+
+test-shard-%: setup
+	$(PY) -m pytest tests conformance --world-size $(WORLD_SIZE) $(if $(filter-out 1,$(JOBS)),--shard $*/$(JOBS),) $(IMPL_ARG) $(RERUN_ARG) $(PYTEST_ARGS)
 
 # The installed suite on torch releases (default: every minor from pyproject's lower bound, newest
 # patch), each installed from the registry into a bare venv of its own (several GB, removed after), and

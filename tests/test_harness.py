@@ -565,3 +565,51 @@ def test_a_test_module_imported_by_another_is_rewritten_on_ranks(tmp_path: Path)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr
     assert "assert [1] == [2]" in done.stdout, done.stdout
+
+
+SHARDED = '''
+import pytest
+
+
+@pytest.mark.parametrize("n", range(5))
+def test_local(n):
+    pass
+
+
+def test_on_ranks(dist):
+    dist.barrier()
+
+
+@pytest.mark.parametrize("n", range(2))
+def test_more_on_ranks(dist, n):
+    dist.barrier()
+'''
+
+
+def _passed_ids(result: pytest.RunResult) -> list[str]:
+    return re.findall(r"^(\S+::\S+) PASSED", result.stdout.str(), re.M)
+
+
+@pytest.mark.req("HX-35")
+def test_shards_run_every_test_exactly_once(suite: pytest.Pytester) -> None:
+    suite.makepyfile(test_sharded=SHARDED)
+    whole = run_suite(suite, "--world-size", "1,2")
+    whole.assert_outcomes(passed=11)
+    every = sorted(_passed_ids(whole))
+    parts = []
+    for k in (1, 2, 3):
+        result = run_suite(suite, "--world-size", "1,2", "--shard", f"{k}/3", "-k", "not more")
+        assert result.ret == 0, result.stdout.str()
+        parts.append(_passed_ids(result))
+    together = sorted(test for part in parts for test in part)
+    assert together == sorted(test for test in every if "test_more_on_ranks" not in test), parts
+    assert all(parts), f"a part got no test: {parts}"  # dealt out, not cut in blocks of one file
+
+
+@pytest.mark.req("HX-35")
+@pytest.mark.parametrize("bad", ["0/2", "3/2", "1", "a/b"])
+def test_a_malformed_shard_is_a_usage_error(suite: pytest.Pytester, bad: str) -> None:
+    suite.makepyfile(test_sharded=SHARDED)
+    result = run_suite(suite, "--world-size", "1", f"--shard={bad}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "--shard takes K/N" in result.stderr.str() + result.stdout.str()

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from conformance.cli.report import Legend, diff, gate_fails, main, render, render_diff, summarize
+from conformance.cli.report import Legend, combined_status, diff, gate_fails, main, merge_payloads, render, render_diff, summarize
 
 PAYLOAD: dict[str, Any] = {
     "torch": "2.13.0",
@@ -227,3 +227,20 @@ def test_diff_exit_status(tmp_path, capsys) -> None:
     other.write_text(json.dumps({"benchmarks": []}))
     with pytest.raises(SystemExit, match=f"{other} is not a --report-json result"):
         main(["diff", str(other), str(base)])
+
+
+@pytest.mark.req("HX-35")
+def test_the_parts_of_a_run_report_as_one() -> None:
+    first = {**PAYLOAD, "tests": {"a::t[reference]": {"outcome": "passed", "reason": "", "reqs": ["SD-1"], "impl": "reference"}}}
+    second = {**PAYLOAD, "tests": {"a::u[reference]": {"outcome": "failed", "reason": "boom", "reqs": ["SD-2"], "impl": "reference"}}}
+    merged = merge_payloads([first, second])
+    assert set(merged["tests"]) == {"a::t[reference]", "a::u[reference]"}
+    assert merged["tests"]["a::u[reference]"]["outcome"] == "failed"
+    assert list(first["tests"]) == ["a::t[reference]"]  # the parts are left as they were
+    assert "FAIL" in render(merged)
+
+
+@pytest.mark.req("HX-35")
+@pytest.mark.parametrize(("statuses", "expected"), [((0, 0), 0), ((0, 5), 0), ((5, 5), 5), ((0, 1), 1), ((1, 4), 1), ((5, 2), 2)])
+def test_the_parts_exit_status_is_the_runs(statuses: tuple[int, ...], expected: int) -> None:
+    assert combined_status(statuses) == expected

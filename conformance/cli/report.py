@@ -1,6 +1,6 @@
 """The conformance report: requirement ID x implementation, from a run of the suite or its JSON.
 
-    statedict-report run [--world-size 1,2] [--impl reference,torch] [--format table] [-- PYTEST_ARGS]
+    statedict-report run [--world-size 1,2] [--impl reference,torch] [--jobs 2] [--format table] [-- PYTEST_ARGS]
     torchrun --nproc-per-node 8 -m conformance.cli.report run --impl torch   # a job's ranks; rank 0 prints
     statedict-report show RESULTS.json [--format table|markdown|json]
     statedict-report diff BASE.json NEW.json [--impl NAME] [--base-impl NAME]
@@ -8,7 +8,8 @@
 (``python -m conformance.cli.report``; in a checkout also ``python -m tools.report``.)
 
 ``run`` runs ``pytest --pyargs conformance`` (the suite this module belongs to, installed or in a
-checkout) with ``--report-json``, prints the table and exits with pytest's status. A cell says what
+checkout) with ``--report-json``, prints the table and exits with pytest's status; ``--jobs N`` runs N
+pytest processes at once, each a part of the tests (``--shard K/N``), and reports them as one run. A cell says what
 the tests naming that ID did against that implementation: ``pass (n)``, ``FAIL m/n``, ``XPASS m/n``
 (known deviations that passed, a failure of a strict run), ``xfail (n)``, ``skip``; ``-`` when no test
 of the run covered it. Reasons are numbered and listed whole under the table, never cut.
@@ -42,7 +43,8 @@ from typing import Any
 
 from tabulate import tabulate
 
-__all__ = ["Cell", "Legend", "Change", "KINDS", "GATE_KINDS", "summarize", "render", "diff", "render_diff", "gate_fails", "main"]
+__all__ = ["Cell", "Legend", "Change", "KINDS", "GATE_KINDS", "summarize", "render", "diff", "render_diff", "gate_fails", "merge_payloads",
+           "combined_status", "main"]
 
 
 class Legend:
@@ -349,19 +351,57 @@ def _load(path: Path) -> dict[str, Any]:
     return payload
 
 
+def merge_payloads(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One ``--report-json`` document from those of the shards of one run (``--shard K/N``): the first
+    part's run description, every part's tests."""
+    merged = dict(parts[0])
+    merged["tests"] = {}
+    for part in parts:
+        merged["tests"].update(part["tests"])
+    return merged
+
+
+def combined_status(statuses: Sequence[int]) -> int:
+    """pytest's exit status of a run made of shards: the first that is neither 0 nor 5 (no tests
+    selected, which one part of a narrow selection may be), else 0, or 5 if no part ran a test."""
+    failing = [s for s in statuses if s not in (0, 5)]
+    if failing:
+        return failing[0]
+    return 0 if 0 in statuses else 5
+
+
+def _run_shards(commands: Sequence[list[str]], tmp: Path) -> int:
+    """Run the shards' pytest commands at once: the first one's output as it comes, each other's whole
+    when it has ended (in order)."""
+    logs = [tmp / f"shard-{k}.log" for k in range(1, len(commands) + 1)]
+    procs = [subprocess.Popen(commands[0])]
+    for command, log in zip(commands[1:], logs[1:]):
+        with log.open("wb") as out:
+            procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT))
+    statuses = [proc.wait() for proc in procs]
+    for k, log in enumerate(logs[1:], start=2):
+        print(f"\n=== shard {k}/{len(commands)} ===", flush=True)
+        sys.stdout.write(log.read_text(errors="replace"))
+    sys.stdout.flush()
+    return combined_status(statuses)
+
+
 def _run(args: argparse.Namespace, pytest_args: Sequence[str]) -> int:
+    # Under torchrun every rank runs every test: one job.
+    jobs = 1 if _launched_rank() is not None else max(1, args.jobs)
     with tempfile.TemporaryDirectory(prefix="sdc-report-") as tmp:
-        json_path = Path(tmp) / "results.json"
+        json_paths = [Path(tmp) / f"results-{k}.json" for k in range(1, jobs + 1)]
         # --pyargs: the suite this module is part of, wherever it is installed (or this checkout, run from its root).
-        cmd = [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-q", "-p", "no:cacheprovider",
-               "--report-json", str(json_path)]
+        base = [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-q", "-p", "no:cacheprovider"]
         if args.world_size:
-            cmd += ["--world-size", args.world_size]
+            base += ["--world-size", args.world_size]
         for impl in args.impl:
-            cmd += ["--impl", impl]
-        cmd += list(pytest_args)
-        status = subprocess.call(cmd)
-        if not json_path.exists():
+            base += ["--impl", impl]
+        commands = [[*base, "--report-json", str(path), *(["--shard", f"{k}/{jobs}"] if jobs > 1 else []), *pytest_args]
+                    for k, path in enumerate(json_paths, start=1)]
+        status = subprocess.call(commands[0]) if jobs == 1 else _run_shards(commands, Path(tmp))
+        missing = [path for path in json_paths if not path.exists()]
+        if missing:
             if _launched_rank() not in (None, 0):
                 # Under torchrun rank 0 writes the results and prints the table; its exit status is the
                 # verdict. This rank does not fail the job for failed tests, which would make torchrun
@@ -369,7 +409,7 @@ def _run(args: argparse.Namespace, pytest_args: Sequence[str]) -> int:
                 return 0 if status in (0, 1) else status
             print(f"pytest exited with status {status} before writing results", file=sys.stderr)
             return status or 1
-        payload = json.loads(json_path.read_text(encoding="utf-8"))
+        payload = merge_payloads([json.loads(path.read_text(encoding="utf-8")) for path in json_paths])
         if args.save:
             Path(args.save).write_text(json.dumps(payload, indent=1), encoding="utf-8")
     print()
@@ -400,6 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--world-size", default=None, help="default 1,2; under torchrun the job's world size")
     run.add_argument("--impl", action="append", default=[])
     run.add_argument("--save", help="also keep the run's JSON here")
+    run.add_argument("--jobs", type=int, default=1,
+                     help="split the tests into this many parts (--shard K/N) run at once on this machine, one report (default 1)")
     show = sub.add_parser("show", help="print the report of a saved JSON result (--report-json)")
     show.add_argument("results", type=Path)
     for p in (run, show):

@@ -14,7 +14,7 @@ import pytest
 
 from conformance.adapters.base import SHIPPED
 
-__all__ = ["HarnessConfig", "SETTINGS", "harness_config", "parse_world_sizes"]
+__all__ = ["HarnessConfig", "SETTINGS", "harness_config", "parse_shard", "parse_world_sizes"]
 
 
 def parse_world_sizes(raw: str) -> tuple[int, ...]:
@@ -26,6 +26,20 @@ def parse_world_sizes(raw: str) -> tuple[int, ...]:
     if not sizes or min(sizes) < 1:
         raise pytest.UsageError(f"--world-size expects positive integers; got {raw!r}")
     return tuple(sizes)
+
+
+def parse_shard(option: str | None) -> tuple[int, int] | None:
+    """``--shard K/N`` as (K, N), or None; a usage error for anything but 1 <= K <= N."""
+    if option is None:
+        return None
+    index, _, count = option.partition("/")
+    try:
+        k, n = int(index), int(count)
+    except ValueError:
+        k, n = 0, 0
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"--shard takes K/N with 1 <= K <= N (e.g. 1/2), not {option!r}")
+    return k, n
 
 
 @dataclass(frozen=True)
@@ -51,6 +65,8 @@ class HarnessConfig:
     launcher: str
     #: ``--shared-tmp``: torchrun mode's scratch root (None: the system temporary directory)
     shared_tmp: str | None
+    #: ``--shard K/N``: run the K-th of N parts of the selected tests (None: all of them)
+    shard: tuple[int, int] | None = None
 
     @classmethod
     def from_options(cls, config: pytest.Config, *, default_world_sizes: str | None = None, cuda_devices: int | None = None) -> HarnessConfig:
@@ -67,6 +83,7 @@ class HarnessConfig:
             run_known_hangs=bool(config.getoption("--run-known-hangs")),
             launcher=str(config.getoption("--launcher")),
             shared_tmp=config.getoption("--shared-tmp"),
+            shard=parse_shard(config.getoption("--shard")),
         )
 
     @property

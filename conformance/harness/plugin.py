@@ -129,6 +129,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "summary and the JSON report. Default none: every crash fails its test",
     )
     group.addoption(
+        "--shard",
+        default=None,
+        metavar="K/N",
+        help="run the K-th of N parts of the selected tests (K from 1), for N concurrent runs of one selection on one machine "
+        "(`statedict-report run --jobs N`, `make test`): every test is in exactly one part",
+    )
+    group.addoption(
         "--launcher",
         default="auto",
         choices=("auto", "pool", "env"),
@@ -179,6 +186,8 @@ def _start(config: pytest.Config) -> tuple[HarnessConfig, Runner]:
         raise pytest.UsageError(str(exc)) from None
     if env is None:
         return settings, PoolRunner(pg_timeout_s=settings.pg_timeout_s)
+    if settings.shard is not None:
+        raise pytest.UsageError("--shard splits a run of rank pools on one machine; under torchrun every rank runs every test")
     runner = start_runner(config, env, rank_timeout_s=settings.rank_timeout_s, shared_tmp=settings.shared_tmp, write_report=_write_report)
     job = runner.job
     return HarnessConfig.from_options(config, default_world_sizes=str(job.world_size), cuda_devices=job.cuda_ranks), runner
@@ -425,6 +434,23 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if misplaced:
         raise pytest.UsageError("; ".join(dict.fromkeys(misplaced)))
     warn_stale(entries, used, items, test_ids, torch.__version__)
+    _deselect_other_shards(config, items)
+
+
+def _deselect_other_shards(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep the K-th of every N tests (HX-35), after this plugin's checks of the whole collection (a stale
+    known deviation is judged on all of it). Every part deals from the same collection, so a test is in
+    exactly one part, whatever else deselects later (``-k``); dealt out in collection order, each part
+    gets its share of every file's expensive grid."""
+    shard = harness_config(config).shard
+    if shard is None:
+        return
+    k, n = shard
+    keep = [item for position, item in enumerate(items) if position % n == k - 1]
+    other = [item for position, item in enumerate(items) if position % n != k - 1]
+    if other:
+        config.hook.pytest_deselected(items=other)
+    items[:] = keep
 
 
 @pytest.fixture
