@@ -75,7 +75,7 @@ test-shard-%: setup
 MATRIX_RELEASES ?=
 MATRIX_WORLD_SIZE ?= 1,2
 matrix: setup
-	$(PY) -m tools.matrix run $(foreach r,$(subst $(comma), ,$(MATRIX_RELEASES)),--release $(r)) --world-size $(MATRIX_WORLD_SIZE) $(IMPL_ARG) $(if $(PYTEST_ARGS),-- $(PYTEST_ARGS),)
+	$(PY) -m tools.matrix run $(foreach r,$(subst $(comma), ,$(MATRIX_RELEASES)),--release $(r)) --world-size $(MATRIX_WORLD_SIZE) --jobs $(JOBS) $(IMPL_ARG) $(if $(PYTEST_ARGS),-- $(PYTEST_ARGS),)
 
 # The suite STRESS_RUNS times with fresh random examples under glibc's heap checks (MALLOC_CHECK_=3,
 # MALLOC_PERTURB_): reports every test that failed in any run; exits non-zero if one did.

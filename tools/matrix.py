@@ -75,9 +75,11 @@ def _pip(venv: Path, *args: str, log: Path) -> None:
                        check=True, stdout=sink, stderr=subprocess.STDOUT, timeout=3600)
 
 
-def run_release(release: str, wheel: Path, out: Path, *, impls: str, world_sizes: str, pytest_args: Sequence[str], keep: bool) -> int:
-    """Install ``torch==release`` and ``wheel`` into a new venv and run the installed suite there.
-    Returns pytest's exit status (a failed install is reported as status 3 with its log)."""
+def run_release(release: str, wheel: Path, out: Path, *, impls: str, world_sizes: str, pytest_args: Sequence[str], keep: bool,
+                jobs: int = 2) -> int:
+    """Install ``torch==release`` and ``wheel`` into a new venv and run the installed suite there (its
+    ``statedict-report run``, in ``jobs`` parts at once). Returns pytest's exit status (a failed install
+    is reported as status 3 with its log)."""
     results = out / "results"
     results.mkdir(parents=True, exist_ok=True)
     log = results / f"torch-{release}.log"
@@ -96,8 +98,8 @@ def run_release(release: str, wheel: Path, out: Path, *, impls: str, world_sizes
             _log(f"torch {release}: install failed, see {log}")
             return 3
         with tempfile.TemporaryDirectory(prefix="matrix-cwd-") as elsewhere, log.open("a") as sink:
-            command = [str(venv / "bin" / "python"), "-m", "pytest", "--pyargs", "conformance", "--impl", impls,
-                       "--world-size", world_sizes, "--report-json", str(report), "-p", "no:cacheprovider", "-q",
+            command = [str(venv / "bin" / "python"), "-m", "conformance.cli.report", "run", "--impl", impls,
+                       "--world-size", world_sizes, "--jobs", str(jobs), "--save", str(report), "--",
                        "--rerun-crashes", "torch,torch-fsdp2", *pytest_args]
             sink.write(f"$ {' '.join(command)}\n")
             sink.flush()
@@ -259,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--impl", default=DEFAULT_IMPLS)
     run.add_argument("--world-size", default="1,2")
     run.add_argument("--keep", action="store_true", help="keep each release's venv")
+    run.add_argument("--jobs", type=int, default=2, help="parts of the suite run at once per release (default 2)")
     run.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     for p in (run, sub.add_parser("render", help="write the compatibility table from the results")):
         p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -269,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for release in args.release or RELEASES:
             _log(f"torch {release}: installing and running")
             status = run_release(release, wheel, args.out, impls=args.impl, world_sizes=args.world_size,
-                                 pytest_args=args.pytest_args, keep=args.keep)
+                                 pytest_args=args.pytest_args, keep=args.keep, jobs=args.jobs)
             _log(f"torch {release}: pytest exit status {status}")
     runs = load_runs(args.out / "results")
     if not runs:
