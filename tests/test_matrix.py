@@ -80,6 +80,8 @@ def test_each_run_names_the_suite_commit_it_measured(tmp_path: Path) -> None:
     assert [(r.release, r.commit) for r in runs] == [("2.13.0", "abc1234+dirty"), ("2.14.1", "?")]
     doc = render(runs)
     assert "| 2.13.0 | abc1234+dirty | 1,2 |" in doc and "| 2.14.1 | ? | 1,2 |" in doc
+    (results / "torch-2.13.0.meta.json").write_text(json.dumps({"commit": "abc1234", "reruns": [{"commit": "def5678", "selection": "-k mesh"}]}))
+    assert "| 2.13.0 | abc1234, rerun `-k mesh` at def5678 | 1,2 |" in render(load_runs(results))
 
 
 def test_runs_of_another_suite_are_named_as_such(tmp_path: Path) -> None:
@@ -90,3 +92,14 @@ def test_runs_of_another_suite_are_named_as_such(tmp_path: Path) -> None:
     assert "Runs of another suite than the checkout this page was written from (new5678): 2.13.0 (old1234)." in doc
     assert "MATRIX_RELEASES=2.13.0` measures them again" in doc
     assert "Runs of another suite" not in render(load_runs(results), current="old1234")
+
+
+def test_a_rerun_replaces_the_outcomes_of_its_tests_only() -> None:
+    from tools.matrix import merge_rerun
+
+    whole = {"torch": "2.10.0", "known_deviations": ["old"], "tests": {"a": {"outcome": "failed"}, "b": {"outcome": "passed"}}}
+    rerun = {"torch": "2.10.0", "known_deviations": ["new"], "tests": {"a": {"outcome": "xfailed"}}}
+    merged = merge_rerun(whole, rerun)
+    assert merged["tests"] == {"a": {"outcome": "xfailed"}, "b": {"outcome": "passed"}}
+    assert merged["known_deviations"] == ["new"]
+    assert whole["tests"]["a"] == {"outcome": "failed"}

@@ -1,6 +1,7 @@
 """The suite against torch releases, each in a bare environment of its own, and the compatibility table.
 
     python -m tools.matrix run [--release 2.14.1 ...] [--impl reference,torch,torch-fsdp2] [--world-size 1,2]
+    python -m tools.matrix run --release 2.10.0 --merge -- -k "other-mesh"   # rerun some tests, merge them in
     python -m tools.matrix render [--doc docs/compatibility.md]
 
 ``run`` builds this checkout's wheel once; then, per release, it makes a new venv, installs
@@ -75,18 +76,50 @@ def _pip(venv: Path, *args: str, log: Path) -> None:
                        check=True, stdout=sink, stderr=subprocess.STDOUT, timeout=3600)
 
 
+def merge_rerun(whole: dict[str, Any], rerun: dict[str, Any]) -> dict[str, Any]:
+    """A release's results with the tests of a rerun of some of them (``run --merge``) replaced by the
+    rerun's outcomes; the rerun's run description (its known deviations) is the current one."""
+    merged = {**whole, **{k: v for k, v in rerun.items() if k != "tests"}}
+    merged["tests"] = {**whole.get("tests", {}), **rerun.get("tests", {})}
+    return merged
+
+
 def run_release(release: str, wheel: Path, out: Path, *, impls: str, world_sizes: str, pytest_args: Sequence[str], keep: bool,
-                jobs: int = 2) -> int:
+                jobs: int = 2, merge: bool = False) -> int:
     """Install ``torch==release`` and ``wheel`` into a new venv and run the installed suite there (its
-    ``statedict-report run``, in ``jobs`` parts at once). Returns pytest's exit status (a failed install
-    is reported as status 3 with its log)."""
+    ``statedict-report run``, in ``jobs`` parts at once). With ``merge``, the run is a rerun of a
+    selection (``pytest_args``, e.g. ``-k``) whose outcomes replace those in the release's existing
+    results, and the meta file lists it. Returns pytest's exit status (a failed install is reported as
+    status 3 with its log)."""
     results = out / "results"
     results.mkdir(parents=True, exist_ok=True)
-    log = results / f"torch-{release}.log"
-    report = results / f"torch-{release}.json"
+    whole = results / f"torch-{release}.json"
+    meta_path = results / f"torch-{release}.meta.json"
+    if merge and not whole.exists():
+        _log(f"torch {release}: --merge needs an earlier run's {whole}")
+        return 4
+    log = results / (f"torch-{release}.rerun.log" if merge else f"torch-{release}.log")
+    report = results / f"torch-{release}.rerun.json" if merge else whole
     log.write_text("")
     report.unlink(missing_ok=True)
-    (results / f"torch-{release}.meta.json").write_text(json.dumps({"commit": suite_commit()}))
+    if merge:
+        meta: dict[str, Any] = json.loads(meta_path.read_text()) if meta_path.exists() else {"commit": "?"}
+        meta.setdefault("reruns", []).append({"commit": suite_commit(), "selection": " ".join(pytest_args)})
+    else:
+        meta = {"commit": suite_commit()}
+    status = _install_and_run(release, wheel, out, log, report, impls=impls, world_sizes=world_sizes, pytest_args=pytest_args,
+                              keep=keep, jobs=jobs)
+    if merge and report.exists():
+        whole.write_text(json.dumps(merge_rerun(json.loads(whole.read_text()), json.loads(report.read_text())), indent=1))
+        report.unlink()
+        meta_path.write_text(json.dumps(meta))
+    elif not merge:
+        meta_path.write_text(json.dumps(meta))
+    return status
+
+
+def _install_and_run(release: str, wheel: Path, out: Path, log: Path, report: Path, *, impls: str, world_sizes: str,
+                     pytest_args: Sequence[str], keep: bool, jobs: int) -> int:
     venv = out / "venvs" / f"torch-{release}"
     shutil.rmtree(venv, ignore_errors=True)
     try:
@@ -117,6 +150,8 @@ class ReleaseRun:
     release: str
     data: dict[str, Any]
     commit: str = "?"  #: the suite's commit the run measured (``torch-<release>.meta.json``)
+    #: reruns of selections merged into the results (``run --merge``): each ``{"commit", "selection"}``
+    reruns: tuple[dict[str, str], ...] = ()
 
     @property
     def tests(self) -> dict[str, dict[str, Any]]:
@@ -139,8 +174,8 @@ def load_runs(results: Path) -> list[ReleaseRun]:
             continue
         release = path.stem[len("torch-"):]
         meta = path.with_name(f"torch-{release}.meta.json")
-        commit = json.loads(meta.read_text()).get("commit", "?") if meta.exists() else "?"
-        runs.append(ReleaseRun(release, json.loads(path.read_text()), commit))
+        info = json.loads(meta.read_text()) if meta.exists() else {}
+        runs.append(ReleaseRun(release, json.loads(path.read_text()), info.get("commit", "?"), tuple(info.get("reruns", ()))))
     return sorted(runs, key=lambda r: _version_key(r.release))
 
 
@@ -209,7 +244,8 @@ def render(runs: Sequence[ReleaseRun], expected: Sequence[str] = RELEASES, curre
         counts = Counter(str(t.get("outcome")) for t in run.tests.values())
         strict = sum(1 for t in run.tests.values() if t.get("outcome") == "xpassed" and t.get("strict"))
         ws = ",".join(str(w) for w in run.data.get("world_sizes", []))
-        lines.append(f"| {run.data.get('torch', run.release)} | {run.commit} | {ws} | {', '.join(run.data.get('impls', []))} | {counts['passed']} | "
+        suite_at = run.commit + "".join(f", rerun `{r.get('selection', '')}` at {r.get('commit', '?')}" for r in run.reruns)
+        lines.append(f"| {run.data.get('torch', run.release)} | {suite_at} | {ws} | {', '.join(run.data.get('impls', []))} | {counts['passed']} | "
                      f"{counts['xfailed']} | {counts['skipped']} | {counts['failed'] + counts['error']} | {strict} |")
     stale = [run for run in runs if current is not None and run.commit != current]
     if stale:
@@ -262,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--world-size", default="1,2")
     run.add_argument("--keep", action="store_true", help="keep each release's venv")
     run.add_argument("--jobs", type=int, default=2, help="parts of the suite run at once per release (default 2)")
+    run.add_argument("--merge", action="store_true",
+                     help="rerun a selection (pytest args after --, e.g. -k) and merge its outcomes into the release's existing results")
     run.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     for p in (run, sub.add_parser("render", help="write the compatibility table from the results")):
         p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -272,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for release in args.release or RELEASES:
             _log(f"torch {release}: installing and running")
             status = run_release(release, wheel, args.out, impls=args.impl, world_sizes=args.world_size,
-                                 pytest_args=args.pytest_args, keep=args.keep, jobs=args.jobs)
+                                 pytest_args=args.pytest_args, keep=args.keep, jobs=args.jobs, merge=args.merge)
             _log(f"torch {release}: pytest exit status {status}")
     runs = load_runs(args.out / "results")
     if not runs:
