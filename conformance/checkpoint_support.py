@@ -35,6 +35,7 @@ from conformance.faults import failing_fsync, failing_writes
 from conformance.harness.context import RankContext
 
 __all__ = [
+    "SAVE_FAULTS",
     "ExactFloat",
     "exact",
     "assert_same_bits",
@@ -60,6 +61,11 @@ __all__ = [
     "crafted_record",
     "replace_record",
 ]
+
+#: Faults that make a save fail after planning succeeded: the disk fills up before any data, or after
+#: a few bytes of it (ENOSPC), every fsync fails (EIO), or the file system is read-only (EROFS), on the last
+#: rank only or on every rank.
+SAVE_FAULTS = ("full-disk-before-data", "full-disk-mid-data", "fsync-fails", "read-only")
 
 
 def checkpoint_ops(impl: Adapter) -> CheckpointOps:

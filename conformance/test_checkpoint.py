@@ -57,6 +57,7 @@ from conformance.checkpoint_support import (
     CODE_ROUTES,
     EXT_CODES,
     NAME_LIES,
+    SAVE_FAULTS,
     assert_same_bits,
     call_or_skip,
     check_after_kill,
@@ -1135,12 +1136,6 @@ def test_save_and_load_without_a_process_group(impl, tmp_path: Path, target: str
 
 
 # -- ML-13 failed saves ----------------------------------------------------------------------------------------
-
-
-#: Faults that make a save fail after planning succeeded: the disk fills up before any data, or after
-#: a few bytes of it (ENOSPC), every fsync fails (EIO), or the file system is read-only (EROFS), on the last
-#: rank only or on every rank.
-SAVE_FAULTS = ("full-disk-before-data", "full-disk-mid-data", "fsync-fails", "read-only")
 
 
 @pytest.mark.req("ML-13")

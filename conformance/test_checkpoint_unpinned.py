@@ -40,6 +40,7 @@ from conformance.asserts import (
     snapshot,
 )
 from conformance.checkpoint_support import (
+    SAVE_FAULTS,
     assert_same_bits,
     call_or_skip,
     checkpoint_ops,
@@ -54,7 +55,6 @@ from conformance.checkpoint_support import (
 )
 from conformance.error_cases import WHERE, bad_input_here
 from conformance.faults import failing_reads, failing_writes
-from conformance.test_checkpoint import SAVE_FAULTS
 from conformance.values import different_like
 
 #: Seconds within which every rank must have raised ("promptly", "within seconds").

@@ -50,7 +50,7 @@ from conformance.asserts import (
 )
 from conformance.compare import fqn_keyed_optim
 from conformance.harness.context import RankContext
-from conformance.test_state_dict import PROMPTLY_S, sd_ops
+from conformance.state_dict_support import PROMPTLY_S, sd_ops
 
 # -- extra state ---------------------------------------------------------------------------------------
 

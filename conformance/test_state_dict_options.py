@@ -74,7 +74,7 @@ from conformance.asserts import (
 )
 from conformance.compare import fqn_keyed_optim
 from conformance.pairwise import pairwise, uncovered_pairs
-from conformance.test_state_dict import (
+from conformance.state_dict_support import (
     ATOL,
     PROMPTLY_S,
     add_source_extras,

@@ -39,6 +39,16 @@ def test_adapters_import_nothing_of_the_harness() -> None:
     assert not {m: i for m, i in bad.items() if i}, bad
 
 
+def test_test_files_import_no_other_test_file() -> None:
+    """What tests share lives in support modules (``conformance/*_support.py``, ``asserts``, ...): a test
+    file importing another runs that file's module-level set-up, and couples two files' tests."""
+    graph = import_graph(MODULES)
+    def is_test(module: str) -> bool:
+        return module.rpartition(".")[2].startswith("test_")
+    bad = {m: sorted(i for i in imported if is_test(i)) for m, imported in graph.items() if m.startswith("conformance")}
+    assert not {m: i for m, i in bad.items() if i}, bad
+
+
 def test_the_private_import_finder_finds_one(tmp_path) -> None:
     source = tmp_path / "m.py"
     source.write_text("from conformance.asserts import _short, check_each\nfrom os import _exit\n")
