@@ -583,9 +583,14 @@ def _storage_dtype(name: str) -> torch.dtype | None:
     return _STORAGE_DTYPES.get(name)
 
 
-def _rebuild_tensor(storage: Any, storage_offset: int, size: Any, stride: Any, *_: Any) -> _TensorHeader:
+def _rebuild_tensor(storage: Any, storage_offset: int, size: Any, stride: Any, requires_grad: Any = False,
+                    backward_hooks: Any = None, metadata: Any = None, *_: Any) -> _TensorHeader:
     if not isinstance(storage, _StorageRef):
         raise _NotUnderstood("tensor storage is not a persistent storage reference")
+    if metadata:
+        # The tensor's conj or neg bit (torch._utils.get_tensor_metadata): its values are not its
+        # storage's bytes as they are. torch.load applies the bits; reading the bytes would not.
+        raise _NotUnderstood(f"tensor metadata {sorted(metadata)}")
     return _TensorHeader(storage, int(storage_offset), tuple(size), tuple(stride))
 
 
