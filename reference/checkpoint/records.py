@@ -52,6 +52,7 @@ __all__ = [
     "TensorLayout",
     "write_record",
     "load_tensor_record",
+    "read_tensor_record",
     "read_object_record",
     "asked_globals",
     "parse_tensor_record",
@@ -150,6 +151,107 @@ def load_tensor_record(file: ReadableFile, offset: int, length: int, *, map_loca
     return value
 
 
+def read_tensor_record(
+    file: ReadableFile,
+    offset: int,
+    length: int,
+    saved_offsets: tuple[int, ...],
+    lengths: tuple[int, ...],
+    dest: torch.Tensor,
+) -> None:
+    """Copy the box ``saved_offsets``/``lengths`` of the tensor of the record at ``[offset, offset +
+    length)`` of ``file`` into ``dest`` (a tensor of shape ``lengths``, any device and layout): the
+    values ``torch.load(record, weights_only=True)`` gives, narrowed to the box.
+
+    ``torch.load`` reads the record into a temporary, except where that would double the memory of a
+    load into meta values (SPEC ML-7: at most the local shards, once): a whole tensor read into a
+    contiguous CPU tensor of its dtype gets its storage's bytes straight from the archive, once
+    ``torch.load`` has read its dtype and geometry (onto the meta device: no bytes read).
+    Raises as :func:`load_tensor_record`."""
+    window = FileWindow(file, offset, length)
+    archive = _archive(window)
+    geometry = _load(window, archive, map_location="meta")
+    if not isinstance(geometry, torch.Tensor):
+        raise ValueError(f"not a tensor record: it holds a {type(geometry).__name__}")
+    member = _storage_member(archive, geometry)
+    if (
+        member is not None
+        and not any(saved_offsets)
+        and tuple(lengths) == tuple(geometry.shape)
+        and dest.device.type == "cpu"
+        and dest.dtype == geometry.dtype
+        and dest.is_contiguous()
+    ):
+        _read_member_into(archive, member, dest)
+        return
+    saved = _load(window, archive, map_location="cpu")
+    dest.copy_(_narrow(saved, saved_offsets, lengths))
+
+
+def _narrow(tensor: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
+    """The box of ``tensor`` that starts at ``offsets`` and has ``lengths`` elements along each dim."""
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        if start != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+def _storage_member(archive: zipfile.ZipFile, geometry: torch.Tensor) -> zipfile.ZipInfo | None:
+    """The archive's member that holds exactly the elements of the tensor ``geometry`` (as torch.load
+    read it onto meta), in order and in this machine's byte order; None if there is no such member
+    (a view of a larger storage, a strided or conjugated tensor, another byte order, a compressed
+    member): then only ``torch.load`` reads it."""
+    storages = [info for info in archive.infolist() if info.filename.partition("/")[2].startswith("data/")]
+    names = {info.filename.partition("/")[2]: info for info in archive.infolist()}
+    byteorder = names.get("byteorder")
+    if byteorder is not None and _member_bytes_or_none(archive, byteorder) != sys.byteorder.encode():
+        return None
+    if (
+        len(storages) != 1
+        or storages[0].compress_type != zipfile.ZIP_STORED
+        or storages[0].file_size != geometry.numel() * geometry.element_size()
+        or geometry.untyped_storage().nbytes() != storages[0].file_size
+        or geometry.storage_offset() != 0
+        or not geometry.is_contiguous()
+        or geometry.is_conj()
+        or geometry.is_neg()
+    ):
+        return None
+    return storages[0]
+
+
+def _read_member_into(archive: zipfile.ZipFile, info: zipfile.ZipInfo, dest: torch.Tensor) -> None:
+    """Read the stored member ``info`` into the memory of the contiguous CPU tensor ``dest``, whose
+    bytes it holds, a few MiB at a time."""
+    view = element_bytes(dest)  # refuses a tensor whose elements are not exactly its bytes
+    with _open_member(archive, info) as member:
+        done = 0
+        while done < len(view):
+            got = member.readinto(view[done:done + _READ_CHUNK])
+            if not got:
+                raise EOFError(f"the record's {info.filename} ends after {done} of its {len(view)} bytes")
+            done += got
+
+
+#: Bytes a plain read of a record's storage copies at a time (its only temporary memory).
+_READ_CHUNK = 4 << 20
+
+
+def _open_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> io.BufferedIOBase:
+    # Records carry no CRC32s (see write_record), which zipfile would take for damage when it reads a
+    # member to its end; torch.load does not check them, and neither does this.
+    del info.CRC
+    return cast(io.BufferedIOBase, archive.open(info))  # a ZipExtFile, which is one
+
+
+def _member_bytes_or_none(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes | None:
+    try:
+        with _open_member(archive, info) as member:
+            return member.read()
+    except Exception:  # a damaged member: treated as absent
+        return None
+
+
 def read_object_record(data: bytes | memoryview) -> Any:
     """The value of a non-tensor record (``torch.save`` of an object, DCP's encoding of non-tensor
     values): ``torch.load(data, weights_only=True)`` once the archive's member names are checked.
@@ -209,14 +311,7 @@ def _data_pkl(archive: zipfile.ZipFile) -> bytes | None:
     """The bytes of the record's ``data.pkl``, or None if it has none or they cannot be read."""
     for info in archive.infolist():
         if info.filename.partition("/")[2] == "data.pkl":
-            # Records carry no CRC32s (see write_record), which zipfile would take for damage when it
-            # reads a member to its end; torch.load does not check them, and neither does this.
-            del info.CRC
-            try:
-                with archive.open(info) as member:
-                    return member.read()
-            except Exception:  # a damaged member: the refusal names nothing more
-                return None
+            return _member_bytes_or_none(archive, info)
     return None
 
 
@@ -970,13 +1065,6 @@ def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
     for dim in range(len(size) - 2, -1, -1):
         strides[dim] = strides[dim + 1] * max(size[dim + 1], 1)
     return tuple(strides)
-
-
-def _narrow(tensor: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
-    for dim, (start, length) in enumerate(zip(offsets, lengths)):
-        if start != 0 or length != tensor.size(dim):
-            tensor = tensor.narrow(dim, start, length)
-    return tensor
 
 
 def read_region(

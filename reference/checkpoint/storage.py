@@ -85,6 +85,7 @@ from reference.checkpoint.records import (
     load_tensor_record,
     parse_tensor_record,
     read_region,
+    read_tensor_record,
     write_record,
 )
 
@@ -199,13 +200,6 @@ def _to_host(value: Any) -> Any:
     if value.device.type != "cuda":
         return value.cpu()
     return torch.empty(value.shape, dtype=value.dtype).copy_(value)
-
-
-def _box(tensor: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
-    """The part of ``tensor`` that starts at ``offsets`` and has ``lengths`` elements along each dim."""
-    for dim, (start, length) in enumerate(zip(offsets, lengths)):
-        tensor = tensor.narrow(dim, start, length)
-    return tensor
 
 
 def _remove_files(paths: list[Path]) -> None:
@@ -562,8 +556,7 @@ class FileSystemReader(StorageReader):
         if fast_paths.enabled():
             self._read_region_fast(file, item, info, dest)
         else:
-            saved = load_tensor_record(file, info.offset, info.length)
-            dest.copy_(_box(saved, tuple(item.storage_offsets), tuple(item.lengths)))
+            read_tensor_record(file, info.offset, info.length, tuple(item.storage_offsets), tuple(item.lengths), dest)
         planner.commit_tensor(item, dest)
 
     @classmethod
