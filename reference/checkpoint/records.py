@@ -165,7 +165,7 @@ def read_tensor_record(
 
     ``torch.load`` reads the record into a temporary, except where that would double the memory of a
     load into meta values (SPEC ML-7: at most the local shards, once): a whole tensor read into a
-    contiguous CPU tensor of its dtype gets its storage's bytes straight from the archive, once
+    contiguous CPU tensor of its dtype gets its storage's bytes from the archive into it, once
     ``torch.load`` has read its dtype and geometry (onto the meta device: no bytes read).
     Raises as :func:`load_tensor_record`."""
     window = FileWindow(file, offset, length)
@@ -222,7 +222,7 @@ def _storage_member(archive: zipfile.ZipFile, geometry: torch.Tensor) -> zipfile
 
 def _read_member_into(archive: zipfile.ZipFile, info: zipfile.ZipInfo, dest: torch.Tensor) -> None:
     """Read the stored member ``info`` into the memory of the contiguous CPU tensor ``dest``, whose
-    bytes it holds, a few MiB at a time."""
+    bytes it holds, :data:`_READ_CHUNK` bytes at a time."""
     view = element_bytes(dest)  # refuses a tensor whose elements are not exactly its bytes
     with _open_member(archive, info) as member:
         done = 0
@@ -233,8 +233,10 @@ def _read_member_into(archive: zipfile.ZipFile, info: zipfile.ZipInfo, dest: tor
             done += got
 
 
-#: Bytes a plain read of a record's storage copies at a time (its only temporary memory).
-_READ_CHUNK = 4 << 20
+#: Bytes a plain read of a record's storage copies at a time (its only temporary memory): small enough
+#: that zipfile's copies of a chunk stay in the CPU's cache (a few MiB at a time was slower than
+#: torch.load and a copy).
+_READ_CHUNK = 256 << 10
 
 
 def _open_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> io.BufferedIOBase:
@@ -406,8 +408,8 @@ def _crc32_option_is_per_thread() -> bool:
 @contextlib.contextmanager
 def _without_crc32() -> Iterator[None]:
     # torch.save computes a CRC32 of every member by default, which costs more than writing the bytes
-    # (figures: docs/benchmark-results.md, "Why the fast paths"). Nothing reads it back: this reader parses
-    # the zip structure with struct, and torch's reader does not verify it. What catches a damaged
+    # (figures: docs/benchmark-results.md, "Why the fast paths"). Nothing reads it back: the fast reader
+    # parses the zip structure with struct, the plain one skips it, and torch's reader does not verify it. What catches a damaged
     # record instead: the structure checks of parse_tensor_record and the record's geometry checked
     # against the checkpoint metadata (FileSystemReader).
     #

@@ -9,13 +9,19 @@ record must be refused alike. What each test catches:
 - ``test_both_paths_write_the_same_bytes*``: a fast path that writes other bytes than ``torch.save``
   (a template of the wrong geometry, a view's whole storage, CRC32s left on), or a plain path that
   does (a record with CRC32s, a view written whole, another file split, other metadata);
-- ``test_each_path_loads_the_others_checkpoint*``: a reader that narrows, converts or places a value
-  wrongly on either path (bits compared, NaN payloads and -0.0 included; dtype, shape and kind);
-- ``test_a_crafted_record_is_refused_alike``: a path that runs code from a record, resolves lying member
-  names, or refuses without naming the key, the file and the global;
-- ``test_*_switch*`` and ``test_no_fast_path_runs_*``: a switch that is ignored (a fast path still
-  called while it is off, or not at all while it is on, so that the comparisons above compared one
-  path with itself), or not read from the environment by the processes the suite starts.
+- ``test_each_path_loads_the_others_checkpoint``, ``..._for_dtensor_shards``, ``test_a_region_...`` and
+  ``test_gpu_...``: a reader that narrows, converts or places a value wrongly on either path, or drops
+  a conj or neg bit (bits compared, NaN payloads and -0.0 included; dtype, shape and kind);
+- ``test_the_plain_path_reads_a_whole_tensor_without_a_temporary``: a plain path that holds a record
+  twice in memory while loading into meta values (SPEC ML-7);
+- ``test_a_crafted_record_is_refused_alike`` and ``test_a_record_of_a_tensor_in_the_wrong_shape_...``:
+  a path that runs code from a record, resolves lying member names, skips the metadata's shape, or
+  refuses otherwise than the other (the key, the file and the global named alike);
+- ``test_the_switch_*``, ``test_no_fast_path_runs_*``, ``test_plans_travel_...``, ``test_the_writer_...``
+  and ``test_api_asks_the_switch``: a switch that is ignored (a fast path still called while it is off,
+  or not at all while it is on, so that the comparisons above compared one path with itself), not
+  read from the environment by the processes the suite starts, or not passed to an async save's
+  writer process.
 """
 
 from __future__ import annotations
@@ -294,6 +300,23 @@ def test_a_region_of_a_saved_chunk_loads_alike(tmp_path: Path) -> None:
                                             torch.Size([r0, c0]), torch.Size([rows, cols])))
             reader.read_data(type(plan)(boxes), load_planner).wait()
             assert torch.equal(target["w"], full.t()), f"{mode} path: regions read {target['w']}, expected {full.t()}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the host copies of GPU tensors are not exercised")
+def test_gpu_tensors_are_saved_and_loaded_alike(tmp_path: Path) -> None:
+    """GPU tensors (a transposed one among them) reach the host by a pinned copy one ahead on the fast
+    path and by a plain copy on the plain one: the same files; and each path fills GPU targets (the
+    fast one by non-blocking copies it waits for) with the other's values."""
+    gen = torch.Generator().manual_seed(5)
+    state = {"w": torch.randn(64, 32, generator=gen).cuda().t(), "b": torch.randn(33, generator=gen, dtype=torch.float64).cuda(),
+             "h": torch.randn(8, generator=gen).to(torch.bfloat16).cuda()}
+    saved = _save_both_ways(state, tmp_path / "ckpt")
+    _assert_same_files(saved)
+    for writer, reader in (("plain", "fast"), ("fast", "plain")):
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        with _mode(reader):
+            load(target, checkpoint_id=saved[writer][0])
+        assert_same_bits(target, state, what=f"the {writer} save loaded into GPU tensors on the {reader} path")
 
 
 def test_the_plain_path_reads_a_whole_tensor_without_a_temporary(tmp_path: Path) -> None:
