@@ -352,8 +352,9 @@ def _plans_stay_local(planner: ReferenceLoadPlanner, reader: StorageReader) -> b
     """A fast path: whether the global step of load planning returns every rank's plan as it is, as the
     reference planner's and reader's do (each rank reads what it needs): then the plans need not
     travel to the coordinator and back, and only the outcome of planning is agreed (one all-reduce
-    instead of pickling every rank's plan), the same errors on every rank. The plain path, and any
-    other planner or reader, gets DCP's full gather, global step and scatter."""
+    instead of pickling every rank's plan), the same errors on every rank (figures:
+    docs/benchmark-results.md, "Why the fast paths"). The plain path, and any other planner or
+    reader, gets DCP's full gather, global step and scatter."""
     return (
         fast_paths.enabled()
         and type(planner).create_global_plan is ReferenceLoadPlanner.create_global_plan

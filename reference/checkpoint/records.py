@@ -101,8 +101,6 @@ class FileWindow(io.RawIOBase):
         return got
 
 
-
-
 # == The plain path: what a record is ===============================================================
 
 #: Held while a plain writer has torch's CRC32 option switched off (see :func:`write_record`).
@@ -242,7 +240,8 @@ _READ_CHUNK = 256 << 10
 def _open_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> io.BufferedIOBase:
     # Records carry no CRC32s (see write_record), which zipfile would take for damage when it reads a
     # member to its end; torch.load does not check them, and neither does this.
-    del info.CRC
+    with contextlib.suppress(AttributeError):  # opened before
+        del info.CRC
     return cast(io.BufferedIOBase, archive.open(info))  # a ZipExtFile, which is one
 
 

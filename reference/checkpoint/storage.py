@@ -27,7 +27,8 @@ own), so a later save's files are never among them.
 
 The plain path, the classes' methods as they come first, reads and writes on the calling thread, each
 file's records one after another, with :func:`reference.checkpoint.records.write_record` and
-:func:`~reference.checkpoint.records.load_tensor_record` (``torch.save`` and ``torch.load``), and
+:func:`~reference.checkpoint.records.load_tensor_record` / :func:`~reference.checkpoint.records.read_tensor_record`
+(``torch.save`` and ``torch.load``), and
 removes the earlier save's files before the save returns. The fast paths, after it in this module and
 run while :func:`reference.checkpoint.fast_paths.enabled` (the default), exist for speed only (why
 each: docs/benchmark-results.md, "Why the fast paths"): the data files of a rank written and read
@@ -725,7 +726,9 @@ def _wait(started: tuple[Any, Any]) -> Any:
 
 class _Removals:
     """Removes the files of earlier saves on one background thread of this process, in the order the
-    saves published. A file already gone is not an error; one that cannot be removed is warned about
+    saves published: freeing an fsynced file's blocks is slow (figures: docs/benchmark-results.md, "Why
+    the fast paths"), and every rank would otherwise wait for it at the end of a save over an earlier
+    checkpoint. A file already gone is not an error; one that cannot be removed is warned about
     (the save it belonged to was replaced whole, so the checkpoint is unaffected: only space is lost)
     and stays until a later save to the directory removes it."""
 
