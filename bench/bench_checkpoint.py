@@ -37,7 +37,8 @@ Key = tuple[str, str, int, str]  # (impl, size label, world size, layout)
 
 
 def _repeats(nbytes: int) -> int:
-    # Best of several: on a shared machine one sample of a save can be 2x off (measured here).
+    # Best of several: on a shared machine one sample of a save can be far off the others
+    # (docs/benchmark-results.md, "Why the benchmarks are shaped so").
     return 3 if nbytes <= 512 * config.MiB else 2
 
 

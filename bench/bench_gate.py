@@ -1,7 +1,7 @@
 """asv: the regression gate's benchmarks (``make asv-gate BASE=<ref>``, see ``tools/asv_gate.py``).
 
-One small workload per core call, each call 10 to 100 ms here, so that many samples of every one fit
-in a short run, timed through the adapter the gate is about (:func:`bench.impls.gated_impl`:
+One small workload per core call, each call tens of milliseconds, so that many samples of every one
+fit in a short run, timed through the adapter the gate is about (:func:`bench.impls.gated_impl`:
 ``BENCH_IMPL``, else the reference):
 
 ===========================  =========================================================================
@@ -19,7 +19,8 @@ in a short run, timed through the adapter the gate is about (:func:`bench.impls.
 
 One class per call: asv runs every benchmark in its own process and calls ``setup`` before every
 sample, so a class builds only what its one call needs (a per-process cache holds it between samples).
-Each call takes 10 to 40 ms here: shorter calls measured noisier (a few ms: 15-25% between rounds).
+Each call is long enough to time steadily and short enough to repeat often: shorter calls are
+noisier (the figures: docs/benchmark-results.md, "Why the benchmarks are shaped so").
 
 How the figures are made steady enough to catch a 1.2x slowdown on a shared 2-core machine (the gate's
 statistics are in ``tools/asv_gate.py``):
@@ -90,7 +91,7 @@ class _Gate:
 
 class _Baseline(_Gate):
     # Recorded for one commit, never tested: a few samples in one round (torch's get_state_dict with
-    # 64 submodules takes about a second here).
+    # 64 submodules is slow: docs/benchmark-results.md, "Why the benchmarks are shaped so").
     params: tuple[list[str], ...] = ()  #: ([implementation, ...],), set by _baseline_class
     param_names: list[str] = []
     repeat = 3

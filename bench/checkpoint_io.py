@@ -53,8 +53,8 @@ def measure_interleaved(group: RankGroup, impls: Sequence[str], nbytes: int, lay
     """(global bytes, {impl: Series}): ``rounds`` rounds in which every implementation saves into its own
     directory under ``root`` and loads it back, in an order that rotates by one each round, after
     ``warmup`` rounds that are not kept: an implementation's first call in a rank process pays once for
-    what later calls reuse (imports, its threads; the reference's first 64 MB save took 469 ms here, the
-    next eleven 37-66 ms). With ``over_previous`` every save but the first of an implementation goes over
+    what later calls reuse (imports, its threads; docs/benchmark-results.md, "Why the benchmarks are
+    shaped so"). With ``over_previous`` every save but the first of an implementation goes over
     its previous checkpoint (see ``bench.workloads.checkpoint.save_once``)."""
     total = group.run(ck.prepare, nbytes, layout, config.DEVICE)[0]
     series = {impl: Series() for impl in impls}

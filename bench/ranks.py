@@ -240,9 +240,9 @@ def timed(fn: Callable[[], Any]) -> float:
 
     # The untimed work just before (zeroing the destination, checking the last load) ran on torch's
     # intra-op threads, which spin for a few ms after a parallel region (libgomp's wait policy). On a
-    # machine with few cores they take the CPU from the other rank's collectives: measured on 2 cores,
-    # the first all-reduce of a 64 MB load at world size 2 took 3.5-4.8 ms instead of 0.4, a cost
-    # charged to whichever implementation communicates first. Let them go idle before the clock starts.
+    # machine with few cores they take the CPU from the other rank's collectives, slowing the first
+    # all-reduce several times over (docs/benchmark-results.md, "Why the benchmarks are shaped so"), a
+    # cost charged to whichever implementation communicates first. Let them go idle before the clock starts.
     time.sleep(SETTLE_SECONDS)
     dist.barrier()
     start = time.perf_counter()

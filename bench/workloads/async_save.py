@@ -40,7 +40,8 @@ TORCH_STAGER = "torch/stager"
 #: The limit of an async save on this machine: the tensors copied (the stall), then written with plain
 #: file I/O and fsynced on one background thread, while the same training loop runs.
 RAW_ASYNC = "raw/thread"
-#: Matmul size of a training step (about a millisecond on one thread here).
+#: Matmul size of a training step: a step short against a save's write, so that a stall shows
+#: (docs/benchmark-results.md, "Why the benchmarks are shaped so").
 _STEP_WIDTH = 192
 #: Steps of the no-save loop at least, and the shortest time it runs.
 _MIN_IDLE_STEPS, _MIN_IDLE_S = 20, 0.2

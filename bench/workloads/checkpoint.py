@@ -31,7 +31,7 @@ host-to-device copy of one tensor while the next is read, as a careful checkpoin
 
 Figures are throughputs in MB/s of the state dict's global bytes (``size / seconds``, 1 MB = 2**20 B),
 so every implementation and layout is on one scale. The files live in the page cache when read back
-(24 GB of RAM here), for every implementation alike: the figures are software overhead against the
+(the machines of docs/benchmark-results.md have the memory for it), for every implementation alike: the figures are software overhead against the
 memory/page-cache limit, not disk speed.
 
 The rank-side functions (``prepare``, ``save_once``, ...) run on every rank of a

@@ -19,6 +19,7 @@ One job per module:
 - :mod:`~reference.checkpoint.collective`   the steps' collectives: :mod:`reference.comm` with the checkpoint's error policy
 - :mod:`~reference.checkpoint.wire`         a save's plans, write results and metadata, pickled compactly between ranks
 - :mod:`~reference.checkpoint.errors`       exceptions (all ``Exception`` subclasses)
+- :mod:`~reference.checkpoint.fast_paths`   the one switch of the fast paths (off: the plain path, the reference)
 
 Typical meta-device load (PyTorch PR #113319's flow, no ``to_empty`` needed)::
 

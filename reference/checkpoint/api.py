@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
+from reference.checkpoint import fast_paths
 from reference.checkpoint.collective import Collective, process_group_device
 from reference.checkpoint.errors import CheckpointError, StateDictError
 from reference.checkpoint.plan_cache import GlobalItems
@@ -33,13 +34,17 @@ __all__ = ["save", "load", "run_save", "expand_stateful"]
 
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off for a save or load (as it was before, after).
+    """A fast path: the cyclic garbage collector off for a save or load (as it was before, after); the
+    plain path leaves it alone.
 
     A save or load makes thousands of short-lived, acyclic objects (plans, metadata, one record per
     tensor); each few hundred allocations trigger a collection, and every tenth of those a full one,
     which walks every object of the process (a training process holds hundreds of thousands) and
     takes several times as long as reading a checkpoint's metadata (figures: docs/benchmark-results.md, "Why the fast paths"). Nothing of
     ours forms cycles, and whatever the caller's objects leave is collected once the collector is back."""
+    if not fast_paths.enabled():
+        yield
+        return
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -123,7 +128,7 @@ def run_save(
         new_plans, metadata = planner.create_global_plan([unwrap(plan) for plan in plans])
         metadata_box.append(metadata)
         new_plans = writer.prepare_global_plan(new_plans)
-        if _writer_keeps_items(writer):
+        if fast_paths.enabled() and _writer_keeps_items(writer):
             # A rank that holds its items from an earlier save of this layout is sent their digest only.
             new_plans = [_without_held_items(plan) for plan in new_plans]
         return [Compact(plan) for plan in new_plans]
@@ -329,7 +334,7 @@ def _published_meanwhile(collective: Collective, reader: StorageReader, planned_
 
 
 def _writer_keeps_items(writer: StorageWriter) -> bool:
-    """Whether the writer's global step leaves the planner's items as they are (the reference's
+    """Part of the plan cache, a fast path: whether the writer's global step leaves the planner's items as they are (the reference's
     ``FileSystemWriter`` only names each rank's files): then a rank's held items can stand for the
     items the coordinator would send. Any other writer's plans travel whole."""
     return type(writer).prepare_global_plan is FileSystemWriter.prepare_global_plan
@@ -344,13 +349,15 @@ def _without_held_items(plan: SavePlan) -> SavePlan:
 
 
 def _plans_stay_local(planner: ReferenceLoadPlanner, reader: StorageReader) -> bool:
-    """Whether the global step of load planning returns every rank's plan as it is, as the reference
-    planner's and reader's do (each rank reads what it needs): then the plans need not travel to the
-    coordinator and back, and only the outcome of planning is agreed (one all-reduce instead of
-    pickling every rank's plan), the same errors on every rank. Any other planner or reader gets the
-    full gather, global step and scatter."""
+    """A fast path: whether the global step of load planning returns every rank's plan as it is, as the
+    reference planner's and reader's do (each rank reads what it needs): then the plans need not
+    travel to the coordinator and back, and only the outcome of planning is agreed (one all-reduce
+    instead of pickling every rank's plan), the same errors on every rank (figures:
+    docs/benchmark-results.md, "Why the fast paths"). The plain path, and any other planner or
+    reader, gets DCP's full gather, global step and scatter."""
     return (
-        type(planner).create_global_plan is ReferenceLoadPlanner.create_global_plan
+        fast_paths.enabled()
+        and type(planner).create_global_plan is ReferenceLoadPlanner.create_global_plan
         and type(reader).prepare_global_plan is FileSystemReader.prepare_global_plan
     )
 

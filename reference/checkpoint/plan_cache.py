@@ -1,5 +1,8 @@
 """Successive saves of one layout reuse their global plan, addressed by what it was computed from.
 
+A fast path: it exists for speed only, and the planner consults it only while
+:func:`reference.checkpoint.fast_paths.enabled` (the plain path plans every save anew).
+
 A training job saves the same layout again and again: the values change, the keys, shapes, dtypes and
 sharding do not. The coordinator's global step of a save (:meth:`ReferenceSavePlanner.
 create_global_plan`: the ranks' agreement on each key, which rank writes each replicated item, the

@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.tensor import DTensor
 
-from reference.checkpoint import plan_cache
+from reference.checkpoint import fast_paths, plan_cache
 from reference.checkpoint.errors import CheckpointError, CheckpointFormatError, StateDictError
 from reference.checkpoint.flatten import FlatStateDict, ObjPath, flatten_state_dict, get_value, set_value
 from reference.checkpoint.layout import Chunk, check_tiling, local_chunk, overlaps
@@ -104,10 +104,11 @@ class ReferenceSavePlanner(SavePlanner):
     a non-tensor value is equal on every rank that holds it (a per-rank value has no place in a
     checkpoint that other world sizes load); the chunks of each tensor tile it exactly once.
 
-    With ``cache_plans`` (the default), a save whose ranks bring the layouts of an earlier successful
-    save reuses that save's global step instead of computing it again (:mod:`reference.checkpoint.
-    plan_cache`: the entries are found by the layouts' digests, so a plan is never another layout's);
-    the non-tensor values are still checked every save.
+    The plain path plans every save anew. With ``cache_plans`` (the default) and the fast paths on
+    (:mod:`reference.checkpoint.fast_paths`), a save whose ranks bring the layouts of an earlier
+    successful save reuses that save's global step instead of computing it again
+    (:mod:`reference.checkpoint.plan_cache`: the entries are found by the layouts' digests, so a plan is
+    never another layout's); the non-tensor values are still checked every save.
     """
 
     def __init__(self, *, cache_plans: bool = True) -> None:
@@ -170,42 +171,27 @@ class ReferenceSavePlanner(SavePlanner):
                 )
             )
         digests = {key: hashlib.sha256(data).hexdigest() for key, data in self._objects.items()}
-        self._layout_key = plan_cache.layout_key(items, self._paths) if self.cache_plans else None
-        held = plan_cache.RANK_ITEMS.get(self._layout_key) if self._layout_key is not None else None
-        rank_data = RankSaveData(dict(self._paths), digests, self._layout_key, held[0] if held is not None else None)
+        rank_data = RankSaveData(dict(self._paths), digests)
+        self._layout_key = None
+        if self._caching():
+            rank_data = self._with_layout_key(items, rank_data)
         return SavePlan(items, planner_data=rank_data)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        """Every rank's part of the global plan (its planner data a :class:`~reference.checkpoint.
-        plan_cache.GlobalItems`) and the metadata without storage data; computed by
-        :meth:`_plan_globally`, or taken from :data:`~reference.checkpoint.plan_cache.GLOBAL_PLANS`
-        when every rank's layout is one planned before (only the non-tensor values are checked then)."""
-        keys = tuple(getattr(plan.planner_data, "layout_key", None) for plan in all_plans)
-        cache_key = cast(tuple[str, ...], keys) if self.cache_plans and None not in keys else None
-        entry = plan_cache.GLOBAL_PLANS.get(cache_key) if cache_key is not None else None
-        if entry is None:
-            entry = self._plan_globally(all_plans)
-            if cache_key is not None:
-                plan_cache.GLOBAL_PLANS.put(cache_key, entry)
-        else:
-            problems = _check_object_digests(all_plans)
-            if problems:
-                raise _problems_error("the ranks' state dicts disagree", problems)
-        new_plans = []
-        for plan, items, digest in zip(all_plans, entry.items, entry.digests):
-            held = digest is not None and getattr(plan.planner_data, "held_items", None) == digest
-            new_plans.append(dataclasses.replace(plan, items=list(items), planner_data=plan_cache.GlobalItems(digest, held)))
-        # Fresh entries and chunk lists: what is done to this save's metadata cannot reach the kept one.
-        state_dict_metadata = {
-            key: md if isinstance(md, BytesStorageMetadata) else TensorStorageMetadata(md.properties, md.size, list(md.chunks))
-            for key, md in entry.state_dict_metadata.items()
-        }
-        metadata = Metadata(state_dict_metadata, planner_data=dict(entry.paths), version=CURRENT_VERSION)
-        return new_plans, metadata
+        """Every rank's part of the global plan and the metadata without storage data, computed by
+        :meth:`_plan_globally` (the fast path: :meth:`_create_global_plan_cached`)."""
+        if self._caching():
+            return self._create_global_plan_cached(all_plans)
+        plans, state_dict_metadata, paths = self._plan_globally(all_plans)
+        metadata = Metadata(state_dict_metadata, planner_data=paths, version=CURRENT_VERSION)
+        return [dataclasses.replace(plan, planner_data=None) for plan in plans], metadata
 
-    def _plan_globally(self, all_plans: list[SavePlan]) -> plan_cache.GlobalEntry:
+    def _plan_globally(
+        self, all_plans: list[SavePlan]
+    ) -> tuple[list[SavePlan], dict[str, TensorStorageMetadata | BytesStorageMetadata], dict[str, ObjPath]]:
         """The global step: check that the ranks agree, keep one copy of each replicated item, set the
-        index hints, build the metadata's entries, check the tiling."""
+        index hints, build the metadata's entries, check the tiling. Returns every rank's plan, the
+        metadata's entries and its nesting paths."""
         problems = _check_rank_agreement(all_plans)
         if problems:
             raise _problems_error("the ranks' state dicts disagree", problems)
@@ -241,26 +227,12 @@ class ReferenceSavePlanner(SavePlanner):
         paths: dict[str, ObjPath] = {}
         for plan in all_plans:
             paths.update(plan.planner_data.paths)
-        rank_items = tuple(tuple(plan.items) for plan in new_plans)
-        digests = tuple(plan_cache.items_digest(list(items)) if self.cache_plans else None for items in rank_items)
-        return plan_cache.GlobalEntry(rank_items, digests, state_dict_metadata, paths)
+        return new_plans, state_dict_metadata, paths
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        """This rank's part of the global plan. Sent without its items when the rank said it holds them
-        (:class:`~reference.checkpoint.plan_cache.GlobalItems`): they are taken from this rank's store,
-        by its layout key and the coordinator's digest; items that came are kept there for later saves."""
-        data = new_plan.planner_data
-        if isinstance(data, plan_cache.GlobalItems) and data.digest is not None and self._layout_key is not None:
-            held = plan_cache.RANK_ITEMS.get(self._layout_key)
-            if data.held and not new_plan.items:
-                if held is None or held[0] != data.digest:
-                    raise CheckpointError(
-                        "save planning: the coordinator sent this rank's plan as the one it holds "
-                        f"(digest {data.digest[:12]}), but this rank holds {'none' if held is None else held[0][:12]}"
-                    )
-                new_plan = dataclasses.replace(new_plan, items=list(held[1]))
-            elif held is None or held[0] != data.digest:
-                plan_cache.RANK_ITEMS.put(self._layout_key, (data.digest, tuple(new_plan.items)))
+        """This rank's part of the global plan (the fast path: :meth:`_with_held_items`)."""
+        if self._caching():
+            new_plan = self._with_held_items(new_plan)
         self.plan = new_plan
         return new_plan
 
@@ -280,6 +252,70 @@ class ReferenceSavePlanner(SavePlanner):
             # torch.save writes a view's whole storage: write only this tensor's bytes.
             return local.clone()
         return local
+
+    # -- the plan cache: a fast path (see reference.checkpoint.plan_cache) ---------------------------
+    #
+    # It exists for speed only: at hundreds of ranks the global step of every save is seconds
+    # (figures: docs/benchmark-results.md, "Why the fast paths", and plan_cache's docstring).
+
+    def _caching(self) -> bool:
+        """Whether this save reuses kept plans: ``cache_plans``, and the fast paths are on."""
+        return self.cache_plans and fast_paths.enabled()
+
+    def _with_layout_key(self, items: list[WriteItem], rank_data: RankSaveData) -> RankSaveData:
+        """``rank_data`` with this rank's layout key and the digest of the global items it holds for it."""
+        self._layout_key = plan_cache.layout_key(items, self._paths)
+        held = plan_cache.RANK_ITEMS.get(self._layout_key) if self._layout_key is not None else None
+        return dataclasses.replace(rank_data, layout_key=self._layout_key, held_items=held[0] if held is not None else None)
+
+    def _create_global_plan_cached(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """:meth:`create_global_plan`, each rank's planner data a :class:`~reference.checkpoint.
+        plan_cache.GlobalItems`; the global step taken from :data:`~reference.checkpoint.plan_cache.
+        GLOBAL_PLANS` when every rank's layout is one planned before (only the non-tensor values are
+        checked then), else computed by :meth:`_plan_globally` and kept."""
+        keys = tuple(getattr(plan.planner_data, "layout_key", None) for plan in all_plans)
+        cache_key = cast(tuple[str, ...], keys) if self.cache_plans and None not in keys else None
+        entry = plan_cache.GLOBAL_PLANS.get(cache_key) if cache_key is not None else None
+        if entry is None:
+            plans, state_dict_metadata, paths = self._plan_globally(all_plans)
+            rank_items = tuple(tuple(plan.items) for plan in plans)
+            digests = tuple(plan_cache.items_digest(list(items)) for items in rank_items)
+            entry = plan_cache.GlobalEntry(rank_items, digests, state_dict_metadata, paths)
+            if cache_key is not None:
+                plan_cache.GLOBAL_PLANS.put(cache_key, entry)
+        else:
+            problems = _check_object_digests(all_plans)
+            if problems:
+                raise _problems_error("the ranks' state dicts disagree", problems)
+        new_plans = []
+        for plan, items, digest in zip(all_plans, entry.items, entry.digests):
+            held = digest is not None and getattr(plan.planner_data, "held_items", None) == digest
+            new_plans.append(dataclasses.replace(plan, items=list(items), planner_data=plan_cache.GlobalItems(digest, held)))
+        # Fresh entries and chunk lists: what is done to this save's metadata cannot reach the kept one.
+        state_dict_metadata = {
+            key: md if isinstance(md, BytesStorageMetadata) else TensorStorageMetadata(md.properties, md.size, list(md.chunks))
+            for key, md in entry.state_dict_metadata.items()
+        }
+        metadata = Metadata(state_dict_metadata, planner_data=dict(entry.paths), version=CURRENT_VERSION)
+        return new_plans, metadata
+
+    def _with_held_items(self, new_plan: SavePlan) -> SavePlan:
+        """:meth:`finish_plan`'s plan, sent without its items when the rank said it holds them
+        (:class:`~reference.checkpoint.plan_cache.GlobalItems`): they are taken from this rank's store,
+        by its layout key and the coordinator's digest; items that came are kept there for later saves."""
+        data = new_plan.planner_data
+        if isinstance(data, plan_cache.GlobalItems) and data.digest is not None and self._layout_key is not None:
+            held = plan_cache.RANK_ITEMS.get(self._layout_key)
+            if data.held and not new_plan.items:
+                if held is None or held[0] != data.digest:
+                    raise CheckpointError(
+                        "save planning: the coordinator sent this rank's plan as the one it holds "
+                        f"(digest {data.digest[:12]}), but this rank holds {'none' if held is None else held[0][:12]}"
+                    )
+                new_plan = dataclasses.replace(new_plan, items=list(held[1]))
+            elif held is None or held[0] != data.digest:
+                plan_cache.RANK_ITEMS.put(self._layout_key, (data.digest, tuple(new_plan.items)))
+        return new_plan
 
 
 def _signature(item: WriteItem) -> tuple[Any, ...]:
@@ -538,11 +574,11 @@ class ReferenceLoadPlanner(LoadPlanner):
         for key, chunk in self._chunks.items():
             md = saved[key]
             assert isinstance(md, TensorStorageMetadata)  # checked in set_up_planner
-            same = _same_chunk(md.chunks, chunk)
-            if same is not None:
-                # The common cases, a tensor saved whole and wanted whole, or a shard wanted as it was
-                # saved (a resume at the same world size and sharding): one read of all of the saved
-                # chunk (the item the general path below makes from overlaps(), without its arithmetic).
+            if fast_paths.enabled() and (same := _same_chunk(md.chunks, chunk)) is not None:
+                # A fast path. The common cases, a tensor saved whole and wanted whole, or a shard
+                # wanted as it was saved (a resume at the same world size and sharding): one read of all
+                # of the saved chunk, the item the plain path below makes from overlaps(), without its
+                # arithmetic (figures: docs/benchmark-results.md, "Why the fast paths").
                 if chunk.numel:
                     zeros = _zero_offsets(len(chunk.sizes))
                     items.append(_tensor_read(key, chunk.offsets, same, chunk.offsets, zeros, zeros, torch.Size(chunk.sizes)))

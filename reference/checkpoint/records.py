@@ -2,24 +2,28 @@
 
 A data file is a sequence of records, one per saved chunk or object, each addressed by
 ``(file, offset, length)`` in the metadata. As in DCP's filesystem layout, a record is exactly the
-bytes ``torch.save`` writes for the value (a small zip archive: ``data.pkl`` describing the tensor,
-``data/<key>`` holding the raw storage bytes, uncompressed), so upstream's reader, which calls
-``torch.load`` on each record, reads ours.
+bytes ``torch.save`` writes for the value (a small zip archive: ``data.pkl`` describing the value,
+``data/<key>`` holding a tensor's raw storage bytes, uncompressed), so upstream's reader, which calls
+``torch.load`` on each record, reads ours. A tensor's record carries no CRC32s (see
+:func:`write_record`): ``torch.load`` does not check them.
 
-Reading goes around ``torch.load`` on the hot path: :func:`parse_tensor_record` finds, from the
-record's zip directory and its small ``data.pkl`` (parsed with ``struct``: two small reads per
-record), where the raw bytes start and how they are laid out, and :func:`read_region` reads the bytes of a wanted region straight into the destination tensor
-(no intermediate tensor, no second copy) when both sides are contiguous. Everything else (a layout
-not understood, a big-endian file, a strided region) falls back to ``torch.load(weights_only=True)``
-or to one temporary of the record's size: slower, never wrong. ``data.pkl`` is parsed by an
-allow-list unpickler that accepts only the tensor-rebuild call, so reading never runs code from the file.
+The plain path, first in this module, is that definition in code: :func:`write_record` calls
+``torch.save``; :func:`load_tensor_record` and :func:`read_object_record` call
+``torch.load(weights_only=True)`` once the archive's member names are checked. What a record may ask
+for (SPEC ML-27, ML-28): the globals ``torch.load(weights_only=True)`` allows, and nothing wider; a
+refusal names the globals the record asked for (:func:`asked_globals`). A record whose zip member
+names are ambiguous (a second ``data.pkl``, another folder, a ``..`` name) is refused before anything
+reads it: two readers would read different members of it.
 
-What a record may ask for (SPEC ML-27, ML-28): the globals ``torch.load(weights_only=True)`` allows, and
-nothing wider: the fast paths allow less (a non-tensor value of pickle's own types, a tensor's rebuild
-call), and everything else goes to ``torch.load(weights_only=True)``, whose refusal is reported with
-the globals the record asked for (:func:`asked_globals`). A record whose zip member names are
-ambiguous (a second ``data.pkl``, another folder, a ``..`` name) is refused before either reads it:
-two readers would read different members of it.
+The fast paths, after it, run while :func:`reference.checkpoint.fast_paths.enabled` (the default). They
+exist for speed only, write the same bytes, read the same values and refuse the same records: a
+tensor's record written from a template around its storage bytes (:func:`_template`); a record's zip
+directory and ``data.pkl`` parsed with ``struct`` and an allow-list unpickler that accepts only the
+tensor-rebuild call, two small reads per record (:func:`parse_tensor_record`, parses kept for records
+equal where the parse looks), and the bytes of a wanted region read straight into the destination
+tensor (:func:`read_region`); a non-tensor value of pickle's own types unpickled without
+``torch.load``. Whatever they do not understand goes to ``torch.load(weights_only=True)``: slower,
+never wrong. Why each exists: docs/benchmark-results.md, "Why the fast paths".
 """
 
 from __future__ import annotations
@@ -35,15 +39,26 @@ import threading
 import warnings
 import zipfile
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol, TypeVar, cast
 
 import torch
 
+from reference.checkpoint import fast_paths
 from reference.host_bytes import element_bytes, storage_bytes
 
-__all__ = ["TensorLayout", "write_record", "parse_tensor_record", "read_region", "read_object_record", "asked_globals", "FileWindow"]
+__all__ = [
+    "TensorLayout",
+    "write_record",
+    "load_tensor_record",
+    "read_tensor_record",
+    "read_object_record",
+    "asked_globals",
+    "parse_tensor_record",
+    "read_region",
+    "FileWindow",
+]
 
 
 class ReadableFile(Protocol):
@@ -86,6 +101,283 @@ class FileWindow(io.RawIOBase):
         return got
 
 
+# == The plain path: what a record is ===============================================================
+
+#: Held while a plain writer has torch's CRC32 option switched off (see :func:`write_record`).
+_CRC32_SWITCH = threading.Lock()
+
+
+def write_record(stream: BinaryIO, value: torch.Tensor | bytes | memoryview) -> int:
+    """Append one record at the stream's position and return its length in bytes.
+
+    ``value`` is the CPU tensor to save (it must own exactly its bytes: ``torch.save`` writes a view's
+    whole storage) or the already serialized bytes of an object. A tensor's record is what
+    ``torch.save`` writes for it with CRC32s off, whichever path writes it (the fast one makes the same
+    bytes from a template: :func:`_write_record_fast`)."""
+    if fast_paths.enabled():
+        return _write_record_fast(stream, value)
+    start = stream.tell()
+    if isinstance(value, torch.Tensor):
+        # No CRC32s: that is the records' format, whichever path writes them (why: the fast paths'
+        # table in docs/benchmark-results.md). torch keeps the option per thread or, in older
+        # releases, per process: one plain writer at a time switches it, and puts back what it found.
+        with _CRC32_SWITCH:
+            before = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+            try:
+                torch.save(value, stream)
+            finally:
+                torch.serialization.set_crc32_options(before)
+    else:
+        stream.write(value)
+    return stream.tell() - start
+
+
+def load_tensor_record(file: ReadableFile, offset: int, length: int, *, map_location: str = "cpu") -> torch.Tensor:
+    """The tensor of the record at ``[offset, offset + length)`` of ``file``, as
+    ``torch.load(record, weights_only=True, map_location=map_location)`` returns it; with
+    ``map_location="meta"``, its dtype and geometry without reading its bytes.
+
+    Raises ValueError for a record that is not one ``torch.save`` archive every reader reads alike (not
+    a zip archive, ambiguous member names) or holds no tensor, ``pickle.UnpicklingError`` naming the
+    globals it asked for when ``torch.load`` refuses it, and whatever ``torch.load`` raises for a
+    damaged one."""
+    window = FileWindow(file, offset, length)
+    value = _load(window, _archive(window), map_location=map_location)
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"not a tensor record: it holds a {type(value).__name__}")
+    return value
+
+
+def read_tensor_record(
+    file: ReadableFile,
+    offset: int,
+    length: int,
+    saved_offsets: tuple[int, ...],
+    lengths: tuple[int, ...],
+    dest: torch.Tensor,
+) -> None:
+    """Copy the box ``saved_offsets``/``lengths`` of the tensor of the record at ``[offset, offset +
+    length)`` of ``file`` into ``dest`` (a tensor of shape ``lengths``, any device and layout): the
+    values ``torch.load(record, weights_only=True)`` gives, narrowed to the box.
+
+    ``torch.load`` reads the record into a temporary, except where that would double the memory of a
+    load into meta values (SPEC ML-7: at most the local shards, once): a whole tensor read into a
+    contiguous CPU tensor of its dtype gets its storage's bytes from the archive into it, once
+    ``torch.load`` has read its dtype and geometry (onto the meta device: no bytes read).
+    Raises as :func:`load_tensor_record`."""
+    window = FileWindow(file, offset, length)
+    archive = _archive(window)
+    geometry = _load(window, archive, map_location="meta")
+    if not isinstance(geometry, torch.Tensor):
+        raise ValueError(f"not a tensor record: it holds a {type(geometry).__name__}")
+    member = _storage_member(archive, geometry)
+    if (
+        member is not None
+        and not any(saved_offsets)
+        and tuple(lengths) == tuple(geometry.shape)
+        and dest.device.type == "cpu"
+        and dest.dtype == geometry.dtype
+        and dest.is_contiguous()
+    ):
+        _read_member_into(archive, member, dest)
+        return
+    saved = _load(window, archive, map_location="cpu")
+    dest.copy_(_narrow(saved, saved_offsets, lengths))
+
+
+def _narrow(tensor: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
+    """The box of ``tensor`` that starts at ``offsets`` and has ``lengths`` elements along each dim."""
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        if start != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+def _storage_member(archive: zipfile.ZipFile, geometry: torch.Tensor) -> zipfile.ZipInfo | None:
+    """The archive's member that holds exactly the elements of the tensor ``geometry`` (as torch.load
+    read it onto meta), in order and in this machine's byte order; None if there is no such member
+    (a view of a larger storage, a strided or conjugated tensor, another byte order, a compressed
+    member): then only ``torch.load`` reads it."""
+    storages = [info for info in archive.infolist() if info.filename.partition("/")[2].startswith("data/")]
+    names = {info.filename.partition("/")[2]: info for info in archive.infolist()}
+    byteorder = names.get("byteorder")
+    if byteorder is not None and _member_bytes_or_none(archive, byteorder) != sys.byteorder.encode():
+        return None
+    if (
+        len(storages) != 1
+        or storages[0].compress_type != zipfile.ZIP_STORED
+        or storages[0].file_size != geometry.numel() * geometry.element_size()
+        or geometry.untyped_storage().nbytes() != storages[0].file_size
+        or geometry.storage_offset() != 0
+        or not geometry.is_contiguous()
+        or geometry.is_conj()
+        or geometry.is_neg()
+    ):
+        return None
+    return storages[0]
+
+
+def _read_member_into(archive: zipfile.ZipFile, info: zipfile.ZipInfo, dest: torch.Tensor) -> None:
+    """Read the stored member ``info`` into the memory of the contiguous CPU tensor ``dest``, whose
+    bytes it holds, :data:`_READ_CHUNK` bytes at a time."""
+    view = element_bytes(dest)  # refuses a tensor whose elements are not exactly its bytes
+    with _open_member(archive, info) as member:
+        done = 0
+        while done < len(view):
+            got = member.readinto(view[done:done + _READ_CHUNK])
+            if not got:
+                raise EOFError(f"the record's {info.filename} ends after {done} of its {len(view)} bytes")
+            done += got
+
+
+#: Bytes a plain read of a record's storage copies at a time (its only temporary memory): small enough
+#: that zipfile's copies of a chunk stay in the CPU's cache (a few MiB at a time was slower than
+#: torch.load and a copy).
+_READ_CHUNK = 256 << 10
+
+
+def _open_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> io.BufferedIOBase:
+    # Records carry no CRC32s (see write_record), which zipfile would take for damage when it reads a
+    # member to its end; torch.load does not check them, and neither does this.
+    with contextlib.suppress(AttributeError):  # opened before
+        del info.CRC
+    return cast(io.BufferedIOBase, archive.open(info))  # a ZipExtFile, which is one
+
+
+def _member_bytes_or_none(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes | None:
+    try:
+        with _open_member(archive, info) as member:
+            return member.read()
+    except Exception:  # a damaged member: treated as absent
+        return None
+
+
+def read_object_record(data: bytes | memoryview) -> Any:
+    """The value of a non-tensor record (``torch.save`` of an object, DCP's encoding of non-tensor
+    values): ``torch.load(data, weights_only=True)`` once the archive's member names are checked.
+
+    Raises ValueError for a record that is not one ``torch.save`` archive every reader reads alike,
+    ``pickle.UnpicklingError`` naming the globals it asked for when ``torch.load`` refuses it."""
+    if fast_paths.enabled():
+        return _read_object_record_fast(data)
+    stream = io.BytesIO(data)
+    return _load(stream, _archive(stream))
+
+
+def _archive(stream: BinaryIO | FileWindow) -> zipfile.ZipFile:
+    """The record in ``stream`` as a zip archive (its directory read, no member), its member names
+    checked (:func:`_short_name`); ValueError if it is not a zip archive or its names are ambiguous."""
+    try:
+        archive = zipfile.ZipFile(stream)
+    except zipfile.BadZipFile as exc:
+        raise ValueError(f"not a torch.save record ({exc})") from None
+    folder: str | None = None
+    seen: set[str] = set()
+    for info in archive.infolist():
+        folder = folder if folder is not None else info.filename.partition("/")[0]
+        seen.add(_short_name(info.filename, folder, seen))
+    return archive
+
+
+def _short_name(name: str, folder: str, seen: Collection[str]) -> str:
+    """A member's name without the archive's folder ``folder`` (the first member's), or ValueError if
+    it lies: a record is one folder of uniquely named members (torch.save's archive), and member names
+    that lie (a second data.pkl, a member of another folder, a ``..`` segment) would let two readers of
+    one record, this one and torch.load, read different members. Refused, never resolved (ML-28)."""
+    top, _, short = name.partition("/")
+    if not short or top != folder or short in seen or any(part in ("", ".", "..") for part in short.split("/")) or "\\" in name:
+        raise ValueError(
+            f"refused torch.save record: its member names are ambiguous ({name!r}"
+            f"{' again' if short in seen else ''} in an archive of folder {folder!r}), so it is not "
+            "one record that every reader reads alike"
+        )
+    return short
+
+
+def _load(stream: BinaryIO | FileWindow, archive: zipfile.ZipFile, **kwargs: Any) -> Any:
+    """``torch.load(stream, weights_only=True, **kwargs)`` of the record ``archive`` was read from; a
+    refusal names the globals its ``data.pkl`` asks for (:func:`_refused`)."""
+    stream.seek(0)
+    try:
+        return torch.load(stream, weights_only=True, **kwargs)  # type: ignore[arg-type]  # a RawIOBase is a binary file; torch's stub lists IO[bytes] only
+    except pickle.UnpicklingError as exc:
+        refusal = _refused(exc, _data_pkl(archive))
+        if refusal is exc:
+            raise
+        raise refusal from exc
+
+
+def _data_pkl(archive: zipfile.ZipFile) -> bytes | None:
+    """The bytes of the record's ``data.pkl``, or None if it has none or they cannot be read."""
+    for info in archive.infolist():
+        if info.filename.partition("/")[2] == "data.pkl":
+            return _member_bytes_or_none(archive, info)
+    return None
+
+
+def _refused(exc: pickle.UnpicklingError, pickled: bytes | None) -> pickle.UnpicklingError:
+    """``torch.load(weights_only=True)``'s refusal ``exc`` of the record whose ``data.pkl`` is
+    ``pickled``, as an error that names the globals it asks for, by whichever opcode (torch's message
+    names a ``GLOBAL`` by its bare name, a ``STACK_GLOBAL`` or extension code not at all); ``exc``
+    itself if it asks for none."""
+    asked = asked_globals(pickled) if pickled is not None else []
+    if not asked:
+        return exc
+    return pickle.UnpicklingError(
+        f"refused by torch.load(weights_only=True), whose allow-list is the one applied: the record asks "
+        f"for {', '.join(asked)}"
+    )
+
+
+def asked_globals(pickled: bytes) -> list[str]:
+    """Every global (``module.name``) that the pickle ``pickled`` names, in order, each once: by
+    ``GLOBAL``, by ``STACK_GLOBAL`` (its two strings, pushed or fetched from the memo) or by an
+    extension code (``EXT1/2/4``, as the ``copyreg`` registry of this process resolves it); read
+    with :mod:`pickletools`, so nothing is built or run. A pickle that cannot be read to its end
+    names what was read before."""
+    import copyreg
+    import pickletools
+
+    asked: list[str] = []
+    strings: list[Any] = []  #: the values pushed, as far as they are strings (else None)
+    memo: dict[Any, Any] = {}
+    try:
+        for opcode, arg, _ in pickletools.genops(pickled):
+            name = opcode.name
+            if name == "GLOBAL":
+                asked.append(str(arg).replace(" ", "."))
+            elif name == "STACK_GLOBAL":
+                module, attr = (strings[-2:] + [None, None])[:2] if len(strings) >= 2 else (None, None)
+                asked.append(f"{module}.{attr}" if isinstance(module, str) and isinstance(attr, str) else "a global built on the stack")
+            elif name in ("EXT1", "EXT2", "EXT4"):
+                # Private, unavoidable: copyreg has no public lookup of an extension code; the
+                # unpickler resolves the code through this same table.
+                found = copyreg._inverted_registry.get(arg)  # type: ignore[attr-defined]
+                asked.append(f"{found[0]}.{found[1]} (extension code {arg})" if found else f"extension code {arg}")
+            elif name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8", "SHORT_BINSTRING", "BINSTRING", "STRING"):
+                strings.append(arg)
+            elif name == "MEMOIZE":
+                memo[len(memo)] = strings[-1] if strings else None
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = strings[-1] if strings else None
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                strings.append(memo.get(arg))
+            elif name in ("BINPERSID", "PERSID"):
+                asked.append("a persistent id")
+    except Exception:  # a damaged or cut pickle: what was read so far
+        pass
+    return list(dict.fromkeys(asked))
+
+
+# == Fast paths =====================================================================================
+#
+# Everything below exists for speed only (the figures: docs/benchmark-results.md, "Why the fast
+# paths") and runs only while fast_paths.enabled(). Each writes the bytes the plain path writes, reads
+# the values it reads and refuses the records it refuses; tests/reference/test_fast_paths.py compares
+# the two.
+
+
 @dataclass
 class _Crc32Writers:
     """The writers inside :func:`_without_crc32`, for a torch that keeps one CRC32 option per process."""
@@ -115,14 +407,14 @@ def _crc32_option_is_per_thread() -> bool:
 @contextlib.contextmanager
 def _without_crc32() -> Iterator[None]:
     # torch.save computes a CRC32 of every member by default, which costs more than writing the bytes
-    # (figures: docs/benchmark-results.md, "Why the fast paths"). Nothing reads it back: this reader parses
-    # the zip structure with struct, and torch's reader does not verify it. What catches a damaged
+    # (figures: docs/benchmark-results.md, "Why the fast paths"). Nothing reads it back: the fast reader
+    # parses the zip structure with struct, the plain one skips it, and torch's reader does not verify it. What catches a damaged
     # record instead: the structure checks of parse_tensor_record and the record's geometry checked
     # against the checkpoint metadata (FileSystemReader).
     #
     # Writer threads overlap, so who switches the option back matters. Recent torch keeps it per
     # thread (its serialization config is thread-local): each thread switches its own. Older torch
-    # keeps one per process (2.11 on the GPU machine): there a thread putting back what it found would
+    # keeps one per process (torch 2.11 does): there a thread putting back what it found would
     # switch CRC32s on under a writer still inside torch.save, and the last one out would leave them
     # off for the whole process. So the first writer in switches it off, the last one out puts back
     # what the first found; meanwhile other threads' torch.save writes no CRC32s either.
@@ -157,13 +449,9 @@ def _without_crc32() -> Iterator[None]:
                 set_crc32(_CRC32.before)
 
 
-def write_record(stream: BinaryIO, value: torch.Tensor | bytes | memoryview) -> int:
-    """Append one record at the stream's position and return its length in bytes.
-
-    ``value`` is the CPU tensor to save (it must own exactly its bytes: ``torch.save`` writes a view's
-    whole storage) or the already serialized bytes of an object. A tensor's record is byte for byte
-    what ``torch.save`` writes for it without CRC32s (``torch.load`` reads them; see
-    :func:`_without_crc32`), written from a template where one can be made (see :func:`_template`)."""
+def _write_record_fast(stream: BinaryIO, value: torch.Tensor | bytes | memoryview) -> int:
+    """:func:`write_record`, a tensor's record written from a template where one can be made (see
+    :func:`_template`), else by ``torch.save`` with CRC32s off (see :func:`_without_crc32`)."""
     start = stream.tell()
     if isinstance(value, torch.Tensor):
         template = _template(value)
@@ -172,7 +460,7 @@ def write_record(stream: BinaryIO, value: torch.Tensor | bytes | memoryview) -> 
                 torch.save(value, stream)
         else:
             # No torch.save here, so no CRC32 option to switch: switching it (a get and two sets of
-            # torch's thread-local config) cost 12 of the 26 us a small record took.
+            # torch's thread-local config) was a large part of a small record's time.
             stream.write(template.head)
             stream.write(storage_bytes(value))
             stream.write(template.tail)
@@ -391,9 +679,14 @@ def _storage_dtype(name: str) -> torch.dtype | None:
     return _STORAGE_DTYPES.get(name)
 
 
-def _rebuild_tensor(storage: Any, storage_offset: int, size: Any, stride: Any, *_: Any) -> _TensorHeader:
+def _rebuild_tensor(storage: Any, storage_offset: int, size: Any, stride: Any, requires_grad: Any = False,
+                    backward_hooks: Any = None, metadata: Any = None, *_: Any) -> _TensorHeader:
     if not isinstance(storage, _StorageRef):
         raise _NotUnderstood("tensor storage is not a persistent storage reference")
+    if metadata:
+        # The tensor's conj or neg bit (torch._utils.get_tensor_metadata): its values are not its
+        # storage's bytes as they are. torch.load applies the bits; reading the bytes would not.
+        raise _NotUnderstood(f"tensor metadata {sorted(metadata)}")
     return _TensorHeader(storage, int(storage_offset), tuple(size), tuple(stride))
 
 
@@ -582,18 +875,9 @@ def _members(record: _RecordBytes) -> dict[str, _Member]:
         name_end = pos + _CENTRAL.size + name_len
         name = directory[pos + _CENTRAL.size:name_end].decode("utf-8", "replace")
         size, csize, header_offset = _zip64_extra(directory[name_end:name_end + extra_len], size, csize, header_offset)
-        # A record is one folder of uniquely named members (torch.save's archive). Member names that
-        # lie (a second data.pkl, a member of another folder, a ``..`` segment) would let two readers
-        # of one record, this one and torch.load, read different members: refused, never resolved.
-        top, _, short = name.partition("/")
         if folder is None:
-            folder = top
-        if not short or top != folder or short in members or any(part in ("", ".", "..") for part in short.split("/")) or "\\" in name:
-            raise ValueError(
-                f"refused torch.save record: its member names are ambiguous ({name!r}"
-                f"{' again' if short in members else ''} in an archive of folder {folder!r}), so it is not "
-                "one record that every reader reads alike"
-            )
+            folder = name.partition("/")[0]
+        short = _short_name(name, folder, members)  # ValueError if the names are ambiguous (ML-28)
         members[short] = _Member(short, method, size, csize, header_offset)
         pos = name_end + extra_len + comment_len
     return members
@@ -718,17 +1002,15 @@ def _pickle_span(record: _RecordBytes) -> tuple[int, int]:
     return _member_data_start(record, member), member.size
 
 
-def read_object_record(data: bytes | memoryview) -> Any:
-    """The value of a non-tensor record (``torch.save`` of an object, DCP's encoding of non-tensor
-    values), as ``torch.load(data, weights_only=True)`` returns it.
-
-    A value made of pickle's own types (a learning rate, ``betas``, a step count, a string) is
-    unpickled straight from the record's ``data.pkl`` by :class:`_PlainUnpickler`: a checkpoint holds
-    one record per such value (every ``param_groups`` entry is one), and ``torch.load`` costs about
-    80 us each, mostly in setting up its zip reader. Anything else (tensors, ``torch.Size``, a set, a
-    damaged record) goes to ``torch.load(weights_only=True)``: its allow-list, and nothing wider,
-    decides which globals a record may ask for. A record whose member names are ambiguous is refused
-    (ValueError) before either reads it; a refused one names the globals it asked for."""
+def _read_object_record_fast(data: bytes | memoryview) -> Any:
+    """:func:`read_object_record`, a value made of pickle's own types (a learning rate, ``betas``, a
+    step count, a string) unpickled straight from the record's ``data.pkl`` by
+    :class:`_PlainUnpickler`: a checkpoint holds one record per such value (every ``param_groups``
+    entry is one), and ``torch.load`` costs a fixed time each, mostly in setting up its zip reader.
+    Anything else (tensors, ``torch.Size``, a set, a damaged record) goes to
+    ``torch.load(weights_only=True)``: its allow-list, and nothing wider, decides which globals a
+    record may ask for. A record whose member names are ambiguous is refused (ValueError) before either
+    reads it; a refused one names the globals it asked for."""
     record = _RecordBytes(io.BytesIO(data), 0, len(data))
     try:
         start, size = _parsed(record, _pickle_span)
@@ -746,60 +1028,16 @@ def read_object_record(data: bytes | memoryview) -> Any:
 
 
 def _torch_load(data: bytes | memoryview | FileWindow, pickled: bytes | None, **kwargs: Any) -> Any:
-    """``torch.load(data, weights_only=True)``; if it refuses, the error (UnpicklingError) also names the
-    globals that ``pickled`` (the record's ``data.pkl``) asks for, by whichever opcode: torch's message
-    names a ``GLOBAL`` by its bare name and a ``STACK_GLOBAL`` or extension code not at all."""
+    """``torch.load(data, weights_only=True)``; a refusal names the globals that ``pickled`` (the
+    record's ``data.pkl``) asks for (:func:`_refused`)."""
     stream = io.BytesIO(data) if isinstance(data, (bytes, memoryview)) else data
     try:
         return torch.load(stream, weights_only=True, **kwargs)  # type: ignore[arg-type]  # a RawIOBase is a binary file; torch's stub lists IO[bytes] only
     except pickle.UnpicklingError as exc:
-        asked = asked_globals(pickled) if pickled is not None else []
-        if not asked:
+        refusal = _refused(exc, pickled)
+        if refusal is exc:
             raise
-        raise pickle.UnpicklingError(
-            f"refused by torch.load(weights_only=True), whose allow-list is the one applied: the record asks "
-            f"for {', '.join(asked)}"
-        ) from exc
-
-
-def asked_globals(pickled: bytes) -> list[str]:
-    """Every global (``module.name``) that the pickle ``pickled`` names, in order, each once: by
-    ``GLOBAL``, by ``STACK_GLOBAL`` (its two strings, pushed or fetched from the memo) or by an
-    extension code (``EXT1/2/4``, as the ``copyreg`` registry of this process resolves it); read
-    with :mod:`pickletools`, so nothing is built or run. A pickle that cannot be read to its end
-    names what was read before."""
-    import copyreg
-    import pickletools
-
-    asked: list[str] = []
-    strings: list[Any] = []  #: the values pushed, as far as they are strings (else None)
-    memo: dict[Any, Any] = {}
-    try:
-        for opcode, arg, _ in pickletools.genops(pickled):
-            name = opcode.name
-            if name == "GLOBAL":
-                asked.append(str(arg).replace(" ", "."))
-            elif name == "STACK_GLOBAL":
-                module, attr = (strings[-2:] + [None, None])[:2] if len(strings) >= 2 else (None, None)
-                asked.append(f"{module}.{attr}" if isinstance(module, str) and isinstance(attr, str) else "a global built on the stack")
-            elif name in ("EXT1", "EXT2", "EXT4"):
-                # Private, unavoidable: copyreg has no public lookup of an extension code; the
-                # unpickler resolves the code through this same table.
-                found = copyreg._inverted_registry.get(arg)  # type: ignore[attr-defined]
-                asked.append(f"{found[0]}.{found[1]} (extension code {arg})" if found else f"extension code {arg}")
-            elif name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8", "SHORT_BINSTRING", "BINSTRING", "STRING"):
-                strings.append(arg)
-            elif name == "MEMOIZE":
-                memo[len(memo)] = strings[-1] if strings else None
-            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-                memo[arg] = strings[-1] if strings else None
-            elif name in ("GET", "BINGET", "LONG_BINGET"):
-                strings.append(memo.get(arg))
-            elif name in ("BINPERSID", "PERSID"):
-                asked.append("a persistent id")
-    except Exception:  # a damaged or cut pickle: what was read so far
-        pass
-    return list(dict.fromkeys(asked))
+        raise refusal from exc
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -828,13 +1066,6 @@ def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
     for dim in range(len(size) - 2, -1, -1):
         strides[dim] = strides[dim + 1] * max(size[dim + 1], 1)
     return tuple(strides)
-
-
-def _narrow(tensor: torch.Tensor, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
-    for dim, (start, length) in enumerate(zip(offsets, lengths)):
-        if start != 0 or length != tensor.size(dim):
-            tensor = tensor.narrow(dim, start, length)
-    return tensor
 
 
 def read_region(

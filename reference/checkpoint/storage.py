@@ -20,13 +20,23 @@ Concurrent saves to one directory are refused: the coordinator holds an exclusiv
 the coordinator sees (a local one at one node; a shared one, with working ``rename`` and ``flock``,
 across nodes).
 
-Removing the files of the earlier save is cleanup, not part of the save: it runs on a thread of the
-coordinator after publication (see :class:`_Removals`), so that no rank waits for it. Freeing an
-fsynced file's blocks is slow (tens of ms per 32 MB on ext4; figures: docs/benchmark-results.md,
-"Why the fast paths"), and the ranks would otherwise wait for it at the end of every save
-over an earlier checkpoint. Which files to remove is decided at publication, while the save still
-holds the directory: only names the new metadata does not reference, all written by earlier saves
-(every save's names are its own), so a later save's files are never among them.
+Removing the files of the earlier save is cleanup, not part of the save: it comes after publication.
+Which files to remove is decided at publication, while the save still holds the directory: only
+names the new metadata does not reference, all written by earlier saves (every save's names are its
+own), so a later save's files are never among them.
+
+The plain path, the classes' methods as they come first, reads and writes on the calling thread, each
+file's records one after another, with :func:`reference.checkpoint.records.write_record` and
+:func:`~reference.checkpoint.records.load_tensor_record` / :func:`~reference.checkpoint.records.read_tensor_record`
+(``torch.save`` and ``torch.load``), and
+removes the earlier save's files before the save returns. The fast paths, after it in this module and
+run while :func:`reference.checkpoint.fast_paths.enabled` (the default), exist for speed only (why
+each: docs/benchmark-results.md, "Why the fast paths"): the data files of a rank written and read
+on threads of pools kept between calls, the next chunk on a GPU copied to the host while the current
+one is written, records parsed and read in place (:func:`~reference.checkpoint.records.read_region`),
+and the removals on a thread of the coordinator, so that no rank waits for them. Both write the
+same files: how a rank's items are cut into data files (:func:`_split_by_bytes`) and the records'
+alignment are the format, not a fast path.
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from reference.checkpoint import fast_paths
 from reference.checkpoint.errors import CheckpointError, CheckpointFormatError
 from reference.checkpoint.metadata_io import (
     CURRENT_VERSION,
@@ -69,7 +80,15 @@ from reference.checkpoint.metadata_io import (
     dump_metadata,
     read_metadata_file,
 )
-from reference.checkpoint.records import ReadableFile, TensorLayout, parse_tensor_record, read_region, write_record
+from reference.checkpoint.records import (
+    ReadableFile,
+    TensorLayout,
+    load_tensor_record,
+    parse_tensor_record,
+    read_region,
+    read_tensor_record,
+    write_record,
+)
 
 __all__ = ["FileSystemWriter", "FileSystemReader", "DATA_SUFFIX", "wait_for_removals", "background_write_threads"]
 
@@ -78,17 +97,18 @@ DATA_SUFFIX = ".distcp"
 LOCK_FILE = ".lock"
 
 
-#: Every record starts at a multiple of this many bytes of its data file (zero bytes between records).
-#: torch.save puts a tensor's bytes at a multiple of 64 bytes from the record's start, so they are
-#: 64-byte aligned in the file as they are in memory, and the kernel copies them from the page cache
-#: into a tensor at full speed; a misaligned read is measurably slower (figures: docs/benchmark-results.md, "Why the fast paths") (DCP's own
-#: writer packs records end to end). Readers, DCP's included, read each record at
-#: its (offset, length) in the metadata and never see the padding.
+#: Every record starts at a multiple of this many bytes of its data file (zero bytes between records),
+#: whichever path writes it: it is the format. torch.save puts a tensor's bytes at a multiple of 64
+#: bytes from the record's start, so they are 64-byte aligned in the file as they are in memory, and
+#: the kernel copies them from the page cache into a tensor at full speed; a misaligned read is
+#: measurably slower (figures: docs/benchmark-results.md, "Why the fast paths"; DCP's own writer packs
+#: records end to end). Readers, DCP's included, read each record at its (offset, length) in the
+#: metadata and never see the padding.
 RECORD_ALIGNMENT = 64
 
-#: Reader threads of a load, and writer threads of a save, when none are asked for (bounded by the CPUs
-#: per rank of the node): reads from the page cache and writes to it are memory copies, which two or
-#: more threads run faster than one; more than a few gain nothing.
+#: Reader threads of a load, and writer threads (data files per rank) of a save, when none are asked for
+#: (bounded by the CPUs per rank of the node): reads from the page cache and writes to it are memory
+#: copies, which two or more threads run faster than one (the fast path); more than a few gain nothing.
 DEFAULT_READ_THREADS = 4
 DEFAULT_WRITE_THREADS = 4
 #: A run of records read or written by one thread holds at least this many bytes: below it a thread
@@ -156,63 +176,6 @@ def _write_bytes(item: WriteItem) -> int:
     return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
-# Reader and writer threads outlive a load or save: starting a thread costs about as much as reading a few MB from the
-# page cache (the new thread must be scheduled before ``start`` returns), so a small load that started
-# its threads each time would spend a good part of its time on that (figures: docs/benchmark-results.md, "Why the fast paths"). One pool per thread
-# count, made on first use. A forked child inherits the pools' objects but not their threads, and
-# would wait forever on work no thread takes: the child starts with no pools.
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def _forget_pools() -> None:
-    global _POOLS_LOCK
-    _POOLS.clear()
-    _POOLS_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pools)
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    with _POOLS_LOCK:
-        pool = _POOLS.get(workers)
-        if pool is None:
-            pool = _POOLS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-io")
-        return pool
-
-
-def _run_all(calls: list[Callable[[], None]], threads: int) -> None:
-    """Run ``calls`` on up to ``threads`` threads, the calling thread one of them; return when every
-    call has ended, raising the exception of the first that failed in list order.
-
-    Each thread takes the next call not yet taken until none is left, so the calling thread never
-    waits while work remains, and concurrent loads sharing a pool cannot starve each other."""
-    workers = min(threads, len(calls))
-    if workers <= 1:
-        for call in calls:
-            call()
-        return
-    failures: list[BaseException | None] = [None] * len(calls)
-    taken = itertools.count()  # next() on it is atomic (one C call under the GIL): each index once
-
-    def take_calls() -> None:
-        while (index := next(taken)) < len(calls):
-            try:
-                calls[index]()
-            except BaseException as exc:  # re-raised below, in list order, once every call has ended
-                failures[index] = exc
-
-    helpers = [_pool(threads - 1).submit(take_calls) for _ in range(workers - 1)]
-    take_calls()
-    wait(helpers)
-    for helper in helpers:
-        helper.result()
-    for failure in failures:
-        if failure is not None:
-            raise failure
-
-
 def _done(value: Any) -> Future[Any]:
     future: Future[Any] = Future()
     future.set_result(value)
@@ -230,74 +193,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _to_host_async(value: Any) -> tuple[Any, Any]:
-    """Start copying a device tensor to a new host tensor that owns exactly its bytes; (host value,
-    an event to wait for, or None). Anything else is returned as it is."""
+def _to_host(value: Any) -> Any:
+    """``value``, a tensor on another device copied to a new host tensor that owns exactly its bytes
+    (contiguous on CUDA, as the fast path's copies are); anything else as it is."""
     if not isinstance(value, torch.Tensor) or value.device.type == "cpu":
-        return value, None
-    if value.device.type != "cuda":  # no pinned memory or events of ours for other devices
-        return value.cpu(), None
-    # On the tensor's own device: a writer thread's current device is cuda:0 whatever the rank's, and
-    # the event must be recorded on the stream that runs the copy (that device's current stream).
-    with torch.cuda.device(value.device):
-        # Pinned, so that the copy is asynchronous; torch's caching host allocator reuses the blocks.
-        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-        host.copy_(value, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()  # on the current stream of value's device, after the copy
-    return host, done
-
-
-def _on_host_one_ahead(values: Iterable[Any]) -> Iterator[Any]:
-    """``values`` with every GPU tensor replaced by a host copy. The copy of the next value is started
-    before the current one is handed out, so it runs while the caller writes the current one."""
-    upcoming = None
-    for value in values:
-        started = _to_host_async(value)
-        if upcoming is not None:
-            yield _wait(upcoming)
-        upcoming = started
-    if upcoming is not None:
-        yield _wait(upcoming)
-
-
-def _wait(started: tuple[Any, Any]) -> Any:
-    value, done = started
-    if done is not None:
-        done.synchronize()
-    return value
-
-
-class _Removals:
-    """Removes the files of earlier saves on one background thread of this process, in the order the
-    saves published. A file already gone is not an error; one that cannot be removed is warned about
-    (the save it belonged to was replaced whole, so the checkpoint is unaffected: only space is lost)
-    and stays until a later save to the directory removes it."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
-        self._pending: list[ThreadFuture[None]] = []
-        # A child made by fork() has no copy of the thread: it starts with none of its own.
-        os.register_at_fork(after_in_child=self._forget)
-
-    def _forget(self) -> None:
-        self._lock = threading.Lock()
-        self._executor, self._pending = None, []
-
-    def submit(self, paths: list[Path]) -> None:
-        if not paths:
-            return
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-removals")
-            self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(self._executor.submit(_remove_files, paths))
-
-    def wait(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
-        wait(pending)
+        return value
+    if value.device.type != "cuda":
+        return value.cpu()
+    return torch.empty(value.shape, dtype=value.dtype).copy_(value)
 
 
 def _remove_files(paths: list[Path]) -> None:
@@ -311,12 +214,10 @@ def _remove_files(paths: list[Path]) -> None:
                           f"{path.parent} removes it", RuntimeWarning, stacklevel=1)
 
 
-_REMOVALS = _Removals()
-
-
 def wait_for_removals() -> None:
     """Return once this process has removed the files of every earlier save that its saves replaced
-    (they are removed in the background, after each save has returned)."""
+    (the fast path removes them in the background, after each save has returned; the plain path
+    before it returns)."""
     _REMOVALS.wait()
 
 
@@ -396,31 +297,38 @@ class FileSystemWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items as large sequential writes, objects first: the items are cut into up to
         ``thread_count`` runs of consecutive items of about equal bytes (at least :data:`MIN_RUN_BYTES`
-        each), and each run is written to a data file of its own by a thread of its own (writes release
-        the GIL, so they overlap), then fsynced. A failure raises the error of the first failing run,
-        after every run has ended. Within a run each chunk is resolved only when the one before it is
-        being written; a chunk on a GPU is copied to pinned host memory meanwhile (see
-        :func:`_on_host_one_ahead`), so at most two per run are staged at a time."""
+        each), and each run is written to a data file of its own, then fsynced. The plain path writes the
+        files one after another and raises the first failure; the fast path writes each on a thread of
+        its own (writes release the GIL, so they overlap) and raises the error of the first failing run
+        once every run has ended."""
         assert self.path is not None
         if not plan.items:
             return _done([])
         ordered = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
         runs = _split_by_bytes(ordered, self.thread_count, _write_bytes)
         results: list[list[WriteResult]] = [[] for _ in runs]
-        _run_all(
-            [
-                functools.partial(self._write_file, f"{plan.storage_data}{k}{DATA_SUFFIX}", run, planner, results[k])
-                for k, run in enumerate(runs)
-            ],
-            self.thread_count,
-        )
+        calls: list[Callable[[], None]] = [
+            functools.partial(self._write_file, f"{plan.storage_data}{k}{DATA_SUFFIX}", run, planner, results[k])
+            for k, run in enumerate(runs)
+        ]
+        if fast_paths.enabled():
+            _run_all(calls, self.thread_count)
+        else:
+            for call in calls:
+                call()
         return _done([result for run_results in results for result in run_results])
 
     def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner, results: list[WriteResult]) -> None:
-        """Write ``items`` to the new data file ``name``, in order, and fsync it; append a result per item."""
+        """Write ``items`` to the new data file ``name``, in order, and fsync it; append a result per item.
+
+        Each chunk is resolved only when the one before it has been written (the fast path: while it is
+        being written, a chunk on a GPU copied to pinned host memory meanwhile, see
+        :func:`_on_host_one_ahead`), so at most two per file are staged at a time."""
         assert self.path is not None
+        resolved = (planner.resolve_data(item) for item in items)
+        on_host = _on_host_one_ahead(resolved) if fast_paths.enabled() else map(_to_host, resolved)
         with open(self.path / name, "wb") as stream:
-            for item, data in zip(items, _on_host_one_ahead(planner.resolve_data(item) for item in items)):
+            for item, data in zip(items, on_host):
                 offset = stream.tell()
                 if offset % RECORD_ALIGNMENT:
                     stream.write(bytes(RECORD_ALIGNMENT - offset % RECORD_ALIGNMENT))
@@ -447,7 +355,11 @@ class FileSystemWriter(StorageWriter):
             os.replace(tmp, self.path / METADATA_FILE)
             if self.sync_files:
                 _fsync_dir(self.path)
-            _REMOVALS.submit(self._unreferenced({info.relative_path for info in metadata.storage_data.values()}))
+            stale = self._unreferenced({info.relative_path for info in metadata.storage_data.values()})
+            if fast_paths.enabled():
+                _REMOVALS.submit(stale)  # on a thread, after the save has returned
+            else:
+                _remove_files(stale)
         finally:
             self.close()
 
@@ -479,11 +391,12 @@ class FileSystemReader(StorageReader):
     (coordinator) -> ``read_data`` (all).
 
     ``prepare_local_plan`` checks everything this rank will read before anything is read: every item
-    has a storage entry, every file exists and is long enough, every tensor record parses. So a
-    missing or truncated file fails the load before the state dict is touched.
+    has a storage entry, every file exists and is long enough, every tensor record parses and holds
+    the dtype and shape the metadata says. So a missing or truncated file fails the load before the
+    state dict is touched.
 
-    ``thread_count`` reader threads read the tensor records (default: up to 4, at most the CPUs this
-    process may use divided by the ranks of its node, torchrun's ``LOCAL_WORLD_SIZE``); a
+    The fast path reads the tensor records on ``thread_count`` threads (default: up to 4, at most the
+    CPUs this process may use divided by the ranks of its node, torchrun's ``LOCAL_WORLD_SIZE``); a
     file's records are cut into runs of consecutive records, one per thread (see :meth:`read_data`).
     """
 
@@ -512,7 +425,7 @@ class FileSystemReader(StorageReader):
         self.storage_data = metadata.storage_data
         self._metadata = metadata
 
-    def _geometry_problem(self, index: MetadataIndex, layout: TensorLayout) -> str | None:
+    def _geometry_problem(self, index: MetadataIndex, dtype: torch.dtype, size: tuple[int, ...]) -> str | None:
         """What the record's own header says against what the metadata says of that chunk, if they
         disagree. Records carry no CRC32 (see ``records.write_record``): this is what catches a record
         overwritten by another tensor's, or a damaged header that still parses."""
@@ -526,9 +439,9 @@ class FileSystemReader(StorageReader):
         )
         if chunk is None:
             return None
-        if tuple(chunk.sizes) != tuple(layout.size) or saved.properties.dtype != layout.dtype:
+        if tuple(chunk.sizes) != tuple(size) or saved.properties.dtype != dtype:
             return (
-                f"the record holds a {layout.dtype} tensor of shape {list(layout.size)}, but the metadata says "
+                f"the record holds a {dtype} tensor of shape {list(size)}, but the metadata says "
                 f"{saved.properties.dtype} of shape {list(chunk.sizes)}"
             )
         return None
@@ -577,44 +490,41 @@ class FileSystemReader(StorageReader):
                 for item, info in entries:
                     if item.type != LoadItemType.TENSOR or item.storage_index in self._layouts:
                         continue
-                    try:
-                        layout = parse_tensor_record(file, info.offset, info.length)
-                        problem = None if layout is None else self._geometry_problem(item.storage_index, layout)
-                        if problem is not None:
-                            raise ValueError(f"corrupt record: {problem}")
-                    except ValueError as exc:
-                        raise CheckpointFormatError(
-                            f"{path}: key {item.storage_index.fqn!r} at bytes {info.offset}..{info.offset + info.length}: {exc}"
-                        ) from None
-                    self._layouts[item.storage_index] = layout
+                    where = f"{path}: key {item.storage_index.fqn!r} at bytes {info.offset}..{info.offset + info.length}"
+                    if fast_paths.enabled():
+                        self._layouts[item.storage_index] = self._check_record_fast(where, file, item, info)
+                    else:
+                        self._check_record(where, file, item, info)
+                        self._layouts[item.storage_index] = None
         return plan
+
+    def _check_record(self, where: str, file: ReadableFile, item: ReadItem, info: StorageInfo) -> None:
+        """Check the tensor record of ``item`` before anything is read: ``torch.load(weights_only=True)``
+        reads the dtype and geometry of its tensor (onto the meta device: no data bytes are read), which
+        must be the metadata's for that chunk. Errors name the file, the key and the record's bytes
+        (``where``), worded as :meth:`_read_entries` words a failed read."""
+        try:
+            saved = load_tensor_record(file, info.offset, info.length, map_location="meta")
+        except ValueError as exc:
+            raise CheckpointFormatError(f"{where}: {exc}") from None
+        except Exception as exc:
+            raise CheckpointFormatError(f"{where}: {type(exc).__name__}: {exc}") from exc
+        problem = self._geometry_problem(item.storage_index, saved.dtype, tuple(saved.shape))
+        if problem is not None:
+            raise CheckpointFormatError(f"{where}: corrupt record: {problem}")
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read every item of ``plan`` into ``planner``'s targets: each file's items in file order, the
-        tensor records split into up to ``thread_count`` runs of consecutive records of about equal
-        bytes, read by that many threads at once (``readinto`` releases the GIL, so reads of one file
-        overlap); non-tensor values are read and unpickled on the calling thread. A failure raises the
-        error of the first failing run in file order, after every run has ended."""
+        """Read every item of ``plan`` into ``planner``'s targets: each file's items in file order (its
+        non-tensor values first, as they were written); a failure raises naming the file and the key.
+        The fast path: :meth:`_read_data_fast`."""
         assert self.path is not None
-        runs: list[tuple[Path, list[tuple[ReadItem, StorageInfo]]]] = []
+        if fast_paths.enabled():
+            return self._read_data_fast(plan, planner)
         for relative_path, entries in self._by_file(plan.items).items():
-            path = self.path / relative_path
-            objects = [entry for entry in entries if entry[0].type == LoadItemType.BYTE_IO]
-            if objects:
-                self._read_entries(path, objects, planner)
-            tensors = [entry for entry in entries if entry[0].type != LoadItemType.BYTE_IO]
-            runs += [(path, run) for run in _split_by_bytes(tensors, self.thread_count, _record_bytes)]
-        self._cuda_devices = set()
-        try:
-            _run_all([functools.partial(self._read_entries, path, run, planner) for path, run in runs], self.thread_count)
-        finally:
-            # Copies to GPUs that read_region left running, on each device read into (the calling
-            # thread's current device need not be the one the rank's tensors are on).
-            for device in self._cuda_devices:
-                torch.cuda.synchronize(device)
+            self._read_entries(self.path / relative_path, entries, planner)
         return _done(None)
 
     def _read_entries(self, path: Path, entries: list[tuple[ReadItem, StorageInfo]], planner: LoadPlanner) -> None:
@@ -642,10 +552,64 @@ class FileSystemReader(StorageReader):
             planner.load_bytes(item, io.BytesIO(data))
             return
         dest = planner.resolve_tensor(item).detach()
-        if dest.device.type == "cuda":
-            self._cuda_devices.add(dest.device)  # set.add is one step under the GIL: safe from reader threads
         if tuple(dest.shape) != tuple(item.lengths):  # internal invariant of the planner
             raise AssertionError(f"destination shape {list(dest.shape)} != read lengths {list(item.lengths)}")
+        if fast_paths.enabled():
+            self._read_region_fast(file, item, info, dest)
+        else:
+            read_tensor_record(file, info.offset, info.length, tuple(item.storage_offsets), tuple(item.lengths), dest)
+        planner.commit_tensor(item, dest)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return "://" not in str(checkpoint_id)
+
+    # -- the reader's fast paths (see the module docstring) --------------------------------------
+
+    def _check_record_fast(self, where: str, file: ReadableFile, item: ReadItem, info: StorageInfo) -> TensorLayout | None:
+        """:meth:`_check_record` by :func:`~reference.checkpoint.records.parse_tensor_record` (its zip
+        directory and ``data.pkl`` parsed in two small reads); the layout found, for
+        :meth:`_read_region_fast`, or None for a record it leaves to ``torch.load`` (checked as it is read)."""
+        try:
+            layout = parse_tensor_record(file, info.offset, info.length)
+            problem = None if layout is None else self._geometry_problem(item.storage_index, layout.dtype, layout.size)
+            if problem is not None:
+                raise ValueError(f"corrupt record: {problem}")
+        except ValueError as exc:
+            raise CheckpointFormatError(f"{where}: {exc}") from None
+        return layout
+
+    def _read_data_fast(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """:meth:`read_data`, each file's tensor records split into up to ``thread_count`` runs of
+        consecutive records of about equal bytes, read by that many threads at once (``readinto``
+        releases the GIL, so reads of one file overlap); non-tensor values are read and unpickled on the
+        calling thread first. A failure raises the error of the first failing run in file order, after
+        every run has ended."""
+        assert self.path is not None
+        runs: list[tuple[Path, list[tuple[ReadItem, StorageInfo]]]] = []
+        for relative_path, entries in self._by_file(plan.items).items():
+            path = self.path / relative_path
+            objects = [entry for entry in entries if entry[0].type == LoadItemType.BYTE_IO]
+            if objects:
+                self._read_entries(path, objects, planner)
+            tensors = [entry for entry in entries if entry[0].type != LoadItemType.BYTE_IO]
+            runs += [(path, run) for run in _split_by_bytes(tensors, self.thread_count, _record_bytes)]
+        self._cuda_devices = set()
+        try:
+            _run_all([functools.partial(self._read_entries, path, run, planner) for path, run in runs], self.thread_count)
+        finally:
+            # Copies to GPUs that read_region left running, on each device read into (the calling
+            # thread's current device need not be the one the rank's tensors are on).
+            for device in self._cuda_devices:
+                torch.cuda.synchronize(device)
+        return _done(None)
+
+    def _read_region_fast(self, file: ReadableFile, item: ReadItem, info: StorageInfo, dest: torch.Tensor) -> None:
+        """The read of :meth:`_read_item` by :func:`~reference.checkpoint.records.read_region`: straight
+        into ``dest`` where the record's layout allows; a copy to a GPU is left running, and
+        :meth:`_read_data_fast` waits for it."""
+        if dest.device.type == "cuda":
+            self._cuda_devices.add(dest.device)  # set.add is one step under the GIL: safe from reader threads
         read_region(
             file,
             info.offset,
@@ -655,9 +619,143 @@ class FileSystemReader(StorageReader):
             tuple(item.lengths),
             dest,
         )
-        planner.commit_tensor(item, dest)
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return "://" not in str(checkpoint_id)
 
+# == Fast paths =====================================================================================
+#
+# Everything below exists for speed only (the figures: docs/benchmark-results.md, "Why the fast
+# paths") and runs only while fast_paths.enabled(); the classes' methods above call it. Each writes
+# the files the plain path writes and reads the values it reads (tests/reference/test_fast_paths.py).
+
+
+# Reader and writer threads outlive a load or save: starting a thread costs about as much as reading a
+# few MB from the page cache (the new thread must be scheduled before ``start`` returns), so a small
+# load that started its threads each time would spend a good part of its time on that (figures:
+# docs/benchmark-results.md, "Why the fast paths"). One pool per thread count, made on first use. A
+# forked child inherits the pools' objects but not their threads, and would wait forever on work no
+# thread takes: the child starts with no pools.
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _forget_pools() -> None:
+    global _POOLS_LOCK
+    _POOLS.clear()
+    _POOLS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = _POOLS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-io")
+        return pool
+
+
+def _run_all(calls: list[Callable[[], None]], threads: int) -> None:
+    """Run ``calls`` on up to ``threads`` threads, the calling thread one of them; return when every
+    call has ended, raising the exception of the first that failed in list order.
+
+    Each thread takes the next call not yet taken until none is left, so the calling thread never
+    waits while work remains, and concurrent loads sharing a pool cannot starve each other."""
+    workers = min(threads, len(calls))
+    if workers <= 1:
+        for call in calls:
+            call()
+        return
+    failures: list[BaseException | None] = [None] * len(calls)
+    taken = itertools.count()  # next() on it is atomic (one C call under the GIL): each index once
+
+    def take_calls() -> None:
+        while (index := next(taken)) < len(calls):
+            try:
+                calls[index]()
+            except BaseException as exc:  # re-raised below, in list order, once every call has ended
+                failures[index] = exc
+
+    helpers = [_pool(threads - 1).submit(take_calls) for _ in range(workers - 1)]
+    take_calls()
+    wait(helpers)
+    for helper in helpers:
+        helper.result()
+    for failure in failures:
+        if failure is not None:
+            raise failure
+
+
+def _to_host_async(value: Any) -> tuple[Any, Any]:
+    """Start copying a device tensor to a new host tensor that owns exactly its bytes; (host value,
+    an event to wait for, or None). Anything else is returned as it is."""
+    if not isinstance(value, torch.Tensor) or value.device.type == "cpu":
+        return value, None
+    if value.device.type != "cuda":  # no pinned memory or events of ours for other devices
+        return value.cpu(), None
+    # On the tensor's own device: a writer thread's current device is cuda:0 whatever the rank's, and
+    # the event must be recorded on the stream that runs the copy (that device's current stream).
+    with torch.cuda.device(value.device):
+        # Pinned, so that the copy is asynchronous; torch's caching host allocator reuses the blocks.
+        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+        host.copy_(value, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()  # on the current stream of value's device, after the copy
+    return host, done
+
+
+def _on_host_one_ahead(values: Iterable[Any]) -> Iterator[Any]:
+    """``values`` with every GPU tensor replaced by a host copy. The copy of the next value is started
+    before the current one is handed out, so it runs while the caller writes the current one."""
+    upcoming = None
+    for value in values:
+        started = _to_host_async(value)
+        if upcoming is not None:
+            yield _wait(upcoming)
+        upcoming = started
+    if upcoming is not None:
+        yield _wait(upcoming)
+
+
+def _wait(started: tuple[Any, Any]) -> Any:
+    value, done = started
+    if done is not None:
+        done.synchronize()
+    return value
+
+
+class _Removals:
+    """Removes the files of earlier saves on one background thread of this process, in the order the
+    saves published: freeing an fsynced file's blocks is slow (figures: docs/benchmark-results.md, "Why
+    the fast paths"), and every rank would otherwise wait for it at the end of a save over an earlier
+    checkpoint. A file already gone is not an error; one that cannot be removed is warned about
+    (the save it belonged to was replaced whole, so the checkpoint is unaffected: only space is lost)
+    and stays until a later save to the directory removes it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: list[ThreadFuture[None]] = []
+        # A child made by fork() has no copy of the thread: it starts with none of its own.
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._executor, self._pending = None, []
+
+    def submit(self, paths: list[Path]) -> None:
+        if not paths:
+            return
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-removals")
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(self._executor.submit(_remove_files, paths))
+
+    def wait(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        wait(pending)
+
+
+_REMOVALS = _Removals()

@@ -1,5 +1,9 @@
 """How the plans, write results and metadata of a save travel between ranks: compactly, when pickled.
 
+A fast path: it exists for speed only (figures: docs/benchmark-results.md, "Why the fast paths"), and
+while :func:`reference.checkpoint.fast_paths.enabled` is false, the plain path, a :class:`Compact`
+pickles its value as it is (DCP's dataclasses).
+
 A save gathers every rank's ``SavePlan`` to the coordinator, scatters the global plans back, then
 gathers every rank's ``WriteResult`` list and broadcasts the checkpoint's ``Metadata``
 (:func:`reference.checkpoint.api.save`). Pickled as they are,
@@ -33,6 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import BytesIOWriteData, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from reference.checkpoint import fast_paths
 from reference.checkpoint.metadata_io import StorageInfo
 
 __all__ = ["Compact", "unwrap", "pack_items"]
@@ -73,7 +78,7 @@ class Compact(Generic[T]):
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         value: Any = self.value
-        if _KNOWN_FIELDS:
+        if _KNOWN_FIELDS and fast_paths.enabled():
             # Exactly a SavePlan: a subclass may have fields that dataclasses.replace cannot set.
             if type(value) is SavePlan and (rows := pack_items(value.items)) is not None:
                 return _unpack_plan, (dataclasses.replace(value, items=[]), *rows)

@@ -36,6 +36,7 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
+from reference.checkpoint import fast_paths
 from reference.checkpoint.errors import CheckpointError
 from reference.checkpoint.staging import Arena, tensor_in
 from reference.host_bytes import element_bytes
@@ -76,7 +77,8 @@ class WriterProcess:
                 multiprocessing.reduction.send_handle(self._connection, arena.fd, self.process.pid)
                 self._mapped.add(arena.id)
             self._mapped &= set(live)
-            self._connection.send(("write", str(path), plan.storage_data, items, sync_files, thread_count, live))
+            job = ("write", str(path), plan.storage_data, items, sync_files, thread_count, live, fast_paths.enabled())
+            self._connection.send(job)
             ready = multiprocessing.connection.wait([self._connection, self.process.sentinel])
             reply = self._connection.recv() if self._connection in ready else None
         except (EOFError, OSError):
@@ -181,14 +183,15 @@ def _serve(connection: multiprocessing.connection.Connection) -> None:
             return
         if job is None:
             return
-        _, path, prefix, items, sync_files, thread_count, live = job
+        _, path, prefix, items, sync_files, thread_count, live, fast = job
         for arena_id in set(arenas) - set(live):
             del arenas[arena_id]
         try:
             writer = FileSystemWriter(path, sync_files=sync_files, thread_count=thread_count)
             plan = SavePlan(items=[item for item, _ in items], storage_data=prefix)
             data = {item.index: _resolve(ref, arenas) for item, ref in items}
-            reply: tuple[str, Any] = ("ok", writer.write_data(plan, _Resolved(data)).value())
+            with fast_paths.set_enabled(fast):  # the rank's switch, as it was when the rank sent the job
+                reply: tuple[str, Any] = ("ok", writer.write_data(plan, _Resolved(data)).value())
         except Exception as exc:
             reply = ("error", (type(exc).__name__, f"{exc} (writer process {os.getpid()})"))
         connection.send(reply)
