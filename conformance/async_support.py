@@ -9,6 +9,7 @@ import functools
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -26,6 +27,7 @@ from conformance.checkpoint_support import dtensor_of
 from conformance.harness.context import RankContext
 
 __all__ = [
+    "settled_growth",
     "EXECUTORS",
     "OUTCOME_TIMEOUT_S",
     "async_ops",
@@ -166,6 +168,17 @@ class Resources:
         if self.fds > before.fds:
             grown.append(f"file descriptors {before.fds} -> {self.fds}")
         return grown
+
+
+def settled_growth(before: Resources, settle_s: float = 2.0) -> list[str]:
+    """What grew since ``before``, once threads and processes that are ending have had ``settle_s`` to
+    end (a thread joined by a shutdown may still be leaving the kernel's list)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        grown = Resources().grown_since(before)
+        if not grown or time.monotonic() >= deadline:
+            return grown
+        time.sleep(0.1)
 
 
 def _children() -> dict[int, str]:

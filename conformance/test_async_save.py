@@ -28,6 +28,7 @@ from conformance.async_support import (
     async_save,
     isolated,
     outcome,
+    settled_growth,
     signal_writer_processes,
     train_on,
     training_state,
@@ -479,7 +480,8 @@ def test_training_collectives_during_the_background_write(dist, impl, executor: 
 @isolated
 def test_shutdown_releases_threads_processes_and_descriptors(dist, impl, executor: str) -> None:
     """Two async saves, a failed one and a shutdown, twice: after the second round the process has no
-    more threads, child processes or file descriptors than after the first. The first round starts
+    more threads, child processes or file descriptors than after the first (or, where it has, after a
+    third round no more than after the second). The first round starts
     what an implementation starts once per process or grows lazily to a bound (the background's group,
     I/O thread pools, torch's intra-op threads, Python's resource tracker); what a round leaves behind
     shows in the second."""
@@ -502,6 +504,12 @@ def test_shutdown_releases_threads_processes_and_descriptors(dist, impl, executo
     one_round(dist.tmp_dir / "first")
     before = Resources()
     one_round(dist.tmp_dir / "second")
-    grown = Resources().grown_since(before)
+    grown = settled_growth(before)
+    if any(dist.all_gather_object(bool(grown))):
+        # A leak grows with every round; a bounded pool's thread that the first round happened not to
+        # need (gloo starts some lazily) appears once. Every rank runs the third round together.
+        before = Resources()
+        one_round(dist.tmp_dir / "third")
+        grown = settled_growth(before)
     if grown:
         fail(f"what a round of async saves ({executor}) and a shutdown left", grown, "nothing more than the round before left", f"rank {dist.rank}")
