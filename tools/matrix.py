@@ -85,11 +85,12 @@ def merge_rerun(whole: dict[str, Any], rerun: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_release(release: str, wheel: Path, out: Path, *, impls: str, world_sizes: str, pytest_args: Sequence[str], keep: bool,
-                jobs: int = 2, merge: bool = False) -> int:
+                jobs: int = 2, merge: bool = False, commit: str | None = None) -> int:
     """Install ``torch==release`` and ``wheel`` into a new venv and run the installed suite there (its
     ``statedict-report run``, in ``jobs`` parts at once). With ``merge``, the run is a rerun of a
     selection (``pytest_args``, e.g. ``-k``) whose outcomes replace those in the release's existing
-    results, and the meta file lists it. Returns pytest's exit status (a failed install is reported as
+    results, and the meta file lists it. ``commit``: the suite commit ``wheel`` was built from (default:
+    the checkout's now; a wheel built earlier in a run of several releases measured that one). Returns pytest's exit status (a failed install is reported as
     status 3 with its log)."""
     results = out / "results"
     results.mkdir(parents=True, exist_ok=True)
@@ -104,9 +105,9 @@ def run_release(release: str, wheel: Path, out: Path, *, impls: str, world_sizes
     report.unlink(missing_ok=True)
     if merge:
         meta: dict[str, Any] = json.loads(meta_path.read_text()) if meta_path.exists() else {"commit": "?"}
-        meta.setdefault("reruns", []).append({"commit": suite_commit(), "selection": " ".join(pytest_args)})
+        meta.setdefault("reruns", []).append({"commit": commit or suite_commit(), "selection": " ".join(pytest_args)})
     else:
-        meta = {"commit": suite_commit()}
+        meta = {"commit": commit or suite_commit()}
     status = _install_and_run(release, wheel, out, log, report, impls=impls, world_sizes=world_sizes, pytest_args=pytest_args,
                               keep=keep, jobs=jobs)
     if merge and report.exists():
@@ -306,11 +307,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--doc", type=Path, default=DEFAULT_DOC)
     args = parser.parse_args(argv)
     if args.command == "run":
+        commit = suite_commit()  # what the wheel holds, whatever the checkout becomes during the runs
         wheel = build_wheel(args.out)
         for release in args.release or RELEASES:
             _log(f"torch {release}: installing and running")
             status = run_release(release, wheel, args.out, impls=args.impl, world_sizes=args.world_size,
-                                 pytest_args=args.pytest_args, keep=args.keep, jobs=args.jobs, merge=args.merge)
+                                 pytest_args=args.pytest_args, keep=args.keep, jobs=args.jobs, merge=args.merge, commit=commit)
             _log(f"torch {release}: pytest exit status {status}")
     runs = load_runs(args.out / "results")
     if not runs:
