@@ -211,8 +211,8 @@ _CHECKPOINT_LOADING = (
     Defect(
         "lying-member-names-resolved", "promptfoo/modelaudit PR #1408, protectai/modelscan #354",
         "reference/checkpoint/records.py",
-        '        if not short or top != folder or short in members or any(part in ("", ".", "..") for part in short.split("/")) or "\\\\" in name:\n',
-        "        if False:  # member names trusted: the last member of a name wins\n",
+        '    if not short or top != folder or short in seen or any(part in ("", ".", "..") for part in short.split("/")) or "\\\\" in name:\n',
+        "    if False:  # member names trusted: the last member of a name wins\n",
         "crafted and (duplicate or dot)", test_file="conformance/test_checkpoint.py",
     ),
 )
