@@ -11,7 +11,7 @@ import gc
 import os
 import pickle
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from conformance.faults import failing_fsync, failing_writes
 from conformance.harness.context import RankContext
 
 __all__ = [
+    "extension_for_exec",
     "SAVE_FAULTS",
     "ExactFloat",
     "exact",
@@ -306,6 +307,23 @@ CODE_ROUTES = ("global", "stack-global", "build", "persistent-id", "ext1", "ext2
 NAME_LIES = ("duplicate-data-pkl", "other-folder", "dot-dot")
 #: The extension code each ``ext`` route uses, registered as ``builtins.exec`` around the load.
 EXT_CODES = {"ext1": 0xF1, "ext2": 0x1F2, "ext4": 0x10003}
+
+
+@contextlib.contextmanager
+def extension_for_exec(route: str) -> Iterator[None]:
+    """Inside, this process's ``copyreg`` registry resolves the ``route``'s extension code (an ``ext``
+    route) to ``builtins.exec``, as a library that registers extension codes would leave it."""
+    import copyreg
+
+    code = EXT_CODES.get(route)
+    if code is None:
+        yield
+        return
+    copyreg.add_extension("builtins", "exec", code)
+    try:
+        yield
+    finally:
+        copyreg.remove_extension("builtins", "exec", code)
 
 
 def _unicode(text: str) -> bytes:

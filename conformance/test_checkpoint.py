@@ -55,7 +55,6 @@ from conformance.asserts import (
 )
 from conformance.checkpoint_support import (
     CODE_ROUTES,
-    EXT_CODES,
     NAME_LIES,
     SAVE_FAULTS,
     assert_same_bits,
@@ -68,6 +67,7 @@ from conformance.checkpoint_support import (
     damage,
     dtensor_of,
     exact,
+    extension_for_exec,
     group_of,
     injected_fault,
     is_same_bits,
@@ -1439,23 +1439,6 @@ _CRAFTED = (
 )
 
 
-@contextlib.contextmanager
-def _extension_for_exec(route: str) -> Any:
-    """Inside, this process's ``copyreg`` registry resolves the ``route``'s extension code (an ``ext``
-    route) to ``builtins.exec``, as a library that registers extension codes would leave it."""
-    import copyreg
-
-    code = EXT_CODES.get(route)
-    if code is None:
-        yield
-        return
-    copyreg.add_extension("builtins", "exec", code)
-    try:
-        yield
-    finally:
-        copyreg.remove_extension("builtins", "exec", code)
-
-
 @pytest.mark.req("ML-27", "ML-28")
 @pytest.mark.rank_timeout(30)
 @pytest.mark.parametrize("target, route, who", _CRAFTED, ids=[f"{t}-{r}-{w}" for t, r, w in _CRAFTED])
@@ -1496,7 +1479,7 @@ def test_a_crafted_checkpoint_runs_no_code(dist, impl, target: str, route: str, 
         return {k: v for k, v in sd.items() if k != "b"}
 
     before = snapshot(state_dict=checked())
-    with _extension_for_exec(route):
+    with extension_for_exec(route):
         exc = raised(lambda: ops.load(sd, path, process_group=group))
     ran = dist.all_gather_object((marker.exists(), os.environ.pop(_RAN_ENV, None) is not None))
     what = f"load of a checkpoint with a crafted {target} ({route})"

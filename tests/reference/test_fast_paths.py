@@ -27,7 +27,6 @@ record must be refused alike. What each test catches:
 from __future__ import annotations
 
 import contextlib
-import copyreg
 import gc
 import io
 import os
@@ -50,11 +49,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from conformance.asserts import raised
 from conformance.checkpoint_support import (
     CODE_ROUTES,
-    EXT_CODES,
     NAME_LIES,
     assert_same_bits,
     crafted_record,
     dtensor_of,
+    extension_for_exec,
     replace_record,
 )
 from conformance.values import EDGE_DTYPES, edge_tensors
@@ -375,19 +374,6 @@ _CRAFTED = [("object", route) for route in CODE_ROUTES + NAME_LIES] + [
 ]
 
 
-@contextlib.contextmanager
-def _extension_for_exec(route: str) -> Iterator[None]:
-    code = EXT_CODES.get(route)
-    if code is None:
-        yield
-        return
-    copyreg.add_extension("builtins", "exec", code)
-    try:
-        yield
-    finally:
-        copyreg.remove_extension("builtins", "exec", code)
-
-
 def _step_free(message: str) -> str:
     """``message`` without the step it names: a tensor record's refusal comes while planning on the plain
     path (its ``torch.load`` onto meta refuses it) and while reading on the fast path (its parse leaves
@@ -411,7 +397,7 @@ def test_a_crafted_record_is_refused_alike(tmp_path: Path, kind: str, route: str
         key = "b" if kind == "tensor" else "note"
         name = replace_record(path, key, crafted_record(route, code))
         target = {"b": torch.zeros(5), "note": ""}
-        with _mode(mode), _extension_for_exec(route):
+        with _mode(mode), extension_for_exec(route):
             exc = raised(lambda: load(target, checkpoint_id=path))
         ran = {"marker file": marker.exists(), "environment variable": os.environ.pop(_RAN_ENV, None) is not None}
         assert not any(ran.values()), f"{mode} path: the crafted code ran ({ran})"
