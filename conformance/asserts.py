@@ -9,6 +9,12 @@ Every failure reads the same way (array-api-tests' habit)::
 
 and hides the helpers' own frames (``__tracebackhide__``), so a failing test points at the test line.
 
+Every failure belongs to a clause of SPEC.md (``ML-13.b``, or a requirement ``ML-5`` that has no
+lettered clauses): a test names the clause an assertion checks with ``with clause("ML-13.b"):`` or
+:func:`check_each`'s keys, and what fails inside (the suite's assertion, or the implementation's own
+exception) is reported as that clause's failure. A known deviation pins the clauses it fails
+(``clauses=ML-13.b`` in an expected-failures file), never the wording of a message.
+
 ==================================  ================================================================
 helper                              checks
 ==================================  ================================================================
@@ -35,7 +41,8 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -45,9 +52,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conformance import fqn
-from conformance.harness.failures import PropertiesFailed
+from conformance.harness.failures import CLAUSE_ATTR, PropertiesFailed, clause_of
 
 __all__ = [
+    "CLAUSE_ID",
+    "clause",
     "check_each",
     "reraise",
     "WRAPPER_SEGMENTS",
@@ -82,21 +91,53 @@ def fail(what: str, got: Any, expected: Any, where: str = "") -> NoReturn:
     pytest.fail("\n".join(lines), pytrace=False)
 
 
-def check_each(**checks: Callable[[], Any]) -> None:
-    """Run every check (by property name, in order), each even when an earlier one failed, and fail
-    with all that failed: one failure per property, so that a known deviation pinned to one property
-    (``match=`` in an expected-failures file) does not hide a regression in another. A check's error
-    other than the suite's own ``fail`` counts as that property's failure too."""
+#: A clause ID: a requirement (``ML-13``) or one of its lettered clauses (``ML-13.b``).
+CLAUSE_ID = re.compile(r"[A-Z]{2}-\d+(\.[a-z])?")
+
+
+def _checked_clause(clause_id: str) -> str:
+    if not isinstance(clause_id, str) or not CLAUSE_ID.fullmatch(clause_id):
+        raise ValueError(f"{clause_id!r} is not a clause ID like 'ML-13.b' or 'ML-5' (SPEC.md)")
+    return clause_id
+
+
+@contextmanager
+def clause(clause_id: str) -> Iterator[None]:
+    """What fails inside (an assertion of the suite, or the implementation's own exception) is a failure
+    of SPEC clause ``clause_id``. The innermost clause wins; a skip is not a failure and passes through."""
+    _checked_clause(clause_id)
+    try:
+        yield
+    except pytest.skip.Exception:
+        raise
+    except BaseException as exc:  # tag whatever fails, then let it go on unchanged
+        if clause_of(exc) is None:
+            try:
+                setattr(exc, CLAUSE_ATTR, clause_id)
+            except (AttributeError, TypeError):  # an exception type that takes no attributes: report it untagged
+                pass
+        raise
+
+
+def check_each(checks: Mapping[str, Callable[[], Any]] | None = None, /, **named: Callable[[], Any]) -> None:
+    """Run every check (by clause ID, in order), each even when an earlier one failed, and fail with
+    all that failed: one failure per clause, so that a known deviation pinned to one clause
+    (``clauses=`` in an expected-failures file) does not hide a regression in another. A check's error
+    other than the suite's own ``fail`` counts as that clause's failure too.
+
+    ``check_each({"ML-13.a": raises, "ML-13.b": names})``. Keywords (``check_each(raises=...)``) name
+    properties that are not clauses of SPEC: their failures belong to the test's requirement."""
     __tracebackhide__ = True
-    parts: list[str] = []
-    for name, check in checks.items():
+    parts: list[tuple[str | None, str]] = []
+    keyed = {_checked_clause(key): check for key, check in (checks or {}).items()}
+    for key, check in [*keyed.items(), *named.items()]:
         try:
             check()
         except pytest.skip.Exception:
             raise
-        except BaseException as exc:  # every property is reported, whatever broke it
+        except BaseException as exc:  # every clause is reported, whatever broke it
             text = getattr(exc, "msg", None) if isinstance(exc, pytest.fail.Exception) else f"{type(exc).__name__}: {exc}"
-            parts.append(f"[{name}] {text}")
+            parts.append((key, str(text)) if key in keyed else (clause_of(exc), f"[{key}] {text}"))
     if parts:
         raise PropertiesFailed(parts)
 

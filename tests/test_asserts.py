@@ -29,7 +29,7 @@ from conformance.asserts import (
     raised,
     snapshot,
 )
-from conformance.harness.failures import PropertiesFailed
+from conformance.harness.failures import Failure, PropertiesFailed
 from conformance.values import EDGE_DTYPES, different_like, edge_tensors, edge_values, perturb_hyperparameters
 
 Failed = pytest.fail.Exception
@@ -427,7 +427,7 @@ def test_perturb_hyperparameters_changes_every_one() -> None:
 
 
 @pytest.mark.req("HX-18")
-def test_check_each_runs_every_check_and_fails_with_one_part_per_property() -> None:
+def test_check_each_runs_every_check_and_fails_with_one_part_per_clause() -> None:
     ran = []
 
     def broken() -> None:
@@ -435,10 +435,35 @@ def test_check_each_runs_every_check_and_fails_with_one_part_per_property() -> N
         raise KeyError("w")
 
     with pytest.raises(PropertiesFailed) as info:
-        check_each(a=lambda: fail("a broke", 1, 2), b=broken, c=lambda: ran.append("c"))
+        check_each({"ML-4.a": lambda: fail("a broke", 1, 2), "ML-4.b": broken, "ML-4.c": lambda: ran.append("c")})
     assert ran == ["b", "c"]
-    assert info.value.parts == ["[a] a broke\n  got:      1\n  expected: 2", "[b] KeyError: 'w'"]
-    assert str(info.value.msg) == "\n".join(info.value.parts)
-    check_each(a=lambda: None)  # nothing failed: nothing raised
+    assert info.value.parts == [("ML-4.a", "a broke\n  got:      1\n  expected: 2"), ("ML-4.b", "KeyError: 'w'")]
+    assert str(info.value.msg) == "[ML-4.a] a broke\n  got:      1\n  expected: 2\n[ML-4.b] KeyError: 'w'"
+    failures = Failure.all_of(info.value, 1)
+    assert [(f.rank, f.type, f.clause) for f in failures] == [(1, "Failed", "ML-4.a"), (1, "Failed", "ML-4.b")]
+    check_each({"ML-4.a": lambda: None})  # nothing failed: nothing raised
     with pytest.raises(pytest.skip.Exception):
-        check_each(a=lambda: pytest.skip("not provided"), b=lambda: fail("b", 1, 2))
+        check_each({"ML-4.a": lambda: pytest.skip("not provided"), "ML-4.b": lambda: fail("b", 1, 2)})
+    with pytest.raises(ValueError, match="'unchanged' is not a clause ID"):
+        check_each({"unchanged": lambda: None})
+
+
+@pytest.mark.req("HX-18")
+def test_clause_names_what_fails_inside_it() -> None:
+    """The suite's assertion and the implementation's own exception are both the clause's failure; the
+    innermost clause wins; a skip passes through untagged; what fails outside has no clause."""
+    with pytest.raises(pytest.fail.Exception) as failed:
+        with asserts.clause("ML-4.b"):
+            fail("values differ", 1, 2)
+    with pytest.raises(KeyError) as foreign:
+        with asserts.clause("ML-4"), asserts.clause("ML-4.c"):
+            raise KeyError("w")
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        with asserts.clause("ML-4.b"):
+            pytest.skip("not provided")
+    with pytest.raises(ValueError) as outside:
+        raise ValueError("x")
+    assert [Failure.of(e.value, 0).clause for e in (failed, foreign, skipped, outside)] == ["ML-4.b", "ML-4.c", None, None]
+    with pytest.raises(ValueError, match="'4.b' is not a clause ID"):
+        with asserts.clause("4.b"):
+            pass

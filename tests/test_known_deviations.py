@@ -311,6 +311,7 @@ def test_a_pinned_deviation_that_fails_differently_is_a_failure(suite: pytest.Py
         ("t.py::a  raises=  # x", "'raises=' has no value"),
         ("t.py::a  match='(unclosed'  # x", "is not a regex"),
         ("t.py::a  ranks=first  # x", "ranks='first': expected all, last, not-last or a list like 0,2"),
+        ("t.py::a  clauses=ML-4.b,ml-4  # x", "'ml-4' is not a clause ID like ML-13.b, ML-5 or ML-2+ML-8"),
         ("t.py::a  colour=red  # x", "unknown key 'colour'"),
         ("!t.py::a  hangs  # x", "a removal (!t.py::a) takes no flags or pins"),
     ],
@@ -401,13 +402,13 @@ def test_report_json_records_each_failed_rank(suite: pytest.Pytester) -> None:
     data = json.loads(report.read_text())
     tests = data["tests"]
     assert tests["test_ranks.py::test_ranks_fail_differently[ws2-reference]"]["failures"] == [
-        {"rank": 0, "type": "KeyError", "message": "'net.0.weight'"},
-        {"rank": 1, "type": "AssertionError", "message": "rank 1 disagrees"},
+        {"rank": 0, "type": "KeyError", "message": "'net.0.weight'", "clause": None},
+        {"rank": 1, "type": "AssertionError", "message": "rank 1 disagrees", "clause": None},
     ]
     assert tests["test_ranks.py::test_known[ws2-reference]"]["outcome"] == "xfailed"
     assert [f["message"] for f in tests["test_ranks.py::test_known[ws2-reference]"]["failures"]] == ["known on rank 0", "known on rank 1"]
     assert tests["test_ranks.py::test_on_controller[reference]"]["failures"] == [
-        {"rank": None, "type": "RuntimeError", "message": "controller failure"}
+        {"rank": None, "type": "RuntimeError", "message": "controller failure", "clause": None}
     ]
     assert data["known_deviations"] == [
         {"source": f"{xfails}:1", "pattern": "test_ranks.py::test_known", "impl": None, "reason": "known",
@@ -415,37 +416,81 @@ def test_report_json_records_each_failed_rank(suite: pytest.Pytester) -> None:
     ]
 
 
-PROPERTY_TESTS = '''
-from conformance.asserts import check_each, fail
+CLAUSE_TESTS = '''
+import pytest
+
+from conformance.asserts import check_each, clause, fail
 
 
+@pytest.mark.req("ML-4")
 def test_names_the_key_but_changes_the_model(impl):
-    check_each(raises=lambda: None, unchanged=lambda: fail("model changed", "other values", "the same values"))
+    check_each({"ML-4.a": lambda: None, "ML-4.b": lambda: fail("model changed", "other values", "the same values")})
 
 
+@pytest.mark.req("ML-4")
 def test_names_no_key_and_changes_the_model(impl):
-    check_each(raises=lambda: fail("error names no key", "'w'", "'net.w'"),
-               unchanged=lambda: fail("model changed", "other values", "the same values"))
+    check_each({"ML-4.a": lambda: fail("error names no key", "'w'", "'net.w'"),
+                "ML-4.b": lambda: fail("model changed", "other values", "the same values")})
+
+
+@pytest.mark.req("ML-4")
+def test_reworded(impl):
+    with clause("ML-4.b"):
+        fail("the model was changed by the load (new wording)", "other values", "the same values")
+
+
+@pytest.mark.req("ML-4")
+def test_implementation_raises_inside_a_clause(dist, impl):
+    with clause("ML-4.a"):
+        raise KeyError("net.w")
+
+
+@pytest.mark.req("ML-4")
+def test_untagged(impl):
+    fail("something of ML-4 as a whole", "x", "y")
+
+
+@pytest.mark.req("ML-4", "ML-9")
+def test_of_two_requirements_untagged(impl):
+    raise KeyError("w")
 '''
 
 
 @pytest.mark.req("HX-18")
-def test_a_deviation_in_one_property_does_not_hide_another(suite: pytest.Pytester) -> None:
-    """Tests check their properties with check_each: a pin on one property (the error names no key)
-    does not cover a failure of another (the model changed), which is a failure naming it."""
-    suite.makepyfile(test_props=PROPERTY_TESTS)
+def test_a_deviation_in_one_clause_does_not_hide_another(suite: pytest.Pytester) -> None:
+    """A pin names the SPEC clauses a test fails: check_each's keys and ``clause()`` say which clause an
+    assertion (or an implementation's own exception) is; a failure of a clause the pin does not name is a
+    failure naming it, and rewording an assertion changes nothing. An untagged failure is the test's
+    requirement, several joined by ``+``."""
+    suite.makepyfile(test_clauses=CLAUSE_TESTS)
     xfails = suite.path / "x.txt"
     xfails.write_text(
-        "test_props.py::test_names_the_key_but_changes_the_model  raises=Failed match='^\\[unchanged\\] model changed'  # changes the model\n"
-        "test_props.py::test_names_no_key_and_changes_the_model  raises=Failed match='^\\[raises\\] error names no key'  # names no key\n"
+        "test_clauses.py::test_names_the_key_but_changes_the_model  clauses=ML-4.b  # changes the model\n"
+        "test_clauses.py::test_names_no_key_and_changes_the_model  clauses=ML-4.a  # names no key\n"
+        "test_clauses.py::test_reworded  clauses=ML-4.b raises=Failed  # changes the model\n"
+        "test_clauses.py::test_implementation_raises_inside_a_clause  clauses=ML-4.a raises=KeyError ranks=all  # a bare KeyError\n"
+        "test_clauses.py::test_untagged  clauses=ML-4.a  # names a clause the failure is not\n"
+        "test_clauses.py::test_of_two_requirements_untagged  clauses=ML-4+ML-9 raises=KeyError  # a bare KeyError\n"
     )
-    result = run_suite(suite, "--impl", "reference", "--xfails", str(xfails))
+    report = suite.path / "out.json"
+    result = run_suite(suite, "--impl", "reference", "--world-size", "2", "--xfails", str(xfails), "--report-json", str(report))
     out = result.stdout.str()
     assert _outcomes(result) == {
-        "test_props.py::test_names_the_key_but_changes_the_model[reference]": "XFAIL",
-        "test_props.py::test_names_no_key_and_changes_the_model[reference]": "FAILED",
+        "test_clauses.py::test_names_the_key_but_changes_the_model[reference]": "XFAIL",
+        "test_clauses.py::test_names_no_key_and_changes_the_model[reference]": "FAILED",
+        "test_clauses.py::test_reworded[reference]": "XFAIL",
+        "test_clauses.py::test_implementation_raises_inside_a_clause[ws2-reference]": "XFAIL",
+        "test_clauses.py::test_untagged[reference]": "FAILED",
+        "test_clauses.py::test_of_two_requirements_untagged[reference]": "XFAIL",
     }, out
-    assert "expected a message matching '^\\\\[raises\\\\] error names no key', got controller: Failed: [unchanged] model changed" in out, out
+    assert "expected a failure of ML-4.a, got controller [ML-4.b]: Failed: [ML-4.b] model changed" in out, out
+    assert "expected a failure of ML-4.a, got controller [ML-4]: Failed: something of ML-4 as a whole" in out, out
+    tests = json.loads(report.read_text())["tests"]
+    assert [(f["rank"], f["type"], f["clause"]) for f in tests["test_clauses.py::test_implementation_raises_inside_a_clause[ws2-reference]"]["failures"]] == [
+        (0, "KeyError", "ML-4.a"), (1, "KeyError", "ML-4.a")]
+    assert [(f["clause"], f["message"]) for f in tests["test_clauses.py::test_names_no_key_and_changes_the_model[reference]"]["failures"]] == [
+        ("ML-4.a", "[ML-4.a] error names no key\n  got:      'w'\n  expected: 'net.w'"),
+        ("ML-4.b", "[ML-4.b] model changed\n  got:      other values\n  expected: the same values")]
 
 
 EXCLUSION_TESTS = '''

@@ -7,26 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from conformance.cli.pin_deviations import common_text, main, propose
+from conformance.cli.pin_deviations import main, propose
 from conformance.harness.failures import Failure
-from conformance.harness.xfails import parse_xfails
+from conformance.harness.xfails import Pin, parse_xfails
 
 
-@pytest.mark.req("HX-18")
-def test_common_text_is_whole_words_every_message_holds() -> None:
-    messages = [
-        "unknown-fqn (full) on every-rank: ranks did not raise the same error",
-        "unknown-fqn (sharded) on one-rank: ranks did not raise the same error\n  got: ...",
-    ]
-    assert common_text(messages) == "ranks did not raise the same error"
-    assert common_text(["error message does not name the key 'net.0.weight' whole", "error message does not name the key 'net.2.bias' whole"]) == (
-        "error message does not name the key"
-    )
-    assert common_text(["abc", "xyz"]) == ""
-
-
-def _test(*failures: tuple[int | None, str, str]) -> dict:
-    return {"outcome": "xfailed", "failures": [{"rank": r, "type": t, "message": m} for r, t, m in failures]}
+def _test(*failures: tuple[int | None, str, str], clause: str | None = "ML-4.b") -> dict:
+    return {"outcome": "xfailed", "failures": [{"rank": r, "type": t, "message": m, "clause": clause} for r, t, m in failures]}
 
 
 @pytest.mark.req("HX-18")
@@ -39,12 +26,17 @@ def test_a_proposed_pin_holds_for_every_failure_it_comes_from(tmp_path: Path) ->
     path.write_text("t.py::a  # reason\n")
     (entry,) = parse_xfails(path)
     pin = propose(entry, tests)
-    assert (pin.raises, pin.ranks) == ("Failed", "last")
+    assert (pin.clauses, pin.raises, pin.ranks, pin.match) == (("ML-4.b",), "Failed", "last", None)
     for test_id, test in tests.items():
-        failures = [Failure(f["rank"], f["type"], f["message"]) for f in test["failures"]]
+        failures = [Failure(f["rank"], f["type"], f["message"], clause=f["clause"]) for f in test["failures"]]
         assert pin.mismatch(failures, int(test_id.split("[ws")[1][0])) is None
-    mixed = {"t.py::b[c]": _test((None, "KeyError", "'w' is missing here")), "t.py::b[d]": _test((None, "ValueError", "'w' is missing there"))}
-    assert propose(entry, mixed).raises is None and propose(entry, mixed).ranks is None  # nothing shared but the text
+        other_clause = [Failure(f["rank"], f["type"], f["message"], clause="ML-4.a") for f in test["failures"]]
+        assert pin.mismatch(other_clause, int(test_id.split("[ws")[1][0])) is not None
+    mixed = {"t.py::b[c]": _test((None, "KeyError", "'w' is missing here")), "t.py::b[d]": _test((None, "ValueError", "'w' is missing there"), clause="ML-4.c")}
+    pin = propose(entry, mixed)
+    assert (pin.clauses, pin.raises, pin.ranks, pin.match) == (("ML-4.b", "ML-4.c"), None, None, None)  # never the text
+    hung = {"t.py::h[ws2-torch]": _test((0, "HUNG", "no answer within 60s"), (1, "HUNG", "no answer within 60s"), clause=None)}
+    assert propose(entry, hung) == Pin(raises="HUNG", ranks="all")  # a hang fails no clause
     assert propose(entry, {"t.py::c": {"outcome": "xfailed"}}) is None
 
 
@@ -58,10 +50,10 @@ def test_write_puts_pins_between_pattern_and_reason(tmp_path: Path, capsys: pyte
     }, "known_deviations": [{"source": f"{xfails}:{n}", "pattern": p} for n, p in ((2, "t.py::a"), (3, "t.py::b"), (4, "t.py::c"))]}))
     assert main([str(results), str(xfails), "--write"]) == 0
     lines = xfails.read_text().splitlines()
-    assert lines[1] == "t.py::a  raises=Failed match=\"keys differ: missing 'net\\.0\\.weight'\"  # keys differ"
+    assert lines[1] == "t.py::a  clauses=ML-4.b raises=Failed  # keys differ"
     assert lines[2:] == ["t.py::b  hangs  # never ends", "t.py::c  # marked nothing"]
     (a, _, _) = parse_xfails(xfails)
-    assert a.pin.match == "keys differ: missing 'net\\.0\\.weight'" and a.reason == "keys differ"
+    assert a.pin.clauses == ("ML-4.b",) and a.reason == "keys differ"
     out = capsys.readouterr().out
     assert f"{xfails}:3: left as it is: flagged hangs (not run: --run-known-hangs runs it)" in out and f"{xfails}:4: no pin: it marked no test" in out
 
@@ -94,8 +86,8 @@ def test_a_copy_of_the_file_the_run_read_is_matched_by_content(tmp_path: Path, c
     assert main([str(results), str(copy), "--write"]) == 0
     out = capsys.readouterr().out
     lines = copy.read_text().splitlines()
-    assert lines[1].startswith("t.py::a  raises=Failed match=") and lines[1].endswith("# keys differ"), (lines, out)
-    assert lines[2].startswith("t.py::b  raises=Failed match=") and lines[2].endswith("# keys differ"), (lines, out)
+    assert lines[1] == "t.py::a  clauses=ML-4.b raises=Failed  # keys differ", (lines, out)
+    assert lines[2] == "t.py::b  clauses=ML-4.b raises=Failed  # keys differ", (lines, out)
     assert lines[3] == "t.py::new  # mine only" and f"{copy}:4: no pin: not an entry of this run" in out, out
     assert read.read_text() == "t.py::a  # keys differ\nt.py::b  # keys differ\n"  # the file the run read is left alone
 
@@ -133,3 +125,19 @@ def test_a_pattern_two_files_of_the_run_hold_is_matched_by_line_or_called_ambigu
     assert main([str(results), str(copy)]) == 2
     captured = capsys.readouterr()
     assert f"{copy}:4: ambiguous: the run read this pattern at {base}:1, {fork}:2" in captured.out, captured
+
+
+@pytest.mark.req("HX-18")
+def test_repin_turns_an_older_files_match_pins_into_clauses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The migration README shows for a fork's file: its ``match=`` pins become the clauses its tests
+    failed in the run, flags, conditions and reasons kept."""
+    xfails = tmp_path / "fork.txt"
+    xfails.write_text("t.py::a  flaky torch<2.14 raises=Failed match='^\\[raises\\] old wording'  # keys differ\n")
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps({"tests": {
+        "t.py::a[ws2-torch]": {**_test((0, "Failed", "[ML-4.b] new wording"), (1, "Failed", "[ML-4.b] new wording")), "reason": f"keys differ [{xfails}:1]"},
+    }, "known_deviations": [{"source": f"{xfails}:1", "pattern": "t.py::a"}]}))
+    assert main([str(results), str(xfails), "--write"]) == 0
+    assert "pinned already" in capsys.readouterr().out and "match=" in xfails.read_text()  # without --repin: left as it is
+    assert main([str(results), str(xfails), "--repin", "--write"]) == 0
+    assert xfails.read_text() == "t.py::a  flaky torch<2.14 clauses=ML-4.b raises=Failed ranks=all  # keys differ\n"

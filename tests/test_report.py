@@ -108,9 +108,11 @@ def test_show_reads_a_saved_result(tmp_path, capsys) -> None:
     assert main(["show", str(tmp_path / "missing.json")]) == 2
 
 
-def _test(outcome: str, reqs: list[str], impl: str | None, *failures: tuple[int | None, str, str], reason: str = "") -> dict:
+def _test(outcome: str, reqs: list[str], impl: str | None, *failures: tuple[Any, ...], reason: str = "") -> dict:
+    """A test's result; a failure is (rank, type, message) as older results have it, or with its clause."""
     return {"outcome": outcome, "reason": reason, "reqs": reqs, "impl": impl,
-            **({"failures": [{"rank": r, "type": t, "message": m} for r, t, m in failures]} if failures else {})}
+            **({"failures": [{"rank": f[0], "type": f[1], "message": f[2], **({"clause": f[3]} if len(f) > 3 else {})}
+                             for f in failures]} if failures else {})}
 
 
 BASE: dict[str, Any] = {
@@ -160,7 +162,7 @@ def test_diff_says_what_changed_per_requirement(name: str) -> None:
     assert text.splitlines()[-1] == "1 newly failing, 1 failing differently, 0 no longer deviates (check), 1 fixed, 1 newly skipped (4 tests changed)"
 
 
-def _one(outcome: str, *failures: tuple[int | None, str, str], **extra: object) -> dict:
+def _one(outcome: str, *failures: tuple[Any, ...], **extra: object) -> dict:
     return {"spec": BASE["spec"], "tests": {"t.py::x[ws2-torch]": {**_test(outcome, ["SD-1"], "torch", *failures), **extra}}}
 
 
@@ -178,6 +180,12 @@ ENTRY = {"source": "/site/conformance/xfails/torch.txt:40", "pattern": "t.py::x"
         (_one("xfailed", (1, "Failed", "keys differ")), _one("xfailed", (0, "Failed", "keys differ")), "failing differently", 1),
         (_one("xfailed", (1, "Failed", "keys differ")), _one("failed", (1, "Failed", "keys differ")), "failing differently", 1),
         (_one("failed", (1, "KeyError", "'w'")), _one("failed", (1, "KeyError", "'b'")), "failing differently", 1),
+        # where both runs recorded clauses, a failure is its type and clause: a reworded message is the same
+        # failure, another clause (or type) is not; a run without clauses is compared by messages
+        (_one("xfailed", (1, "Failed", "keys differ", "ML-4.b")), _one("xfailed", (1, "Failed", "the keys differ", "ML-4.b")), None, 0),
+        (_one("xfailed", (1, "Failed", "keys differ", "ML-4.b")), _one("xfailed", (1, "Failed", "keys differ", "ML-4.a")), "failing differently", 1),
+        (_one("xfailed", (1, "Failed", "keys differ", "ML-4.b")), _one("xfailed", (1, "KeyError", "keys differ", "ML-4.b")), "failing differently", 1),
+        (_one("xfailed", (1, "Failed", "keys differ")), _one("xfailed", (1, "Failed", "the keys differ", "ML-4.b")), "failing differently", 1),
         # a known deviation that passed: strict (the run failed for it) fails the gate; flaky is listed only
         (_one("xfailed", (1, "Failed", "keys differ")), _one("xpassed", strict=True, entry=ENTRY), "no longer deviates (check)", 1),
         (_one("xfailed", (1, "Failed", "keys differ")), _one("xpassed", strict=False, entry=ENTRY), "no longer deviates (check)", 0),

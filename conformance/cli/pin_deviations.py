@@ -6,9 +6,9 @@
 
 For each entry of the file that marked tests in the run (``--report-json``; its tests were expected
 failures), the pin that every one of those failures satisfies (:mod:`conformance.harness.xfails`):
-``raises=`` when every failing rank raised one exception class, ``match=`` the longest text every
-failing rank's message shares (escaped, at least :data:`MIN_MATCH` characters), ``ranks=all`` or
-``ranks=last`` when every test failed on exactly those ranks. Entries that are already pinned
+``clauses=`` the SPEC clauses they failed, ``raises=`` when every failing rank raised one exception
+class, ``ranks=all`` or ``ranks=last`` when every test failed on exactly those ranks. It never pins
+message text: with ``--repin`` it turns an older file's ``match=`` pins into ``clauses=``. Entries that are already pinned
 (unless ``--repin``), flagged ``hangs`` in a run without ``--run-known-hangs``, removals, inactive or
 that marked nothing are left as they are and listed. Prints
 the proposals; ``--write`` rewrites the file in place with the pins between the pattern and the
@@ -29,49 +29,10 @@ from typing import Any
 
 from conformance.harness.xfails import Pin, XfailEntry, parse_xfails, split_reason
 
-__all__ = ["propose", "common_text", "rewrite", "run_sources", "main"]
+__all__ = ["propose", "rewrite", "run_sources", "main"]
 
-#: The shortest shared text worth pinning: anything shorter matches too much to tell failures apart.
-MIN_MATCH = 12
-#: The property tag :func:`conformance.asserts.check_each` puts before each failed property's message.
-_PROPERTY = re.compile(r"^\[(\w+)\] ")
 #: A world-size id segment, to know how many ranks a test ran on.
 _WS = re.compile(r"[\[-]ws(\d+)[-\]]")
-
-
-def common_text(messages: Sequence[str]) -> str:
-    """The longest text contained in every message's first line, trimmed to whole words."""
-    lines = [m.strip().splitlines()[0] if m.strip() else "" for m in messages]
-    if not lines:
-        return ""
-    shortest = min(lines, key=len)
-    others = [line for line in lines if line is not shortest]
-    for length in range(len(shortest), MIN_MATCH - 1, -1):
-        for start in range(0, len(shortest) - length + 1):
-            candidate = shortest[start : start + length]
-            if all(candidate in line for line in others):
-                trimmed = _whole_words(candidate, shortest, start)
-                if len(trimmed) >= MIN_MATCH:
-                    return trimmed
-    return ""
-
-
-def _whole_words(candidate: str, line: str, start: int) -> str:
-    """``candidate`` cut to start and end at whitespace in ``line`` (a cut word would pin noise like
-    one parameter's name or one case's id)."""
-    end = start + len(candidate)
-    if start > 0 and not line[start - 1].isspace():
-        cut = re.search(r"\s", candidate)
-        candidate = candidate[cut.start() :] if cut else ""
-    if end < len(line) and not line[end].isspace():
-        last = max((m.start() for m in re.finditer(r"\s", candidate)), default=-1)
-        candidate = candidate[:last] if last >= 0 else ""
-    return candidate.strip()
-
-
-def regex_of(text: str) -> str:
-    """``text`` as a regex matching itself: metacharacters escaped, spaces left readable."""
-    return re.sub(r"([.^$*+?{}\[\]\\|()])", r"\\\1", text)
 
 
 def _world_size(test_id: str) -> int | None:
@@ -87,20 +48,9 @@ def propose(entry: XfailEntry, tests: dict[str, dict[str, Any]]) -> Pin | None:
         return None
     types = {f["type"] for _, f in failures}
     raises = types.pop() if len(types) == 1 else None
-    by_property: dict[str, list[str]] = {}
-    for _, f in failures:
-        tag = _PROPERTY.match(f["message"])
-        by_property.setdefault(tag.group(1) if tag else "", []).append(f["message"])
-    if len(by_property) > 1 and "" not in by_property:
-        # One alternative per property (check_each): each failure must match its own property's text.
-        alternatives = []
-        for prop, messages in by_property.items():
-            text = common_text([_PROPERTY.sub("", m, count=1) for m in messages])
-            alternatives.append(rf"^\[{prop}\] " + (f".*{regex_of(text)}" if text else ""))
-        match: str | None = "|".join(alternatives)
-    else:
-        text = common_text([f["message"] for _, f in failures])
-        match = regex_of(text) if text else None
+    clauses = sorted({f.get("clause") for _, f in failures}, key=str)
+    # A failure of no clause (a rank that died or hung) is pinned by its type alone.
+    pinned_clauses = tuple(clauses) if None not in clauses else None
     ranks = None
     sets = set()
     for test_id, test in tests.items():
@@ -114,7 +64,7 @@ def propose(entry: XfailEntry, tests: dict[str, dict[str, Any]]) -> Pin | None:
     multi_rank = any((_world_size(t) or 1) > 1 for t in tests)
     if len(sets) == 1 and multi_rank and next(iter(sets)) in ("all", "last"):
         ranks = next(iter(sets))
-    pin = Pin(raises=raises, match=match, ranks=ranks)
+    pin = Pin(raises=raises, ranks=ranks, clauses=pinned_clauses)
     return pin if pin else None
 
 
@@ -133,6 +83,8 @@ def _shell_word(text: str, *, quote: bool = False) -> str:
 
 def _pin_words(pin: Pin) -> str:
     words = []
+    if pin.clauses:
+        words.append("clauses=" + ",".join(pin.clauses))
     if pin.raises:
         words.append(f"raises={pin.raises}")
     if pin.match:
@@ -144,14 +96,14 @@ def _pin_words(pin: Pin) -> str:
 
 def rewrite(path: Path, pins: dict[int, Pin]) -> str:
     """The text of ``path`` with ``pins`` (by line number) in place of each line's pin words (any
-    ``raises=``/``match=``/``ranks=`` it had), before its reason; its flags and conditions kept."""
+    ``clauses=``/``raises=``/``match=``/``ranks=`` it had), before its reason; its flags and conditions kept."""
     lines = path.read_text(encoding="utf-8").splitlines()
     for lineno, pin in pins.items():
         line = lines[lineno - 1]
         head, _ = split_reason(line)
         tail = line[len(head):]
         words = shlex.split(head)
-        kept = [words[0]] + [_shell_word(w) for w in words[1:] if not w.startswith(("raises=", "match=", "ranks="))]
+        kept = [words[0]] + [_shell_word(w) for w in words[1:] if not w.startswith(("clauses=", "raises=", "match=", "ranks="))]
         lines[lineno - 1] = f"{' '.join(kept[:1])}  {' '.join(kept[1:] + [_pin_words(pin)])}{'  ' + tail.lstrip() if tail else ''}"
     return "\n".join(lines) + "\n"
 

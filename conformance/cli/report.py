@@ -15,7 +15,7 @@ the tests naming that ID did against that implementation: ``pass (n)``, ``FAIL m
 of the run covered it. Reasons are numbered and listed whole under the table, never cut.
 
 ``diff`` compares two saved runs test by test and prints, per requirement ID, what changed: newly
-failing, failing differently (another outcome, exception or message on some rank), no longer deviates
+failing, failing differently (another outcome, exception or SPEC clause on some rank), no longer deviates
 (a known deviation that passed: check it and remove or ``!``-cancel its entry), fixed (a failing test
 that passes with no entry marking it) and newly skipped, with the messages. It exits 1 when anything
 newly fails, fails differently, or no longer deviates in a strict run (the run itself failed for it:
@@ -254,7 +254,20 @@ def _entry_lines(test: dict[str, Any]) -> tuple[str, ...]:
     return (f"listed by {entry.get('source')}: {entry.get('pattern')}  # {entry.get('reason', '')}", how)
 
 
-def _signature(test: dict[str, Any]) -> tuple[str, ...]:
+def _by_clause(test: dict[str, Any]) -> bool:
+    failures = test.get("failures") or []
+    return bool(failures) and all(f.get("clause") for f in failures if f.get("type") not in ("DIED", "HUNG"))
+
+
+def _signature(test: dict[str, Any], by_clause: bool) -> tuple[str, ...]:
+    """What a failure is, for telling "fails differently": each failing rank's exception type and the
+    SPEC clause it failed, where both runs recorded clauses (a message's wording is the suite's and
+    may change between its releases); else the messages, as older results have no clauses."""
+    if by_clause:
+        return tuple(
+            f"{'controller' if f.get('rank') is None else 'rank ' + str(f['rank'])}: {f.get('type')} [{f.get('clause')}]"
+            for f in test.get("failures") or []
+        )
     return tuple(_NOISE.sub("<>", line) for line in _failure_lines(test))
 
 
@@ -273,7 +286,8 @@ def _kind(before: str, after: str, test: dict[str, Any], before_test: dict[str, 
         return NEWLY_FAILING
     if after in _FAILING and before in _FAILING:
         worse = before == "xfailed" and after != "xfailed"  # a known deviation that now fails otherwise
-        return FAILING_DIFFERENTLY if worse or _signature(test) != _signature(before_test) else None
+        by_clause = _by_clause(test) and _by_clause(before_test)
+        return FAILING_DIFFERENTLY if worse or _signature(test, by_clause) != _signature(before_test, by_clause) else None
     if after == "passed" and before in _FAILING:
         return FIXED
     if after == "skipped" and before not in ("skipped", "absent"):
@@ -287,7 +301,8 @@ def diff(base: dict[str, Any], new: dict[str, Any], *, impl: str | None = None, 
     (default: the same name) by reading the adapter's id segment as ``base_impl``'s.
 
     Kinds: *newly failing* (failed, error or xfailed now, passing or absent before); *failing
-    differently* (failing in both, with another exception or message on some rank, or a known
+    differently* (failing in both, with another exception or clause on some rank (another message,
+    where a run recorded no clauses), or a known
     deviation before that now fails otherwise); *no longer deviates (check)* (a known deviation that
     passed: XPASS); *fixed* (a failing test that now passes with no entry marking it); *newly skipped*."""
     base_impl = base_impl or impl

@@ -315,6 +315,20 @@ def _item_reqs(item: pytest.Item) -> list[str]:
     return [req for marker in item.iter_markers("req") for req in marker.args]
 
 
+def default_clause(item: pytest.Item | None) -> str | None:
+    """The clause of a failure of ``item`` that named none: the requirement the test names, or its
+    requirements joined by ``+`` (in the order the marks name them) when it names several."""
+    if item is None:
+        return None
+    reqs = list(dict.fromkeys(_item_reqs(item)))
+    return "+".join(reqs) or None
+
+
+def _in_clauses(failures: list[Failure], item: pytest.Item | None) -> list[Failure]:
+    default = default_clause(item)
+    return [failure.in_clause(default) for failure in failures]
+
+
 def _suite_file_id(path: Path) -> str | None:
     """``conformance/<file>`` for a file of the suite (wherever it is installed), else None."""
     resolved = path.resolve()
@@ -607,7 +621,7 @@ def _run_on_ranks(
         except RanksNotStarted as exc:
             pytest.fail(str(exc), pytrace=False)
         if node is not None:
-            node.stash[_RANK_FAILURES] = (world_size, rank_failures(run, timeout_s))
+            node.stash[_RANK_FAILURES] = (world_size, _in_clauses(rank_failures(run, timeout_s), node))
         if run.healthy and len({o.status for o in run.outcomes.values()}) > 1:
             runner.run(world_size, backend, health_check_body, (DIST_ARG,), {}, tmp_dir=tmp_dir, timeout_s=30.0)
         return _judge(run, backend, timeout_s, runner)
@@ -648,7 +662,7 @@ def _crash_to_rerun(config: pytest.Config, item: pytest.Item, run: RankRun, time
     entry = item.stash.get(_ENTRY, None)
     if entry is None:
         return True
-    return bool(entry.pin) and entry.pin.mismatch(rank_failures(run, timeout_s), run.world_size) is not None
+    return bool(entry.pin) and entry.pin.mismatch(_in_clauses(rank_failures(run, timeout_s), item), run.world_size) is not None
 
 
 def _record_crash(config: pytest.Config, item: pytest.Item, run: RankRun, backend: str, timeout_s: float) -> None:
@@ -713,7 +727,7 @@ def _test_failures(item: pytest.Item, call: pytest.CallInfo[None]) -> tuple[int 
     excinfo = call.excinfo
     if excinfo is None or isinstance(excinfo.value, (pytest.skip.Exception, pytest.xfail.Exception)):
         return None, []
-    return None, Failure.all_of(excinfo.value, None)
+    return None, _in_clauses(Failure.all_of(excinfo.value, None), item)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -30,11 +30,19 @@ Pins: what failure is expected. A test that fails otherwise is reported as a fai
 deviation failed differently: expected ..., got ..."), so that a known deviation cannot hide another
 regression in the same test.
 
+``clauses=ML-13.b,ML-13.c``
+    Every failure is of one of these clauses of SPEC.md: the clause its assertion named
+    (:func:`conformance.asserts.clause`, :func:`conformance.asserts.check_each`), else the test's
+    requirement (``ML-5``; several joined by ``+``: ``ML-2+ML-8``). A test checks each clause even
+    when another failed, so a deviation pinned to one clause does not hide a regression in another.
 ``raises=Name``
     Every failing rank's exception is of class ``Name`` (or derives from it). ``Failed`` is the
     suite's own assertion; ``HUNG`` and ``DIED`` are a rank that did not answer or died.
 ``match="regex"``
-    Every failing rank's message contains a match of ``regex`` (``re.search``, ``re.DOTALL``).
+    Every failing rank's message contains a match of ``regex`` (``re.search``, ``re.DOTALL``). Kept so
+    that older files keep working; a message is the suite's wording, which may change: pin
+    ``clauses=`` instead (``statedict-pin-deviations RESULTS FILE --repin --write`` rewrites a file's
+    pins from a run). The shipped files use none.
 ``ranks=all|last|not-last|0,2``
     Exactly these ranks fail: every rank of the test's world, the last one, all but the last, or a
     list. (A test run on the controller has no ranks: ``ranks=`` is an error there.)
@@ -81,6 +89,7 @@ FLAGS = {
 }
 #: Keys of ``key=value`` words, with what each means.
 KEYS = {
+    "clauses": "the SPEC clauses the test fails, like ML-13.b,ML-13.c",
     "raises": "exception class name every failing rank raises",
     "match": "regex every failing rank's message contains",
     "ranks": "which ranks fail: all, last, not-last or a list like 0,2",
@@ -93,6 +102,9 @@ _DEVICES = ("cpu", "cuda")
 _RANK_SETS = ("all", "last", "not-last")
 #: The name of a family of generated cases (``exclude=``).
 _FAMILY = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
+#: One clause of ``clauses=``: a clause ID (``ML-13.b``), a requirement (``ML-5``), or the requirements of
+#: a test that names several, joined by ``+`` (``ML-2+ML-8``).
+_CLAUSE = re.compile(r"[A-Z]{2}-\d+(\.[a-z])?(\+[A-Z]{2}-\d+)*")
 
 #: A world-size id segment of a test id (``ws2``) or of a glob (``ws[2-9]``).
 _WORLD_SIZE = re.compile(r"ws(\d+|\[[^\]]*\])")
@@ -107,12 +119,15 @@ class Pin:
     raises: str | None = None
     match: str | None = None
     ranks: str | None = None
+    clauses: tuple[str, ...] | None = None
 
     def __bool__(self) -> bool:
-        return any(v is not None for v in (self.raises, self.match, self.ranks))
+        return any(v is not None for v in (self.raises, self.match, self.ranks, self.clauses))
 
     def describe(self) -> str:
         parts = []
+        if self.clauses is not None:
+            parts.append("clauses=" + ",".join(self.clauses))
         if self.raises is not None:
             parts.append(f"raises={self.raises}")
         if self.match is not None:
@@ -146,7 +161,9 @@ class Pin:
             elif got != want:
                 problems.append(f"failing ranks {want} ({self.ranks}), got {got}")
         for failure in failures:
-            if self.raises is not None and not failure.is_a(self.raises):
+            if self.clauses is not None and failure.clause not in self.clauses:
+                problems.append(f"a failure of {' or '.join(self.clauses)}, got {failure.headline()}")
+            elif self.raises is not None and not failure.is_a(self.raises):
                 problems.append(f"{self.raises}, got {failure.headline()}")
             elif self.match is not None and not re.search(self.match, failure.message, re.DOTALL):
                 problems.append(f"a message matching {self.match!r}, got {failure.headline()}")
@@ -322,6 +339,10 @@ def _parse_words(words: list[str], where: str) -> tuple[set[str], Pin, Condition
                     re.compile(value)
                 except re.error as exc:
                     raise ValueError(f"{where}: match={value!r} is not a regex: {exc}") from None
+            if key == "clauses":
+                bad = [c for c in value.split(",") if not _CLAUSE.fullmatch(c)]
+                if bad:
+                    raise ValueError(f"{where}: clauses={value!r}: {', '.join(map(repr, bad))} is not a clause ID like ML-13.b, ML-5 or ML-2+ML-8")
             if key == "ranks" and value not in _RANK_SETS and not re.fullmatch(r"\d+(,\d+)*", value):
                 raise ValueError(f"{where}: ranks={value!r}: expected all, last, not-last or a list like 0,2")
             if key == "backend" and value not in _BACKENDS:
@@ -333,11 +354,12 @@ def _parse_words(words: list[str], where: str) -> tuple[set[str], Pin, Condition
                     raise ValueError(f"{where}: exclude={value!r}: expected the name of a family of generated cases, like hybrid-shard-replicas")
                 exclude = value
                 continue
-            (pin if key in ("raises", "match", "ranks") else cond)[key] = value
+            (pin if key in ("raises", "match", "ranks", "clauses") else cond)[key] = value
         else:
             known = "; ".join(f"{name}: {meaning}" for name, meaning in FLAGS.items())
             raise ValueError(f"{where}: unknown flag {word!r} (known: {known}; or key=value: {', '.join(KEYS)}; or torch<version)")
-    return flags, Pin(**pin), Condition(**cond), exclude
+    clauses = pin.pop("clauses", None)
+    return flags, Pin(**pin, clauses=tuple(clauses.split(",")) if clauses is not None else None), Condition(**cond), exclude
 
 
 def parse_xfails(path: Path, *, impl: str | None = None, depth: int = 0, aliases: Sequence[str] = ()) -> list[XfailEntry]:
