@@ -20,7 +20,7 @@ import torch
 import torch.distributed as torch_dist
 
 from conformance.adapters.base import Adapter
-from conformance.asserts import assert_same_error_on_every_rank, fail, raised
+from conformance.asserts import assert_same_error_on_every_rank, check_each, fail, raised
 from conformance.async_support import (
     EXECUTORS,
     Resources,
@@ -370,18 +370,30 @@ def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, faul
 
 def _after_a_failure(dist: RankContext, impl: Adapter, executor: str, path: Path, fault: str, where: str,
                      error: BaseException | None) -> None:
-    """AS-4's checks once an async save met ``fault``: one error everywhere, naming the path; the
-    previous checkpoint whole; the next async save succeeds."""
-    assert_same_error_on_every_rank(dist, error, what=f"an async save with {fault} on {where} ({executor})")
-    assert error is not None
-    if str(path) not in str(error) and path.name not in str(error):
-        fail(f"the error of an async save with {fault}", f"{type(error).__name__}: {error}"[:400], f"a message naming {str(path)!r}", f"rank {dist.rank}")
-    dist.barrier()
-    _assert_holds(dist, impl, path, 1.0, what=f"the previous checkpoint after an async save failed with {fault}")
-    dist.barrier()
-    _save_and_wait(dist, impl, executor, path, 3.0)
-    dist.barrier()
-    _assert_holds(dist, impl, path, 3.0, what=f"the async save after one that failed with {fault}")
+    """AS-4's checks once an async save met ``fault``, each clause checked even when another failed: one
+    error everywhere (a), naming the path (b); the previous checkpoint whole (c); the next async save
+    succeeds (d)."""
+
+    def names() -> None:
+        if error is not None and str(path) not in str(error) and path.name not in str(error):
+            fail(f"the error of an async save with {fault}", f"{type(error).__name__}: {error}"[:400], f"a message naming {str(path)!r}", f"rank {dist.rank}")
+
+    def previous_whole() -> None:
+        dist.barrier()
+        _assert_holds(dist, impl, path, 1.0, what=f"the previous checkpoint after an async save failed with {fault}")
+
+    def next_save() -> None:
+        dist.barrier()
+        _save_and_wait(dist, impl, executor, path, 3.0)
+        dist.barrier()
+        _assert_holds(dist, impl, path, 3.0, what=f"the async save after one that failed with {fault}")
+
+    check_each({
+        "AS-4.a": lambda: assert_same_error_on_every_rank(dist, error, what=f"an async save with {fault} on {where} ({executor})"),
+        "AS-4.b": names,
+        "AS-4.c": previous_whole,
+        "AS-4.d": next_save,
+    })
 
 
 # -- AS-5 saves in flight --------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from hypothesis import settings
 from torch import nn
 
 from conformance.adapters.sharding import STRATEGIES, ShardingPlan
-from conformance.asserts import assert_same_state, assert_unchanged, expect_error, fail, snapshot
+from conformance.asserts import assert_same_state, assert_unchanged, clause, expect_error, fail, snapshot
 from conformance.fqn import canonical_fqn
 from conformance.generated import assert_optimizer_matches, fqn_keyed, single_threaded, to_cpu
 from conformance.real_models import (
@@ -233,46 +233,51 @@ def test_real_model_trains_saves_and_reloads(dist, impl, name: str, save: Side, 
     local = lambda inputs: rank_slice(inputs, dist.rank, dist.world_size)  # noqa: E731
     with single_threaded():
         by_unit = not (save.use_orig_params and load.use_orig_params)  # a flat parameter takes a whole unit into its group
-        oracle, oracle_optim, decay = _unwrapped(real, 0, device, by_unit=by_unit)
-        model = _shard(impl, real, 0, save, device)
-        optim = _sharded_adamw(ops, model, decay)
-        for step in range(STEPS):
-            inputs = real.batch(step, GLOBAL_BATCH)
-            train_step(real, oracle, oracle_optim, inputs, flat_units=_flat_units(real, save))
-            train_step(real, model, optim, local(inputs))
-        where = f"rank {dist.rank}, world size {dist.world_size}, {name} saved from {save}, after {STEPS} steps"
-        model_sd = to_cpu(ops.full_state_dict(model))
-        osd = to_cpu(ops.optim_state_dict(model, optim))
-        _assert_matches(real, model_sd, osd, oracle, oracle_optim, what="sharded training vs the unwrapped model", where=where, exact=False,
-            initial_state="expected")
+        with clause("OS-21.a"):
+            oracle, oracle_optim, decay = _unwrapped(real, 0, device, by_unit=by_unit)
+            model = _shard(impl, real, 0, save, device)
+            optim = _sharded_adamw(ops, model, decay)
+            for step in range(STEPS):
+                inputs = real.batch(step, GLOBAL_BATCH)
+                train_step(real, oracle, oracle_optim, inputs, flat_units=_flat_units(real, save))
+                train_step(real, model, optim, local(inputs))
+            where = f"rank {dist.rank}, world size {dist.world_size}, {name} saved from {save}, after {STEPS} steps"
+            model_sd = to_cpu(ops.full_state_dict(model))
+            osd = to_cpu(ops.optim_state_dict(model, optim))
+            _assert_matches(real, model_sd, osd, oracle, oracle_optim, what="sharded training vs the unwrapped model", where=where, exact=False,
+                initial_state="expected")
 
-        target = _shard(impl, real, 1, load, device)
-        target_optim = _sharded_adamw(ops, target, decay)
-        train_step(real, target, target_optim, local(real.batch(999, GLOBAL_BATCH)))  # state of its own to overwrite
-        perturb_hyperparameters(target_optim)
-        before = _non_persistent(real, target)
+        with clause("OS-21.b"):
+            target = _shard(impl, real, 1, load, device)
+            target_optim = _sharded_adamw(ops, target, decay)
+            train_step(real, target, target_optim, local(real.batch(999, GLOBAL_BATCH)))  # state of its own to overwrite
+            perturb_hyperparameters(target_optim)
+            before = _non_persistent(real, target)
         where = f"rank {dist.rank}, world size {dist.world_size}, {name} saved from {save}, loaded into {load}"
         mixed = [] if load.use_orig_params else _scalars_differing_in_a_unit(real, oracle, osd)
         if mixed:
             # OS-24: one flat parameter cannot hold its parameters' different steps: a clear error, nothing changed.
-            untouched = snapshot(optim=target_optim)
-            expect_error(lambda: ops.load_optim_state_dict(target, target_optim, copy.deepcopy(osd)), ValueError, keys=[mixed[0]],
-                         what="loading different steps of one unit into a flat parameter", where=where)
-            assert_unchanged(untouched, optim=target_optim, where=where)
+            with clause("OS-24"):
+                untouched = snapshot(optim=target_optim)
+                expect_error(lambda: ops.load_optim_state_dict(target, target_optim, copy.deepcopy(osd)), ValueError, keys=[mixed[0]],
+                             what="loading different steps of one unit into a flat parameter", where=where)
+                assert_unchanged(untouched, optim=target_optim, where=where)
             return
-        ops.load_full_state_dict(target, {k: v.to(device) for k, v in copy.deepcopy(model_sd).items()})
-        ops.load_optim_state_dict(target, target_optim, copy.deepcopy(osd))
-        got_model, got_osd = to_cpu(ops.full_state_dict(target)), to_cpu(ops.optim_state_dict(target, target_optim))
-        _assert_tied_keys(real, got_model, where)
-        assert_same_state(got_model, model_sd, what="full model state dict right after the load vs the saved one", where=where, check_order=False)
-        assert_optimizer_matches(got_osd, osd, _trainable(oracle), what="optimizer state dict right after the load vs the saved one", where=where)
-        assert_same_state(_non_persistent(real, target), before, what="non-persistent buffers changed by a load", where=where)
+        with clause("OS-21.b"):
+            ops.load_full_state_dict(target, {k: v.to(device) for k, v in copy.deepcopy(model_sd).items()})
+            ops.load_optim_state_dict(target, target_optim, copy.deepcopy(osd))
+            got_model, got_osd = to_cpu(ops.full_state_dict(target)), to_cpu(ops.optim_state_dict(target, target_optim))
+            _assert_tied_keys(real, got_model, where)
+            assert_same_state(got_model, model_sd, what="full model state dict right after the load vs the saved one", where=where, check_order=False)
+            assert_optimizer_matches(got_osd, osd, _trainable(oracle), what="optimizer state dict right after the load vs the saved one", where=where)
+            assert_same_state(_non_persistent(real, target), before, what="non-persistent buffers changed by a load", where=where)
 
-        inputs = real.batch(STEPS, GLOBAL_BATCH)
-        train_step(real, oracle, oracle_optim, inputs, flat_units=_flat_units(real, load))
-        train_step(real, target, target_optim, local(inputs))
-        _assert_matches(real, to_cpu(ops.full_state_dict(target)), to_cpu(ops.optim_state_dict(target, target_optim)), oracle, oracle_optim,
-            what="one step after the load vs the unwrapped run that never stopped", where=where, exact=False, initial_state="expected")
+        with clause("OS-21.c"):
+            inputs = real.batch(STEPS, GLOBAL_BATCH)
+            train_step(real, oracle, oracle_optim, inputs, flat_units=_flat_units(real, load))
+            train_step(real, target, target_optim, local(inputs))
+            _assert_matches(real, to_cpu(ops.full_state_dict(target)), to_cpu(ops.optim_state_dict(target, target_optim)), oracle, oracle_optim,
+                what="one step after the load vs the unwrapped run that never stopped", where=where, exact=False, initial_state="expected")
 
 
 # -- SD-22: get_state_dict / set_state_dict of the unwrapped model, one process -------------------------------
@@ -289,37 +294,40 @@ def test_real_model_state_dict_round_trip(impl, name: str, form: str) -> None:
     real = _real(name)
     options = ops.options(flatten_optimizer_state_dict=form == "flat")
     with single_threaded():
-        oracle, oracle_optim, decay = _oracle(real, "cpu")
-        source, source_optim, _ = _oracle(real, "cpu")
-        where = f"{name}, {form} optimizer state dict"
-        model_sd, optim_sd = ops.get_state_dict(source, source_optim, options=options)
-        _assert_tied_keys(real, model_sd, where)
-        assert_same_state(model_sd, oracle.state_dict(), what="get_state_dict: model vs nn.Module.state_dict()", where=where)
-        if form == "nested":  # a parameter no step has reached yet: its initial state (SD-21)
-            assert_optimizer_matches(optim_sd, with_initial_state(fqn_keyed(oracle, oracle_optim), oracle), _trainable(oracle),
-                what="get_state_dict: optimizer vs Optimizer.state_dict() by FQN", where=where)
-        saved = copy.deepcopy((model_sd, optim_sd))  # as through a file
+        with clause("SD-22.a"):
+            oracle, oracle_optim, decay = _oracle(real, "cpu")
+            source, source_optim, _ = _oracle(real, "cpu")
+            where = f"{name}, {form} optimizer state dict"
+            model_sd, optim_sd = ops.get_state_dict(source, source_optim, options=options)
+            _assert_tied_keys(real, model_sd, where)
+            assert_same_state(model_sd, oracle.state_dict(), what="get_state_dict: model vs nn.Module.state_dict()", where=where)
+            if form == "nested":  # a parameter no step has reached yet: its initial state (SD-21)
+                assert_optimizer_matches(optim_sd, with_initial_state(fqn_keyed(oracle, oracle_optim), oracle), _trainable(oracle),
+                    what="get_state_dict: optimizer vs Optimizer.state_dict() by FQN", where=where)
+        with clause("SD-22.b"):
+            saved = copy.deepcopy((model_sd, optim_sd))  # as through a file
 
-        target, target_optim, _ = _unwrapped(real, 1, "cpu")
-        train_step(real, target, target_optim, real.batch(999, GLOBAL_BATCH))
-        perturb_hyperparameters(target_optim)
-        before = _non_persistent(real, target)
-        model_in, optim_in = copy.deepcopy(saved)
-        ops.set_state_dict(target, target_optim, model_state_dict=model_in, optim_state_dict=optim_in, options=options)
-        again_model, again_optim = ops.get_state_dict(target, target_optim, options=options)
-        _assert_tied_keys(real, again_model, f"{where}, after set_state_dict")
-        assert_same_state(again_model, saved[0], what="get after set: model vs the saved one", where=where)
-        if form == "nested":
-            assert_optimizer_matches(again_optim, saved[1], _trainable(oracle), what="get after set: optimizer vs the saved one", where=where)
-        else:
-            assert_same_state(again_optim, saved[1], what="get after set: flattened optimizer vs the saved one", where=where, check_order=False)
-        assert_same_state(_non_persistent(real, target), before, what="non-persistent buffers changed by set_state_dict", where=where)
+            target, target_optim, _ = _unwrapped(real, 1, "cpu")
+            train_step(real, target, target_optim, real.batch(999, GLOBAL_BATCH))
+            perturb_hyperparameters(target_optim)
+            before = _non_persistent(real, target)
+            model_in, optim_in = copy.deepcopy(saved)
+            ops.set_state_dict(target, target_optim, model_state_dict=model_in, optim_state_dict=optim_in, options=options)
+            again_model, again_optim = ops.get_state_dict(target, target_optim, options=options)
+            _assert_tied_keys(real, again_model, f"{where}, after set_state_dict")
+            assert_same_state(again_model, saved[0], what="get after set: model vs the saved one", where=where)
+            if form == "nested":
+                assert_optimizer_matches(again_optim, saved[1], _trainable(oracle), what="get after set: optimizer vs the saved one", where=where)
+            else:
+                assert_same_state(again_optim, saved[1], what="get after set: flattened optimizer vs the saved one", where=where, check_order=False)
+            assert_same_state(_non_persistent(real, target), before, what="non-persistent buffers changed by set_state_dict", where=where)
 
-        inputs = real.batch(STEPS, GLOBAL_BATCH)
-        train_step(real, oracle, oracle_optim, inputs)
-        train_step(real, target, target_optim, inputs)
-        _assert_matches(real, target.state_dict(), fqn_keyed(target, target_optim), oracle, oracle_optim,
-            what="one step after set_state_dict vs the run that never stopped", where=where, exact=True, initial_state="both")
+        with clause("SD-22.c"):
+            inputs = real.batch(STEPS, GLOBAL_BATCH)
+            train_step(real, oracle, oracle_optim, inputs)
+            train_step(real, target, target_optim, inputs)
+            _assert_matches(real, target.state_dict(), fqn_keyed(target, target_optim), oracle, oracle_optim,
+                what="one step after set_state_dict vs the run that never stopped", where=where, exact=True, initial_state="both")
 
 
 # -- ML-21: a checkpoint of the sharded model and optimizer --------------------------------------------------
@@ -338,40 +346,44 @@ def test_real_model_checkpoint_round_trip(dist, impl, name: str) -> None:
     local = lambda inputs: rank_slice(inputs, dist.rank, dist.world_size)  # noqa: E731
     path = dist.tmp_dir / "ckpt"
     with single_threaded():
-        oracle, oracle_optim, decay = _oracle(real, device)
-        model = _shard(impl, real, 0, side, device)
-        optim = adamw([((canonical_fqn(n),), p) for n, p in model.named_parameters()], decay)
-        for step in range(STEPS):
-            train_step(real, model, optim, local(real.batch(step, GLOBAL_BATCH)))
-        model_sd, optim_sd = ops.get_state_dicts(model, optim)
-        ops.save({"model": model_sd, "optim": optim_sd}, path, process_group=dist.group)
-        saved = to_cpu(model_sd), to_cpu(optim_sd)
-        where = f"rank {dist.rank}, world size {dist.world_size}, {name}, saving side after {STEPS} steps"
-        _assert_matches(real, *saved, oracle, oracle_optim, what="sharded state dicts vs the unwrapped model", where=where, exact=False,
-            initial_state="both")
+        with clause("ML-21.a"):
+            oracle, oracle_optim, decay = _oracle(real, device)
+            model = _shard(impl, real, 0, side, device)
+            optim = adamw([((canonical_fqn(n),), p) for n, p in model.named_parameters()], decay)
+            for step in range(STEPS):
+                train_step(real, model, optim, local(real.batch(step, GLOBAL_BATCH)))
+            model_sd, optim_sd = ops.get_state_dicts(model, optim)
+            saved = to_cpu(model_sd), to_cpu(optim_sd)
+            where = f"rank {dist.rank}, world size {dist.world_size}, {name}, saving side after {STEPS} steps"
+            _assert_matches(real, *saved, oracle, oracle_optim, what="sharded state dicts vs the unwrapped model", where=where, exact=False,
+                initial_state="both")
+        with clause("ML-21.b"):
+            ops.save({"model": model_sd, "optim": optim_sd}, path, process_group=dist.group)
 
-        target = _shard(impl, real, 1, side, device)
-        target_optim = adamw([((canonical_fqn(n),), p) for n, p in target.named_parameters()], decay)
-        train_step(real, target, target_optim, local(real.batch(999, GLOBAL_BATCH)))
-        perturb_hyperparameters(target_optim)
-        before = _non_persistent(real, target)
-        target_sd, target_osd = ops.get_state_dicts(target, target_optim)
-        state = {"model": target_sd, "optim": target_osd}
-        ops.load(state, path, process_group=dist.group)
-        ops.set_state_dicts(target, target_optim, state["model"], state["optim"])
-        where = f"rank {dist.rank}, world size {dist.world_size}, {name}, loading side"
-        got_model, got_optim = (to_cpu(sd) for sd in ops.get_state_dicts(target, target_optim))
-        _assert_tied_keys(real, got_model, where)
-        assert_same_state(got_model, saved[0], what="model state right after the load vs the saved one", where=where, check_order=False)
-        assert_optimizer_matches(got_optim, saved[1], _trainable(oracle), what="optimizer state right after the load vs the saved one", where=where)
-        assert_same_state(_non_persistent(real, target), before, what="non-persistent buffers changed by a load", where=where)
+        with clause("ML-21.b"):
+            target = _shard(impl, real, 1, side, device)
+            target_optim = adamw([((canonical_fqn(n),), p) for n, p in target.named_parameters()], decay)
+            train_step(real, target, target_optim, local(real.batch(999, GLOBAL_BATCH)))
+            perturb_hyperparameters(target_optim)
+            before = _non_persistent(real, target)
+            target_sd, target_osd = ops.get_state_dicts(target, target_optim)
+            state = {"model": target_sd, "optim": target_osd}
+            ops.load(state, path, process_group=dist.group)
+            ops.set_state_dicts(target, target_optim, state["model"], state["optim"])
+            where = f"rank {dist.rank}, world size {dist.world_size}, {name}, loading side"
+            got_model, got_optim = (to_cpu(sd) for sd in ops.get_state_dicts(target, target_optim))
+            _assert_tied_keys(real, got_model, where)
+            assert_same_state(got_model, saved[0], what="model state right after the load vs the saved one", where=where, check_order=False)
+            assert_optimizer_matches(got_optim, saved[1], _trainable(oracle), what="optimizer state right after the load vs the saved one", where=where)
+            assert_same_state(_non_persistent(real, target), before, what="non-persistent buffers changed by a load", where=where)
 
-        inputs = real.batch(STEPS, GLOBAL_BATCH)
-        train_step(real, oracle, oracle_optim, inputs)
-        train_step(real, target, target_optim, local(inputs))
-        got_model, got_optim = (to_cpu(sd) for sd in ops.get_state_dicts(target, target_optim))
-        _assert_matches(real, got_model, got_optim, oracle, oracle_optim, what="one step after the load vs the unwrapped run that never stopped",
-            where=where, exact=False, initial_state="both")
+        with clause("ML-21.c"):
+            inputs = real.batch(STEPS, GLOBAL_BATCH)
+            train_step(real, oracle, oracle_optim, inputs)
+            train_step(real, target, target_optim, local(inputs))
+            got_model, got_optim = (to_cpu(sd) for sd in ops.get_state_dicts(target, target_optim))
+            _assert_matches(real, got_model, got_optim, oracle, oracle_optim, what="one step after the load vs the unwrapped run that never stopped",
+                where=where, exact=False, initial_state="both")
 
 
 # -- OS-22: every unit is sharded between iterations -----------------------------------------------------------
@@ -416,8 +428,10 @@ def test_units_are_sharded_between_iterations(dist, impl, name: str, strategy: s
             train_step(real, oracle, oracle_optim, inputs, flat_units=_flat_units(real, side))
             train_step(real, model, optim, rank_slice(inputs, dist.rank, dist.world_size))
             held = _local_numel(model)
-            if held > bound:
-                fail(f"{name}: elements of parameters this rank holds after step {step}", held,
-                     f"at most {bound}, what it held right after sharding", f"rank {dist.rank}, {side}")
-        _assert_matches(real, to_cpu(ops.full_state_dict(model)), to_cpu(ops.optim_state_dict(model, optim)), oracle, oracle_optim,
-            what="sharded training vs the unwrapped model", where=f"rank {dist.rank}, {name}, {side}", exact=False, initial_state="expected")
+            with clause("OS-22.b"):
+                if held > bound:
+                    fail(f"{name}: elements of parameters this rank holds after step {step}", held,
+                         f"at most {bound}, what it held right after sharding", f"rank {dist.rank}, {side}")
+        with clause("OS-22.a"):
+            _assert_matches(real, to_cpu(ops.full_state_dict(model)), to_cpu(ops.optim_state_dict(model, optim)), oracle, oracle_optim,
+                what="sharded training vs the unwrapped model", where=f"rank {dist.rank}, {name}, {side}", exact=False, initial_state="expected")
