@@ -23,13 +23,10 @@ own result; only ``full_state_dict`` with ``cpu_offload`` leaves ranks other tha
 from __future__ import annotations
 
 import copy
-import io
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from conformance import models as zoo
@@ -50,148 +47,24 @@ from conformance.asserts import (
 )
 from conformance.compare import fqn_keyed_optim
 from conformance.harness.context import RankContext
+from conformance.module_state_support import (
+    DTYPE_ATOL,
+    DTYPE_FORMS,
+    EXTRA_KINDS,
+    PLACES,
+    SHARDED_GETS,
+    assert_extra_entries,
+    assert_holds,
+    build_extra,
+    comparable,
+    extra_entries,
+    extra_value,
+    holders,
+    same,
+    shard_extra,
+    tensors_of,
+)
 from conformance.state_dict_support import PROMPTLY_S, sd_ops
-
-# -- extra state ---------------------------------------------------------------------------------------
-
-#: The values an extra state takes here: ``grown-tensor`` is a uint8 tensor whose length depends on the
-#: seed (Transformer Engine's serialized metadata); ``none`` is None in the source and a string in the
-#: target, so that loading None is seen.
-EXTRA_KINDS = ("str", "bytes", "bytesio", "tensor", "grown-tensor", "dict", "none")
-#: Where a model holds extra state: its root, and the module sharding makes a unit.
-PLACES = {"root": "_extra_state", "unit": "inp._extra_state"}
-
-
-def extra_value(kind: str, seed: int, place: str) -> Any:
-    """The extra state of ``place`` in a model built from ``seed``: distinct per kind, seed and place."""
-    tag = len(place)
-    raw = bytes([seed, 0, 255, tag]) + place.encode()
-    if kind == "str":
-        return f"{place}-fp8-recipe-{seed}"
-    if kind == "bytes":
-        return raw
-    if kind == "bytesio":
-        return io.BytesIO(raw)
-    if kind == "tensor":
-        return torch.tensor([seed + 0.5, -0.0 if seed == 0 else 2.0**-60, 1e300 * (tag + seed)], dtype=torch.float64)
-    if kind == "grown-tensor":
-        return torch.arange(3 + 2 * seed, dtype=torch.uint8) + tag
-    if kind == "dict":
-        return {"scale": torch.full((3,), 2.0**-seed) * tag, "history": [torch.arange(2) + seed, seed], "recipe": f"{place}-{seed}"}
-    if kind == "none":
-        return None if seed == 0 else f"{place}-set-{seed}"
-    raise ValueError(f"unknown extra-state kind {kind!r}; expected one of {EXTRA_KINDS}")
-
-
-def fresh(value: Any) -> Any:
-    """A copy of ``value`` sharing no object with it (a BytesIO with the same bytes, tensors cloned)."""
-    if isinstance(value, io.BytesIO):
-        return io.BytesIO(value.getvalue())
-    return copy.deepcopy(value)
-
-
-def comparable(value: Any) -> Any:
-    """``value`` with every BytesIO read out (``("BytesIO", bytes)``), for :func:`assert_same_state`."""
-    if isinstance(value, io.BytesIO):
-        return ("BytesIO", value.getvalue())
-    if isinstance(value, dict):
-        return {k: comparable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(comparable(v) for v in value)
-    return value
-
-
-def same(got: Any, expected: Any) -> bool:
-    """Whether ``got`` equals ``expected`` as :func:`assert_same_state` compares (BytesIO by its bytes)."""
-    return raised(lambda: assert_same_state(comparable(got), comparable(expected))) is None
-
-
-class _ExtraState:
-    """``get_extra_state`` returns a fresh copy of ``extra``; ``set_extra_state`` records what it was
-    handed and keeps a copy of it."""
-
-    extra: Any
-    received: list[Any]
-
-    def get_extra_state(self) -> Any:
-        return fresh(self.extra)
-
-    def set_extra_state(self, state: Any) -> None:
-        self.received.append(state)
-        self.extra = fresh(state)
-
-
-class ExtraLinear(_ExtraState, nn.Linear):
-    def __init__(self, d_in: int, d_out: int, extra: Any) -> None:
-        super().__init__(d_in, d_out)
-        self.extra, self.received = extra, []
-
-
-class ExtraModel(_ExtraState, nn.Module):
-    """Extra state at the root and in ``inp`` (a unit when sharded); ``head`` has none."""
-
-    def __init__(self, kind: str, seed: int) -> None:
-        super().__init__()
-        self.inp = ExtraLinear(5, 6, extra_value(kind, seed, "unit"))
-        self.head = nn.Linear(6, 3)
-        self.extra, self.received = extra_value(kind, seed, "root"), []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.inp(x)))
-
-
-def build_extra(kind: str, seed: int, device: Any = "cpu") -> ExtraModel:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = ExtraModel(kind, seed)
-    return model.to(device)
-
-
-def holders(model: ExtraModel) -> dict[str, _ExtraState]:
-    """The modules holding extra state, by place, taken before any wrapping (the user's handles)."""
-    return {"root": model, "unit": model.inp}
-
-
-def extra_entries(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    return {place: state_dict[key] for place, key in PLACES.items() if key in state_dict}
-
-
-def assert_extra_entries(state_dict: Mapping[str, Any], kind: str, seed: int, what: str, where: str) -> None:
-    """The extra-state entries of ``state_dict`` are those of a model built from ``seed``, under their keys."""
-    __tracebackhide__ = True
-    missing = [key for key in PLACES.values() if key not in state_dict]
-    if missing:
-        fail(f"{what}: extra-state entries missing", missing, list(PLACES.values()), where)
-    want = {place: comparable(extra_value(kind, seed, place)) for place in PLACES}
-    assert_same_state(comparable(extra_entries(state_dict)), want, what=f"{what}: extra state ({kind})", where=where)
-
-
-def assert_holds(modules: Mapping[str, _ExtraState], kind: str, seed: int, what: str, where: str) -> None:
-    """Every module holds the extra state of a model built from ``seed``, handed to its ``set_extra_state``."""
-    __tracebackhide__ = True
-    for place, module in modules.items():
-        want = comparable(extra_value(kind, seed, place))
-        if not module.received:
-            fail(f"{what}: set_extra_state of the {place} module was never called", "never called", f"called with {want!r}"[:200], where)
-        assert_same_state(comparable(module.extra), want, what=f"{what}: the {place} module's extra state ({kind})", where=where)
-
-
-def _tensors_of(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, Mapping):
-        return [t for v in tree.values() for t in _tensors_of(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _tensors_of(v)]
-    return []
-
-
-def _shard_extra(impl: Adapter, model: nn.Module, device: torch.device) -> nn.Module:
-    plan = ShardingPlan("FULL_SHARD", units=lambda m: isinstance(m, ExtraLinear), device=device)
-    try:
-        return impl.require("sharding").shard(model, plan)
-    except Unsupported as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.mark.req("SD-29")
@@ -241,15 +114,6 @@ def test_extra_state_round_trips_on_a_plain_model(impl: Adapter) -> None:
     check_each(**checks)
 
 
-#: The get options of a sharded model tried with extra state (SD-12, SD-13, SD-30).
-SHARDED_GETS = {
-    "sharded": {"full_state_dict": False},
-    "sharded+offload": {"full_state_dict": False, "cpu_offload": True},
-    "full": {"full_state_dict": True},
-    "full+offload": {"full_state_dict": True, "cpu_offload": True},
-}
-
-
 @pytest.mark.req("SD-29", "SD-12", "SD-14", "SD-30")
 @pytest.mark.rank_timeout(4 * PROMPTLY_S)
 @pytest.mark.parametrize("get", list(SHARDED_GETS))
@@ -269,7 +133,7 @@ def test_extra_state_round_trips_on_a_sharded_model(dist: RankContext, impl: Ada
 
         def check(kind: str = kind) -> None:
             where = f"rank {dist.rank}, {get}, {kind}"
-            source = _shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
+            source = shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
             got = ops.get_model_state_dict(source, options=ops.options(**fields))
             full_source = ops.get_model_state_dict(source, options=ops.options(full_state_dict=True))
             if rank0_only and dist.rank != 0:
@@ -278,12 +142,12 @@ def test_extra_state_round_trips_on_a_sharded_model(dist: RankContext, impl: Ada
             else:
                 assert_extra_entries(got, kind, 0, "get", where)
                 if fields.get("cpu_offload"):
-                    devices = sorted({str(t.device) for t in _tensors_of(extra_entries(got))})
+                    devices = sorted({str(t.device) for t in tensors_of(extra_entries(got))})
                     if devices not in ([], ["cpu"]):
                         fail("cpu_offload: devices of the extra state's tensors", devices, ["cpu"], where)
             target_model = build_extra(kind, 1, dist.device)
             modules = holders(target_model)
-            target = _shard_extra(impl, target_model, dist.device)
+            target = shard_extra(impl, target_model, dist.device)
             given = copy.deepcopy(got)
             load_options = ops.options(full_state_dict=bool(fields["full_state_dict"]), broadcast_from_rank0=bool(rank0_only))
             ops.set_model_state_dict(target, given, options=load_options)
@@ -303,13 +167,13 @@ def test_strict_sharded_set_without_extra_state_fails_on_every_rank(dist: RankCo
     every rank raises the same ``RuntimeError`` naming it, and no rank changes anything (the modules'
     extra states included)."""
     ops = sd_ops(impl)
-    source = _shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
+    source = shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
     given = copy.deepcopy(ops.get_model_state_dict(source))
     if dist.rank == dist.world_size - 1:
         del given[PLACES["unit"]]
     target_model = build_extra(kind, 1, dist.device)
     modules = holders(target_model)
-    target = _shard_extra(impl, target_model, dist.device)
+    target = shard_extra(impl, target_model, dist.device)
     before = snapshot(model=target)
     exc = raised(lambda: ops.set_model_state_dict(target, given))
     assert_same_error_on_every_rank(dist, exc, what="a strict set lacking an extra-state entry on the last rank")
@@ -342,7 +206,7 @@ def test_extra_state_through_fsdp_model_state_dicts(dist: RankContext, impl: Ada
 
         def check(kind: str = kind) -> None:
             where = f"rank {dist.rank}, {form}, {kind}"
-            source = _shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
+            source = shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
             got = get(source)
             assert_extra_entries(got, kind, 0, f"{form} model state dict", where)
             dtensors = [key for key, value in extra_entries(got).items() if isinstance(value, DTensor)]
@@ -350,7 +214,7 @@ def test_extra_state_through_fsdp_model_state_dicts(dist: RankContext, impl: Ada
                 fail("an extra state made a DTensor", dtensors, "the module's own value", where)
             target_model = build_extra(kind, 1, dist.device)
             modules = holders(target_model)
-            target = _shard_extra(impl, target_model, dist.device)
+            target = shard_extra(impl, target_model, dist.device)
             load(target, copy.deepcopy(got))
             assert_holds(modules, kind, 0, f"load of the {form} model state dict", where)
 
@@ -371,13 +235,13 @@ def test_extra_state_through_a_checkpoint(dist: RankContext, impl: Adapter) -> N
 
         def check(kind: str = kind) -> None:
             where = f"rank {dist.rank}, {kind}"
-            source = _shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
+            source = shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
             model_sd, _ = ckpt.get_state_dicts(source, torch.optim.SGD(source.parameters(), lr=0.1))
             path = dist.tmp_dir / f"extra-{kind}"
             ckpt.save({"model": model_sd}, path)
             target_model = build_extra(kind, 1, dist.device)
             modules = holders(target_model)
-            target = _shard_extra(impl, target_model, dist.device)
+            target = shard_extra(impl, target_model, dist.device)
             optim = torch.optim.SGD(target.parameters(), lr=0.1)
             state, optim_sd = ckpt.get_state_dicts(target, optim)
             box = {"model": state}
@@ -421,21 +285,6 @@ def test_extra_state_through_a_flat_param_wrapper(impl: Adapter) -> None:
 
         checks[kind] = check
     check_each(**checks)
-
-
-# -- a dtype change after wrapping -------------------------------------------------------------------------
-
-#: How a model's floating-point dtype is changed, and the dtype it then has.
-DTYPE_FORMS: dict[str, tuple[Callable[[nn.Module], Any], torch.dtype]] = {
-    "to-float64": (lambda m: m.to(torch.float64), torch.float64),
-    "to-dtype-keyword": (lambda m: m.to(dtype=torch.float64), torch.float64),
-    "double": (lambda m: m.double(), torch.float64),
-    "type": (lambda m: m.type(torch.float64), torch.float64),
-    "half": (lambda m: m.half(), torch.float16),
-    "bfloat16": (lambda m: m.bfloat16(), torch.bfloat16),
-}
-#: Tolerance of trained values per dtype (ranks average gradients: a sum may round).
-DTYPE_ATOL = {torch.float64: 1e-12, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.req("OS-26")
@@ -574,7 +423,7 @@ def test_cpu_offload_alone_keeps_every_ranks_own_state(dist: RankContext, impl: 
         for what, got in (("model", got_model), ("optimizer", got_optim)):
             if not got:
                 fail(f"cpu_offload without full_state_dict: the {what} state dict", "{}", "this rank's own state", where)
-            devices = sorted({str((t.to_local() if isinstance(t, DTensor) else t).device) for t in _tensors_of(got)})
+            devices = sorted({str((t.to_local() if isinstance(t, DTensor) else t).device) for t in tensors_of(got)})
             if devices != ["cpu"]:
                 fail(f"cpu_offload: devices of the {what} state dict's tensors", devices, ["cpu"], where)
         if list(got_model) != list(want):
