@@ -117,8 +117,6 @@ from conformance.error_cases import WHERE, bad_input_here
 from conformance.faults import failing_reads, failing_writes
 from conformance.values import different_like, edge_tensors
 
-# -- ML-1 round trip ---------------------------------------------------------------------------
-
 
 @pytest.mark.req("ML-1")
 @pytest.mark.parametrize("kind", KINDS)
@@ -136,98 +134,6 @@ def test_round_trip_restores_every_value(dist, impl, kind: str) -> None:
     call_or_skip(lambda: ops.load(target.values, path, process_group=group_of(dist)))
     assert_local_shards(dist, target.values, saved.fulls, what="loaded")
     assert_same_bits(target.values, state_of(dist, kind, "saved").values)
-
-
-@pytest.mark.req("ML-22")
-def test_values_held_by_some_ranks_only_are_saved(dist, impl) -> None:
-    """Keys that only some ranks hold (a non-tensor and a tensor on the last rank only, a value on every
-    rank but the first) are saved and load back on exactly those ranks, with the values each held;
-    the coordinator not holding a key loses nothing (pytorch/pytorch PR #125334)."""
-    ops = checkpoint_ops(impl)
-    path = dist.tmp_dir / "ckpt"
-    last = dist.rank == dist.world_size - 1
-
-    def state(fill: float) -> dict[str, Any]:
-        values: dict[str, Any] = {"common": torch.full((3,), fill)}
-        if last:
-            values["last_only_count"] = int(fill * 10) + 7
-            values["last_only_tensor"] = torch.full((2, 2), fill + 0.5, dtype=torch.float64)
-        if dist.rank > 0:
-            values[f"rank{dist.rank}_note"] = f"rank {dist.rank}: {fill}"
-        return values
-
-    ops.save(state(1.0), path, process_group=group_of(dist))
-    target = state(-2.0)
-    call_or_skip(lambda: ops.load(target, path, process_group=group_of(dist)))
-    assert_same_bits(target, state(1.0))
-
-
-# -- ML-18 loads fill tensors in place / ML-19 views are saved compactly ----------------------------
-
-
-@pytest.mark.req("ML-18")
-def test_load_fills_tensors_in_place(dist, impl) -> None:
-    """Load into plain tensors laid out as the saved ones (views included), whose storages hold a
-    pattern outside their elements, and into DTensors: every entry stays the same object over the
-    same memory, takes the saved bits, and no byte outside its elements changes."""
-    ops = checkpoint_ops(impl)
-    path = dist.tmp_dir / "ckpt"
-    saved = {"plain": state_of(dist, "plain", "saved").values, "sharded": state_of(dist, "dtensor-1d", "saved").values}
-    ops.save(saved, path, process_group=group_of(dist))
-    target = {"plain": state_of(dist, "plain", "target").values, "sharded": state_of(dist, "dtensor-1d", "target").values}
-    entries = {(part, key): value for part, values in target.items() for key, value in values.items()}
-    memory = {where: (v.to_local() if isinstance(v, DTensor) else v).data_ptr() for where, v in entries.items()}
-    outside = {where: outside_bytes(v) for where, v in entries.items() if not isinstance(v, DTensor)}
-    call_or_skip(lambda: ops.load(target, path, process_group=group_of(dist)))
-    for (part, key), value in entries.items():
-        got = target[part][key]
-        if got is not value:
-            fail("load replaced a tensor instead of filling it", f"a new {type(got).__name__}", "the same object", f"{part}.{key}")
-        local = got.to_local() if isinstance(got, DTensor) else got
-        if local.data_ptr() != memory[(part, key)]:
-            fail("load moved a tensor to other memory", hex(local.data_ptr()), hex(memory[(part, key)]), f"{part}.{key}")
-        if (part, key) in outside:
-            assert_bitwise_equal(outside_bytes(got), outside[(part, key)], what="storage bytes outside the view's elements",
-                                 where=f"{part}.{key} (shape {tuple(got.shape)}, stride {got.stride()}, offset {got.storage_offset()})")
-    assert_same_bits(target, saved)
-
-
-@pytest.mark.req("ML-19")
-def test_views_are_saved_as_their_own_elements(dist, impl) -> None:
-    """Save views of a 1 MiB storage (a slice at an offset, a strided slice, a DTensor whose local
-    shard is such a view) and read the records' lengths from the metadata: each is at most its
-    elements' bytes plus a fixed overhead, not the whole storage."""
-
-    ops = checkpoint_ops(impl)
-    path = dist.tmp_dir / "ckpt"
-    big = torch.randn(2**18, generator=torch.Generator().manual_seed(3))
-    full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(4))
-    piece, _ = expected_local_chunk(full, [Shard(0)], (dist.world_size,), (dist.rank,))
-    local = big[1000 : 1000 + piece.numel()].view(piece.shape)
-    local.copy_(piece)
-    sd = {
-        "slice": big[7:13],
-        "strided": big[100:400:37],
-        "shard": DTensor.from_local(local, dist.mesh(), [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()),
-    }
-    ops.save(sd, path, process_group=group_of(dist))
-    dist.barrier()
-    records = read_metadata(path).storage_data
-    for index, info in records.items():
-        value = sd[index.fqn]
-        chunk = value.to_local() if isinstance(value, DTensor) else value
-        elements = chunk.numel() * chunk.element_size()
-        if info.length > elements + RECORD_OVERHEAD:
-            fail(f"the record of {index.fqn!r} is larger than its elements", f"{info.length} bytes",
-                 f"at most {elements} + {RECORD_OVERHEAD} (the view's storage is {big.untyped_storage().nbytes()} bytes)",
-                 f"chunk at {list(index.offset or [])}, rank {dist.rank}")
-    target = {k: target_like(v) if not isinstance(v, DTensor) else dtensor_of(different_like(full), dist.mesh(), [Shard(0)]) for k, v in sd.items()}
-    call_or_skip(lambda: ops.load(target, path, process_group=group_of(dist)))
-    assert_local_shard(target["shard"], full, what="loaded shard")
-    assert_same_bits({k: target[k] for k in ("slice", "strided")}, {k: sd[k] for k in ("slice", "strided")})
-
-
-# -- ML-2 cross-implementation ------------------------------------------------------------------
 
 
 @pytest.mark.req("ML-2")
@@ -249,39 +155,20 @@ def test_checkpoint_loads_across_implementations(dist, impl, reference_impl, sav
     assert_same_bits(target.values, mixed_state(dist, "saved", seed=2).values)
 
 
-_FORMAT_ROUTES = ["impl-saves", "upstream-saves"]
+_ROUTES = ["impl-to-impl", "reference-to-impl", "impl-to-reference"]
 
 
-@pytest.mark.req("ML-25")
-@pytest.mark.parametrize("route", _FORMAT_ROUTES)
-def test_checkpoint_format_matches_upstream(dist, impl, route: str) -> None:
-    """Every kind of value (nested dicts, edge tensors and DTensors of every dtype on 1-D and 2-D meshes,
-    non-tensor values of every kind, AdamW state keyed by FQN with sharded moments) saved by the
-    implementation and read by upstream ``torch.distributed.checkpoint`` called directly (``load``
-    with ``FileSystemReader``; on rank 0 also ``dcp_to_torch_save``, which rebuilds the nesting from
-    the metadata alone), or saved by upstream and loaded by the implementation, into a state dict
-    whose every value differs: bitwise, each DTensor's local shard its documented piece. The
-    implementation's metadata, read with ``FileSystemReader.read_metadata``, lists what upstream's own
-    save of the same state dict lists. Whatever ``--impl`` selects (the reference alone too),
-    upstream is the other side."""
-    path = str(dist.tmp_dir / "ckpt")
-    format_save(dist, impl, route, path, 7)
-    dist.barrier()
-    format_load(dist, impl, route, path, 7, str(dist.tmp_dir / "converted.pt"))
-
-
-@pytest.mark.req("ML-25")
-@pytest.mark.parametrize("route", _FORMAT_ROUTES)
-def test_checkpoint_format_matches_upstream_across_world_sizes(pools, world_size_pair, impl, tmp_path: Path, route: str) -> None:
-    """As :func:`test_checkpoint_format_matches_upstream`, saved at one world size and read at another
-    (upstream or the implementation resharding the DTensors)."""
+@pytest.mark.req("ML-2", "ML-8")
+@pytest.mark.parametrize("route", _ROUTES)
+def test_reshard_tensor_parallel_model(pools, world_size_pair, impl, reference_impl, tmp_path: Path, route: str) -> None:
+    """The grid of saver x loader x (saved world size, loaded world size), on the uneven TP model
+    loaded into meta: each rank's local shard is its documented piece of the saved model's value."""
+    if impl.name == reference_impl.name and route != "impl-to-impl":
+        pytest.skip("for the reference itself this route is impl-to-impl")
+    saver, loader = (reference_impl if part == "reference" else impl for part in route.split("-to-"))
     saved_at, loaded_at = world_size_pair
-    path = str(tmp_path / "ckpt")
-    pools.run(saved_at, format_save, impl, route, path, 7)
-    pools.run(loaded_at, format_load, impl, route, path, 7, str(tmp_path / "converted.pt"))
-
-
-# -- ML-3 replicated data written once ------------------------------------------------------------
+    pools.run(saved_at, save_tp, saver, str(tmp_path / "ckpt"))
+    pools.run(loaded_at, load_tp, loader, str(tmp_path / "ckpt"))
 
 
 @pytest.mark.req("ML-3")
@@ -352,9 +239,6 @@ def test_meta_load_fsdp2_model(dist, impl, name: str) -> None:
     assert_meta_load_rebuilds(dist, ops, name, model, lambda: fsdp2_model(dist, name, seed=0, device="meta"))
 
 
-# -- ML-5 tied parameters -------------------------------------------------------------------------
-
-
 @pytest.mark.req("ML-5")
 def test_meta_load_keeps_tied_storage_shared(dist, impl) -> None:
     """Zoo ``tied`` built on meta: after the load its two tied entries share one storage, and the model
@@ -400,9 +284,6 @@ def test_meta_value_of_unknown_type_is_an_error(dist, impl, who: str) -> None:
     )
 
 
-# -- ML-7 peak memory of a meta load -----------------------------------------------------------------------
-
-
 @pytest.mark.req("ML-7")
 def test_meta_load_allocates_local_shards_once(dist, impl) -> None:
     """The peak memory of a 64 MiB-per-rank meta load, on the device the shards are built on (RSS on
@@ -425,22 +306,6 @@ def test_meta_load_allocates_local_shards_once(dist, impl) -> None:
              f"below 1.5 x {local_bytes / 2**20:.1f} MiB of local shards", f"rank {dist.rank}")
 
 
-_ROUTES = ["impl-to-impl", "reference-to-impl", "impl-to-reference"]
-
-
-@pytest.mark.req("ML-2", "ML-8")
-@pytest.mark.parametrize("route", _ROUTES)
-def test_reshard_tensor_parallel_model(pools, world_size_pair, impl, reference_impl, tmp_path: Path, route: str) -> None:
-    """The grid of saver x loader x (saved world size, loaded world size), on the uneven TP model
-    loaded into meta: each rank's local shard is its documented piece of the saved model's value."""
-    if impl.name == reference_impl.name and route != "impl-to-impl":
-        pytest.skip("for the reference itself this route is impl-to-impl")
-    saver, loader = (reference_impl if part == "reference" else impl for part in route.split("-to-"))
-    saved_at, loaded_at = world_size_pair
-    pools.run(saved_at, save_tp, saver, str(tmp_path / "ckpt"))
-    pools.run(loaded_at, load_tp, loader, str(tmp_path / "ckpt"))
-
-
 @pytest.mark.req("ML-8")
 @pytest.mark.parametrize("name", ["groups", "dtypes"])  # zoo "mlp" is resharded by the tensor-parallel test
 def test_reshard_model_and_optimizer_state(pools, world_size_pair, impl, tmp_path: Path, name: str) -> None:
@@ -452,9 +317,6 @@ def test_reshard_model_and_optimizer_state(pools, world_size_pair, impl, tmp_pat
     args = (str(tmp_path / "ckpt"), str(tmp_path / "saved.pt"))
     pools.run(saved_at, save_training, impl, name, *args)
     pools.run(loaded_at, load_training, impl, name, *args)
-
-
-# -- ML-9 per-rank values -----------------------------------------------------------------------------------
 
 
 @pytest.mark.req("ML-9")
@@ -538,9 +400,6 @@ def test_unexpected_keys_can_be_an_error(dist, impl, who: str) -> None:
     )
 
 
-# -- ML-12 one process -----------------------------------------------------------------------------------------
-
-
 @pytest.mark.req("ML-12")
 @pytest.mark.parametrize("target", ["filled", "meta"])
 def test_save_and_load_without_a_process_group(impl, tmp_path: Path, target: str) -> None:
@@ -557,9 +416,6 @@ def test_save_and_load_without_a_process_group(impl, tmp_path: Path, target: str
     state = {"plain": {k: make(v) for k, v in edge_tensors(3).items()}, "objects": objects("target")}
     call_or_skip(lambda: ops.load(state, tmp_path / "ckpt"))
     assert_same_bits(state, {"plain": edge_tensors(3), "objects": objects("saved")})
-
-
-# -- ML-13 failed saves ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.req("ML-13")
@@ -627,6 +483,381 @@ def test_a_second_save_while_one_is_in_progress_never_mixes(dist, impl) -> None:
     call_or_skip(lambda: ops.load(target, path, process_group=group_of(dist)))
     expected = sharded_values(dist, 1.0 if second is not None else 2.0)
     assert_same_bits(target, expected, what=f"the checkpoint after a {'refused' if second is not None else 'concurrent'} second save")
+
+
+@pytest.mark.req("ML-13", "ML-29")
+@pytest.mark.parametrize("kill", kill_points(), ids=[f"{op}-{n}" for op, n in kill_points()])
+@pytest.mark.parametrize("directory", ["fresh", "overwrite"])
+def test_a_killed_save_leaves_one_whole_checkpoint(impl: Adapter, tmp_path: Path, directory: str, kill: tuple[str, int]) -> None:
+    """A process saving a checkpoint is killed (SIGKILL: no cleanup) at a step of the save: the
+    directory then holds the previous checkpoint whole (overwrite), nothing that loads (fresh), or,
+    if the kill came after publication, the new one whole; never a mix. One process, no group (ML-12)."""
+    check_after_kill(impl, tmp_path / "ckpt", directory, kill, world=1, killed="all")
+
+
+@pytest.mark.req("ML-13", "ML-29")
+@pytest.mark.parametrize("kill, killed", two_rank_kills(), ids=[f"{op}-{n}-rank-{who}" for (op, n), who in two_rank_kills()])
+@pytest.mark.parametrize("directory", ["fresh", "overwrite"])
+def test_a_save_killed_on_one_rank_of_two_leaves_one_whole_checkpoint(impl: Adapter, tmp_path: Path, directory: str, kill: tuple[str, int],
+                                                                      killed: str) -> None:
+    """A two-rank save (a sharded tensor: each rank writes a part) in which one rank, or both, are
+    killed at a step of the save: the survivor fails or is stopped, and the directory holds the
+    previous checkpoint whole, nothing that loads, or the new one whole; never a mix. Loaded in one
+    process (ML-12), which reads every rank's part."""
+    check_after_kill(impl, tmp_path / "ckpt", directory, kill, world=2, killed=killed)
+
+
+@pytest.mark.req("ML-13")
+@pytest.mark.parametrize("directory", ["fresh", "overwrite"])
+def test_two_jobs_saving_to_one_directory_at_once_never_mix(impl: Adapter, tmp_path: Path, directory: str) -> None:
+    """Two independent jobs (two processes, no shared group) save different values into one directory
+    at the same moment: each either finishes or is refused with an error, and what loads afterwards is
+    one save's values whole (or, in a fresh directory, nothing if both were refused); never a mix."""
+    from conformance import crash_child
+    from conformance.child_process import start_child
+    from conformance.crash_child import crash_state
+
+    ops = checkpoint_ops(impl)
+    path = tmp_path / "ckpt"
+    if directory == "overwrite":
+        assert child_save(impl, path, 1.0) == 0
+    jobs = [start_child(crash_child.main, [impl.name, str(path), str(fill)], description=f"the job saving fill {fill}") for fill in (3.0, 4.0)]
+    outcomes = [(job.wait(timeout=120), job.output) for job in jobs]
+    for job in jobs:
+        job.close()
+    finished = [fill for fill, (code, _) in zip((3.0, 4.0), outcomes) if code == 0]
+    where = f"{directory} directory, exit statuses {[code for code, _ in outcomes]}"
+    target = crash_state(-5.0)
+    loaded = raised(lambda: ops.load(target, path))
+    if loaded is not None:
+        if directory == "fresh" and not finished:
+            return
+        fail("the directory after two concurrent saves", f"{type(loaded).__name__}: {loaded}"[:400], "one save's checkpoint, whole", where)
+    candidates = [1.0, 3.0, 4.0] if directory == "overwrite" else [3.0, 4.0]
+    if not any(is_same_bits(target, crash_state(fill)) for fill in candidates):
+        fail("the checkpoint after two concurrent saves", {k: (v.flatten()[:3].tolist() if isinstance(v, torch.Tensor) else v) for k, v in target.items()},
+             f"one save's values whole (one of fills {candidates})", where)
+
+
+_BAD_CHECKPOINTS = [
+    ("missing-data-file", "every-rank"),
+    ("missing-data-file", "one-rank"),
+    ("truncated-data-file", "every-rank"),
+    ("truncated-data-file", "one-rank"),
+    ("missing-metadata", "every-rank"),
+    ("corrupt-metadata", "every-rank"),
+    ("unknown-version", "every-rank"),
+]
+
+
+@pytest.mark.req("ML-14")
+@pytest.mark.rank_timeout(30)
+@pytest.mark.parametrize("case, who", _BAD_CHECKPOINTS, ids=[f"{c}-{w}" for c, w in _BAD_CHECKPOINTS])
+def test_bad_checkpoint_fails_fast_naming_the_file(dist, impl, case: str, who: str) -> None:
+    """Damage a checkpoint (a data file every rank reads or only one rank reads, or the
+    metadata); every rank's load raises the same error naming the file (or the version) within
+    seconds, and every rank's state dict is unchanged."""
+    bad_input_here(dist, who)  # skips the one-rank case at world size 1
+    ops = checkpoint_ops(impl)
+    path = dist.tmp_dir / "ckpt"
+    full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(5))
+    ops.save({"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "b": torch.arange(5.0)}, path, process_group=group_of(dist))
+    dist.barrier()
+    needle = dist.broadcast_object(damage(dist, path, case, who) if dist.rank == 0 else None)
+    target = {"w": dtensor_of(different_like(full), dist.mesh(), [Shard(0)]), "b": different_like(torch.arange(5.0))}
+    before = snapshot(state_dict=target)
+    start = time.monotonic()
+    exc = raised(lambda: ops.load(target, path, process_group=group_of(dist)))
+    elapsed = time.monotonic() - start
+
+    def raises() -> None:
+        fails_alike(dist, lambda: reraise(exc), needles=(needle,), what=f"load of a checkpoint with a {case}")
+        if elapsed >= 30:
+            fail(f"{case}: the error took too long", f"{elapsed:.0f} s", "within seconds", f"rank {dist.rank}")
+
+    check_each(raises=raises, unchanged=lambda: assert_unchanged(before, state_dict=target, where=f"rank {dist.rank}"))
+
+
+@pytest.mark.req("ML-14", "ML-20")
+@pytest.mark.rank_timeout(30)
+@pytest.mark.parametrize("where", ["last-rank", "every-rank"])
+@pytest.mark.parametrize("how", ["vanish", "truncate"])
+def test_files_that_vanish_or_shrink_during_a_load_fail_it_cleanly(dist, impl, how: str, where: str) -> None:
+    """The data files of a good checkpoint vanish, or are cut short, between the load's planning and
+    its reads (another job cleaning up, a copy in progress), on the last rank or on every rank: the
+    load raises an ``Exception`` on every rank, naming the data file, and replaces nothing in the
+    state dict (no non-tensor value is loaded; tensors filled in place may hold partial data)."""
+    ops = checkpoint_ops(impl)
+    path = dist.tmp_dir / "ckpt"
+    ops.save(sharded_values(dist, 1.0), path, process_group=group_of(dist))
+    dist.barrier()
+    target = sharded_values(dist, -7.0)
+    entries = dict(target)
+    faulty = where == "every-rank" or dist.rank == dist.world_size - 1
+
+    def load() -> None:
+        with failing_reads(path, how) if faulty else contextlib.nullcontext():
+            ops.load(target, path, process_group=group_of(dist))
+
+    exc = fails_alike(dist, load, what=f"a load whose data files {how}")
+    if not isinstance(exc, Exception):
+        fail("the error is not an Exception", type(exc).__name__, "a subclass of Exception", f"rank {dist.rank}")
+    if ".distcp" not in str(exc) and "__" not in str(exc):
+        fail(f"the error of a load whose data files {how}", f"{type(exc).__name__}: {exc}"[:400], "a message naming the data file", f"rank {dist.rank}")
+    if target["step"] != -7 or any(target[k] is not v for k, v in entries.items()):
+        fail("the state dict after a failed load", {k: type(v).__name__ for k, v in target.items()}, "the same objects, 'step' still -7", f"rank {dist.rank}")
+
+
+@pytest.mark.req("ML-15")
+@pytest.mark.rank_timeout(30)
+@pytest.mark.parametrize("failure", ["missing-key", "missing-metadata", "save-fails-on-rank-0"])
+def test_errors_are_exceptions_alike_on_every_rank(dist, impl, failure: str) -> None:
+    """A load of a key the checkpoint lacks, of a directory without metadata, and a save whose data
+    file rank 0 cannot write: each raises an ``Exception`` (``except Exception`` catches it), the same
+    type and message on every rank."""
+    ops = checkpoint_ops(impl)
+    path = dist.tmp_dir / "ckpt"
+    if failure == "save-fails-on-rank-0":
+        def call() -> None:
+            with failing_writes(path) if dist.rank == 0 else contextlib.nullcontext():
+                ops.save(sharded_values(dist, 3.0), path, process_group=group_of(dist))
+    else:
+        if failure == "missing-key":
+            ops.save({"w": torch.ones(2)}, path, process_group=group_of(dist))
+        call = lambda: ops.load({"w": torch.zeros(2), "v": torch.zeros(2)}, path, process_group=group_of(dist))  # noqa: E731
+    exc = fails_alike(dist, call, what=failure)
+    if not isinstance(exc, Exception):
+        fail("the error is not an Exception: `except Exception` misses it",
+             f"{type(exc).__module__}.{type(exc).__qualname__} (bases {[b.__name__ for b in type(exc).__mro__[1:]]})",
+             "a subclass of Exception", failure)
+
+
+@pytest.mark.req("ML-18")
+def test_load_fills_tensors_in_place(dist, impl) -> None:
+    """Load into plain tensors laid out as the saved ones (views included), whose storages hold a
+    pattern outside their elements, and into DTensors: every entry stays the same object over the
+    same memory, takes the saved bits, and no byte outside its elements changes."""
+    ops = checkpoint_ops(impl)
+    path = dist.tmp_dir / "ckpt"
+    saved = {"plain": state_of(dist, "plain", "saved").values, "sharded": state_of(dist, "dtensor-1d", "saved").values}
+    ops.save(saved, path, process_group=group_of(dist))
+    target = {"plain": state_of(dist, "plain", "target").values, "sharded": state_of(dist, "dtensor-1d", "target").values}
+    entries = {(part, key): value for part, values in target.items() for key, value in values.items()}
+    memory = {where: (v.to_local() if isinstance(v, DTensor) else v).data_ptr() for where, v in entries.items()}
+    outside = {where: outside_bytes(v) for where, v in entries.items() if not isinstance(v, DTensor)}
+    call_or_skip(lambda: ops.load(target, path, process_group=group_of(dist)))
+    for (part, key), value in entries.items():
+        got = target[part][key]
+        if got is not value:
+            fail("load replaced a tensor instead of filling it", f"a new {type(got).__name__}", "the same object", f"{part}.{key}")
+        local = got.to_local() if isinstance(got, DTensor) else got
+        if local.data_ptr() != memory[(part, key)]:
+            fail("load moved a tensor to other memory", hex(local.data_ptr()), hex(memory[(part, key)]), f"{part}.{key}")
+        if (part, key) in outside:
+            assert_bitwise_equal(outside_bytes(got), outside[(part, key)], what="storage bytes outside the view's elements",
+                                 where=f"{part}.{key} (shape {tuple(got.shape)}, stride {got.stride()}, offset {got.storage_offset()})")
+    assert_same_bits(target, saved)
+
+
+@pytest.mark.req("ML-19")
+def test_views_are_saved_as_their_own_elements(dist, impl) -> None:
+    """Save views of a 1 MiB storage (a slice at an offset, a strided slice, a DTensor whose local
+    shard is such a view) and read the records' lengths from the metadata: each is at most its
+    elements' bytes plus a fixed overhead, not the whole storage."""
+
+    ops = checkpoint_ops(impl)
+    path = dist.tmp_dir / "ckpt"
+    big = torch.randn(2**18, generator=torch.Generator().manual_seed(3))
+    full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(4))
+    piece, _ = expected_local_chunk(full, [Shard(0)], (dist.world_size,), (dist.rank,))
+    local = big[1000 : 1000 + piece.numel()].view(piece.shape)
+    local.copy_(piece)
+    sd = {
+        "slice": big[7:13],
+        "strided": big[100:400:37],
+        "shard": DTensor.from_local(local, dist.mesh(), [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()),
+    }
+    ops.save(sd, path, process_group=group_of(dist))
+    dist.barrier()
+    records = read_metadata(path).storage_data
+    for index, info in records.items():
+        value = sd[index.fqn]
+        chunk = value.to_local() if isinstance(value, DTensor) else value
+        elements = chunk.numel() * chunk.element_size()
+        if info.length > elements + RECORD_OVERHEAD:
+            fail(f"the record of {index.fqn!r} is larger than its elements", f"{info.length} bytes",
+                 f"at most {elements} + {RECORD_OVERHEAD} (the view's storage is {big.untyped_storage().nbytes()} bytes)",
+                 f"chunk at {list(index.offset or [])}, rank {dist.rank}")
+    target = {k: target_like(v) if not isinstance(v, DTensor) else dtensor_of(different_like(full), dist.mesh(), [Shard(0)]) for k, v in sd.items()}
+    call_or_skip(lambda: ops.load(target, path, process_group=group_of(dist)))
+    assert_local_shard(target["shard"], full, what="loaded shard")
+    assert_same_bits({k: target[k] for k in ("slice", "strided")}, {k: sd[k] for k in ("slice", "strided")})
+
+
+@pytest.mark.req("ML-20")
+@pytest.mark.rank_timeout(30)
+@pytest.mark.parametrize("who", WHERE)
+def test_failed_read_replaces_nothing(dist, impl, who: str) -> None:
+    """The record of the non-tensor value ``note`` is overwritten with zeros (planning cannot see it;
+    reading fails), and it is asked for by every rank, or only by the last (the others do not ask for
+    it, so they read everything else successfully). Targets: a DTensor on meta and a non-tensor
+    value. Every rank raises the same error naming the file and the key, and no rank's state dict has
+    a meta entry or a non-tensor value replaced."""
+    ops = checkpoint_ops(impl)
+    path = dist.tmp_dir / "ckpt"
+    full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(6))
+    ops.save({"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "step": 7, "note": "saved"}, path, process_group=group_of(dist))
+    dist.barrier()
+    if dist.rank == 0:
+        name, offset, length = record_location(path, "note")
+        with open(path / name, "r+b") as f:
+            f.seek(offset)
+            f.write(b"\0" * length)
+    name = dist.broadcast_object(name if dist.rank == 0 else None)
+    sd: dict[str, Any] = {"w": dtensor_of(full.to("meta"), dist.mesh(), [Shard(0)]), "step": 0}
+    if bad_input_here(dist, who):
+        sd["note"] = ""
+    before = snapshot(state_dict=sd)
+    exc = raised(lambda: ops.load(sd, path, process_group=group_of(dist)))
+    check_each(
+        raises=lambda: fails_alike(dist, lambda: reraise(exc), keys=("note",), needles=(name,),
+                                    what="load of a checkpoint with a corrupt record"),
+        unchanged=lambda: assert_unchanged(before, state_dict=sd, where=f"rank {dist.rank}"),
+    )
+
+
+@pytest.mark.req("ML-22")
+def test_values_held_by_some_ranks_only_are_saved(dist, impl) -> None:
+    """Keys that only some ranks hold (a non-tensor and a tensor on the last rank only, a value on every
+    rank but the first) are saved and load back on exactly those ranks, with the values each held;
+    the coordinator not holding a key loses nothing (pytorch/pytorch PR #125334)."""
+    ops = checkpoint_ops(impl)
+    path = dist.tmp_dir / "ckpt"
+    last = dist.rank == dist.world_size - 1
+
+    def state(fill: float) -> dict[str, Any]:
+        values: dict[str, Any] = {"common": torch.full((3,), fill)}
+        if last:
+            values["last_only_count"] = int(fill * 10) + 7
+            values["last_only_tensor"] = torch.full((2, 2), fill + 0.5, dtype=torch.float64)
+        if dist.rank > 0:
+            values[f"rank{dist.rank}_note"] = f"rank {dist.rank}: {fill}"
+        return values
+
+    ops.save(state(1.0), path, process_group=group_of(dist))
+    target = state(-2.0)
+    call_or_skip(lambda: ops.load(target, path, process_group=group_of(dist)))
+    assert_same_bits(target, state(1.0))
+
+
+_STEP_CASES = [StepCase(first, last) for first in (None, *STEPS) for last in (None, *STEPS) if (first, last) != (None, None)]
+
+
+@pytest.mark.req("ML-23", "ML-24")
+@pytest.mark.rank_timeout(30)
+@pytest.mark.parametrize("case", _STEP_CASES, ids=[c.id for c in _STEP_CASES])
+@pytest.mark.parametrize("target", ["plain", "dtensor", "meta"])
+def test_a_load_failing_at_any_step_replaces_nothing(dist, impl, target: str, case: StepCase) -> None:
+    """A load fails while planning (a key asked for with another shape), while reading (the middle of a
+    key's saved data cannot be read: EIO, on this rank only) or while committing (on the first rank a
+    top-level ``Stateful`` refuses its loaded state after another one loaded; on the last a mapping of
+    non-tensor values refuses one, a frozen entry), into plain tensors, DTensors or meta values, on
+    the first rank, the last, both (each with its own key) or both at different steps. Every rank
+    raises the same error; it names each rank whose fault lies in the earliest failing step (its
+    rank, its key, for a read its data file, for a refusal its words); with two such ranks its type
+    is the most specific type both ranks' errors alone have; with a rank whose fault lies in a later
+    step, it is exactly the error the earlier fault alone gives. No rank's state dict has anything
+    replaced (after a planning failure, nothing changed at all) and each ``Stateful`` holds its state
+    from before."""
+    if case.last is not None and dist.world_size == 1 and case.first is not None:
+        pytest.skip("at world size 1 the first rank is the last: the first rank's cases cover it")
+    if case.first is None and dist.world_size == 1:
+        pytest.skip("at world size 1 the last rank is the first: the first rank's cases cover it")
+    ops = checkpoint_ops(impl)
+    path = dist.tmp_dir / "ckpt"
+    ops.save(step_state(dist, target, saved=True), path, process_group=group_of(dist))
+    dist.barrier()
+    faults = case.faults(dist.world_size)
+    earliest = min(STEPS.index(step) for step, _ in faults.values())
+    failing = {rank: fault for rank, fault in faults.items() if STEPS.index(fault[0]) == earliest}
+    alone = {}  # rank -> what the load raised here when that rank alone had its fault
+    if len(failing) < len(faults) or len(failing) > 1:
+        alone = {rank: load_with_faults(dist, ops, path, target, {rank: fault}).exc for rank, fault in failing.items()}
+    load = load_with_faults(dist, ops, path, target, faults)
+    exc, text = load.exc, str(load.exc)
+
+    def names() -> None:
+        if exc is None:
+            fail("the load returned normally", "no error", f"an error naming the failure of ranks {sorted(failing)}", f"rank {dist.rank}")
+        for rank, (step, which) in sorted(failing.items()):
+            names_the_failure(text, path, step, which)
+            if dist.world_size > 1 and not re.search(rf"\brank\W{{0,2}}{rank}\b", text, re.IGNORECASE):
+                fail("the error does not name a failing rank", text[:600], f"rank {rank} named", f"rank {dist.rank} of {dist.world_size}")
+
+    def agreed_type() -> None:
+        if not alone:
+            return
+        if any(e is None for e in alone.values()):
+            fail("a load with one rank's fault alone returned normally here", {r: repr(e)[:200] for r, e in alone.items()},
+                 "an error on every rank", f"rank {dist.rank}")
+        if len(failing) < len(faults):  # the later step's fault was never reached
+            (single,) = alone.values()
+            if type(exc) is not type(single) or text != str(single):
+                fail("a failure in an earlier step must end the load: the error differs from the one that fault alone gives",
+                     f"{type(exc).__name__}: {text[:400]}", f"{type(single).__name__}: {str(single)[:400]}", f"rank {dist.rank}")
+            return
+        types = [type(e) for e in alone.values()]
+        wanted = most_specific_common_types(types)
+        if type(exc) not in wanted:
+            fail("the agreed error's type is not the most specific type of every failing rank's own error",
+                 type(exc).__qualname__, f"one of {[t.__qualname__ for t in wanted]} (ranks alone: {[t.__qualname__ for t in types]})",
+                 f"rank {dist.rank}")
+
+    def unchanged() -> None:
+        if earliest == 0:
+            assert_unchanged(load.before, state_dict=load.state, stateful=stateful_states(load.state), where=f"rank {dist.rank}, failed while planning")
+        else:
+            assert_same_bits(skeleton_of(load.state), load.skeleton, what=f"the state dict after a load that failed while {STEPS[earliest]} "
+                              "(entries replaced, meta built, non-tensor or Stateful values loaded)")
+
+    check_each(
+        agreed=lambda: assert_same_error_on_every_rank(dist, exc, what=f"load failing ({case.id})"),
+        names=names,
+        type=agreed_type,
+        unchanged=unchanged,
+    )
+
+
+_FORMAT_ROUTES = ["impl-saves", "upstream-saves"]
+
+
+@pytest.mark.req("ML-25")
+@pytest.mark.parametrize("route", _FORMAT_ROUTES)
+def test_checkpoint_format_matches_upstream(dist, impl, route: str) -> None:
+    """Every kind of value (nested dicts, edge tensors and DTensors of every dtype on 1-D and 2-D meshes,
+    non-tensor values of every kind, AdamW state keyed by FQN with sharded moments) saved by the
+    implementation and read by upstream ``torch.distributed.checkpoint`` called directly (``load``
+    with ``FileSystemReader``; on rank 0 also ``dcp_to_torch_save``, which rebuilds the nesting from
+    the metadata alone), or saved by upstream and loaded by the implementation, into a state dict
+    whose every value differs: bitwise, each DTensor's local shard its documented piece. The
+    implementation's metadata, read with ``FileSystemReader.read_metadata``, lists what upstream's own
+    save of the same state dict lists. Whatever ``--impl`` selects (the reference alone too),
+    upstream is the other side."""
+    path = str(dist.tmp_dir / "ckpt")
+    format_save(dist, impl, route, path, 7)
+    dist.barrier()
+    format_load(dist, impl, route, path, 7, str(dist.tmp_dir / "converted.pt"))
+
+
+@pytest.mark.req("ML-25")
+@pytest.mark.parametrize("route", _FORMAT_ROUTES)
+def test_checkpoint_format_matches_upstream_across_world_sizes(pools, world_size_pair, impl, tmp_path: Path, route: str) -> None:
+    """As :func:`test_checkpoint_format_matches_upstream`, saved at one world size and read at another
+    (upstream or the implementation resharding the DTensors)."""
+    saved_at, loaded_at = world_size_pair
+    path = str(tmp_path / "ckpt")
+    pools.run(saved_at, format_save, impl, route, path, 7)
+    pools.run(loaded_at, format_load, impl, route, path, 7, str(tmp_path / "converted.pt"))
 
 
 @pytest.mark.req("ML-26")
@@ -789,263 +1020,3 @@ def test_a_crafted_checkpoint_runs_no_code(dist, impl, target: str, route: str, 
         raises=lambda: fails_alike(dist, lambda: reraise(exc), keys=(key,) if key else (), needles=needles, what=what),
         unchanged=lambda: assert_unchanged(before, state_dict=checked(), where=f"rank {dist.rank}"),
     )
-
-
-# -- ML-14 / ML-15 bad checkpoints and error types ---------------------------------------------------------------------
-
-
-_BAD_CHECKPOINTS = [
-    ("missing-data-file", "every-rank"),
-    ("missing-data-file", "one-rank"),
-    ("truncated-data-file", "every-rank"),
-    ("truncated-data-file", "one-rank"),
-    ("missing-metadata", "every-rank"),
-    ("corrupt-metadata", "every-rank"),
-    ("unknown-version", "every-rank"),
-]
-
-
-@pytest.mark.req("ML-14")
-@pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("case, who", _BAD_CHECKPOINTS, ids=[f"{c}-{w}" for c, w in _BAD_CHECKPOINTS])
-def test_bad_checkpoint_fails_fast_naming_the_file(dist, impl, case: str, who: str) -> None:
-    """Damage a checkpoint (a data file every rank reads or only one rank reads, or the
-    metadata); every rank's load raises the same error naming the file (or the version) within
-    seconds, and every rank's state dict is unchanged."""
-    bad_input_here(dist, who)  # skips the one-rank case at world size 1
-    ops = checkpoint_ops(impl)
-    path = dist.tmp_dir / "ckpt"
-    full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(5))
-    ops.save({"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "b": torch.arange(5.0)}, path, process_group=group_of(dist))
-    dist.barrier()
-    needle = dist.broadcast_object(damage(dist, path, case, who) if dist.rank == 0 else None)
-    target = {"w": dtensor_of(different_like(full), dist.mesh(), [Shard(0)]), "b": different_like(torch.arange(5.0))}
-    before = snapshot(state_dict=target)
-    start = time.monotonic()
-    exc = raised(lambda: ops.load(target, path, process_group=group_of(dist)))
-    elapsed = time.monotonic() - start
-
-    def raises() -> None:
-        fails_alike(dist, lambda: reraise(exc), needles=(needle,), what=f"load of a checkpoint with a {case}")
-        if elapsed >= 30:
-            fail(f"{case}: the error took too long", f"{elapsed:.0f} s", "within seconds", f"rank {dist.rank}")
-
-    check_each(raises=raises, unchanged=lambda: assert_unchanged(before, state_dict=target, where=f"rank {dist.rank}"))
-
-
-@pytest.mark.req("ML-20")
-@pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("who", WHERE)
-def test_failed_read_replaces_nothing(dist, impl, who: str) -> None:
-    """The record of the non-tensor value ``note`` is overwritten with zeros (planning cannot see it;
-    reading fails), and it is asked for by every rank, or only by the last (the others do not ask for
-    it, so they read everything else successfully). Targets: a DTensor on meta and a non-tensor
-    value. Every rank raises the same error naming the file and the key, and no rank's state dict has
-    a meta entry or a non-tensor value replaced."""
-    ops = checkpoint_ops(impl)
-    path = dist.tmp_dir / "ckpt"
-    full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(6))
-    ops.save({"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "step": 7, "note": "saved"}, path, process_group=group_of(dist))
-    dist.barrier()
-    if dist.rank == 0:
-        name, offset, length = record_location(path, "note")
-        with open(path / name, "r+b") as f:
-            f.seek(offset)
-            f.write(b"\0" * length)
-    name = dist.broadcast_object(name if dist.rank == 0 else None)
-    sd: dict[str, Any] = {"w": dtensor_of(full.to("meta"), dist.mesh(), [Shard(0)]), "step": 0}
-    if bad_input_here(dist, who):
-        sd["note"] = ""
-    before = snapshot(state_dict=sd)
-    exc = raised(lambda: ops.load(sd, path, process_group=group_of(dist)))
-    check_each(
-        raises=lambda: fails_alike(dist, lambda: reraise(exc), keys=("note",), needles=(name,),
-                                    what="load of a checkpoint with a corrupt record"),
-        unchanged=lambda: assert_unchanged(before, state_dict=sd, where=f"rank {dist.rank}"),
-    )
-
-
-@pytest.mark.req("ML-15")
-@pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("failure", ["missing-key", "missing-metadata", "save-fails-on-rank-0"])
-def test_errors_are_exceptions_alike_on_every_rank(dist, impl, failure: str) -> None:
-    """A load of a key the checkpoint lacks, of a directory without metadata, and a save whose data
-    file rank 0 cannot write: each raises an ``Exception`` (``except Exception`` catches it), the same
-    type and message on every rank."""
-    ops = checkpoint_ops(impl)
-    path = dist.tmp_dir / "ckpt"
-    if failure == "save-fails-on-rank-0":
-        def call() -> None:
-            with failing_writes(path) if dist.rank == 0 else contextlib.nullcontext():
-                ops.save(sharded_values(dist, 3.0), path, process_group=group_of(dist))
-    else:
-        if failure == "missing-key":
-            ops.save({"w": torch.ones(2)}, path, process_group=group_of(dist))
-        call = lambda: ops.load({"w": torch.zeros(2), "v": torch.zeros(2)}, path, process_group=group_of(dist))  # noqa: E731
-    exc = fails_alike(dist, call, what=failure)
-    if not isinstance(exc, Exception):
-        fail("the error is not an Exception: `except Exception` misses it",
-             f"{type(exc).__module__}.{type(exc).__qualname__} (bases {[b.__name__ for b in type(exc).__mro__[1:]]})",
-             "a subclass of Exception", failure)
-
-
-@pytest.mark.req("ML-14", "ML-20")
-@pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("where", ["last-rank", "every-rank"])
-@pytest.mark.parametrize("how", ["vanish", "truncate"])
-def test_files_that_vanish_or_shrink_during_a_load_fail_it_cleanly(dist, impl, how: str, where: str) -> None:
-    """The data files of a good checkpoint vanish, or are cut short, between the load's planning and
-    its reads (another job cleaning up, a copy in progress), on the last rank or on every rank: the
-    load raises an ``Exception`` on every rank, naming the data file, and replaces nothing in the
-    state dict (no non-tensor value is loaded; tensors filled in place may hold partial data)."""
-    ops = checkpoint_ops(impl)
-    path = dist.tmp_dir / "ckpt"
-    ops.save(sharded_values(dist, 1.0), path, process_group=group_of(dist))
-    dist.barrier()
-    target = sharded_values(dist, -7.0)
-    entries = dict(target)
-    faulty = where == "every-rank" or dist.rank == dist.world_size - 1
-
-    def load() -> None:
-        with failing_reads(path, how) if faulty else contextlib.nullcontext():
-            ops.load(target, path, process_group=group_of(dist))
-
-    exc = fails_alike(dist, load, what=f"a load whose data files {how}")
-    if not isinstance(exc, Exception):
-        fail("the error is not an Exception", type(exc).__name__, "a subclass of Exception", f"rank {dist.rank}")
-    if ".distcp" not in str(exc) and "__" not in str(exc):
-        fail(f"the error of a load whose data files {how}", f"{type(exc).__name__}: {exc}"[:400], "a message naming the data file", f"rank {dist.rank}")
-    if target["step"] != -7 or any(target[k] is not v for k, v in entries.items()):
-        fail("the state dict after a failed load", {k: type(v).__name__ for k, v in target.items()}, "the same objects, 'step' still -7", f"rank {dist.rank}")
-
-
-_STEP_CASES = [StepCase(first, last) for first in (None, *STEPS) for last in (None, *STEPS) if (first, last) != (None, None)]
-
-
-@pytest.mark.req("ML-23", "ML-24")
-@pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("case", _STEP_CASES, ids=[c.id for c in _STEP_CASES])
-@pytest.mark.parametrize("target", ["plain", "dtensor", "meta"])
-def test_a_load_failing_at_any_step_replaces_nothing(dist, impl, target: str, case: StepCase) -> None:
-    """A load fails while planning (a key asked for with another shape), while reading (the middle of a
-    key's saved data cannot be read: EIO, on this rank only) or while committing (on the first rank a
-    top-level ``Stateful`` refuses its loaded state after another one loaded; on the last a mapping of
-    non-tensor values refuses one, a frozen entry), into plain tensors, DTensors or meta values, on
-    the first rank, the last, both (each with its own key) or both at different steps. Every rank
-    raises the same error; it names each rank whose fault lies in the earliest failing step (its
-    rank, its key, for a read its data file, for a refusal its words); with two such ranks its type
-    is the most specific type both ranks' errors alone have; with a rank whose fault lies in a later
-    step, it is exactly the error the earlier fault alone gives. No rank's state dict has anything
-    replaced (after a planning failure, nothing changed at all) and each ``Stateful`` holds its state
-    from before."""
-    if case.last is not None and dist.world_size == 1 and case.first is not None:
-        pytest.skip("at world size 1 the first rank is the last: the first rank's cases cover it")
-    if case.first is None and dist.world_size == 1:
-        pytest.skip("at world size 1 the last rank is the first: the first rank's cases cover it")
-    ops = checkpoint_ops(impl)
-    path = dist.tmp_dir / "ckpt"
-    ops.save(step_state(dist, target, saved=True), path, process_group=group_of(dist))
-    dist.barrier()
-    faults = case.faults(dist.world_size)
-    earliest = min(STEPS.index(step) for step, _ in faults.values())
-    failing = {rank: fault for rank, fault in faults.items() if STEPS.index(fault[0]) == earliest}
-    alone = {}  # rank -> what the load raised here when that rank alone had its fault
-    if len(failing) < len(faults) or len(failing) > 1:
-        alone = {rank: load_with_faults(dist, ops, path, target, {rank: fault}).exc for rank, fault in failing.items()}
-    load = load_with_faults(dist, ops, path, target, faults)
-    exc, text = load.exc, str(load.exc)
-
-    def names() -> None:
-        if exc is None:
-            fail("the load returned normally", "no error", f"an error naming the failure of ranks {sorted(failing)}", f"rank {dist.rank}")
-        for rank, (step, which) in sorted(failing.items()):
-            names_the_failure(text, path, step, which)
-            if dist.world_size > 1 and not re.search(rf"\brank\W{{0,2}}{rank}\b", text, re.IGNORECASE):
-                fail("the error does not name a failing rank", text[:600], f"rank {rank} named", f"rank {dist.rank} of {dist.world_size}")
-
-    def agreed_type() -> None:
-        if not alone:
-            return
-        if any(e is None for e in alone.values()):
-            fail("a load with one rank's fault alone returned normally here", {r: repr(e)[:200] for r, e in alone.items()},
-                 "an error on every rank", f"rank {dist.rank}")
-        if len(failing) < len(faults):  # the later step's fault was never reached
-            (single,) = alone.values()
-            if type(exc) is not type(single) or text != str(single):
-                fail("a failure in an earlier step must end the load: the error differs from the one that fault alone gives",
-                     f"{type(exc).__name__}: {text[:400]}", f"{type(single).__name__}: {str(single)[:400]}", f"rank {dist.rank}")
-            return
-        types = [type(e) for e in alone.values()]
-        wanted = most_specific_common_types(types)
-        if type(exc) not in wanted:
-            fail("the agreed error's type is not the most specific type of every failing rank's own error",
-                 type(exc).__qualname__, f"one of {[t.__qualname__ for t in wanted]} (ranks alone: {[t.__qualname__ for t in types]})",
-                 f"rank {dist.rank}")
-
-    def unchanged() -> None:
-        if earliest == 0:
-            assert_unchanged(load.before, state_dict=load.state, stateful=stateful_states(load.state), where=f"rank {dist.rank}, failed while planning")
-        else:
-            assert_same_bits(skeleton_of(load.state), load.skeleton, what=f"the state dict after a load that failed while {STEPS[earliest]} "
-                              "(entries replaced, meta built, non-tensor or Stateful values loaded)")
-
-    check_each(
-        agreed=lambda: assert_same_error_on_every_rank(dist, exc, what=f"load failing ({case.id})"),
-        names=names,
-        type=agreed_type,
-        unchanged=unchanged,
-    )
-
-
-@pytest.mark.req("ML-13", "ML-29")
-@pytest.mark.parametrize("kill", kill_points(), ids=[f"{op}-{n}" for op, n in kill_points()])
-@pytest.mark.parametrize("directory", ["fresh", "overwrite"])
-def test_a_killed_save_leaves_one_whole_checkpoint(impl: Adapter, tmp_path: Path, directory: str, kill: tuple[str, int]) -> None:
-    """A process saving a checkpoint is killed (SIGKILL: no cleanup) at a step of the save: the
-    directory then holds the previous checkpoint whole (overwrite), nothing that loads (fresh), or,
-    if the kill came after publication, the new one whole; never a mix. One process, no group (ML-12)."""
-    check_after_kill(impl, tmp_path / "ckpt", directory, kill, world=1, killed="all")
-
-
-@pytest.mark.req("ML-13", "ML-29")
-@pytest.mark.parametrize("kill, killed", two_rank_kills(), ids=[f"{op}-{n}-rank-{who}" for (op, n), who in two_rank_kills()])
-@pytest.mark.parametrize("directory", ["fresh", "overwrite"])
-def test_a_save_killed_on_one_rank_of_two_leaves_one_whole_checkpoint(impl: Adapter, tmp_path: Path, directory: str, kill: tuple[str, int],
-                                                                      killed: str) -> None:
-    """A two-rank save (a sharded tensor: each rank writes a part) in which one rank, or both, are
-    killed at a step of the save: the survivor fails or is stopped, and the directory holds the
-    previous checkpoint whole, nothing that loads, or the new one whole; never a mix. Loaded in one
-    process (ML-12), which reads every rank's part."""
-    check_after_kill(impl, tmp_path / "ckpt", directory, kill, world=2, killed=killed)
-
-
-@pytest.mark.req("ML-13")
-@pytest.mark.parametrize("directory", ["fresh", "overwrite"])
-def test_two_jobs_saving_to_one_directory_at_once_never_mix(impl: Adapter, tmp_path: Path, directory: str) -> None:
-    """Two independent jobs (two processes, no shared group) save different values into one directory
-    at the same moment: each either finishes or is refused with an error, and what loads afterwards is
-    one save's values whole (or, in a fresh directory, nothing if both were refused); never a mix."""
-    from conformance import crash_child
-    from conformance.child_process import start_child
-    from conformance.crash_child import crash_state
-
-    ops = checkpoint_ops(impl)
-    path = tmp_path / "ckpt"
-    if directory == "overwrite":
-        assert child_save(impl, path, 1.0) == 0
-    jobs = [start_child(crash_child.main, [impl.name, str(path), str(fill)], description=f"the job saving fill {fill}") for fill in (3.0, 4.0)]
-    outcomes = [(job.wait(timeout=120), job.output) for job in jobs]
-    for job in jobs:
-        job.close()
-    finished = [fill for fill, (code, _) in zip((3.0, 4.0), outcomes) if code == 0]
-    where = f"{directory} directory, exit statuses {[code for code, _ in outcomes]}"
-    target = crash_state(-5.0)
-    loaded = raised(lambda: ops.load(target, path))
-    if loaded is not None:
-        if directory == "fresh" and not finished:
-            return
-        fail("the directory after two concurrent saves", f"{type(loaded).__name__}: {loaded}"[:400], "one save's checkpoint, whole", where)
-    candidates = [1.0, 3.0, 4.0] if directory == "overwrite" else [3.0, 4.0]
-    if not any(is_same_bits(target, crash_state(fill)) for fill in candidates):
-        fail("the checkpoint after two concurrent saves", {k: (v.flatten()[:3].tolist() if isinstance(v, torch.Tensor) else v) for k, v in target.items()},
-             f"one save's values whole (one of fills {candidates})", where)

@@ -90,15 +90,10 @@ from conformance.flat_param_support import (
 )
 from conformance.values import EDGE_DTYPES, different_like
 
-# -- helpers ------------------------------------------------------------------------------------
-
 
 @pytest.fixture
 def ops(impl: Adapter) -> FlatParamOps:
     return impl.require("flat_param")
-
-
-# -- FP-1, FP-2, FP-5: the flat parameter on its own -----------------------------------------------
 
 
 @pytest.mark.req("FP-1")
@@ -166,14 +161,6 @@ def test_param_views_of_wrong_size_is_value_error(ops: FlatParamOps, numel: int)
     flat = ops.make_flat_param([nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(5))])
     with pytest.raises(ValueError, match="17"):
         ops.param_views(flat, torch.zeros(numel))
-
-
-@pytest.mark.req("FP-5")
-@pytest.mark.parametrize("make_params, error", bad_flat_inputs())
-def test_bad_flat_param_input_is_rejected(ops: FlatParamOps, make_params: Callable, error: type) -> None:
-    with pytest.raises(error) as info:
-        ops.make_flat_param(make_params(ops))
-    assert str(info.value), "the error has no message"
 
 
 @pytest.mark.req("FP-3")
@@ -352,7 +339,12 @@ def test_bad_shard_is_rejected_and_changes_nothing(ops: FlatParamOps, args: tupl
     assert_same_flat_state(flat_state(ops, wrapped), flats_before, f"after shard_by_offsets{args}")
 
 
-# -- FP-6 .. FP-11: the wrapper ---------------------------------------------------------------------
+@pytest.mark.req("FP-5")
+@pytest.mark.parametrize("make_params, error", bad_flat_inputs())
+def test_bad_flat_param_input_is_rejected(ops: FlatParamOps, make_params: Callable, error: type) -> None:
+    with pytest.raises(error) as info:
+        ops.make_flat_param(make_params(ops))
+    assert str(info.value), "the error has no message"
 
 
 @pytest.mark.req("FP-6")
@@ -394,6 +386,39 @@ def test_attributes_are_views_of_the_flat_param(ops: FlatParamOps) -> None:
     x = models.batch("mlp")
     assert torch.equal(wrapped(x), plain(x))
     assert torch.equal(tensor_at(wrapped, "module.net.2.bias"), plain.get_parameter("net.2.bias"))
+
+
+@pytest.mark.req("FP-7", "FP-12", "FP-13", "FP-16", "FP-24")
+@pytest.mark.parametrize("dtype", EDGE_DTYPES, ids=dtype_id)
+def test_wrapper_round_trips_every_bit(ops: FlatParamOps, dtype: torch.dtype) -> None:
+    """A module whose parameters of ``dtype`` hold its edge values in every layout (transposed, at a
+    storage offset, 0-dim, 0-element), wrapped whole: the outputs, state_dict, the parameters inside
+    ``unflatten_params()``, a load of bitwise-different values (both directions) and the state after
+    leaving ``unflatten_params()`` all agree with the unwrapped module bit for bit."""
+    plain, wrapped = EdgeParams(dtype), flatten_all(ops, EdgeParams(dtype))
+    what = f"{dtype_id(dtype)} edge values"
+    x = torch.zeros(1)
+    assert_bitwise_equal(wrapped(x), plain(x), what=f"output ({what})")
+    assert_same_state(wrapped.state_dict(), plain.state_dict(), what=f"state_dict ({what})")
+
+    before = snapshot(model=wrapped)
+    with ops.unflatten_params(wrapped):
+        inside = dict(wrapped_module(wrapped).named_parameters())
+        assert list(inside) == [n for n, _ in plain.named_parameters()], "parameter names inside unflatten_params()"
+        for key, param in plain.named_parameters():
+            assert type(inside[key]) is nn.Parameter, f"{key} inside unflatten_params() is a {type(inside[key]).__name__}"
+            assert inside[key].requires_grad == param.requires_grad, f"{key} inside unflatten_params(): requires_grad"
+            assert_bitwise_equal(inside[key].detach(), param.detach(), what=f"inside unflatten_params() ({what})", where=key)
+    assert_unchanged(before, model=wrapped, where="after leaving unflatten_params()")
+
+    source = unlike(plain.state_dict())
+    wrapped.load_state_dict(source)
+    assert_same_state(wrapped.state_dict(), source, what=f"wrapped state_dict after a load ({what})")
+    loaded = torch.cat([v.reshape(-1) for v in source.values()])
+    assert_bitwise_equal(wrapped(x), loaded, what=f"output after a load ({what})")
+    back = EdgeParams(dtype)
+    back.load_state_dict(wrapped.state_dict())
+    assert_same_state(back.state_dict(), source, what=f"unwrapped state_dict loaded from the wrapped one ({what})")
 
 
 @pytest.mark.req("FP-8")
@@ -439,6 +464,21 @@ def test_tied_params_are_flattened_once(ops: FlatParamOps) -> None:
     assert {"embed.weight", "head.weight"} <= set(sd) and torch.equal(sd["embed.weight"], sd["head.weight"])
 
 
+@pytest.mark.req("FP-9", "FP-13")
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
+def test_load_of_differing_tied_entries_matches_unwrapped(ops: FlatParamOps, strict: bool) -> None:
+    """A state_dict whose two entries of a tied parameter differ (written by hand, or by a model that
+    was untied) loads into the wrapped model as into the unwrapped one: both names are loaded in
+    order, so the later entry wins, for both names; a loader that reads one name per flat slot does not."""
+    source = unlike(models.build("tied", seed=1).state_dict())
+    source["head.weight"] = different_like(source["embed.weight"])
+    plain = models.build("tied")
+    wrapped = WRAPPINGS["tied"](ops, models.build("tied"))
+    plain.load_state_dict(dict(source), strict=strict)
+    wrapped.load_state_dict(dict(source), strict=strict)
+    assert_same_state(wrapped.state_dict(), plain.state_dict(), what="tied model after loading differing tied entries")
+
+
 @pytest.mark.req("FP-10")
 @pytest.mark.parametrize("name", ["mlp", "buffers"])
 def test_empty_param_list_is_transparent(ops: FlatParamOps, name: str) -> None:
@@ -465,9 +505,6 @@ def test_attributes_and_indexing_fall_through(ops: FlatParamOps) -> None:
     assert wrapped_seq[1] is seq[1]  # type: ignore[index]  # the wrapper's indexing is the test (nn.Module declares none)
     with pytest.raises(AttributeError):
         wrapped.no_such_attribute
-
-
-# -- FP-12 .. FP-15: state_dict and load_state_dict -------------------------------------------------
 
 
 @pytest.mark.req("FP-12")
@@ -532,39 +569,6 @@ def test_load_round_trips_with_unwrapped(ops: FlatParamOps, name: str, where: st
         assert_same_state(back.state_dict(), unwrapped_source.state_dict(), what=f"unwrapped {what} loaded from wrapped")
 
 
-@pytest.mark.req("FP-7", "FP-12", "FP-13", "FP-16", "FP-24")
-@pytest.mark.parametrize("dtype", EDGE_DTYPES, ids=dtype_id)
-def test_wrapper_round_trips_every_bit(ops: FlatParamOps, dtype: torch.dtype) -> None:
-    """A module whose parameters of ``dtype`` hold its edge values in every layout (transposed, at a
-    storage offset, 0-dim, 0-element), wrapped whole: the outputs, state_dict, the parameters inside
-    ``unflatten_params()``, a load of bitwise-different values (both directions) and the state after
-    leaving ``unflatten_params()`` all agree with the unwrapped module bit for bit."""
-    plain, wrapped = EdgeParams(dtype), flatten_all(ops, EdgeParams(dtype))
-    what = f"{dtype_id(dtype)} edge values"
-    x = torch.zeros(1)
-    assert_bitwise_equal(wrapped(x), plain(x), what=f"output ({what})")
-    assert_same_state(wrapped.state_dict(), plain.state_dict(), what=f"state_dict ({what})")
-
-    before = snapshot(model=wrapped)
-    with ops.unflatten_params(wrapped):
-        inside = dict(wrapped_module(wrapped).named_parameters())
-        assert list(inside) == [n for n, _ in plain.named_parameters()], "parameter names inside unflatten_params()"
-        for key, param in plain.named_parameters():
-            assert type(inside[key]) is nn.Parameter, f"{key} inside unflatten_params() is a {type(inside[key]).__name__}"
-            assert inside[key].requires_grad == param.requires_grad, f"{key} inside unflatten_params(): requires_grad"
-            assert_bitwise_equal(inside[key].detach(), param.detach(), what=f"inside unflatten_params() ({what})", where=key)
-    assert_unchanged(before, model=wrapped, where="after leaving unflatten_params()")
-
-    source = unlike(plain.state_dict())
-    wrapped.load_state_dict(source)
-    assert_same_state(wrapped.state_dict(), source, what=f"wrapped state_dict after a load ({what})")
-    loaded = torch.cat([v.reshape(-1) for v in source.values()])
-    assert_bitwise_equal(wrapped(x), loaded, what=f"output after a load ({what})")
-    back = EdgeParams(dtype)
-    back.load_state_dict(wrapped.state_dict())
-    assert_same_state(back.state_dict(), source, what=f"unwrapped state_dict loaded from the wrapped one ({what})")
-
-
 @pytest.mark.req("FP-13")
 @pytest.mark.parametrize("name", ["mlp", "nested", "buffers", "dtypes"])
 def test_non_strict_load_reports_like_unwrapped(ops: FlatParamOps, name: str) -> None:
@@ -580,21 +584,6 @@ def test_non_strict_load_reports_like_unwrapped(ops: FlatParamOps, name: str) ->
     assert sorted(got.missing_keys) == sorted(want.missing_keys)
     assert sorted(got.unexpected_keys) == sorted(want.unexpected_keys)
     assert_same_state(wrapped.state_dict(), plain.state_dict(), what=f"{name} after a non-strict partial load")
-
-
-@pytest.mark.req("FP-9", "FP-13")
-@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
-def test_load_of_differing_tied_entries_matches_unwrapped(ops: FlatParamOps, strict: bool) -> None:
-    """A state_dict whose two entries of a tied parameter differ (written by hand, or by a model that
-    was untied) loads into the wrapped model as into the unwrapped one: both names are loaded in
-    order, so the later entry wins, for both names; a loader that reads one name per flat slot does not."""
-    source = unlike(models.build("tied", seed=1).state_dict())
-    source["head.weight"] = different_like(source["embed.weight"])
-    plain = models.build("tied")
-    wrapped = WRAPPINGS["tied"](ops, models.build("tied"))
-    plain.load_state_dict(dict(source), strict=strict)
-    wrapped.load_state_dict(dict(source), strict=strict)
-    assert_same_state(wrapped.state_dict(), plain.state_dict(), what="tied model after loading differing tied entries")
 
 
 @pytest.mark.req("FP-14")
@@ -626,29 +615,6 @@ def test_strict_load_names_original_keys(ops: FlatParamOps, name: str, where: st
     assert_same_state(sorted(result.missing_keys), sorted(plain_result.missing_keys), what="non-strict missing_keys")
     assert_same_state(sorted(result.unexpected_keys), sorted(plain_result.unexpected_keys),
                       what="non-strict unexpected_keys")
-
-
-@pytest.mark.req("FP-26")
-@pytest.mark.parametrize("name", ["mlp", "nested", "frozen", "buffers"])
-@pytest.mark.parametrize("where", ["root", "inside"])
-def test_wrong_shape_names_original_key(ops: FlatParamOps, name: str, where: str) -> None:
-    """One entry of every flat parameter (nested wrappers too) given with the right number of
-    elements in another shape, the wrapper at the root and inside a ModuleDict, strict and not: a
-    RuntimeError names each of them by its whole unwrapped key, with no wrapper segment, as the
-    unwrapped model does."""
-    plain, wrapped = pair(ops, name)
-    if where == "inside":
-        plain, wrapped = inside_container(plain), inside_container(wrapped)
-    keys = [flat_keys[0] for flat_keys in flat_keys_of(ops, wrapped)]
-    bad = dict(plain.state_dict())
-    bad.update({key: reshaped(bad[key]) for key in keys})
-    for strict in (True, False):
-        want = raised(lambda: plain.load_state_dict(dict(bad), strict=strict))
-        assert isinstance(want, RuntimeError), f"the unwrapped model did not reject the bad dict: {want!r}"
-        got = expect_error(lambda: wrapped.load_state_dict(dict(bad), strict=strict), RuntimeError,
-                           what=f"load with wrong shapes (strict={strict})")
-        for key in keys:
-            assert_names_key(str(got), key, what=f"wrong-shape load error (strict={strict})", forbidden=FP_SEGMENTS)
 
 
 @pytest.mark.req("FP-15", "FP-25")
@@ -685,9 +651,6 @@ def test_failed_direct_load_changes_nothing(ops: FlatParamOps, name: str, proble
                unchanged=unchanged)
     with torch.no_grad():
         assert_bitwise_equal(wrapped(x), out_before, what="output after a failed load")
-
-
-# -- FP-16, FP-17: unflatten_params -------------------------------------------------------------------
 
 
 @pytest.mark.req("FP-16")
@@ -866,9 +829,6 @@ def test_empty_param_inside_unlisted_storage_is_not_a_tie(ops: FlatParamOps) -> 
     )
 
 
-# -- FP-20 .. FP-22: copies and moves ----------------------------------------------------------------
-
-
 @pytest.mark.req("FP-20")
 @pytest.mark.parametrize("name", ["mlp", "tied", "nested", "dtypes"])
 @pytest.mark.parametrize("after_forward", [False, True], ids=["fresh", "after-forward"])
@@ -894,21 +854,6 @@ def test_deepcopy_is_independent_and_equal(ops: FlatParamOps, name: str, after_f
     first = flat_keys_of(ops, clone)[0][0]
     assert_bitwise_equal(clone.state_dict()[first], different_like(plain.state_dict()[first]),
                          what="the copy's state_dict after changing its flat parameter", where=first)
-
-
-@pytest.mark.req("FP-21")
-@pytest.mark.parametrize("name", ["mlp", "tied", "nested", "dtypes"])
-def test_pickle_round_trip(ops: FlatParamOps, name: str) -> None:
-    plain, wrapped = pair(ops, name)
-    x = models.batch(name)
-    models.loss(wrapped(x)).backward()
-    record_shards(ops, wrapped)
-    restored = pickle.loads(pickle.dumps(wrapped))
-    assert_same_state(restored.state_dict(), plain.state_dict(), what=f"unpickled {name}")
-    if flat_metadata(ops, restored) != flat_metadata(ops, wrapped):
-        fail("pickle: flat parameter metadata or recorded shard differs",
-             flat_metadata(ops, restored), flat_metadata(ops, wrapped))
-    assert_bitwise_equal(restored(x), plain(x), what=f"output of unpickled {name}")
 
 
 @pytest.mark.req("FP-20", "FP-21", "FP-22")
@@ -939,6 +884,21 @@ def test_copies_of_copies_keep_metadata_and_values(ops: FlatParamOps, first: str
         plain.load_state_dict(changed)
     x = models.batch("nested").to(next(plain.parameters()).dtype)
     assert_bitwise_equal(twice(x), plain(x), what=f"output after {first} then {second} and a change to the flat parameters")
+
+
+@pytest.mark.req("FP-21")
+@pytest.mark.parametrize("name", ["mlp", "tied", "nested", "dtypes"])
+def test_pickle_round_trip(ops: FlatParamOps, name: str) -> None:
+    plain, wrapped = pair(ops, name)
+    x = models.batch(name)
+    models.loss(wrapped(x)).backward()
+    record_shards(ops, wrapped)
+    restored = pickle.loads(pickle.dumps(wrapped))
+    assert_same_state(restored.state_dict(), plain.state_dict(), what=f"unpickled {name}")
+    if flat_metadata(ops, restored) != flat_metadata(ops, wrapped):
+        fail("pickle: flat parameter metadata or recorded shard differs",
+             flat_metadata(ops, restored), flat_metadata(ops, wrapped))
+    assert_bitwise_equal(restored(x), plain(x), what=f"output of unpickled {name}")
 
 
 @pytest.mark.req("FP-22")
@@ -974,9 +934,6 @@ def test_to_device_moves_flat_param_and_views(ops: FlatParamOps) -> None:
     assert torch.equal(wrapped(x), plain(x))
 
 
-# -- FP-23: one wrapper per requires_grad group --------------------------------------------------------
-
-
 @pytest.mark.req("FP-23")
 def test_frozen_group_gets_its_own_wrapper(ops: FlatParamOps) -> None:
     plain, wrapped = pair(ops, "frozen")
@@ -988,3 +945,26 @@ def test_frozen_group_gets_its_own_wrapper(ops: FlatParamOps) -> None:
     frozen_names = {n for n, p in plain.named_parameters() if not p.requires_grad}
     frozen_flat = next(f for f in flats if not f.requires_grad)
     assert {plain_name(n) for n in ops.info(frozen_flat).names} == frozen_names
+
+
+@pytest.mark.req("FP-26")
+@pytest.mark.parametrize("name", ["mlp", "nested", "frozen", "buffers"])
+@pytest.mark.parametrize("where", ["root", "inside"])
+def test_wrong_shape_names_original_key(ops: FlatParamOps, name: str, where: str) -> None:
+    """One entry of every flat parameter (nested wrappers too) given with the right number of
+    elements in another shape, the wrapper at the root and inside a ModuleDict, strict and not: a
+    RuntimeError names each of them by its whole unwrapped key, with no wrapper segment, as the
+    unwrapped model does."""
+    plain, wrapped = pair(ops, name)
+    if where == "inside":
+        plain, wrapped = inside_container(plain), inside_container(wrapped)
+    keys = [flat_keys[0] for flat_keys in flat_keys_of(ops, wrapped)]
+    bad = dict(plain.state_dict())
+    bad.update({key: reshaped(bad[key]) for key in keys})
+    for strict in (True, False):
+        want = raised(lambda: plain.load_state_dict(dict(bad), strict=strict))
+        assert isinstance(want, RuntimeError), f"the unwrapped model did not reject the bad dict: {want!r}"
+        got = expect_error(lambda: wrapped.load_state_dict(dict(bad), strict=strict), RuntimeError,
+                           what=f"load with wrong shapes (strict={strict})")
+        for key in keys:
+            assert_names_key(str(got), key, what=f"wrong-shape load error (strict={strict})", forbidden=FP_SEGMENTS)

@@ -67,6 +67,69 @@ from conformance.module_state_support import (
 from conformance.state_dict_support import PROMPTLY_S, sd_ops
 
 
+@pytest.mark.req("FP-22")
+@pytest.mark.parametrize("form", list(DTYPE_FORMS))
+def test_dtype_change_of_a_flat_param_wrapper(impl: Adapter, form: str) -> None:
+    """A wrapped ``nested`` converted by ``form``: its flat parameters stay flat parameters of the new
+    dtype, ``state_dict()`` equals the unwrapped model converted the same way bit for bit, it computes
+    what that model computes, and a step of an optimizer built afterwards matches it."""
+    ops = impl.require("flat_param")
+    convert, dtype = DTYPE_FORMS[form]
+    plain = zoo.build("nested", seed=0)
+    wrapped_model = zoo.build("nested", seed=0)
+    wrapped = ops.wrap(wrapped_model, list(wrapped_model.parameters()))
+    convert(plain)
+    convert(wrapped)
+    flats = [p for p in wrapped.parameters() if ops.is_flat_param(p)]
+    if not flats or any(f.dtype != dtype for f in flats):
+        fail(f"flat parameters after {form}", [(ops.is_flat_param(f), f.dtype) for f in wrapped.parameters()], f"flat parameters of {dtype}")
+    assert_same_state(dict(wrapped.state_dict()), dict(plain.state_dict()), what=f"state_dict() after {form}")
+    x = zoo.batch("nested", seed=3).to(dtype)
+    assert_same_state(wrapped(x), plain(x), what=f"output after {form}")
+    for model in (plain, wrapped):
+        optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        optim.zero_grad(set_to_none=True)
+        model(x).float().pow(2).mean().backward()
+        optim.step()
+    # Trained: the gradient reaches a flat parameter through views, whose rounding in half precision
+    # may differ from the unwrapped model's by an ulp.
+    atol = None if dtype == torch.float64 else DTYPE_ATOL[dtype]
+    assert_same_state(dict(wrapped.state_dict()), dict(plain.state_dict()), what=f"state_dict() trained after {form}", atol=atol)
+
+
+@pytest.mark.req("FP-27")
+def test_extra_state_through_a_flat_param_wrapper(impl: Adapter) -> None:
+    """A model whose parameters a wrapper flattens, every kind: ``state_dict()`` has the unwrapped
+    model's extra-state entries; ``load_state_dict()`` of another seed's unwrapped dict hands each to its
+    module's ``set_extra_state``; a strict load without one raises ``RuntimeError`` naming it by its
+    unwrapped key."""
+    ops = impl.require("flat_param")
+    checks: dict[str, Callable[[], None]] = {}
+    for kind in EXTRA_KINDS:
+
+        def check(kind: str = kind) -> None:
+            plain = build_extra(kind, 0)
+            wrapped_model = build_extra(kind, 0)
+            wrapped = ops.wrap(wrapped_model, list(wrapped_model.parameters()))
+            got = wrapped.state_dict()
+            if list(got) != list(plain.state_dict()):
+                fail("state_dict() keys of the wrapped model", list(got), list(plain.state_dict()), kind)
+            assert_same_state(comparable(dict(got)), comparable(dict(plain.state_dict())), what="state_dict() of the wrapped model", where=kind)
+            target_model = build_extra(kind, 1)
+            modules = holders(target_model)
+            target = ops.wrap(target_model, list(target_model.parameters()))
+            target.load_state_dict(copy.deepcopy(plain.state_dict()))
+            assert_holds(modules, kind, 0, "load_state_dict of the wrapped model", kind)
+            assert_same_state(comparable(dict(target.state_dict())), comparable(dict(plain.state_dict())),
+                              what="state_dict() after the load", where=kind)
+            partial = {k: v for k, v in plain.state_dict().items() if k != PLACES["unit"]}
+            expect_error(lambda: target.load_state_dict(partial), RuntimeError, keys=[PLACES["unit"]],
+                         what="a strict load without an extra-state entry", where=kind)
+
+        checks[kind] = check
+    check_each(**checks)
+
+
 @pytest.mark.req("SD-29")
 def test_extra_state_round_trips_on_a_plain_model(impl: Adapter) -> None:
     """Plain model, no process group, every kind: get gives each module's extra state under its key;
@@ -187,41 +250,6 @@ def test_strict_sharded_set_without_extra_state_fails_on_every_rank(dist: RankCo
             fail(f"a refused set called set_extra_state of the {place} module", comparable(module.received), "no call", where)
 
 
-#: The FSDP model state dicts tried with extra state: (get, load) of the optim_state ops.
-FSDP_FORMS = ("full", "sharded")
-
-
-@pytest.mark.req("OS-25")
-@pytest.mark.rank_timeout(4 * PROMPTLY_S)
-@pytest.mark.parametrize("form", FSDP_FORMS)
-def test_extra_state_through_fsdp_model_state_dicts(dist: RankContext, impl: Adapter, form: str) -> None:
-    """The FSDP implementation's own full and sharded model state dicts, every kind: on every rank the
-    extra states are under their keys as the modules returned them (never DTensors), and loading the
-    dict into another seed's sharded model hands each to its module's ``set_extra_state``."""
-    ops = impl.require("optim_state")
-    get = ops.full_state_dict if form == "full" else ops.sharded_state_dict
-    load = ops.load_full_state_dict if form == "full" else ops.load_sharded_state_dict
-    checks: dict[str, Callable[[], None]] = {}
-    for kind in EXTRA_KINDS:
-
-        def check(kind: str = kind) -> None:
-            where = f"rank {dist.rank}, {form}, {kind}"
-            source = shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
-            got = get(source)
-            assert_extra_entries(got, kind, 0, f"{form} model state dict", where)
-            dtensors = [key for key, value in extra_entries(got).items() if isinstance(value, DTensor)]
-            if dtensors:
-                fail("an extra state made a DTensor", dtensors, "the module's own value", where)
-            target_model = build_extra(kind, 1, dist.device)
-            modules = holders(target_model)
-            target = shard_extra(impl, target_model, dist.device)
-            load(target, copy.deepcopy(got))
-            assert_holds(modules, kind, 0, f"load of the {form} model state dict", where)
-
-        checks[kind] = check
-    check_each(**checks)
-
-
 @pytest.mark.req("SD-29", "ML-1")
 @pytest.mark.rank_timeout(4 * PROMPTLY_S)
 def test_extra_state_through_a_checkpoint(dist: RankContext, impl: Adapter) -> None:
@@ -254,34 +282,106 @@ def test_extra_state_through_a_checkpoint(dist: RankContext, impl: Adapter) -> N
     check_each(**checks)
 
 
-@pytest.mark.req("FP-27")
-def test_extra_state_through_a_flat_param_wrapper(impl: Adapter) -> None:
-    """A model whose parameters a wrapper flattens, every kind: ``state_dict()`` has the unwrapped
-    model's extra-state entries; ``load_state_dict()`` of another seed's unwrapped dict hands each to its
-    module's ``set_extra_state``; a strict load without one raises ``RuntimeError`` naming it by its
-    unwrapped key."""
-    ops = impl.require("flat_param")
+@pytest.mark.req("SD-30")
+@pytest.mark.rank_timeout(4 * PROMPTLY_S)
+@pytest.mark.parametrize("kind", ["plain", "sharded"])
+def test_cpu_offload_alone_keeps_every_ranks_own_state(dist: RankContext, impl: Adapter, kind: str) -> None:
+    """``cpu_offload=True`` without ``full_state_dict``, on every rank: a sharded model's get gives this
+    rank's own DTensors (its local piece of each parameter, of each positional optimizer state) on the
+    CPU, never ``{}`` on ranks other than 0; a plain model's gives the whole dict on every rank, on the
+    CPU. ``full_state_dict=True`` without ``cpu_offload`` gives every rank the full dict."""
+    ops = sd_ops(impl)
+    oracle = zoo.build("nested", seed=0, device=dist.device)
+    model = zoo.build("nested", seed=0, device=dist.device)
+    if kind == "sharded":
+        try:
+            model = impl.require("sharding").shard(model, ShardingPlan("FULL_SHARD", units=child_units(model), device=dist.device))
+        except Unsupported as exc:
+            pytest.skip(str(exc))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    oracle_optim = torch.optim.Adam(oracle.parameters(), lr=0.01)
+    x = zoo.batch("nested", seed=3, device=dist.device)
+    for m, o in ((model, optim), (oracle, oracle_optim)):
+        m(x).pow(2).mean().backward()
+        o.step()
+    where = f"rank {dist.rank} of {dist.world_size}, {kind} model"
+    want = oracle.state_dict()
+
+    def offload() -> None:
+        got_model = ops.get_model_state_dict(model, options=ops.options(cpu_offload=True))
+        got_optim = ops.get_optimizer_state_dict(model, optim, options=ops.options(cpu_offload=True))
+        for what, got in (("model", got_model), ("optimizer", got_optim)):
+            if not got:
+                fail(f"cpu_offload without full_state_dict: the {what} state dict", "{}", "this rank's own state", where)
+            devices = sorted({str((t.to_local() if isinstance(t, DTensor) else t).device) for t in tensors_of(got)})
+            if devices != ["cpu"]:
+                fail(f"cpu_offload: devices of the {what} state dict's tensors", devices, ["cpu"], where)
+        if list(got_model) != list(want):
+            fail("cpu_offload: model state dict keys", list(got_model), list(want), where)
+        want_optim = fqn_keyed_optim(oracle, oracle_optim)["state"]
+        if sorted(got_optim["state"]) != sorted(want_optim):
+            fail("cpu_offload: FQNs with optimizer state", sorted(got_optim["state"]), sorted(want_optim), where)
+        for fqn, state in got_optim["state"].items():
+            for name, value in state.items():
+                full = want_optim[fqn][name]
+                if isinstance(value, DTensor):
+                    mesh = value.device_mesh
+                    piece, _ = expected_local_chunk(full.detach().cpu(), value.placements, tuple(mesh.shape), tuple(mesh.get_coordinate() or ()))
+                    value, full = value.to_local(), piece
+                elif kind == "sharded" and isinstance(full, torch.Tensor) and full.dim() > 0 and dist.world_size > 1:
+                    fail("cpu_offload: a positional optimizer state is not a DTensor", type(value).__name__, "DTensor", f"{where}: {fqn!r}")
+                assert_same_state(value, full.cpu() if isinstance(full, torch.Tensor) else full, what="cpu_offload: optimizer state",
+                                  where=f"{where}: {fqn!r}[{name!r}]", atol=None if kind == "plain" else 1e-6)
+        params = dict(oracle.named_parameters())
+        for key, value in got_model.items():
+            full = want[key].detach().cpu()
+            if isinstance(value, DTensor):
+                assert_local_shard(value, full, what="cpu_offload: model state dict", where=f"{where}: {key!r}")
+            elif kind == "sharded" and key in params and dist.world_size > 1:
+                fail("cpu_offload: a sharded parameter is not a DTensor", type(value).__name__, "DTensor", f"{where}: {key!r}")
+            else:
+                assert_same_state(value, full, what="cpu_offload: model state dict", where=f"{where}: {key!r}",
+                                  atol=None if kind == "plain" else 1e-6)
+
+    def full_everywhere() -> None:
+        got = ops.get_model_state_dict(model, options=ops.options(full_state_dict=True))
+        if not got:
+            fail("full_state_dict without cpu_offload: the model state dict", "{}", "the full dict on every rank", where)
+        assert_same_state(got, want, what="full_state_dict without cpu_offload", where=where, atol=None if kind == "plain" else 1e-6)
+
+    check_each(offload=offload, full_everywhere=full_everywhere)
+
+
+#: The FSDP model state dicts tried with extra state: (get, load) of the optim_state ops.
+FSDP_FORMS = ("full", "sharded")
+
+
+@pytest.mark.req("OS-25")
+@pytest.mark.rank_timeout(4 * PROMPTLY_S)
+@pytest.mark.parametrize("form", FSDP_FORMS)
+def test_extra_state_through_fsdp_model_state_dicts(dist: RankContext, impl: Adapter, form: str) -> None:
+    """The FSDP implementation's own full and sharded model state dicts, every kind: on every rank the
+    extra states are under their keys as the modules returned them (never DTensors), and loading the
+    dict into another seed's sharded model hands each to its module's ``set_extra_state``."""
+    ops = impl.require("optim_state")
+    get = ops.full_state_dict if form == "full" else ops.sharded_state_dict
+    load = ops.load_full_state_dict if form == "full" else ops.load_sharded_state_dict
     checks: dict[str, Callable[[], None]] = {}
     for kind in EXTRA_KINDS:
 
         def check(kind: str = kind) -> None:
-            plain = build_extra(kind, 0)
-            wrapped_model = build_extra(kind, 0)
-            wrapped = ops.wrap(wrapped_model, list(wrapped_model.parameters()))
-            got = wrapped.state_dict()
-            if list(got) != list(plain.state_dict()):
-                fail("state_dict() keys of the wrapped model", list(got), list(plain.state_dict()), kind)
-            assert_same_state(comparable(dict(got)), comparable(dict(plain.state_dict())), what="state_dict() of the wrapped model", where=kind)
-            target_model = build_extra(kind, 1)
+            where = f"rank {dist.rank}, {form}, {kind}"
+            source = shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
+            got = get(source)
+            assert_extra_entries(got, kind, 0, f"{form} model state dict", where)
+            dtensors = [key for key, value in extra_entries(got).items() if isinstance(value, DTensor)]
+            if dtensors:
+                fail("an extra state made a DTensor", dtensors, "the module's own value", where)
+            target_model = build_extra(kind, 1, dist.device)
             modules = holders(target_model)
-            target = ops.wrap(target_model, list(target_model.parameters()))
-            target.load_state_dict(copy.deepcopy(plain.state_dict()))
-            assert_holds(modules, kind, 0, "load_state_dict of the wrapped model", kind)
-            assert_same_state(comparable(dict(target.state_dict())), comparable(dict(plain.state_dict())),
-                              what="state_dict() after the load", where=kind)
-            partial = {k: v for k, v in plain.state_dict().items() if k != PLACES["unit"]}
-            expect_error(lambda: target.load_state_dict(partial), RuntimeError, keys=[PLACES["unit"]],
-                         what="a strict load without an extra-state entry", where=kind)
+            target = shard_extra(impl, target_model, dist.device)
+            load(target, copy.deepcopy(got))
+            assert_holds(modules, kind, 0, f"load of the {form} model state dict", where)
 
         checks[kind] = check
     check_each(**checks)
@@ -357,106 +457,3 @@ def test_dtype_change_after_sharding(dist: RankContext, impl: Adapter, form: str
             fail(f"optimizer state after {form}: dtypes of the momentum buffers", dtypes, [str(dtype)], where)
 
     check_each(full=full, sharded=sharded_dicts, forward=forward, train=train)
-
-
-@pytest.mark.req("FP-22")
-@pytest.mark.parametrize("form", list(DTYPE_FORMS))
-def test_dtype_change_of_a_flat_param_wrapper(impl: Adapter, form: str) -> None:
-    """A wrapped ``nested`` converted by ``form``: its flat parameters stay flat parameters of the new
-    dtype, ``state_dict()`` equals the unwrapped model converted the same way bit for bit, it computes
-    what that model computes, and a step of an optimizer built afterwards matches it."""
-    ops = impl.require("flat_param")
-    convert, dtype = DTYPE_FORMS[form]
-    plain = zoo.build("nested", seed=0)
-    wrapped_model = zoo.build("nested", seed=0)
-    wrapped = ops.wrap(wrapped_model, list(wrapped_model.parameters()))
-    convert(plain)
-    convert(wrapped)
-    flats = [p for p in wrapped.parameters() if ops.is_flat_param(p)]
-    if not flats or any(f.dtype != dtype for f in flats):
-        fail(f"flat parameters after {form}", [(ops.is_flat_param(f), f.dtype) for f in wrapped.parameters()], f"flat parameters of {dtype}")
-    assert_same_state(dict(wrapped.state_dict()), dict(plain.state_dict()), what=f"state_dict() after {form}")
-    x = zoo.batch("nested", seed=3).to(dtype)
-    assert_same_state(wrapped(x), plain(x), what=f"output after {form}")
-    for model in (plain, wrapped):
-        optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        optim.zero_grad(set_to_none=True)
-        model(x).float().pow(2).mean().backward()
-        optim.step()
-    # Trained: the gradient reaches a flat parameter through views, whose rounding in half precision
-    # may differ from the unwrapped model's by an ulp.
-    atol = None if dtype == torch.float64 else DTYPE_ATOL[dtype]
-    assert_same_state(dict(wrapped.state_dict()), dict(plain.state_dict()), what=f"state_dict() trained after {form}", atol=atol)
-
-
-# -- SD-30: cpu_offload without full_state_dict ---------------------------------------------------------------
-
-
-@pytest.mark.req("SD-30")
-@pytest.mark.rank_timeout(4 * PROMPTLY_S)
-@pytest.mark.parametrize("kind", ["plain", "sharded"])
-def test_cpu_offload_alone_keeps_every_ranks_own_state(dist: RankContext, impl: Adapter, kind: str) -> None:
-    """``cpu_offload=True`` without ``full_state_dict``, on every rank: a sharded model's get gives this
-    rank's own DTensors (its local piece of each parameter, of each positional optimizer state) on the
-    CPU, never ``{}`` on ranks other than 0; a plain model's gives the whole dict on every rank, on the
-    CPU. ``full_state_dict=True`` without ``cpu_offload`` gives every rank the full dict."""
-    ops = sd_ops(impl)
-    oracle = zoo.build("nested", seed=0, device=dist.device)
-    model = zoo.build("nested", seed=0, device=dist.device)
-    if kind == "sharded":
-        try:
-            model = impl.require("sharding").shard(model, ShardingPlan("FULL_SHARD", units=child_units(model), device=dist.device))
-        except Unsupported as exc:
-            pytest.skip(str(exc))
-    optim = torch.optim.Adam(model.parameters(), lr=0.01)
-    oracle_optim = torch.optim.Adam(oracle.parameters(), lr=0.01)
-    x = zoo.batch("nested", seed=3, device=dist.device)
-    for m, o in ((model, optim), (oracle, oracle_optim)):
-        m(x).pow(2).mean().backward()
-        o.step()
-    where = f"rank {dist.rank} of {dist.world_size}, {kind} model"
-    want = oracle.state_dict()
-
-    def offload() -> None:
-        got_model = ops.get_model_state_dict(model, options=ops.options(cpu_offload=True))
-        got_optim = ops.get_optimizer_state_dict(model, optim, options=ops.options(cpu_offload=True))
-        for what, got in (("model", got_model), ("optimizer", got_optim)):
-            if not got:
-                fail(f"cpu_offload without full_state_dict: the {what} state dict", "{}", "this rank's own state", where)
-            devices = sorted({str((t.to_local() if isinstance(t, DTensor) else t).device) for t in tensors_of(got)})
-            if devices != ["cpu"]:
-                fail(f"cpu_offload: devices of the {what} state dict's tensors", devices, ["cpu"], where)
-        if list(got_model) != list(want):
-            fail("cpu_offload: model state dict keys", list(got_model), list(want), where)
-        want_optim = fqn_keyed_optim(oracle, oracle_optim)["state"]
-        if sorted(got_optim["state"]) != sorted(want_optim):
-            fail("cpu_offload: FQNs with optimizer state", sorted(got_optim["state"]), sorted(want_optim), where)
-        for fqn, state in got_optim["state"].items():
-            for name, value in state.items():
-                full = want_optim[fqn][name]
-                if isinstance(value, DTensor):
-                    mesh = value.device_mesh
-                    piece, _ = expected_local_chunk(full.detach().cpu(), value.placements, tuple(mesh.shape), tuple(mesh.get_coordinate() or ()))
-                    value, full = value.to_local(), piece
-                elif kind == "sharded" and isinstance(full, torch.Tensor) and full.dim() > 0 and dist.world_size > 1:
-                    fail("cpu_offload: a positional optimizer state is not a DTensor", type(value).__name__, "DTensor", f"{where}: {fqn!r}")
-                assert_same_state(value, full.cpu() if isinstance(full, torch.Tensor) else full, what="cpu_offload: optimizer state",
-                                  where=f"{where}: {fqn!r}[{name!r}]", atol=None if kind == "plain" else 1e-6)
-        params = dict(oracle.named_parameters())
-        for key, value in got_model.items():
-            full = want[key].detach().cpu()
-            if isinstance(value, DTensor):
-                assert_local_shard(value, full, what="cpu_offload: model state dict", where=f"{where}: {key!r}")
-            elif kind == "sharded" and key in params and dist.world_size > 1:
-                fail("cpu_offload: a sharded parameter is not a DTensor", type(value).__name__, "DTensor", f"{where}: {key!r}")
-            else:
-                assert_same_state(value, full, what="cpu_offload: model state dict", where=f"{where}: {key!r}",
-                                  atol=None if kind == "plain" else 1e-6)
-
-    def full_everywhere() -> None:
-        got = ops.get_model_state_dict(model, options=ops.options(full_state_dict=True))
-        if not got:
-            fail("full_state_dict without cpu_offload: the model state dict", "{}", "the full dict on every rank", where)
-        assert_same_state(got, want, what="full_state_dict without cpu_offload", where=where, atol=None if kind == "plain" else 1e-6)
-
-    check_each(offload=offload, full_everywhere=full_everywhere)

@@ -69,8 +69,6 @@ from conformance.optim_state_support import (
     write_state,
 )
 
-# -- OS-1, OS-3, OS-5: training parity and the full and sharded optimizer state dicts -------------------
-
 
 @pytest.mark.req("OS-1", "OS-3", "OS-5", "OS-6")
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
@@ -94,26 +92,41 @@ def test_parity_and_optim_state_dict(dist, impl, strategy: str, use_orig_params:
             assert_continues(load_target(dist, impl, setup), run, sharded, where=f"{setup}: loaded the sharded state dict")
 
 
-@pytest.mark.req("OS-4")
+@pytest.mark.req("OS-2")
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
-def test_rank0_only_and_cpu_offload(dist, impl, use_orig_params: bool) -> None:
-    """``rank0_only`` leaves every other rank an empty dict; ``cpu_offload`` puts every tensor on the CPU."""
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD", "HYBRID_SHARD"])
+def test_what_the_optimizer_sees(dist, impl, strategy: str, use_orig_params: bool) -> None:
+    """Right after wrapping, on every rank: the optimizer's parameters stand for every FQN once; a flat
+    parameter lists its unit's FQNs in flat order and holds, bit for bit, this rank's chunk of the
+    unit's padded flat parameter made of the unwrapped parameters; an original parameter holds its part
+    of that chunk (1-D, possibly empty), a DTensor its ``torch.chunk`` piece."""
     ops = impl.require("optim_state")
-    run = Run(dist, impl, Setup(use_orig_params=use_orig_params))
-    run.train(2)
-    options = ((True, False), (False, True), (True, True))
-    # Every call first (collectives), then the checks, so a failing check leaves no rank waiting.
-    results = [ops.optim_state_dict(run.model, run.optim, rank0_only=r, cpu_offload=c) for r, c in options]
-    for (rank0_only, cpu_offload), osd in zip(options, results):
-        where = f"{run.setup} rank0_only={rank0_only} cpu_offload={cpu_offload} on rank {dist.rank}"
-        if rank0_only and dist.rank != 0:
-            assert_same_state(osd, {}, what="rank0_only: the optimizer state dict of a rank other than 0", where=where)
-            continue
-        assert_osd_matches(osd, run.oracle_osd(), where)
-        if cpu_offload:
-            devices = sorted({str(v.device) for s in osd["state"].values() for v in s.values() if isinstance(v, torch.Tensor)})
-            if devices not in ([], ["cpu"]):
-                fail("cpu_offload: devices of the state tensors", devices, ["cpu"], where)
+    # mlp at world size 2: the root unit's 165 elements pad to 166, and net.2.bias has no element on rank 0
+    run = Run(dist, impl, Setup(model="mlp", strategy=strategy, use_orig_params=use_orig_params))
+    oracle = dict(run.oracle.named_parameters())
+    layout = Layout(run.setup, run.oracle, dist.world_size, dist.rank)
+    named = ops.optimizer_params(run.model)
+    fqns = sorted(f for group, _ in named for f in group)
+    if fqns != sorted(oracle):
+        fail("the optimizer's parameters stand for", fqns, sorted(oracle), f"rank {dist.rank}")
+    for group, param in named:
+        where = f"{run.setup}, rank {dist.rank}, optimizer parameter for {list(group)}"
+        if isinstance(param, DTensor):
+            assert_local_shard(param.detach(), oracle[group[0]].detach(), what="parameter", where=where)
+        elif not use_orig_params:
+            unit = layout.unit_of[group[0]]
+            if tuple(group) != layout.units[unit].fqns:
+                fail("a flat parameter's FQNs (flat order)", list(group), list(layout.units[unit].fqns), where)
+            expected = layout.flat_local(unit, {f: oracle[f].detach() for f in group})
+            if tuple(param.shape) != tuple(expected.shape):
+                fail("flat parameter: local shape", tuple(param.shape), f"{tuple(expected.shape)} = ceil(numel / {layout.shards})", where)
+            real = layout.real_numel(unit)
+            assert_bitwise_equal(param.detach()[:real], expected[:real], what="flat parameter: local chunk (padding excluded)", where=where)
+        else:
+            if len(group) != 1:
+                fail("an original parameter stands for one FQN", list(group), "one FQN", where)
+            expected = layout.orig_local(group[0], oracle[group[0]].detach())
+            assert_bitwise_equal(param.detach(), expected, what="original parameter: its part of the local chunk", where=where)
 
 
 @pytest.mark.req("OS-3", "OS-5", "OS-6", "OS-12")
@@ -153,7 +166,27 @@ def test_state_values_are_carried_bit_exactly(dist, impl, model: str, kind: str,
         assert_continues(load_target(dist, impl, source.setup), source, loadable, where=f"{source.setup} {kind}: {name} state dict loaded")
 
 
-# -- OS-6, OS-7, OS-8: loading into a differently sharded model ----------------------------------------
+@pytest.mark.req("OS-4")
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+def test_rank0_only_and_cpu_offload(dist, impl, use_orig_params: bool) -> None:
+    """``rank0_only`` leaves every other rank an empty dict; ``cpu_offload`` puts every tensor on the CPU."""
+    ops = impl.require("optim_state")
+    run = Run(dist, impl, Setup(use_orig_params=use_orig_params))
+    run.train(2)
+    options = ((True, False), (False, True), (True, True))
+    # Every call first (collectives), then the checks, so a failing check leaves no rank waiting.
+    results = [ops.optim_state_dict(run.model, run.optim, rank0_only=r, cpu_offload=c) for r, c in options]
+    for (rank0_only, cpu_offload), osd in zip(options, results):
+        where = f"{run.setup} rank0_only={rank0_only} cpu_offload={cpu_offload} on rank {dist.rank}"
+        if rank0_only and dist.rank != 0:
+            assert_same_state(osd, {}, what="rank0_only: the optimizer state dict of a rank other than 0", where=where)
+            continue
+        assert_osd_matches(osd, run.oracle_osd(), where)
+        if cpu_offload:
+            devices = sorted({str(v.device) for s in osd["state"].values() for v in s.values() if isinstance(v, torch.Tensor)})
+            if devices not in ([], ["cpu"]):
+                fail("cpu_offload: devices of the state tensors", devices, ["cpu"], where)
+
 
 # (saved with, loaded into): strategy and use_orig_params on each side
 ROUND_TRIPS = [
@@ -205,9 +238,6 @@ def test_load_across_implementations(dist, impl, reference_impl, direction: str,
     source.train(2)
     target = load_target(dist, loader, Setup(strategy="SHARD_GRAD_OP", use_orig_params=use_orig_params))
     assert_continues(target, source, where=direction)
-
-
-# -- OS-9: one key order on every rank -----------------------------------------------------------------
 
 
 @pytest.mark.req("OS-9")
@@ -286,9 +316,6 @@ def test_differently_ordered_optimizers_hold_one_state(dist, impl, use_orig_para
     assert_osd_matches(ops.optim_state_dict(run.model, run.optim), run.oracle_osd(), f"{where}: one step after the reload")
 
 
-# -- OS-10 .. OS-14: the model zoo ----------------------------------------------------------------------
-
-
 ZOO_CASES = [
     pytest.param(Setup(model="tied"), id="tied", marks=pytest.mark.req("OS-10")),
     pytest.param(Setup(model="frozen"), id="frozen", marks=pytest.mark.req("OS-11")),
@@ -344,46 +371,6 @@ def test_no_state_where_a_parameters_part_is_empty(dist, impl, setup: Setup) -> 
     if not any(dist.all_gather_object(empty)):
         pytest.skip(f"{impl.name}: no parameter's part is empty on any rank at world size {dist.world_size}")
     assert_osd_matches(ops.optim_state_dict(run.model, run.optim), run.oracle_osd(), f"{run.setup}: no state for {empty} on rank {dist.rank}")
-
-
-# -- OS-2, OS-15: layout and keying ---------------------------------------------------------------------
-
-
-@pytest.mark.req("OS-2")
-@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD", "HYBRID_SHARD"])
-def test_what_the_optimizer_sees(dist, impl, strategy: str, use_orig_params: bool) -> None:
-    """Right after wrapping, on every rank: the optimizer's parameters stand for every FQN once; a flat
-    parameter lists its unit's FQNs in flat order and holds, bit for bit, this rank's chunk of the
-    unit's padded flat parameter made of the unwrapped parameters; an original parameter holds its part
-    of that chunk (1-D, possibly empty), a DTensor its ``torch.chunk`` piece."""
-    ops = impl.require("optim_state")
-    # mlp at world size 2: the root unit's 165 elements pad to 166, and net.2.bias has no element on rank 0
-    run = Run(dist, impl, Setup(model="mlp", strategy=strategy, use_orig_params=use_orig_params))
-    oracle = dict(run.oracle.named_parameters())
-    layout = Layout(run.setup, run.oracle, dist.world_size, dist.rank)
-    named = ops.optimizer_params(run.model)
-    fqns = sorted(f for group, _ in named for f in group)
-    if fqns != sorted(oracle):
-        fail("the optimizer's parameters stand for", fqns, sorted(oracle), f"rank {dist.rank}")
-    for group, param in named:
-        where = f"{run.setup}, rank {dist.rank}, optimizer parameter for {list(group)}"
-        if isinstance(param, DTensor):
-            assert_local_shard(param.detach(), oracle[group[0]].detach(), what="parameter", where=where)
-        elif not use_orig_params:
-            unit = layout.unit_of[group[0]]
-            if tuple(group) != layout.units[unit].fqns:
-                fail("a flat parameter's FQNs (flat order)", list(group), list(layout.units[unit].fqns), where)
-            expected = layout.flat_local(unit, {f: oracle[f].detach() for f in group})
-            if tuple(param.shape) != tuple(expected.shape):
-                fail("flat parameter: local shape", tuple(param.shape), f"{tuple(expected.shape)} = ceil(numel / {layout.shards})", where)
-            real = layout.real_numel(unit)
-            assert_bitwise_equal(param.detach()[:real], expected[:real], what="flat parameter: local chunk (padding excluded)", where=where)
-        else:
-            if len(group) != 1:
-                fail("an original parameter stands for one FQN", list(group), "one FQN", where)
-            expected = layout.orig_local(group[0], oracle[group[0]].detach())
-            assert_bitwise_equal(param.detach(), expected, what="original parameter: its part of the local chunk", where=where)
 
 
 @pytest.mark.req("OS-15")
@@ -527,9 +514,6 @@ out.weight: exp_avg=float32[2, 9] exp_avg_sq=float32[2, 9] step=float32[]
 group 0: {'lr': 0.02, 'weight_decay': 0.01, 'tag': 'group-0', 'betas': (0.9, 0.999)} params=['inp.weight', 'out.weight']
 group 1: {'lr': 0.01, 'weight_decay': 0.0, 'tag': 'group-1', 'betas': (0.9, 0.999)} params=['inp.bias', 'norm.bias', 'norm.weight', 'out.bias']
 """)
-
-
-# -- OS-19: model state dicts -------------------------------------------------------------------------------
 
 
 @pytest.mark.req("OS-19")

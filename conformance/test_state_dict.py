@@ -101,15 +101,10 @@ from conformance.state_dict_support import (
 )
 from conformance.values import different_like, perturb_hyperparameters
 
-# -- set-up -------------------------------------------------------------------------------------------
-
 #: Wrappers that run without a process group; "ddp" is added in rank tests. "fpw" is the suite's own
 #: flattening wrapper (:class:`conformance.flat_wrapper.FlatParamsWrapper`) over the model's trainable
 #: parameters: one flat parameter, a state dict with the original keys.
 LOCAL_WRAPPERS = ("plain", "checkpoint", "compile", "checkpoint+compile", "fpw")
-
-
-# -- SD-1, SD-2: canonical FQNs through wrappers --------------------------------------------------
 
 
 @pytest.mark.req("SD-1")
@@ -141,6 +136,27 @@ def test_set_through_wrappers_takes_canonical_fqns(impl: Adapter, name: str, how
     # Read back by nn.Module.state_dict() of the wrapped model, keys by the suite's own FQN rule.
     after = {canonical_fqn(key): value for key, value in wrapped.state_dict().items()}
     assert_same_state(after, expected, what=f"{name} after a set through {how}")
+
+
+@pytest.mark.req("SD-1", "SD-2", "SD-11")
+@pytest.mark.parametrize("name", ("tied", "buffers", "nested"))
+def test_round_trip_through_ddp(dist: RankContext, impl: Adapter, name: str) -> None:
+    """DDP(compile(checkpointed children)): get is keyed by clean FQNs and equals the oracle; set of it
+    into a differing target through the same wrappers makes the target equal, and a step keeps it so."""
+    ops = sd_ops(impl)
+    pair = plain_pair(name, device=dist.device)
+    expected_model = copy.deepcopy(pair.source.state_dict())
+    expected_optim = copy.deepcopy(fqn_keyed_optim(pair.source, pair.source_optim))
+    got_model, got_optim = ops.get_state_dict(wrap(pair.source, "checkpoint+compile+ddp"), pair.source_optim)
+    assert_same_state(got_model, expected_model, what="model state dict through DDP", where=f"rank {dist.rank}")
+    assert_same_state(got_optim, expected_optim, what="optimizer state dict through DDP", where=f"rank {dist.rank}")
+
+    saved = copy.deepcopy((got_model, got_optim))
+    load(ops, "set_state_dict", wrap(pair.target, "checkpoint+compile+ddp"), pair.target_optim, *copy.deepcopy(saved),
+         options=None)
+    assert_same_state(pair.target.state_dict(), expected_model, what="model after set through DDP")
+    assert_same_optim(fqn_keyed_optim(pair.target, pair.target_optim), expected_optim, "optimizer after set through DDP")
+    continue_equally(pair, name, dist.device)
 
 
 @pytest.mark.req("SD-2")
@@ -197,30 +213,6 @@ def test_flattened_nested_state_round_trips(impl: Adapter) -> None:
     assert_same_optim(fqn_keyed_optim(target, target_optim), expected, what="optimizer state after a set of the flattened nested state")
 
 
-@pytest.mark.req("SD-1", "SD-2", "SD-11")
-@pytest.mark.parametrize("name", ("tied", "buffers", "nested"))
-def test_round_trip_through_ddp(dist: RankContext, impl: Adapter, name: str) -> None:
-    """DDP(compile(checkpointed children)): get is keyed by clean FQNs and equals the oracle; set of it
-    into a differing target through the same wrappers makes the target equal, and a step keeps it so."""
-    ops = sd_ops(impl)
-    pair = plain_pair(name, device=dist.device)
-    expected_model = copy.deepcopy(pair.source.state_dict())
-    expected_optim = copy.deepcopy(fqn_keyed_optim(pair.source, pair.source_optim))
-    got_model, got_optim = ops.get_state_dict(wrap(pair.source, "checkpoint+compile+ddp"), pair.source_optim)
-    assert_same_state(got_model, expected_model, what="model state dict through DDP", where=f"rank {dist.rank}")
-    assert_same_state(got_optim, expected_optim, what="optimizer state dict through DDP", where=f"rank {dist.rank}")
-
-    saved = copy.deepcopy((got_model, got_optim))
-    load(ops, "set_state_dict", wrap(pair.target, "checkpoint+compile+ddp"), pair.target_optim, *copy.deepcopy(saved),
-         options=None)
-    assert_same_state(pair.target.state_dict(), expected_model, what="model after set through DDP")
-    assert_same_optim(fqn_keyed_optim(pair.target, pair.target_optim), expected_optim, "optimizer after set through DDP")
-    continue_equally(pair, name, dist.device)
-
-
-# -- SD-3: frozen parameters ------------------------------------------------------------------------
-
-
 @pytest.mark.req("SD-3")
 @pytest.mark.parametrize("how", ("plain", "checkpoint+compile"))
 def test_ignore_frozen_params(impl: Adapter, how: str) -> None:
@@ -243,7 +235,15 @@ def test_ignore_frozen_params(impl: Adapter, how: str) -> None:
     assert_same_state({k: after[k] for k in frozen_before}, frozen_before, what="frozen parameters after set")
 
 
-# -- SD-4, SD-5: submodule selection ---------------------------------------------------------------
+@pytest.mark.req("SD-3")
+def test_sharded_ignore_frozen_params(dist: RankContext, impl: Adapter) -> None:
+    ops = sd_ops(impl)
+    pair = sharded_pair(impl, dist, "frozen")
+    frozen = {n for n, p in pair.oracle.named_parameters() if not p.requires_grad}
+    got = ops.get_model_state_dict(pair.model, options=ops.options(full_state_dict=True, ignore_frozen_params=True))
+    assert_same_state(got, {k: v for k, v in pair.oracle.state_dict().items() if k not in frozen}, what="trainable entries",
+                      where=f"rank {dist.rank}", atol=ATOL, rtol=RTOL)
+
 
 SELECTIONS = [
     pytest.param("nested", ("1",), id="nested-1"),
@@ -282,6 +282,29 @@ def test_submodule_not_in_model_is_an_error(impl: Adapter) -> None:
                      what="get with a submodule that is not part of the model")
 
 
+@pytest.mark.req("SD-4", "SD-5")
+@pytest.mark.parametrize("keep", (True, False), ids=("keep-prefixes", "strip-prefixes"))
+@pytest.mark.parametrize("path", ("1", "10", "1.inner"))
+def test_sharded_submodule_selection(dist: RankContext, impl: Adapter, path: str, keep: bool) -> None:
+    """Selecting a module of the user's model after it was sharded (inside a sharding unit): the
+    oracle's entries of that module, bit for bit (nothing was trained), on every rank."""
+    ops = sd_ops(impl)
+    oracle = zoo.build("nested", seed=0, device=dist.device)
+    model = zoo.build("nested", seed=0, device=dist.device)
+    sub = model.get_submodule(path)  # the user's handle, taken before sharding
+    try:
+        sharded = sd_shard(impl, model, dist.device, "FULL_SHARD")
+    except Unsupported as exc:
+        pytest.skip(str(exc))
+    options = ops.options(full_state_dict=True, keep_submodule_prefixes=keep)
+    with recording_deprecations(ops):
+        got = ops.get_model_state_dict(sharded, submodules={sub}, options=options)
+    expected = {k: v for k, v in oracle.state_dict().items() if k.startswith(path + ".")}
+    if not keep:
+        expected = {k[len(path) + 1 :]: v for k, v in expected.items()}
+    assert_same_state(got, expected, what=f"entries of {path!r}", where=f"rank {dist.rank}")
+
+
 @pytest.mark.req("SD-5")
 @pytest.mark.parametrize("how", ("plain", "checkpoint+compile"))
 @pytest.mark.parametrize("name, path", [("nested", "1"), ("nested", "10"), ("nested", "1.inner"), ("tied", "head"), ("buffers", "norm")])
@@ -308,9 +331,6 @@ def test_stripped_prefixes_collide(impl: Adapter) -> None:
             lambda: ops.get_model_state_dict(model, submodules=subs, options=ops.options(keep_submodule_prefixes=False)),
             ValueError, keys=["1.inner.0.weight", "10.inner.0.weight"], what="get whose stripped keys collide",
         )
-
-
-# -- SD-6: submodule-keyed loads --------------------------------------------------------------------
 
 
 @pytest.mark.req("SD-6")
@@ -390,9 +410,6 @@ def test_sharded_submodule_keyed_load(dist: RankContext, impl: Adapter, path: st
     expected = {k: (sub_sd[k[len(prefix):]] if k.startswith(prefix) else v) for k, v in before.items()}
     assert_same_state(got, expected, what=f"model after loading {path!r} by submodule", where=f"rank {dist.rank}")
     assert sorted(result.missing_keys) == sorted(k for k in before if not k.startswith(prefix))
-
-
-# -- SD-7, SD-8, SD-9, SD-10, SD-14: partial, strict, mismatched and empty loads ---------------------
 
 
 @pytest.mark.req("SD-7")
@@ -532,6 +549,101 @@ def test_strict_decides_whether_a_mismatch_is_an_error(impl: Adapter, kind: str,
         assert_same_state(pair.target.scale, torch.full((3,), 0.75), what="the non-persistent buffer after a non-strict set")
 
 
+@pytest.mark.req("SD-8", "SD-19")
+def test_strict_load_into_dtensor_parameters_names_the_missing_key(dist: RankContext, impl: Adapter) -> None:
+    """A model whose parameters are DTensors (tensor parallel, no FSDP unit) honours ``strict``: a full or
+    sharded dict without one key is a ``RuntimeError`` naming it, on every rank, and the model is left
+    as it was (pytorch/pytorch#126285: the missing key loaded silently)."""
+    ops = sd_ops(impl)
+    source, target = dtensor_model("nested", 0, dist), dtensor_model("nested", 1, dist)
+    key = "10.inner.0.weight"
+    for form in ("full", "sharded"):
+        options = ops.options(full_state_dict=form == "full")
+        given = ops.get_model_state_dict(source, options=options)
+        del given[key]
+        before = snapshot(model=target)
+        exc = expect_error(lambda: ops.set_model_state_dict(target, given, options=ops.options(full_state_dict=form == "full", strict=True)),
+                           RuntimeError, keys=[key], what=f"strict load of a {form} dict without {key!r}", where=f"rank {dist.rank}")
+        assert_same_error_on_every_rank(dist, exc, what=f"strict load of a {form} dict without {key!r}")
+        assert_unchanged(before, model=target, where=f"rank {dist.rank}, after the refused {form} load")
+
+
+#: The error cases of sharded loads: the model and optimizer state are full dicts, except "shape-dtensor"
+#: (a DTensor of the wrong global shape in a sharded dict); "broadcast-options" breaks the options.
+SHARDED_ERROR_KINDS = ("missing", "unexpected", "shape", "shape-dtensor", "empty", "optim-missing", "optim-unexpected",
+                       "optim-state-missing", "broadcast-options")
+
+
+@pytest.mark.rank_timeout(PROMPTLY_S)
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=REQ_MARKS[ERROR_CASES[k].req]) for k in SHARDED_ERROR_KINDS])
+def test_sharded_load_error(dist: RankContext, impl: Adapter, kind: str) -> None:
+    """Every rank's input is wrong: every rank raises the same error and changes nothing."""
+    sharded_error_run(dist, impl, kind, bad_ranks=set(range(dist.world_size)))
+
+
+#: The one-rank cases: one per requirement and kind of input that reaches a collective.
+ONE_RANK_ERROR_KINDS = ("missing", "shape-dtensor", "empty", "optim-missing", "optim-state-missing", "broadcast-options")
+
+
+@pytest.mark.world_size(min=2)
+@pytest.mark.rank_timeout(PROMPTLY_S)
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=REQ_MARKS[ERROR_CASES[k].req]) for k in ONE_RANK_ERROR_KINDS])
+def test_sharded_load_error_on_one_rank(dist: RankContext, impl: Adapter, kind: str) -> None:
+    """Only the last rank's input is wrong: still every rank raises the same error, promptly (a rank
+    left waiting in a collective is cut by the timeout), and no rank changes anything."""
+    sharded_error_run(dist, impl, kind, bad_ranks={dist.world_size - 1})
+
+
+@pytest.mark.req("SD-8", "SD-7")
+@pytest.mark.rank_timeout(PROMPTLY_S)
+@pytest.mark.parametrize("kind", ("missing", "unexpected", "optim-missing"))
+def test_sharded_strict_decides_whether_a_mismatch_is_an_error(dist: RankContext, impl: Adapter, kind: str) -> None:
+    """On a sharded model, one wrong full dict (an entry missing, an entry the model lacks, an
+    optimizer parameter no saved group lists) on every rank, set twice into a differing target.
+    ``strict=True``: every rank raises the same ``RuntimeError`` naming the canonical key whole; for
+    the optimizer case no rank changes anything. ``strict=False`` (model cases): no rank raises, and on
+    every rank the full get holds the given entries bit for bit and the target's own value for the
+    missing one, which is reported in ``missing_keys`` (an unexpected one in ``unexpected_keys``)."""
+    ops = sd_ops(impl)
+    case = ERROR_CASES[kind]
+    source = sharded_pair(impl, dist, case.model)
+    model_sd, optim_sd = copy.deepcopy(ops.get_state_dict(source.model, source.optim, options=ops.options(full_state_dict=True)))
+    target, target_optim = sharded_target(impl, dist, case.model, source.oracle.state_dict())
+    bad_model, bad_optim = break_input(case, model_sd, optim_sd)
+    full = ops.options(full_state_dict=True)
+    own = copy.deepcopy(ops.get_model_state_dict(target, options=full))
+    before = snapshot(model=target, optim=target_optim)
+    where = f"rank {dist.rank}"
+
+    def strict_load() -> Any:
+        options = ops.options(full_state_dict=True, strict=True)
+        if case.part == "optim":
+            return ops.set_optimizer_state_dict(target, target_optim, copy.deepcopy(bad_optim), options=options)
+        return ops.set_model_state_dict(target, copy.deepcopy(bad_model), options=options)
+
+    exc = raised(strict_load)
+    assert_same_error_on_every_rank(dist, exc, what=f"{kind}: strict set of a sharded model")
+    check_error(case, exc, model_sd, list(model_sd), where=where)
+    if case.part == "optim":
+        assert_unchanged(before, model=target, optim=target_optim, where=f"{where}, after the refused strict optimizer load")
+        return
+    box: list[Any] = []
+    nonstrict = ops.options(full_state_dict=True, strict=False)
+    exc = raised(lambda: box.append(ops.set_model_state_dict(target, copy.deepcopy(bad_model), options=nonstrict)))
+    every = dist.all_gather_object(None if exc is None else f"{type(exc).__name__}: {exc}"[:300])
+    if any(e is not None for e in every):
+        fail(f"{kind}: a non-strict set of a sharded model raised", every, "no error on any rank", where)
+    reported = box[0]
+    after = ops.get_model_state_dict(target, options=full)
+    missing = [k for k in own if k not in bad_model]
+    expected = {k: (own[k] if k in missing else bad_model[k]) for k in own}
+    assert_same_state(after, expected, what=f"full model state dict after a non-strict set ({kind})", where=where)
+    unexpected = [k for k in bad_model if k not in own]
+    if sorted(reported.missing_keys) != sorted(missing) or sorted(reported.unexpected_keys) != sorted(unexpected):
+        fail(f"keys reported by a non-strict set of a sharded model ({kind})",
+             (sorted(reported.missing_keys), sorted(reported.unexpected_keys)), (sorted(missing), sorted(unexpected)), where)
+
+
 @pytest.mark.req("SD-10")
 def test_empty_nonstrict_load_reports_everything_missing(impl: Adapter) -> None:
     ops = sd_ops(impl)
@@ -649,6 +761,37 @@ def test_sharded_round_trip(dist: RankContext, impl: Adapter, name: str, form: s
     assert_same_optim(after_target[1], after_source[1], "optimizer after one more step", where=f"rank {dist.rank}")
 
 
+#: Where a load of param groups goes through: (model, optimizer state dict form).
+PARAM_GROUP_PATHS = ("plain", "plain-flat", "plain-full", "plain-broadcast", "sharded", "sharded-full")
+
+
+@pytest.mark.req("SD-11")
+@pytest.mark.parametrize("path", PARAM_GROUP_PATHS)
+def test_load_replaces_param_groups_whole(dist: RankContext, impl: Adapter, path: str) -> None:
+    """A loaded param group replaces the target's whole, as ``Optimizer.load_state_dict`` does: a key
+    that only the target's groups have (say a scheduler's ``initial_lr`` added after the checkpoint was
+    written) is gone after the load, the values are as saved (``betas`` stays a tuple), and get of the
+    target equals get of the source, on every rank."""
+    ops = sd_ops(impl)
+    broadcast = path.endswith("broadcast")
+    get_options = ops.options(full_state_dict=path.endswith(("full", "broadcast")),
+                              flatten_optimizer_state_dict=path.endswith("flat"))
+    set_options = ops.options(full_state_dict=path.endswith(("full", "broadcast")), broadcast_from_rank0=broadcast,
+                              flatten_optimizer_state_dict=path.endswith("flat"))
+    if path.startswith("sharded"):
+        source = sharded_pair(impl, dist, "nested")
+        model, optim = source.model, source.optim
+        target, target_optim = sharded_target(impl, dist, "nested", source.oracle.state_dict(), extra_key=True)
+    else:
+        pair = plain_pair("nested", device=dist.device, extra_key=True)
+        model, optim, target, target_optim = pair.source, pair.source_optim, pair.target, pair.target_optim
+    saved = copy.deepcopy(ops.get_optimizer_state_dict(model, optim, options=get_options))
+    given = copy.deepcopy(saved) if not broadcast or dist.rank == 0 else {}
+    ops.set_optimizer_state_dict(target, target_optim, given, options=set_options)
+    got = ops.get_optimizer_state_dict(target, target_optim, options=get_options)
+    assert_same_optim(got, saved, "optimizer state dict after set", where=f"rank {dist.rank}", sequence_types=True)
+
+
 @pytest.mark.req("SD-12")
 @pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
 @pytest.mark.parametrize("name", ("nested", "tied"))
@@ -665,28 +808,6 @@ def test_sharded_full_state_dict(dist: RankContext, impl: Adapter, name: str, st
                       where=f"rank {dist.rank}", atol=ATOL, rtol=RTOL)
     assert_same_optim(optim_sd, fqn_keyed_optim(pair.oracle, pair.oracle_optim), f"full optimizer state dict ({strategy})",
                       atol=ATOL, where=f"rank {dist.rank}")
-
-
-@pytest.mark.req("SD-13")
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_sharded_get_follows_the_plan(dist: RankContext, impl: Adapter, strategy: str) -> None:
-    """``full_state_dict=False`` on a model sharded with each strategy: every parameter and every
-    positional optimizer state is a DTensor on the mesh the plan asked for (FULL_SHARD and
-    SHARD_GRAD_OP: ``Shard(0)`` over every rank; NO_SHARD: ``Replicate()``; HYBRID_SHARD: the 2-D mesh
-    whose dim 0 is the replicate groups and dim 1 the shard groups, ``(Replicate(), Shard(0))``), its
-    mesh dims' process groups holding the ranks the plan puts together, and its local shard on every
-    rank this rank's planned piece of the unwrapped oracle's value, whatever coordinate it reports. A
-    mesh read the wrong way round (dims transposed) fails at world size 2 and 4."""
-    ops = sd_ops(impl)
-    pair = sharded_pair(impl, dist, "nested", strategy)
-    model_sd, optim_sd = ops.get_state_dict(pair.model, pair.optim, options=ops.options(full_state_dict=False))
-    assert_planned_get(model_sd, pair.oracle.state_dict(), strategy, dist, "sharded model state dict")
-    oracle_optim = fqn_keyed_optim(pair.oracle, pair.oracle_optim)
-    if sorted(optim_sd["state"]) != sorted(oracle_optim["state"]):
-        fail("sharded optimizer state dict: FQNs with state", sorted(optim_sd["state"]), sorted(oracle_optim["state"]),
-             f"rank {dist.rank}")
-    for fqn, state in optim_sd["state"].items():
-        assert_planned_get(state, oracle_optim["state"][fqn], strategy, dist, f"sharded optimizer state of {fqn!r}")
 
 
 @pytest.mark.req("SD-12")
@@ -729,6 +850,155 @@ def test_dtensor_parameters_full_cpu_offload(dist: RankContext, impl: Adapter) -
     assert_same_state(got, {k: v.cpu() for k, v in oracle.items()}, what="full state dict on rank 0", where="rank 0")
 
 
+@pytest.mark.req("SD-13")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sharded_get_follows_the_plan(dist: RankContext, impl: Adapter, strategy: str) -> None:
+    """``full_state_dict=False`` on a model sharded with each strategy: every parameter and every
+    positional optimizer state is a DTensor on the mesh the plan asked for (FULL_SHARD and
+    SHARD_GRAD_OP: ``Shard(0)`` over every rank; NO_SHARD: ``Replicate()``; HYBRID_SHARD: the 2-D mesh
+    whose dim 0 is the replicate groups and dim 1 the shard groups, ``(Replicate(), Shard(0))``), its
+    mesh dims' process groups holding the ranks the plan puts together, and its local shard on every
+    rank this rank's planned piece of the unwrapped oracle's value, whatever coordinate it reports. A
+    mesh read the wrong way round (dims transposed) fails at world size 2 and 4."""
+    ops = sd_ops(impl)
+    pair = sharded_pair(impl, dist, "nested", strategy)
+    model_sd, optim_sd = ops.get_state_dict(pair.model, pair.optim, options=ops.options(full_state_dict=False))
+    assert_planned_get(model_sd, pair.oracle.state_dict(), strategy, dist, "sharded model state dict")
+    oracle_optim = fqn_keyed_optim(pair.oracle, pair.oracle_optim)
+    if sorted(optim_sd["state"]) != sorted(oracle_optim["state"]):
+        fail("sharded optimizer state dict: FQNs with state", sorted(optim_sd["state"]), sorted(oracle_optim["state"]),
+             f"rank {dist.rank}")
+    for fqn, state in optim_sd["state"].items():
+        assert_planned_get(state, oracle_optim["state"][fqn], strategy, dist, f"sharded optimizer state of {fqn!r}")
+
+
+@pytest.mark.req("SD-14")
+@pytest.mark.parametrize("sharded", (False, True), ids=("plain", "sharded"))
+@pytest.mark.parametrize("name", ("nested", "dtypes"))
+def test_broadcast_from_rank0(dist: RankContext, impl: Adapter, name: str, sharded: bool) -> None:
+    """Rank 0 holds the oracle's full model and optimizer state, the other ranks pass {} to
+    set_model_state_dict and set_optimizer_state_dict; every rank ends with rank 0's state bit for bit,
+    hyperparameters included, in a target that differed everywhere."""
+    ops = sd_ops(impl)
+    expected_model, expected_optim = oracle_state(name, dist.device)
+    target, target_optim = broadcast_target(impl, dist, name, sharded, expected_model)
+    options = ops.options(full_state_dict=True, broadcast_from_rank0=True)
+    model_sd, optim_sd = copy.deepcopy((expected_model, expected_optim)) if dist.rank == 0 else ({}, {})
+    ops.set_model_state_dict(target, model_sd, options=options)
+    ops.set_optimizer_state_dict(target, target_optim, optim_sd, options=options)
+    check_broadcast_result(ops, dist, target, target_optim, expected_model, expected_optim)
+
+
+@pytest.mark.req("SD-14", "SD-7")
+@pytest.mark.parametrize("sharded", (False, True), ids=("plain", "sharded"))
+def test_broadcast_with_cpu_offload_not_strict_skips_unknown_keys(dist: RankContext, impl: Adapter, sharded: bool) -> None:
+    """``broadcast_from_rank0`` with ``cpu_offload`` and ``strict=False``, rank 0's dict holding a key the
+    model does not have: the rest loads on every rank and the key is reported unexpected, not a
+    ``KeyError`` from inside the broadcast (pytorch/pytorch#149516, PR #150239)."""
+    ops = sd_ops(impl)
+    expected_model, expected_optim = oracle_state("nested", dist.device)
+    target, target_optim = broadcast_target(impl, dist, "nested", sharded, expected_model)
+    options = ops.options(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True, strict=False)
+    extra = "10.inner.0.sdc_extra"
+    model_sd = {**copy.deepcopy(expected_model), extra: torch.ones(3, device=dist.device)} if dist.rank == 0 else {}
+    result = ops.set_model_state_dict(target, model_sd, options=options)
+    unexpected = list(getattr(result, "unexpected_keys", []))
+    if unexpected != [extra]:
+        fail("unexpected keys reported by a non-strict broadcast load", unexpected, [extra], f"rank {dist.rank}")
+    ops.set_optimizer_state_dict(target, target_optim, copy.deepcopy(expected_optim) if dist.rank == 0 else {}, options=options)
+    check_broadcast_result(ops, dist, target, target_optim, expected_model, expected_optim)
+
+
+@pytest.mark.req("SD-15")
+@pytest.mark.parametrize("direction", ("reference-to-impl", "impl-to-reference"))
+@pytest.mark.parametrize("name", ("tied", "frozen", "buffers", "nested", "dtypes"))
+def test_cross_implementation_plain(impl: Adapter, reference_impl: Any, name: str, direction: str) -> None:
+    """One implementation's get loads through the other into a differing target: the target equals the
+    source bit for bit, model and optimizer (per parameter). (No step after: source and target are
+    wrapped differently, and activation checkpointing runs BatchNorm's forward twice.)"""
+    ops, ref = sd_ops(impl), sd_ops(reference_impl)
+    producer, consumer = (ref, ops) if direction == "reference-to-impl" else (ops, ref)
+    pair = plain_pair(name, "reversed")  # regrouped targets are test_round_trip's
+    saved = copy.deepcopy(producer.get_state_dict(wrap(pair.source, "checkpoint"), pair.source_optim))
+    consumer.set_state_dict(wrap(pair.target, "compile"), pair.target_optim, model_state_dict=saved[0], optim_state_dict=saved[1])
+    assert_same_state(pair.target.state_dict(), pair.source.state_dict(), what="model loaded across implementations")
+    assert_same_optim(fqn_keyed_optim(pair.target, pair.target_optim), fqn_keyed_optim(pair.source, pair.source_optim),
+                      "optimizer loaded across implementations")
+
+
+@pytest.mark.req("SD-15")
+@pytest.mark.parametrize("full_state_dict", (True, False), ids=("full", "sharded"))
+@pytest.mark.parametrize("direction", ("reference-to-impl", "impl-to-reference"))
+@pytest.mark.parametrize("name", ("nested", "buffers"))
+def test_cross_implementation_sharded(dist: RankContext, impl: Adapter, name: str, direction: str, full_state_dict: bool) -> None:
+    """Sharded by one implementation, loaded by the other into a differing sharded target: the
+    consumer's full get equals the oracle on every rank."""
+    # reference_impl is a controller-side fixture; on the ranks the adapter is loaded by name.
+    reference = load_adapter("reference")
+    producer_impl, consumer_impl = (reference, impl) if direction == "reference-to-impl" else (impl, reference)
+    producer, consumer = sd_ops(producer_impl), sd_ops(consumer_impl)
+    source = sharded_pair(producer_impl, dist, name)
+    target, target_optim = sharded_target(consumer_impl, dist, name, source.oracle.state_dict())
+    model_sd, optim_sd = producer.get_state_dict(source.model, source.optim, options=producer.options(full_state_dict=full_state_dict))
+    consumer.set_state_dict(
+        target, target_optim, model_state_dict=model_sd, optim_state_dict=optim_sd,
+        options=consumer.options(full_state_dict=full_state_dict),
+    )
+    got = consumer.get_state_dict(target, target_optim, options=consumer.options(full_state_dict=True))
+    assert_same_state(got[0], source.oracle.state_dict(), what="model loaded across implementations",
+                      where=f"rank {dist.rank}", atol=ATOL, rtol=RTOL)
+    assert_same_optim(got[1], fqn_keyed_optim(source.oracle, source.oracle_optim), "optimizer loaded across implementations",
+                      atol=ATOL, where=f"rank {dist.rank}")
+
+
+@pytest.mark.req("SD-16")
+@pytest.mark.rank_timeout(PROMPTLY_S)
+def test_set_state_dict_broadcast_with_empty_dicts_on_other_ranks(dist: RankContext, impl: Adapter) -> None:
+    """One set_state_dict call on every rank of a sharded model, ranks > 0 passing {} for both the model
+    and the optimizer state: it completes, and every rank ends with rank 0's state (checked on each
+    rank, bit for bit). (Sharded only: a wrong implementation hangs here, and each hang costs the timeout.)"""
+    ops = sd_ops(impl)
+    expected_model, expected_optim = oracle_state("buffers", dist.device)
+    target, target_optim = broadcast_target(impl, dist, "buffers", True, expected_model)
+    options = ops.options(full_state_dict=True, broadcast_from_rank0=True)
+    model_sd, optim_sd = copy.deepcopy((expected_model, expected_optim)) if dist.rank == 0 else ({}, {})
+    ops.set_state_dict(target, target_optim, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+    check_broadcast_result(ops, dist, target, target_optim, expected_model, expected_optim)
+
+
+@pytest.mark.req("SD-18")
+@pytest.mark.rank_timeout(PROMPTLY_S)
+@pytest.mark.parametrize("kind", ("unexpected", "shape", "optim-missing"))
+def test_failed_set_restores_state_dict_config(dist: RankContext, impl: Adapter, kind: str) -> None:
+    """A full_state_dict set that raises leaves the model's state-dict configuration as it was: the
+    default get then has the form it had before (sharded DTensors with the same placements and local
+    shapes, the same keys), and a valid default set then loads bit for bit. Checked by behaviour, so it
+    holds for every implementation; the failing set offers the model's own values, so that whether it
+    changed anything (SD-8, SD-9) does not matter here."""
+    ops = sd_ops(impl)
+    case = ERROR_CASES[kind]
+    pair = sharded_pair(impl, dist, "nested")
+    before = form_of(ops.get_state_dict(pair.model, pair.optim))
+    full_model, full_optim = copy.deepcopy(ops.get_state_dict(pair.model, pair.optim, options=ops.options(full_state_dict=True)))
+    bad_model, bad_optim = break_input(case, full_model, full_optim)
+    exc = raised(lambda: ops.set_state_dict(pair.model, pair.optim, model_state_dict=bad_model, optim_state_dict=bad_optim,
+                                            options=ops.options(full_state_dict=True)))
+    if not isinstance(exc, case.error):
+        fail(f"{kind}: the set did not raise {case.error.__name__}", repr(exc), case.error.__name__, f"rank {dist.rank}")
+
+    assert_same_state(form_of(ops.get_state_dict(pair.model, pair.optim)), before,
+                      what="form of the default get after the failed set", where=f"rank {dist.rank}")
+    other, other_optim = sharded_target(impl, dist, "nested", pair.oracle.state_dict())
+    other_sd = copy.deepcopy(ops.get_state_dict(other, other_optim))
+    ops.set_state_dict(pair.model, pair.optim, model_state_dict=copy.deepcopy(other_sd[0]),
+                       optim_state_dict=copy.deepcopy(other_sd[1]))
+    got_model, got_optim = ops.get_state_dict(pair.model, pair.optim)
+    assert_same_state(got_model, other_sd[0], what="model after a valid set that followed the failed one",
+                      where=f"rank {dist.rank}")
+    assert_same_optim(got_optim, other_sd[1], "optimizer after a valid set that followed the failed one",
+                      where=f"rank {dist.rank}")
+
+
 @pytest.mark.req("SD-19")
 @pytest.mark.parametrize("form", ("full", "sharded"))
 @pytest.mark.parametrize("name", ("nested", "tiny", "dtypes"))
@@ -755,56 +1025,6 @@ def test_dtensor_parameters_without_fsdp(dist: RankContext, impl: Adapter, name:
     ops.set_model_state_dict(target, copy.deepcopy(got), options=options)
     full = ops.get_model_state_dict(target, options=ops.options(full_state_dict=True))
     assert_same_state(full, oracle, what=f"target after a set of the {form} state dict", where=where)
-
-
-@pytest.mark.req("SD-4", "SD-5")
-@pytest.mark.parametrize("keep", (True, False), ids=("keep-prefixes", "strip-prefixes"))
-@pytest.mark.parametrize("path", ("1", "10", "1.inner"))
-def test_sharded_submodule_selection(dist: RankContext, impl: Adapter, path: str, keep: bool) -> None:
-    """Selecting a module of the user's model after it was sharded (inside a sharding unit): the
-    oracle's entries of that module, bit for bit (nothing was trained), on every rank."""
-    ops = sd_ops(impl)
-    oracle = zoo.build("nested", seed=0, device=dist.device)
-    model = zoo.build("nested", seed=0, device=dist.device)
-    sub = model.get_submodule(path)  # the user's handle, taken before sharding
-    try:
-        sharded = sd_shard(impl, model, dist.device, "FULL_SHARD")
-    except Unsupported as exc:
-        pytest.skip(str(exc))
-    options = ops.options(full_state_dict=True, keep_submodule_prefixes=keep)
-    with recording_deprecations(ops):
-        got = ops.get_model_state_dict(sharded, submodules={sub}, options=options)
-    expected = {k: v for k, v in oracle.state_dict().items() if k.startswith(path + ".")}
-    if not keep:
-        expected = {k[len(path) + 1 :]: v for k, v in expected.items()}
-    assert_same_state(got, expected, what=f"entries of {path!r}", where=f"rank {dist.rank}")
-
-
-@pytest.mark.req("SD-3")
-def test_sharded_ignore_frozen_params(dist: RankContext, impl: Adapter) -> None:
-    ops = sd_ops(impl)
-    pair = sharded_pair(impl, dist, "frozen")
-    frozen = {n for n, p in pair.oracle.named_parameters() if not p.requires_grad}
-    got = ops.get_model_state_dict(pair.model, options=ops.options(full_state_dict=True, ignore_frozen_params=True))
-    assert_same_state(got, {k: v for k, v in pair.oracle.state_dict().items() if k not in frozen}, what="trainable entries",
-                      where=f"rank {dist.rank}", atol=ATOL, rtol=RTOL)
-
-
-@pytest.mark.req("SD-14")
-@pytest.mark.parametrize("sharded", (False, True), ids=("plain", "sharded"))
-@pytest.mark.parametrize("name", ("nested", "dtypes"))
-def test_broadcast_from_rank0(dist: RankContext, impl: Adapter, name: str, sharded: bool) -> None:
-    """Rank 0 holds the oracle's full model and optimizer state, the other ranks pass {} to
-    set_model_state_dict and set_optimizer_state_dict; every rank ends with rank 0's state bit for bit,
-    hyperparameters included, in a target that differed everywhere."""
-    ops = sd_ops(impl)
-    expected_model, expected_optim = oracle_state(name, dist.device)
-    target, target_optim = broadcast_target(impl, dist, name, sharded, expected_model)
-    options = ops.options(full_state_dict=True, broadcast_from_rank0=True)
-    model_sd, optim_sd = copy.deepcopy((expected_model, expected_optim)) if dist.rank == 0 else ({}, {})
-    ops.set_model_state_dict(target, model_sd, options=options)
-    ops.set_optimizer_state_dict(target, target_optim, optim_sd, options=options)
-    check_broadcast_result(ops, dist, target, target_optim, expected_model, expected_optim)
 
 
 @pytest.mark.req("SD-34", "SD-14")
@@ -891,242 +1111,3 @@ def test_sharded_on_a_subgroup_without_global_rank0(dist: RankContext, impl: Ada
     assert_same_optim(got_optim, everywhere[1], "optimizer after a broadcast from the group's first rank", where=where)
     assert_same_state(hyperparameters(target_optim), [{k: v for k, v in g.items() if k != "params"} for g in everywhere[1]["param_groups"]],
                       what="the optimizer's own param groups after the broadcast", where=where)
-
-
-@pytest.mark.req("SD-16")
-@pytest.mark.rank_timeout(PROMPTLY_S)
-def test_set_state_dict_broadcast_with_empty_dicts_on_other_ranks(dist: RankContext, impl: Adapter) -> None:
-    """One set_state_dict call on every rank of a sharded model, ranks > 0 passing {} for both the model
-    and the optimizer state: it completes, and every rank ends with rank 0's state (checked on each
-    rank, bit for bit). (Sharded only: a wrong implementation hangs here, and each hang costs the timeout.)"""
-    ops = sd_ops(impl)
-    expected_model, expected_optim = oracle_state("buffers", dist.device)
-    target, target_optim = broadcast_target(impl, dist, "buffers", True, expected_model)
-    options = ops.options(full_state_dict=True, broadcast_from_rank0=True)
-    model_sd, optim_sd = copy.deepcopy((expected_model, expected_optim)) if dist.rank == 0 else ({}, {})
-    ops.set_state_dict(target, target_optim, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
-    check_broadcast_result(ops, dist, target, target_optim, expected_model, expected_optim)
-
-
-@pytest.mark.req("SD-14", "SD-7")
-@pytest.mark.parametrize("sharded", (False, True), ids=("plain", "sharded"))
-def test_broadcast_with_cpu_offload_not_strict_skips_unknown_keys(dist: RankContext, impl: Adapter, sharded: bool) -> None:
-    """``broadcast_from_rank0`` with ``cpu_offload`` and ``strict=False``, rank 0's dict holding a key the
-    model does not have: the rest loads on every rank and the key is reported unexpected, not a
-    ``KeyError`` from inside the broadcast (pytorch/pytorch#149516, PR #150239)."""
-    ops = sd_ops(impl)
-    expected_model, expected_optim = oracle_state("nested", dist.device)
-    target, target_optim = broadcast_target(impl, dist, "nested", sharded, expected_model)
-    options = ops.options(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True, strict=False)
-    extra = "10.inner.0.sdc_extra"
-    model_sd = {**copy.deepcopy(expected_model), extra: torch.ones(3, device=dist.device)} if dist.rank == 0 else {}
-    result = ops.set_model_state_dict(target, model_sd, options=options)
-    unexpected = list(getattr(result, "unexpected_keys", []))
-    if unexpected != [extra]:
-        fail("unexpected keys reported by a non-strict broadcast load", unexpected, [extra], f"rank {dist.rank}")
-    ops.set_optimizer_state_dict(target, target_optim, copy.deepcopy(expected_optim) if dist.rank == 0 else {}, options=options)
-    check_broadcast_result(ops, dist, target, target_optim, expected_model, expected_optim)
-
-
-@pytest.mark.req("SD-8", "SD-19")
-def test_strict_load_into_dtensor_parameters_names_the_missing_key(dist: RankContext, impl: Adapter) -> None:
-    """A model whose parameters are DTensors (tensor parallel, no FSDP unit) honours ``strict``: a full or
-    sharded dict without one key is a ``RuntimeError`` naming it, on every rank, and the model is left
-    as it was (pytorch/pytorch#126285: the missing key loaded silently)."""
-    ops = sd_ops(impl)
-    source, target = dtensor_model("nested", 0, dist), dtensor_model("nested", 1, dist)
-    key = "10.inner.0.weight"
-    for form in ("full", "sharded"):
-        options = ops.options(full_state_dict=form == "full")
-        given = ops.get_model_state_dict(source, options=options)
-        del given[key]
-        before = snapshot(model=target)
-        exc = expect_error(lambda: ops.set_model_state_dict(target, given, options=ops.options(full_state_dict=form == "full", strict=True)),
-                           RuntimeError, keys=[key], what=f"strict load of a {form} dict without {key!r}", where=f"rank {dist.rank}")
-        assert_same_error_on_every_rank(dist, exc, what=f"strict load of a {form} dict without {key!r}")
-        assert_unchanged(before, model=target, where=f"rank {dist.rank}, after the refused {form} load")
-
-
-# -- errors on sharded models: on every rank, and when only one rank's input is bad ------------------
-
-#: The error cases of sharded loads: the model and optimizer state are full dicts, except "shape-dtensor"
-#: (a DTensor of the wrong global shape in a sharded dict); "broadcast-options" breaks the options.
-SHARDED_ERROR_KINDS = ("missing", "unexpected", "shape", "shape-dtensor", "empty", "optim-missing", "optim-unexpected",
-                       "optim-state-missing", "broadcast-options")
-#: The one-rank cases: one per requirement and kind of input that reaches a collective.
-ONE_RANK_ERROR_KINDS = ("missing", "shape-dtensor", "empty", "optim-missing", "optim-state-missing", "broadcast-options")
-
-
-@pytest.mark.rank_timeout(PROMPTLY_S)
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=REQ_MARKS[ERROR_CASES[k].req]) for k in SHARDED_ERROR_KINDS])
-def test_sharded_load_error(dist: RankContext, impl: Adapter, kind: str) -> None:
-    """Every rank's input is wrong: every rank raises the same error and changes nothing."""
-    sharded_error_run(dist, impl, kind, bad_ranks=set(range(dist.world_size)))
-
-
-@pytest.mark.world_size(min=2)
-@pytest.mark.rank_timeout(PROMPTLY_S)
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=REQ_MARKS[ERROR_CASES[k].req]) for k in ONE_RANK_ERROR_KINDS])
-def test_sharded_load_error_on_one_rank(dist: RankContext, impl: Adapter, kind: str) -> None:
-    """Only the last rank's input is wrong: still every rank raises the same error, promptly (a rank
-    left waiting in a collective is cut by the timeout), and no rank changes anything."""
-    sharded_error_run(dist, impl, kind, bad_ranks={dist.world_size - 1})
-
-
-@pytest.mark.req("SD-8", "SD-7")
-@pytest.mark.rank_timeout(PROMPTLY_S)
-@pytest.mark.parametrize("kind", ("missing", "unexpected", "optim-missing"))
-def test_sharded_strict_decides_whether_a_mismatch_is_an_error(dist: RankContext, impl: Adapter, kind: str) -> None:
-    """On a sharded model, one wrong full dict (an entry missing, an entry the model lacks, an
-    optimizer parameter no saved group lists) on every rank, set twice into a differing target.
-    ``strict=True``: every rank raises the same ``RuntimeError`` naming the canonical key whole; for
-    the optimizer case no rank changes anything. ``strict=False`` (model cases): no rank raises, and on
-    every rank the full get holds the given entries bit for bit and the target's own value for the
-    missing one, which is reported in ``missing_keys`` (an unexpected one in ``unexpected_keys``)."""
-    ops = sd_ops(impl)
-    case = ERROR_CASES[kind]
-    source = sharded_pair(impl, dist, case.model)
-    model_sd, optim_sd = copy.deepcopy(ops.get_state_dict(source.model, source.optim, options=ops.options(full_state_dict=True)))
-    target, target_optim = sharded_target(impl, dist, case.model, source.oracle.state_dict())
-    bad_model, bad_optim = break_input(case, model_sd, optim_sd)
-    full = ops.options(full_state_dict=True)
-    own = copy.deepcopy(ops.get_model_state_dict(target, options=full))
-    before = snapshot(model=target, optim=target_optim)
-    where = f"rank {dist.rank}"
-
-    def strict_load() -> Any:
-        options = ops.options(full_state_dict=True, strict=True)
-        if case.part == "optim":
-            return ops.set_optimizer_state_dict(target, target_optim, copy.deepcopy(bad_optim), options=options)
-        return ops.set_model_state_dict(target, copy.deepcopy(bad_model), options=options)
-
-    exc = raised(strict_load)
-    assert_same_error_on_every_rank(dist, exc, what=f"{kind}: strict set of a sharded model")
-    check_error(case, exc, model_sd, list(model_sd), where=where)
-    if case.part == "optim":
-        assert_unchanged(before, model=target, optim=target_optim, where=f"{where}, after the refused strict optimizer load")
-        return
-    box: list[Any] = []
-    nonstrict = ops.options(full_state_dict=True, strict=False)
-    exc = raised(lambda: box.append(ops.set_model_state_dict(target, copy.deepcopy(bad_model), options=nonstrict)))
-    every = dist.all_gather_object(None if exc is None else f"{type(exc).__name__}: {exc}"[:300])
-    if any(e is not None for e in every):
-        fail(f"{kind}: a non-strict set of a sharded model raised", every, "no error on any rank", where)
-    reported = box[0]
-    after = ops.get_model_state_dict(target, options=full)
-    missing = [k for k in own if k not in bad_model]
-    expected = {k: (own[k] if k in missing else bad_model[k]) for k in own}
-    assert_same_state(after, expected, what=f"full model state dict after a non-strict set ({kind})", where=where)
-    unexpected = [k for k in bad_model if k not in own]
-    if sorted(reported.missing_keys) != sorted(missing) or sorted(reported.unexpected_keys) != sorted(unexpected):
-        fail(f"keys reported by a non-strict set of a sharded model ({kind})",
-             (sorted(reported.missing_keys), sorted(reported.unexpected_keys)), (sorted(missing), sorted(unexpected)), where)
-
-
-@pytest.mark.req("SD-18")
-@pytest.mark.rank_timeout(PROMPTLY_S)
-@pytest.mark.parametrize("kind", ("unexpected", "shape", "optim-missing"))
-def test_failed_set_restores_state_dict_config(dist: RankContext, impl: Adapter, kind: str) -> None:
-    """A full_state_dict set that raises leaves the model's state-dict configuration as it was: the
-    default get then has the form it had before (sharded DTensors with the same placements and local
-    shapes, the same keys), and a valid default set then loads bit for bit. Checked by behaviour, so it
-    holds for every implementation; the failing set offers the model's own values, so that whether it
-    changed anything (SD-8, SD-9) does not matter here."""
-    ops = sd_ops(impl)
-    case = ERROR_CASES[kind]
-    pair = sharded_pair(impl, dist, "nested")
-    before = form_of(ops.get_state_dict(pair.model, pair.optim))
-    full_model, full_optim = copy.deepcopy(ops.get_state_dict(pair.model, pair.optim, options=ops.options(full_state_dict=True)))
-    bad_model, bad_optim = break_input(case, full_model, full_optim)
-    exc = raised(lambda: ops.set_state_dict(pair.model, pair.optim, model_state_dict=bad_model, optim_state_dict=bad_optim,
-                                            options=ops.options(full_state_dict=True)))
-    if not isinstance(exc, case.error):
-        fail(f"{kind}: the set did not raise {case.error.__name__}", repr(exc), case.error.__name__, f"rank {dist.rank}")
-
-    assert_same_state(form_of(ops.get_state_dict(pair.model, pair.optim)), before,
-                      what="form of the default get after the failed set", where=f"rank {dist.rank}")
-    other, other_optim = sharded_target(impl, dist, "nested", pair.oracle.state_dict())
-    other_sd = copy.deepcopy(ops.get_state_dict(other, other_optim))
-    ops.set_state_dict(pair.model, pair.optim, model_state_dict=copy.deepcopy(other_sd[0]),
-                       optim_state_dict=copy.deepcopy(other_sd[1]))
-    got_model, got_optim = ops.get_state_dict(pair.model, pair.optim)
-    assert_same_state(got_model, other_sd[0], what="model after a valid set that followed the failed one",
-                      where=f"rank {dist.rank}")
-    assert_same_optim(got_optim, other_sd[1], "optimizer after a valid set that followed the failed one",
-                      where=f"rank {dist.rank}")
-
-
-#: Where a load of param groups goes through: (model, optimizer state dict form).
-PARAM_GROUP_PATHS = ("plain", "plain-flat", "plain-full", "plain-broadcast", "sharded", "sharded-full")
-
-
-@pytest.mark.req("SD-11")
-@pytest.mark.parametrize("path", PARAM_GROUP_PATHS)
-def test_load_replaces_param_groups_whole(dist: RankContext, impl: Adapter, path: str) -> None:
-    """A loaded param group replaces the target's whole, as ``Optimizer.load_state_dict`` does: a key
-    that only the target's groups have (say a scheduler's ``initial_lr`` added after the checkpoint was
-    written) is gone after the load, the values are as saved (``betas`` stays a tuple), and get of the
-    target equals get of the source, on every rank."""
-    ops = sd_ops(impl)
-    broadcast = path.endswith("broadcast")
-    get_options = ops.options(full_state_dict=path.endswith(("full", "broadcast")),
-                              flatten_optimizer_state_dict=path.endswith("flat"))
-    set_options = ops.options(full_state_dict=path.endswith(("full", "broadcast")), broadcast_from_rank0=broadcast,
-                              flatten_optimizer_state_dict=path.endswith("flat"))
-    if path.startswith("sharded"):
-        source = sharded_pair(impl, dist, "nested")
-        model, optim = source.model, source.optim
-        target, target_optim = sharded_target(impl, dist, "nested", source.oracle.state_dict(), extra_key=True)
-    else:
-        pair = plain_pair("nested", device=dist.device, extra_key=True)
-        model, optim, target, target_optim = pair.source, pair.source_optim, pair.target, pair.target_optim
-    saved = copy.deepcopy(ops.get_optimizer_state_dict(model, optim, options=get_options))
-    given = copy.deepcopy(saved) if not broadcast or dist.rank == 0 else {}
-    ops.set_optimizer_state_dict(target, target_optim, given, options=set_options)
-    got = ops.get_optimizer_state_dict(target, target_optim, options=get_options)
-    assert_same_optim(got, saved, "optimizer state dict after set", where=f"rank {dist.rank}", sequence_types=True)
-
-
-# -- SD-15: across implementations ------------------------------------------------------------------
-
-
-@pytest.mark.req("SD-15")
-@pytest.mark.parametrize("direction", ("reference-to-impl", "impl-to-reference"))
-@pytest.mark.parametrize("name", ("tied", "frozen", "buffers", "nested", "dtypes"))
-def test_cross_implementation_plain(impl: Adapter, reference_impl: Any, name: str, direction: str) -> None:
-    """One implementation's get loads through the other into a differing target: the target equals the
-    source bit for bit, model and optimizer (per parameter). (No step after: source and target are
-    wrapped differently, and activation checkpointing runs BatchNorm's forward twice.)"""
-    ops, ref = sd_ops(impl), sd_ops(reference_impl)
-    producer, consumer = (ref, ops) if direction == "reference-to-impl" else (ops, ref)
-    pair = plain_pair(name, "reversed")  # regrouped targets are test_round_trip's
-    saved = copy.deepcopy(producer.get_state_dict(wrap(pair.source, "checkpoint"), pair.source_optim))
-    consumer.set_state_dict(wrap(pair.target, "compile"), pair.target_optim, model_state_dict=saved[0], optim_state_dict=saved[1])
-    assert_same_state(pair.target.state_dict(), pair.source.state_dict(), what="model loaded across implementations")
-    assert_same_optim(fqn_keyed_optim(pair.target, pair.target_optim), fqn_keyed_optim(pair.source, pair.source_optim),
-                      "optimizer loaded across implementations")
-
-
-@pytest.mark.req("SD-15")
-@pytest.mark.parametrize("full_state_dict", (True, False), ids=("full", "sharded"))
-@pytest.mark.parametrize("direction", ("reference-to-impl", "impl-to-reference"))
-@pytest.mark.parametrize("name", ("nested", "buffers"))
-def test_cross_implementation_sharded(dist: RankContext, impl: Adapter, name: str, direction: str, full_state_dict: bool) -> None:
-    """Sharded by one implementation, loaded by the other into a differing sharded target: the
-    consumer's full get equals the oracle on every rank."""
-    # reference_impl is a controller-side fixture; on the ranks the adapter is loaded by name.
-    reference = load_adapter("reference")
-    producer_impl, consumer_impl = (reference, impl) if direction == "reference-to-impl" else (impl, reference)
-    producer, consumer = sd_ops(producer_impl), sd_ops(consumer_impl)
-    source = sharded_pair(producer_impl, dist, name)
-    target, target_optim = sharded_target(consumer_impl, dist, name, source.oracle.state_dict())
-    model_sd, optim_sd = producer.get_state_dict(source.model, source.optim, options=producer.options(full_state_dict=full_state_dict))
-    consumer.set_state_dict(
-        target, target_optim, model_state_dict=model_sd, optim_state_dict=optim_sd,
-        options=consumer.options(full_state_dict=full_state_dict),
-    )
-    got = consumer.get_state_dict(target, target_optim, options=consumer.options(full_state_dict=True))
-    assert_same_state(got[0], source.oracle.state_dict(), what="model loaded across implementations",
-                      where=f"rank {dist.rank}", atol=ATOL, rtol=RTOL)
-    assert_same_optim(got[1], fqn_keyed_optim(source.oracle, source.oracle_optim), "optimizer loaded across implementations",
-                      atol=ATOL, where=f"rank {dist.rank}")

@@ -63,6 +63,20 @@ from conformance.training_states_support import (
 from conformance.values import perturb_hyperparameters
 
 
+@pytest.mark.req("SD-11")
+def test_saved_extra_keys_are_restored_into_groups_that_lack_them(impl: Any) -> None:
+    """The saved groups carry ``initial_lr`` (an LR scheduler's) and a key of the user's; a target whose
+    groups have neither (no scheduler built yet) gets both from the set (pytorch/pytorch#140900)."""
+    ops: StateDictOps = impl.require("state_dict")
+    source, saved = trained_source(impl)
+    target_model = build(1)
+    target_optim = torch.optim.AdamW([{"params": g["params"]} for g in groups_of(target_model)], lr=0.3)
+    ops.set_optimizer_state_dict(target_model, target_optim, copy.deepcopy(saved))
+    got = [{k: v for k, v in g.items() if k != "params"} for g in ops.get_optimizer_state_dict(target_model, target_optim)["param_groups"]]
+    assert_same_state(got, [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]],
+                      what="param groups after a set into groups without initial_lr", check_order=False)
+
+
 @pytest.mark.req("SD-20")
 @pytest.mark.parametrize("situation", ("fresh", "partial", "accumulating"))
 @pytest.mark.parametrize("kind", ("adamw", "adam", "sgd-momentum", "adamw-tensor-lr"))
@@ -145,9 +159,6 @@ def test_sharded_stateless_optimizer_round_trips(dist: Any, impl: Any, use_orig_
     assert_no_state_entries(target.optim, where_of(dist, "sgd", use_orig_params))
 
 
-# -- SD-24: saved state of parameters frozen after training is kept -------------------------------------------
-
-
 @pytest.mark.req("SD-24")
 @pytest.mark.parametrize("flatten", (False, True), ids=("nested", "flattened"))
 def test_state_of_a_parameter_frozen_after_training_is_kept(impl: Any, flatten: bool) -> None:
@@ -175,9 +186,6 @@ def test_state_of_a_parameter_frozen_after_training_is_kept(impl: Any, flatten: 
     assert_same_state(got["state"], expected["state"], what="optimizer state after the load vs the source's", where=where, check_order=False)
 
 
-# -- SD-25: a param group without parameters keeps its hyperparameters ----------------------------------------
-
-
 @pytest.mark.req("SD-25")
 @pytest.mark.parametrize("flatten", (False,), ids=("nested",))
 def test_param_group_without_parameters_round_trips(impl: Any, flatten: bool) -> None:
@@ -192,6 +200,22 @@ def test_param_group_without_parameters_round_trips(impl: Any, flatten: bool) ->
 def test_sharded_param_group_without_parameters_round_trips(dist: Any, impl: Any, use_orig_params: bool) -> None:
     """As the plain test, on a sharded model, on every rank."""
     round_trip(impl, dist, "adamw", use_orig_params, flatten=False, empty_group_lr=0.125, aux_before_save=True)
+
+
+@pytest.mark.req("SD-25")
+def test_groups_without_parameters_pair_in_order_wherever_they_sit(impl: Any) -> None:
+    """Two groups without parameters, each with its own hyperparameters and user key, sit first and
+    third in the source's groups and last in the target's: after a set the target's first empty group
+    holds the source's first one's hyperparameters and its second the second's, whatever their
+    positions (a load pairing groups by position gives them a group of parameters' or each other's)."""
+    empty_groups_round_trip(impl, None, None)
+
+
+@pytest.mark.req("SD-25")
+@sharding_params()
+def test_sharded_groups_without_parameters_pair_in_order_wherever_they_sit(dist: Any, impl: Any, use_orig_params: bool) -> None:
+    """As the plain test, on a sharded model, full state dicts, on every rank."""
+    empty_groups_round_trip(impl, dist, use_orig_params)
 
 
 @pytest.mark.req("SD-26")
@@ -229,39 +253,6 @@ def test_loaded_state_shares_no_tensor_with_the_given_dict(impl: Any) -> None:
                 value.add_(1.0)
     assert_same_state(fqn_keyed_optim(target.model, target.optim)["state"], expected["state"],
                       what="the target's optimizer state after the source stepped and the given dict changed", check_order=False)
-
-
-@pytest.mark.req("SD-11")
-def test_saved_extra_keys_are_restored_into_groups_that_lack_them(impl: Any) -> None:
-    """The saved groups carry ``initial_lr`` (an LR scheduler's) and a key of the user's; a target whose
-    groups have neither (no scheduler built yet) gets both from the set (pytorch/pytorch#140900)."""
-    ops: StateDictOps = impl.require("state_dict")
-    source, saved = trained_source(impl)
-    target_model = build(1)
-    target_optim = torch.optim.AdamW([{"params": g["params"]} for g in groups_of(target_model)], lr=0.3)
-    ops.set_optimizer_state_dict(target_model, target_optim, copy.deepcopy(saved))
-    got = [{k: v for k, v in g.items() if k != "params"} for g in ops.get_optimizer_state_dict(target_model, target_optim)["param_groups"]]
-    assert_same_state(got, [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]],
-                      what="param groups after a set into groups without initial_lr", check_order=False)
-
-
-@pytest.mark.req("SD-25")
-def test_groups_without_parameters_pair_in_order_wherever_they_sit(impl: Any) -> None:
-    """Two groups without parameters, each with its own hyperparameters and user key, sit first and
-    third in the source's groups and last in the target's: after a set the target's first empty group
-    holds the source's first one's hyperparameters and its second the second's, whatever their
-    positions (a load pairing groups by position gives them a group of parameters' or each other's)."""
-    empty_groups_round_trip(impl, None, None)
-
-
-@pytest.mark.req("SD-25")
-@sharding_params()
-def test_sharded_groups_without_parameters_pair_in_order_wherever_they_sit(dist: Any, impl: Any, use_orig_params: bool) -> None:
-    """As the plain test, on a sharded model, full state dicts, on every rank."""
-    empty_groups_round_trip(impl, dist, use_orig_params)
-
-
-# -- SD-32: the optimizer's own state dict, given to the state_dict API -------------------------------------------
 
 
 @pytest.mark.req("SD-32", "SD-27")
@@ -336,8 +327,6 @@ def test_optimizers_own_state_dict_that_does_not_fit_changes_nothing(impl: Any, 
 
     check_each(raises=raises, unchanged=lambda: assert_unchanged(before, where=where, model=target_model, optims=optims))
 
-
-# -- SD-33: a parameter listed without state ----------------------------------------------------------------------
 
 #: What a cut-short dict lacks: every state entry of ``head.weight`` (its moments, its step), or every
 #: state entry of every parameter (the ``state`` section gone, the groups kept).
