@@ -173,8 +173,8 @@ def test_reshard_tensor_parallel_model(pools, world_size_pair, impl, reference_i
 
 @pytest.mark.req("ML-3")
 def test_replicated_data_is_written_once(dist, impl) -> None:
-    """Save a plain tensor, a replicated DTensor and a DTensor replicated along one mesh dim of a 2-D
-    mesh; the metadata lists each chunk once, stores each once, and the chunks tile each tensor."""
+    """Checked in the metadata, on rank 0: the chunks each key lists, the records stored per key, and that
+    the chunks tile the tensor."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 
@@ -286,8 +286,8 @@ def test_meta_value_of_unknown_type_is_an_error(dist, impl, who: str) -> None:
 
 @pytest.mark.req("ML-7")
 def test_meta_load_allocates_local_shards_once(dist, impl) -> None:
-    """The peak memory of a 64 MiB-per-rank meta load, on the device the shards are built on (RSS on
-    the CPU, the allocator's peak on a GPU), stays below 1.5 times the local shard bytes."""
+    """Measured on a 64 MiB-per-rank meta load, on the device the shards are built on: RSS on the CPU, the
+    allocator's peak on a GPU."""
     ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     rows = 4096 * dist.world_size
@@ -424,11 +424,9 @@ def test_save_and_load_without_a_process_group(impl, tmp_path: Path, target: str
 @pytest.mark.parametrize("fault", SAVE_FAULTS)
 @pytest.mark.parametrize("directory", ["fresh", "overwrite"])
 def test_failed_save_leaves_the_previous_checkpoint_whole(dist, impl, directory: str, fault: str, where: str) -> None:
-    """A save that fails while writing (a full disk before or in the middle of the data, a failing
-    fsync; on the last rank only or on every rank) raises on every rank, naming the directory or a
-    file in it, and afterwards the directory holds exactly what it held before: the previous
-    checkpoint, which loads whole with its own values (never a mix of old and new), or, in a fresh
-    directory, nothing that loads."""
+    """The faults of :data:`~conformance.checkpoint_support.SAVE_FAULTS`, injected while the save writes
+    over a previous checkpoint (which must then load whole with its own values) or into a fresh
+    directory (which must then hold nothing that loads)."""
     ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     if directory == "overwrite":
@@ -554,9 +552,8 @@ _BAD_CHECKPOINTS = [
 @pytest.mark.rank_timeout(30)
 @pytest.mark.parametrize("case, who", _BAD_CHECKPOINTS, ids=[f"{c}-{w}" for c, w in _BAD_CHECKPOINTS])
 def test_bad_checkpoint_fails_fast_naming_the_file(dist, impl, case: str, who: str) -> None:
-    """Damage a checkpoint (a data file every rank reads or only one rank reads, or the
-    metadata); every rank's load raises the same error naming the file (or the version) within
-    seconds, and every rank's state dict is unchanged."""
+    """The damage (:func:`~conformance.checkpoint_support.damage`) lies in a data file every rank reads,
+    in one only one rank reads, or in the metadata."""
     bad_input_here(dist, who)  # skips the one-rank case at world size 1
     ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
@@ -583,10 +580,8 @@ def test_bad_checkpoint_fails_fast_naming_the_file(dist, impl, case: str, who: s
 @pytest.mark.parametrize("where", ["last-rank", "every-rank"])
 @pytest.mark.parametrize("how", ["vanish", "truncate"])
 def test_files_that_vanish_or_shrink_during_a_load_fail_it_cleanly(dist, impl, how: str, where: str) -> None:
-    """The data files of a good checkpoint vanish, or are cut short, between the load's planning and
-    its reads (another job cleaning up, a copy in progress), on the last rank or on every rank: the
-    load raises an ``Exception`` on every rank, naming the data file, and replaces nothing in the
-    state dict (no non-tensor value is loaded; tensors filled in place may hold partial data)."""
+    """The data files of a good checkpoint vanish, or are cut short, between the load's planning and its
+    reads (another job cleaning up, a copy in progress)."""
     ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     ops.save(sharded_values(dist, 1.0), path, process_group=group_of(dist))
@@ -612,9 +607,8 @@ def test_files_that_vanish_or_shrink_during_a_load_fail_it_cleanly(dist, impl, h
 @pytest.mark.rank_timeout(30)
 @pytest.mark.parametrize("failure", ["missing-key", "missing-metadata", "save-fails-on-rank-0"])
 def test_errors_are_exceptions_alike_on_every_rank(dist, impl, failure: str) -> None:
-    """A load of a key the checkpoint lacks, of a directory without metadata, and a save whose data
-    file rank 0 cannot write: each raises an ``Exception`` (``except Exception`` catches it), the same
-    type and message on every rank."""
+    """The errors: a load of a key the checkpoint lacks, a load of a directory without metadata, and a
+    save whose data file rank 0 cannot write."""
     ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     if failure == "save-fails-on-rank-0":
@@ -661,9 +655,8 @@ def test_load_fills_tensors_in_place(dist, impl) -> None:
 
 @pytest.mark.req("ML-19")
 def test_views_are_saved_as_their_own_elements(dist, impl) -> None:
-    """Save views of a 1 MiB storage (a slice at an offset, a strided slice, a DTensor whose local
-    shard is such a view) and read the records' lengths from the metadata: each is at most its
-    elements' bytes plus a fixed overhead, not the whole storage."""
+    """Views of a 1 MiB storage (a slice at an offset, a strided slice, a DTensor whose local shard is
+    such a view); each record's length is read from the metadata."""
 
     ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
@@ -728,9 +721,8 @@ def test_failed_read_replaces_nothing(dist, impl, who: str) -> None:
 
 @pytest.mark.req("ML-22")
 def test_values_held_by_some_ranks_only_are_saved(dist, impl) -> None:
-    """Keys that only some ranks hold (a non-tensor and a tensor on the last rank only, a value on every
-    rank but the first) are saved and load back on exactly those ranks, with the values each held;
-    the coordinator not holding a key loses nothing (pytorch/pytorch PR #125334)."""
+    """The keys: a non-tensor and a tensor on the last rank only, and a value on every rank but the first,
+    so that the coordinator does not hold it."""
     ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     last = dist.rank == dist.world_size - 1
@@ -968,14 +960,10 @@ _CRAFTED = (
 @pytest.mark.rank_timeout(30)
 @pytest.mark.parametrize("target, route, who", _CRAFTED, ids=[f"{t}-{r}-{w}" for t, r, w in _CRAFTED])
 def test_a_crafted_checkpoint_runs_no_code(dist, impl, target: str, route: str, who: str) -> None:
-    """A good checkpoint whose record (of a non-tensor value, or of a tensor chunk) or ``.metadata`` is
-    replaced by a crafted one that would run code (create a marker file, set an environment variable)
-    by one pickle route (a global, a global built on the stack, BUILD calling a ``__setstate__`` set
-    on an allow-listed class, a persistent id built by a call, an extension code), or a record whose
-    zip member names lie (a second ``data.pkl``, a member of another folder, a ``..`` name), read by
-    every rank or by one: the load raises the same error on every rank, naming the key (or the
-    metadata file) and the file, and for a code route the global it asked for (``builtins.exec``);
-    the code ran on no rank; no rank's state dict has a meta entry built or a non-tensor value loaded."""
+    """A good checkpoint with a record (of ``note``, or of a tensor chunk) or its ``.metadata`` replaced
+    by a crafted one (:data:`_CRAFTED`). The crafted code would create a marker file and set an
+    environment variable: afterwards neither exists on any rank. The global every code route asks for
+    is ``builtins.exec``, which the error must name."""
     bad_input_here(dist, who)  # skips the one-rank case at world size 1
     ops = checkpoint_ops(impl)
     group = group_of(dist)

@@ -327,8 +327,7 @@ tied: 108 elements; param[first:last] inclusive
     ],
 )
 def test_bad_shard_is_rejected_and_changes_nothing(ops: FlatParamOps, args: tuple, error: type) -> None:
-    """A rejected ``shard_by_offsets`` raises the SPEC's type and leaves the flat parameter (values,
-    grad, metadata) and its recorded shard exactly as they were."""
+    """"Unchanged" is checked deeply: the flat parameter's values, grad and metadata, and its recorded shard."""
     wrapped = flatten_all(ops, models.build("tiny"))
     flat = flat_of(ops, wrapped)
     models.loss(wrapped(models.batch("tiny"))).backward()

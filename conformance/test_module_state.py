@@ -360,9 +360,8 @@ FSDP_FORMS = ("full", "sharded")
 @pytest.mark.rank_timeout(4 * PROMPTLY_S)
 @pytest.mark.parametrize("form", FSDP_FORMS)
 def test_extra_state_through_fsdp_model_state_dicts(dist: RankContext, impl: Adapter, form: str) -> None:
-    """The FSDP implementation's own full and sharded model state dicts, every kind: on every rank the
-    extra states are under their keys as the modules returned them (never DTensors), and loading the
-    dict into another seed's sharded model hands each to its module's ``set_extra_state``."""
+    """Through the FSDP implementation's own full and sharded model state dicts (the ``optim_state``
+    capability), not the state_dict API, for every kind; the load goes into another seed's sharded model."""
     ops = impl.require("optim_state")
     get = ops.full_state_dict if form == "full" else ops.sharded_state_dict
     load = ops.load_full_state_dict if form == "full" else ops.load_sharded_state_dict

@@ -169,7 +169,6 @@ def test_state_values_are_carried_bit_exactly(dist, impl, model: str, kind: str,
 @pytest.mark.req("OS-4")
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
 def test_rank0_only_and_cpu_offload(dist, impl, use_orig_params: bool) -> None:
-    """``rank0_only`` leaves every other rank an empty dict; ``cpu_offload`` puts every tensor on the CPU."""
     ops = impl.require("optim_state")
     run = Run(dist, impl, Setup(use_orig_params=use_orig_params))
     run.train(2)

@@ -261,7 +261,7 @@ SELECTIONS = [
 @pytest.mark.parametrize("how", ("plain", "checkpoint+compile"))
 @pytest.mark.parametrize("name, paths", SELECTIONS)
 def test_submodules_select_entries(impl: Adapter, name: str, paths: tuple[str, ...], how: str) -> None:
-    """Exactly the entries under the selected modules, full FQNs, '.'-boundary matching, bit for bit."""
+    """Oracle: the model's own ``state_dict()`` entries under the selected paths, bit for bit."""
     ops = sd_ops(impl)
     model = zoo.build(name)
     expected = {k: v for k, v in model.state_dict().items() if k in select_keys(model, paths)}
@@ -309,7 +309,6 @@ def test_sharded_submodule_selection(dist: RankContext, impl: Adapter, path: str
 @pytest.mark.parametrize("how", ("plain", "checkpoint+compile"))
 @pytest.mark.parametrize("name, path", [("nested", "1"), ("nested", "10"), ("nested", "1.inner"), ("tied", "head"), ("buffers", "norm")])
 def test_strip_submodule_prefixes(impl: Adapter, name: str, path: str, how: str) -> None:
-    """keep_submodule_prefixes=False with one submodule gives that submodule's own state_dict()."""
     ops = sd_ops(impl)
     model = zoo.build(name)
     sub = model.get_submodule(path)
@@ -657,7 +656,6 @@ def test_empty_nonstrict_load_reports_everything_missing(impl: Adapter) -> None:
 @pytest.mark.req("SD-10")
 @pytest.mark.parametrize("case", ("stateless-submodule", "all-frozen", "stateless-model"))
 def test_empty_get_is_not_an_error(impl: Adapter, case: str) -> None:
-    """A selection, or a model, that has no entries gives {}."""
     ops = sd_ops(impl)
     model = zoo.build("mlp")
     with recording_deprecations(ops) if case == "stateless-submodule" else contextlib.nullcontext():
@@ -796,8 +794,7 @@ def test_load_replaces_param_groups_whole(dist: RankContext, impl: Adapter, path
 @pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
 @pytest.mark.parametrize("name", ("nested", "tied"))
 def test_sharded_full_state_dict(dist: RankContext, impl: Adapter, name: str, strategy: str) -> None:
-    """Every strategy: full_state_dict gives plain tensors equal to the oracle on every rank (the zoo
-    under FULL_SHARD is covered by test_sharded_round_trip)."""
+    """Every strategy, on two zoo models (the zoo under FULL_SHARD is covered by test_sharded_round_trip)."""
     ops = sd_ops(impl)
     pair = sharded_pair(impl, dist, name, strategy)
     model_sd, optim_sd = ops.get_state_dict(pair.model, pair.optim, options=ops.options(full_state_dict=True))
@@ -813,7 +810,6 @@ def test_sharded_full_state_dict(dist: RankContext, impl: Adapter, name: str, st
 @pytest.mark.req("SD-12")
 @pytest.mark.parametrize("part", ("model", "optimizer"))
 def test_sharded_full_state_dict_cpu_offload(dist: RankContext, impl: Adapter, part: str) -> None:
-    """full_state_dict + cpu_offload: rank 0 holds the full dict on CPU, the other ranks {}."""
     ops = sd_ops(impl)
     pair = sharded_pair(impl, dist, "nested")
     options = ops.options(full_state_dict=True, cpu_offload=True)
@@ -836,8 +832,6 @@ def test_sharded_full_state_dict_cpu_offload(dist: RankContext, impl: Adapter, p
 
 @pytest.mark.req("SD-12", "SD-19")
 def test_dtensor_parameters_full_cpu_offload(dist: RankContext, impl: Adapter) -> None:
-    """full_state_dict + cpu_offload on a DTensor-parameter model: rank 0 holds the full values on the
-    CPU, every other rank ``{}``."""
     ops = sd_ops(impl)
     oracle = zoo.build("nested", seed=0, device=dist.device).state_dict()
     got = ops.get_model_state_dict(dtensor_model("nested", 0, dist), options=ops.options(full_state_dict=True, cpu_offload=True))
@@ -1003,9 +997,8 @@ def test_failed_set_restores_state_dict_config(dist: RankContext, impl: Adapter,
 @pytest.mark.parametrize("form", ("full", "sharded"))
 @pytest.mark.parametrize("name", ("nested", "tiny", "dtypes"))
 def test_dtensor_parameters_without_fsdp(dist: RankContext, impl: Adapter, name: str, form: str) -> None:
-    """Parameters that are DTensors without any FSDP unit: ``full_state_dict=True`` gives the plain full
-    values on every rank, ``False`` the DTensors (each rank's local shard as the layout says), and a set
-    of either form into a model of another seed restores the source bit for bit on every rank."""
+    """Each rank's local shard is checked against the documented layout; the set goes into a model of
+    another seed and must restore the source bit for bit."""
     ops = sd_ops(impl)
     oracle = zoo.build(name, seed=0, device=dist.device).state_dict()
     source, target = dtensor_model(name, 0, dist), dtensor_model(name, 1, dist)

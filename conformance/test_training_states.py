@@ -123,9 +123,7 @@ def test_sharded_parameter_without_gradient_yet_round_trips(dist: Any, impl: Any
 @pytest.mark.req("SD-23")
 @pytest.mark.parametrize("flatten", (False, True), ids=("nested", "flattened"))
 def test_stateless_optimizer_round_trips(impl: Any, flatten: bool) -> None:
-    """SGD without momentum keeps no state: get has none (no ``state.`` key when flattened), a strict
-    set of it loads the hyperparameters and leaves the optimizer with no state entry at all, not empty
-    ones (pytorch/pytorch#192225, #133415), and training on equals the run that never stopped, bitwise."""
+    """Training on is compared with the run that never stopped bit for bit (pytorch/pytorch#192225, #133415)."""
     where = f"sgd, {'flattened' if flatten else 'nested'}"
     ops: StateDictOps = impl.require("state_dict")
     trained = make_run(impl, None, "sgd", 0, use_orig_params=None)
@@ -162,9 +160,8 @@ def test_sharded_stateless_optimizer_round_trips(dist: Any, impl: Any, use_orig_
 @pytest.mark.req("SD-24")
 @pytest.mark.parametrize("flatten", (False, True), ids=("nested", "flattened"))
 def test_state_of_a_parameter_frozen_after_training_is_kept(impl: Any, flatten: bool) -> None:
-    """The body is trained, then frozen (``requires_grad_(False)``) while the optimizer still holds it,
-    as a fine-tuning schedule does: get keeps its state, and set loads that state into a target frozen
-    the same way, bit for bit, instead of dropping it (pytorch/pytorch#192307)."""
+    """The body is trained, then frozen (``requires_grad_(False)``) while the optimizer still holds it, as
+    a fine-tuning schedule does."""
     ops: StateDictOps = impl.require("state_dict")
     options = ops.options(flatten_optimizer_state_dict=flatten)
     source = make_run(impl, None, "adamw", 0, use_orig_params=None)
@@ -220,9 +217,8 @@ def test_sharded_groups_without_parameters_pair_in_order_wherever_they_sit(dist:
 
 @pytest.mark.req("SD-26")
 def test_set_while_parameters_hold_gradients_loads_the_state(impl: Any) -> None:
-    """A set into an optimizer whose parameters hold gradients (a resume between micro-batches, or
-    after a forward/backward that warmed the model) loads the saved state all the same, and leaves
-    every gradient as it was (pytorch/pytorch#140898: the loaded state was silently empty)."""
+    """The target's gradients come from a forward and backward before the set (as between micro-batches,
+    or after a warm-up); in pytorch/pytorch#140898 the loaded state was then silently empty."""
     ops: StateDictOps = impl.require("state_dict")
     source, saved = trained_source(impl)
     expected = copy.deepcopy(fqn_keyed_optim(source.model, source.optim))
@@ -238,9 +234,8 @@ def test_set_while_parameters_hold_gradients_loads_the_state(impl: Any) -> None:
 
 @pytest.mark.req("SD-27")
 def test_loaded_state_shares_no_tensor_with_the_given_dict(impl: Any) -> None:
-    """After a set, the optimizer's state tensors are its own: training the source on, or changing the
-    dict that was passed in, leaves the target's state as loaded (pytorch/pytorch#196083: the loaded
-    state aliased the source's tensors in one process, so two optimizers stepped one state)."""
+    """In pytorch/pytorch#196083 the loaded state aliased the source's tensors in one process, so two
+    optimizers stepped one state."""
     ops: StateDictOps = impl.require("state_dict")
     source, saved = trained_source(impl)
     expected = copy.deepcopy(fqn_keyed_optim(source.model, source.optim))
