@@ -45,6 +45,7 @@ from conformance.asserts import (
 )
 from conformance.compare import fqn_keyed_optim, full_on_cpu
 from conformance.dcp_files import read_metadata, storage_bytes_range
+from conformance.error_cases import EVERY_RANK, ONE_RANK
 from conformance.faults import failing_fsync, failing_writes, unreadable_bytes
 from conformance.harness.context import RankContext, per_group_cache
 from conformance.values import EDGE_DTYPES, different_like, edge_tensors, perturb_hyperparameters
@@ -223,7 +224,10 @@ def peak_bytes_during(device: torch.device, fn: Callable[[], Any]) -> tuple[int,
 
 
 def injected_fault(dist: RankContext, path: Path, fault: str, where: str) -> contextlib.AbstractContextManager[None]:
-    if where == "last-rank" and dist.rank != dist.world_size - 1:
+    """The save fault ``fault`` (:data:`SAVE_FAULTS`) where ``where`` puts it: on every rank, or on the
+    last rank only (``"one-rank"``, and ``"last-rank"`` as test_checkpoint_unpinned.py and
+    test_async_save.py spell it)."""
+    if where in (ONE_RANK, "last-rank") and dist.rank != dist.world_size - 1:
         return contextlib.nullcontext()
     if fault == "fsync-fails":
         return failing_fsync()
@@ -261,7 +265,7 @@ def file_read_by_one_rank(dist: RankContext, path: Path) -> tuple[str, int, int]
     raise AssertionError  # unreachable: fail() raises
 
 
-def damage(dist: RankContext, path: Path, case: str, who: str) -> str:
+def damage(dist: RankContext, path: Path, case: str, where: str) -> str:
     """Damage the checkpoint at ``path`` (call on rank 0); returns what the error must name.
 
     Data files: for ``every-rank`` the file holding ``b``, which every rank reads; for ``one-rank`` a
@@ -269,7 +273,7 @@ def damage(dist: RankContext, path: Path, case: str, who: str) -> str:
     A truncation cuts that record in half."""
     meta = path / ".metadata"
     if case in ("missing-data-file", "truncated-data-file"):
-        if who == "every-rank":
+        if where == EVERY_RANK:
             name, offset, length = record_location(path, "b")
         else:
             name, offset, length = file_read_by_one_rank(dist, path)

@@ -113,7 +113,7 @@ from conformance.checkpoint_support import (
     zoo_model,
 )
 from conformance.dcp_files import read_metadata
-from conformance.error_cases import WHERE, bad_input_here
+from conformance.error_cases import EVERY_RANK, ONE_RANK, WHERE, bad_input_here, parametrize_where
 from conformance.faults import failing_reads, failing_writes
 from conformance.values import different_like, edge_tensors
 
@@ -264,8 +264,8 @@ def test_meta_load_keeps_tied_storage_shared(dist, impl) -> None:
 
 @pytest.mark.req("ML-6")
 @pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("who", WHERE)
-def test_meta_value_of_unknown_type_is_an_error(dist, impl, who: str) -> None:
+@parametrize_where
+def test_meta_value_of_unknown_type_is_an_error(dist, impl, where: str) -> None:
     """A meta tensor subclass under ``proj.weight`` (on every rank, or on the last rank only while the
     others hold a plain meta tensor): every rank raises the same error naming the key and the type,
     and the state dict, meta entries and their identities, is unchanged on every rank."""
@@ -273,7 +273,7 @@ def test_meta_value_of_unknown_type_is_an_error(dist, impl, who: str) -> None:
     path = dist.tmp_dir / "ckpt"
     ops.save(error_checkpoint(), path, process_group=group_of(dist))
     weight = torch.empty(4, 3, device="meta")
-    sd = {"proj.weight": weight.as_subclass(MarkedTensor) if bad_input_here(dist, who) else weight,
+    sd = {"proj.weight": weight.as_subclass(MarkedTensor) if bad_input_here(dist, where) else weight,
           "proj.bias": torch.empty(2, device="meta")}
     before = snapshot(state_dict=sd)
     exc = raised(lambda: ops.load(sd, path, process_group=group_of(dist)))
@@ -322,16 +322,16 @@ def test_reshard_model_and_optimizer_state(pools, world_size_pair, impl, tmp_pat
 @pytest.mark.req("ML-9")
 @pytest.mark.rank_timeout(30)
 @pytest.mark.world_size(min=2)
-@pytest.mark.parametrize("who", WHERE)
-def test_per_rank_value_under_one_key_is_an_error(dist, impl, who: str) -> None:
+@parametrize_where
+def test_per_rank_value_under_one_key_is_an_error(dist, impl, where: str) -> None:
     """``rank_seed`` differs on every rank, or only on the last: every rank's save raises the same
     error, naming the key. The job saved the same layout with equal values before, so an
     implementation that reuses that save's plan must still compare the values."""
-    if who == "one-rank" and dist.world_size < 3:
+    if where == ONE_RANK and dist.world_size < 3:
         pytest.skip("at world size 2 one differing rank is every rank differing: the every-rank case covers it")
     ops = checkpoint_ops(impl)
     ops.save({"w": torch.ones(3), "rank_seed": 1000}, dist.tmp_dir / "earlier", process_group=group_of(dist))
-    seed = 1000 + (dist.rank if who == "every-rank" else int(dist.rank == dist.world_size - 1))
+    seed = 1000 + (dist.rank if where == EVERY_RANK else int(dist.rank == dist.world_size - 1))
     sd = {"w": torch.ones(3), "rank_seed": seed}
     fails_alike(dist, lambda: ops.save(sd, dist.tmp_dir / "ckpt", process_group=group_of(dist)), keys=("rank_seed",),
                  what="save of a per-rank value")
@@ -339,9 +339,9 @@ def test_per_rank_value_under_one_key_is_an_error(dist, impl, who: str) -> None:
 
 @pytest.mark.req("ML-10")
 @pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("who", WHERE)
+@parametrize_where
 @pytest.mark.parametrize("mismatch", list(MISMATCHES))
-def test_strict_load_names_the_key_and_changes_nothing(dist, impl, mismatch: str, who: str) -> None:
+def test_strict_load_names_the_key_and_changes_nothing(dist, impl, mismatch: str, where: str) -> None:
     """A key missing from the checkpoint, a shape or a dtype that differs (on every rank, or on the last
     rank only while the others ask for exactly the checkpoint), loading into CPU tensors and then into
     meta tensors: every rank raises the same error naming the key (with both shapes or dtypes), and
@@ -350,7 +350,7 @@ def test_strict_load_names_the_key_and_changes_nothing(dist, impl, mismatch: str
     path = dist.tmp_dir / "ckpt"
     ops.save(error_checkpoint(), path, process_group=group_of(dist))
     spec, key, needles = MISMATCHES[mismatch]
-    asked = spec if bad_input_here(dist, who) else GOOD
+    asked = spec if bad_input_here(dist, where) else GOOD
     for device in ("cpu", "meta"):
         sd = asking_for(asked, device)
         before = snapshot(state_dict=sd)
@@ -377,8 +377,8 @@ def test_non_strict_load_skips_missing_keys(dist, impl) -> None:
 
 @pytest.mark.req("ML-11")
 @pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("who", WHERE)
-def test_unexpected_keys_can_be_an_error(dist, impl, who: str) -> None:
+@parametrize_where
+def test_unexpected_keys_can_be_an_error(dist, impl, where: str) -> None:
     """A checkpoint key the state dict does not ask for is allowed by default (the rest loads), and with
     ``allow_unexpected=False`` is an error naming it, raised alike by every rank also when only the
     last rank lacks the key; every state dict is then unchanged."""
@@ -390,7 +390,7 @@ def test_unexpected_keys_can_be_an_error(dist, impl, who: str) -> None:
     call_or_skip(lambda: ops.load(sd, path, process_group=group_of(dist)))  # allowed by default
     assert_bitwise_equal(sd["proj.weight"], saved["proj.weight"], what="proj.weight loaded beside an unexpected key")
     sd = {"proj.weight": different_like(saved["proj.weight"])}
-    if not bad_input_here(dist, who):
+    if not bad_input_here(dist, where):
         sd["surplus.scale"] = different_like(saved["surplus.scale"])
     before = snapshot(state_dict=sd)
     exc = raised(lambda: ops.load(sd, path, process_group=group_of(dist), allow_unexpected=False))
@@ -420,7 +420,7 @@ def test_save_and_load_without_a_process_group(impl, tmp_path: Path, target: str
 
 @pytest.mark.req("ML-13")
 @pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("where", ["last-rank", "every-rank"])
+@parametrize_where
 @pytest.mark.parametrize("fault", SAVE_FAULTS)
 @pytest.mark.parametrize("directory", ["fresh", "overwrite"])
 def test_failed_save_leaves_the_previous_checkpoint_whole(dist, impl, directory: str, fault: str, where: str) -> None:
@@ -538,29 +538,24 @@ def test_two_jobs_saving_to_one_directory_at_once_never_mix(impl: Adapter, tmp_p
 
 
 _BAD_CHECKPOINTS = [
-    ("missing-data-file", "every-rank"),
-    ("missing-data-file", "one-rank"),
-    ("truncated-data-file", "every-rank"),
-    ("truncated-data-file", "one-rank"),
-    ("missing-metadata", "every-rank"),
-    ("corrupt-metadata", "every-rank"),
-    ("unknown-version", "every-rank"),
+    *((case, where) for case in ("missing-data-file", "truncated-data-file") for where in WHERE),
+    *((case, EVERY_RANK) for case in ("missing-metadata", "corrupt-metadata", "unknown-version")),
 ]
 
 
 @pytest.mark.req("ML-14")
 @pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("case, who", _BAD_CHECKPOINTS, ids=[f"{c}-{w}" for c, w in _BAD_CHECKPOINTS])
-def test_bad_checkpoint_fails_fast_naming_the_file(dist, impl, case: str, who: str) -> None:
+@pytest.mark.parametrize("case, where", _BAD_CHECKPOINTS, ids=[f"{c}-{w}" for c, w in _BAD_CHECKPOINTS])
+def test_bad_checkpoint_fails_fast_naming_the_file(dist, impl, case: str, where: str) -> None:
     """The damage (:func:`~conformance.checkpoint_support.damage`) lies in a data file every rank reads,
     in one only one rank reads, or in the metadata."""
-    bad_input_here(dist, who)  # skips the one-rank case at world size 1
+    bad_input_here(dist, where)  # skips the one-rank case at world size 1
     ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(5))
     ops.save({"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "b": torch.arange(5.0)}, path, process_group=group_of(dist))
     dist.barrier()
-    needle = dist.broadcast_object(damage(dist, path, case, who) if dist.rank == 0 else None)
+    needle = dist.broadcast_object(damage(dist, path, case, where) if dist.rank == 0 else None)
     target = {"w": dtensor_of(different_like(full), dist.mesh(), [Shard(0)]), "b": different_like(torch.arange(5.0))}
     before = snapshot(state_dict=target)
     start = time.monotonic()
@@ -577,7 +572,7 @@ def test_bad_checkpoint_fails_fast_naming_the_file(dist, impl, case: str, who: s
 
 @pytest.mark.req("ML-14", "ML-20")
 @pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("where", ["last-rank", "every-rank"])
+@parametrize_where
 @pytest.mark.parametrize("how", ["vanish", "truncate"])
 def test_files_that_vanish_or_shrink_during_a_load_fail_it_cleanly(dist, impl, how: str, where: str) -> None:
     """The data files of a good checkpoint vanish, or are cut short, between the load's planning and its
@@ -588,7 +583,7 @@ def test_files_that_vanish_or_shrink_during_a_load_fail_it_cleanly(dist, impl, h
     dist.barrier()
     target = sharded_values(dist, -7.0)
     entries = dict(target)
-    faulty = where == "every-rank" or dist.rank == dist.world_size - 1
+    faulty = where == EVERY_RANK or dist.rank == dist.world_size - 1
 
     def load() -> None:
         with failing_reads(path, how) if faulty else contextlib.nullcontext():
@@ -689,8 +684,8 @@ def test_views_are_saved_as_their_own_elements(dist, impl) -> None:
 
 @pytest.mark.req("ML-20")
 @pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("who", WHERE)
-def test_failed_read_replaces_nothing(dist, impl, who: str) -> None:
+@parametrize_where
+def test_failed_read_replaces_nothing(dist, impl, where: str) -> None:
     """The record of the non-tensor value ``note`` is overwritten with zeros (planning cannot see it;
     reading fails), and it is asked for by every rank, or only by the last (the others do not ask for
     it, so they read everything else successfully). Targets: a DTensor on meta and a non-tensor
@@ -708,7 +703,7 @@ def test_failed_read_replaces_nothing(dist, impl, who: str) -> None:
             f.write(b"\0" * length)
     name = dist.broadcast_object(name if dist.rank == 0 else None)
     sd: dict[str, Any] = {"w": dtensor_of(full.to("meta"), dist.mesh(), [Shard(0)]), "step": 0}
-    if bad_input_here(dist, who):
+    if bad_input_here(dist, where):
         sd["note"] = ""
     before = snapshot(state_dict=sd)
     exc = raised(lambda: ops.load(sd, path, process_group=group_of(dist)))
@@ -950,21 +945,21 @@ def test_a_save_that_changes_one_property_of_its_layout_holds_its_own(dist, impl
 #: (every rank reads it) or of the last rank's shard of ``w`` (only that rank reads it); ``metadata``:
 #: the ``.metadata`` file itself (every rank reads it).
 _CRAFTED = (
-    [("object", route, who) for route in CODE_ROUTES + NAME_LIES for who in WHERE]
-    + [("tensor", route, who) for route in ("global", "stack-global", "ext1", "duplicate-data-pkl", "other-folder") for who in WHERE]
-    + [("metadata", route, "every-rank") for route in CODE_ROUTES]
+    [("object", route, where) for route in CODE_ROUTES + NAME_LIES for where in WHERE]
+    + [("tensor", route, where) for route in ("global", "stack-global", "ext1", "duplicate-data-pkl", "other-folder") for where in WHERE]
+    + [("metadata", route, EVERY_RANK) for route in CODE_ROUTES]
 )
 
 
 @pytest.mark.req("ML-27", "ML-28")
 @pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("target, route, who", _CRAFTED, ids=[f"{t}-{r}-{w}" for t, r, w in _CRAFTED])
-def test_a_crafted_checkpoint_runs_no_code(dist, impl, target: str, route: str, who: str) -> None:
+@pytest.mark.parametrize("target, route, where", _CRAFTED, ids=[f"{t}-{r}-{w}" for t, r, w in _CRAFTED])
+def test_a_crafted_checkpoint_runs_no_code(dist, impl, target: str, route: str, where: str) -> None:
     """A good checkpoint with a record (of ``note``, or of a tensor chunk) or its ``.metadata`` replaced
     by a crafted one (:data:`_CRAFTED`). The crafted code would create a marker file and set an
     environment variable: afterwards neither exists on any rank. The global every code route asks for
     is ``builtins.exec``, which the error must name."""
-    bad_input_here(dist, who)  # skips the one-rank case at world size 1
+    bad_input_here(dist, where)  # skips the one-rank case at world size 1
     ops = checkpoint_ops(impl)
     group = group_of(dist)
     path = dist.tmp_dir / "ckpt"
@@ -975,7 +970,7 @@ def test_a_crafted_checkpoint_runs_no_code(dist, impl, target: str, route: str, 
     saved_b = torch.arange(5.0)
     ops.save({"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "b": saved_b, "step": 7, "note": "saved"}, path, process_group=group)
     dist.barrier()
-    key = {"object": "note", "metadata": None, "tensor": "b" if who == "every-rank" else "w"}[target]
+    key = {"object": "note", "metadata": None, "tensor": "b" if where == EVERY_RANK else "w"}[target]
     if dist.rank == 0:
         if target == "metadata":
             (path / ".metadata").write_bytes(crafted_pickle(route, code))
@@ -985,7 +980,7 @@ def test_a_crafted_checkpoint_runs_no_code(dist, impl, target: str, route: str, 
             name = replace_record(path, str(key), crafted_record(route, code), offset)
     name = dist.broadcast_object(name if dist.rank == 0 else None)
     sd: dict[str, Any] = {"w": dtensor_of(full.to("meta"), dist.mesh(), [Shard(0)]), "b": different_like(saved_b), "step": 0}
-    if target != "object" or bad_input_here(dist, who):
+    if target != "object" or bad_input_here(dist, where):
         sd["note"] = ""
 
     def checked() -> dict[str, Any]:  # what a failed load leaves as it was (``b`` is filled in place: ML-20)

@@ -39,7 +39,7 @@ from conformance.asserts import (
     raised,
     snapshot,
 )
-from conformance.error_cases import WHERE, bad_input_here
+from conformance.error_cases import EVERY_RANK, ONE_RANK, bad_input_here, parametrize_where
 from conformance.optim_state_support import (
     ATOL,
     FAILING_CALLS,
@@ -399,7 +399,7 @@ def test_fqn_to_param_info_from_any_module(dist, impl, use_orig_params: bool) ->
 
 @pytest.mark.req("OS-16")
 @pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("where", WHERE)
+@parametrize_where
 @pytest.mark.parametrize(("use_orig_params", "form"), [(False, "full"), (True, "full"), (True, "sharded")], ids=["flat-full", "orig-full", "orig-sharded"])
 @pytest.mark.parametrize("kind", ["unknown-fqn", "wrong-shape", "same-numel", "group-mismatch", "extra-group"])
 def test_bad_optimizer_state_dict_is_a_clear_error(dist, impl, kind: str, use_orig_params: bool, form: str, where: str) -> None:
@@ -458,11 +458,11 @@ def test_bad_optimizer_state_dict_fails_alike_and_changes_nothing(dist, impl, ki
 @pytest.mark.rank_timeout(30)
 @pytest.mark.parametrize(
     ("kind", "where", "strategy"),
-    [("mixed-requires-grad", "every-rank", "FULL_SHARD"), ("mixed-requires-grad", "one-rank", "FULL_SHARD"),
-     ("mixed-dtype", "every-rank", "FULL_SHARD"), ("mixed-dtype", "one-rank", "FULL_SHARD"),
-     ("shared-across-units", "every-rank", "FULL_SHARD"), ("shared-across-units:proj/projX", "every-rank", "FULL_SHARD"),
-     ("shared-across-units:enc/enc_", "every-rank", "FULL_SHARD"),
-     ("mixed-requires-grad", "one-rank", "HYBRID_SHARD")],
+    [("mixed-requires-grad", EVERY_RANK, "FULL_SHARD"), ("mixed-requires-grad", ONE_RANK, "FULL_SHARD"),
+     ("mixed-dtype", EVERY_RANK, "FULL_SHARD"), ("mixed-dtype", ONE_RANK, "FULL_SHARD"),
+     ("shared-across-units", EVERY_RANK, "FULL_SHARD"), ("shared-across-units:proj/projX", EVERY_RANK, "FULL_SHARD"),
+     ("shared-across-units:enc/enc_", EVERY_RANK, "FULL_SHARD"),
+     ("mixed-requires-grad", ONE_RANK, "HYBRID_SHARD")],
     ids=lambda value: value.replace("/", "+").replace(":", "-"),
 )
 def test_bad_layout_is_a_clear_error(dist, impl, kind: str, where: str, strategy: str) -> None:
@@ -568,7 +568,7 @@ def test_sharded_model_state_dict(dist, impl, strategy: str, use_orig_params: bo
 
 @pytest.mark.req("OS-19")
 @pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("where", WHERE)
+@parametrize_where
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
 @pytest.mark.parametrize("kind", ["wrong-shape", "missing-key"])
 def test_bad_model_state_dict_is_a_clear_error(dist, impl, kind: str, use_orig_params: bool, where: str) -> None:

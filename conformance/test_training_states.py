@@ -39,7 +39,7 @@ from conformance.asserts import (
     snapshot,
 )
 from conformance.compare import fqn_keyed_optim
-from conformance.error_cases import WHERE, bad_input_here
+from conformance.error_cases import bad_input_here, parametrize_where
 from conformance.training_states_support import (
     OPTIMIZERS,
     assert_matches_oracle,
@@ -392,7 +392,7 @@ def test_missing_state_follows_the_loaded_hyperparameters(impl: Any, case: str) 
 
 @pytest.mark.req("SD-33")
 @pytest.mark.rank_timeout(60)
-@pytest.mark.parametrize("where", WHERE)
+@parametrize_where
 @pytest.mark.parametrize("flatten", (False, True), ids=("nested", "flattened"))
 @sharding_params()
 def test_sharded_missing_state_is_an_error(dist: Any, impl: Any, use_orig_params: bool, flatten: bool, where: str) -> None:
