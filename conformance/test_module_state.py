@@ -3,15 +3,15 @@ SD-30, OS-25, OS-26, FP-22, FP-27).
 
 Two kinds of module state that a fork drops or mis-routes while every parameter test passes:
 
-* **Extra state** (``get_extra_state`` / ``set_extra_state``, under ``<module>._extra_state``; Transformer
-  Engine's FP8 modules keep their scaling metadata there, as a ``BytesIO`` or a tensor whose length
-  changes once FP8 is initialized). :data:`EXTRA_KINDS` are the values tried, every one of them at the
-  model's root and inside a module that sharding makes a unit of its own (:class:`ExtraModel`), each
-  place and seed with its own value. The modules' ``get_extra_state`` returns a fresh copy and
-  ``set_extra_state`` records what it was handed: an implementation that writes into the object a get
-  returned (as it would a buffer) changes nothing, and is caught. Loads go into a target built from
-  another seed, so every loaded value differs from the target's own, and are checked on every rank in
-  the modules themselves.
+* **Extra state** (``get_extra_state`` / ``set_extra_state``, under ``<module>._extra_state``;
+  Transformer Engine's FP8 modules keep their scaling metadata there, as a ``BytesIO`` or a tensor whose
+  length changes once FP8 is initialized). :data:`EXTRA_KINDS` are the values tried, every one of them
+  at the model's root and inside a module that sharding makes a unit of its own
+  (:class:`~conformance.module_state_support.ExtraModel`), each place and seed with its own value. The
+  modules' ``get_extra_state`` returns a fresh copy and ``set_extra_state`` records what it was handed:
+  an implementation that writes into the object a get returned (as it would a buffer) changes nothing,
+  and is caught. Loads go into a target built from another seed, so every loaded value differs from the
+  target's own, and are checked on every rank in the modules themselves.
 * **A dtype change after wrapping** (``.to(torch.float64)``, ``.double()``, ``.half()``, ``.bfloat16()``,
   ``.type()``, :data:`DTYPE_FORMS`): a sharded or flattened model converted after wrapping must
   compute, train and save in the new dtype, as the unwrapped model converted the same way does.

@@ -10,8 +10,9 @@ How the tests are built:
   (:func:`load_target`): built from another seed, its optimizer over the parameters in reverse order
   (param groups reversed too), stepped once so it has state of its own, then every hyperparameter
   perturbed (``initial_lr`` and a custom key included). The unwrapped oracle of the target is laid out
-  the same way and loads the same dicts by FQN (:func:`load_into_oracle`), so right after a load the
-  implementation must equal it bit for bit, and one more step later to float tolerance.
+  the same way and loads the same dicts by FQN
+  (:func:`~conformance.optim_state_support.load_into_oracle`), so right after a load the implementation
+  must equal it bit for bit, and one more step later to float tolerance.
 * Sharded results are checked on every rank against the documented layout (:class:`Layout` for flat
   parameters and their original parameters, ``torch.chunk`` pieces for DTensors), never only after
   gathering.

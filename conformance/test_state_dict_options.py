@@ -21,9 +21,9 @@ given                      the model dict a get gave, or that dict without one t
 
 crossed with three kinds of model: ``plain``, ``sharded`` (the adapter's sharding: reference FSDP,
 torch's FSDP1 or ``fully_shard``) and ``dtensor`` (parameters that are DTensors without any unit, as
-tensor parallelism leaves them). The model (:class:`OptionsModel`) has what every option acts on: a
-frozen and a trainable layer inside one selectable submodule ``enc``, a trainable head, a persistent
-buffer.
+tensor parallelism leaves them). The model
+(:class:`~conformance.state_dict_options_support.OptionsModel`) has what every option acts on: a frozen
+and a trainable layer inside one selectable submodule ``enc``, a trainable head, a persistent buffer.
 
 Each case is checked twice, on every rank:
 
