@@ -9,10 +9,16 @@ from typing import Any
 
 import pytest
 
-__all__ = ["WHERE", "bad_input_here"]
+__all__ = ["WHERE", "EVERY_RANK", "ONE_RANK", "parametrize_where", "bad_input_here"]
 
 #: The two placements, as test ids spell them.
 WHERE = ("every-rank", "one-rank")
+EVERY_RANK, ONE_RANK = WHERE
+
+#: The one parametrization of a placement: ``@parametrize_where`` gives a test a ``where`` argument,
+#: each of :data:`WHERE`. A table that crosses placements with cases of its own (not every case at
+#: both) spells them :data:`EVERY_RANK` and :data:`ONE_RANK`.
+parametrize_where = pytest.mark.parametrize("where", WHERE)
 
 
 def bad_input_here(dist: Any, where: str) -> bool:

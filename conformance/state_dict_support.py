@@ -1,20 +1,46 @@
 """What the SD tests share (conformance/test_state_dict.py, test_state_dict_options.py,
 test_module_state.py): the tolerances, the optimizers a load goes from and into, and the per-rank oracle
-comparison. The tests' own set-up stays with them."""
+comparison; then the set-up of test_state_dict.py's tests: models wrapped locally (:func:`wrap`) or
+sharded (:func:`sd_shard`), source and target pairs (:class:`Plain`, :class:`Sharded`), the table of
+wrong inputs a set must refuse (:data:`ERROR_CASES`) and its checks, and the broadcast and round-trip
+helpers."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import copy
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from conformance.adapters.base import Adapter
+from conformance import models as zoo
+from conformance.adapters.base import Adapter, Unsupported
+from conformance.adapters.sharding import ShardingPlan, child_units, strategy_layout
 from conformance.adapters.state_dict import StateDictOps
-from conformance.asserts import assert_same_state, expected_local_chunk, fail
-from conformance.values import perturb_hyperparameters
+from conformance.asserts import (
+    WRAPPER_SEGMENTS,
+    assert_names_key,
+    assert_planned_shard,
+    assert_same_error_on_every_rank,
+    assert_same_state,
+    assert_unchanged,
+    bits,
+    check_each,
+    expected_local_chunk,
+    fail,
+    raised,
+    snapshot,
+)
+from conformance.compare import fqn_keyed_optim
+from conformance.flat_wrapper import FlatParamsWrapper
+from conformance.harness.context import RankContext
+from conformance.values import different_like, perturb_hyperparameters
 
 __all__ = [
     "ATOL",
@@ -28,6 +54,43 @@ __all__ = [
     "per_parameter",
     "localized",
     "assert_matches_oracle",
+    "SHARDED_ZOO",
+    "sd_shard",
+    "wrap",
+    "source_optimizer",
+    "train",
+    "make_differ",
+    "Plain",
+    "plain_pair",
+    "assert_same_optim",
+    "untouched",
+    "load",
+    "recording_deprecations",
+    "select_keys",
+    "assert_names_shapes",
+    "NestedStateAdam",
+    "SharedChild",
+    "ErrorCase",
+    "ERROR_CASES",
+    "break_input",
+    "error_options",
+    "check_error",
+    "plain_error_params",
+    "continue_equally",
+    "single_group_adam",
+    "Sharded",
+    "sharded_pair",
+    "sharded_target",
+    "assert_dtensor_params",
+    "assert_planned_get",
+    "dtensor_model",
+    "oracle_state",
+    "broadcast_target",
+    "check_broadcast_result",
+    "hyperparameters",
+    "on_cpu_tree",
+    "sharded_error_run",
+    "form_of",
 ]
 
 #: Ranks average identical gradients; a sum over ranks may round. Only results of training are compared
@@ -134,3 +197,531 @@ def assert_matches_oracle(got: Any, expected: Any, what: str, *, rank: int, atol
     for key in sorted(exact & set(local_got) & set(local_expected)):
         assert_same_state(local_got[key], local_expected[key], what=f"{what} (untouched by training: bit for bit)",
                           where=f"rank {rank}, [{key!r}]")
+
+
+# -- test_state_dict.py: models, wrappers, source and target -------------------------------------------
+
+
+#: Zoo models that the sharded tests use (``groups`` adds nothing to the SD section).
+SHARDED_ZOO = ("mlp", "tied", "frozen", "buffers", "nested", "tiny", "dtypes")
+
+
+def sd_shard(impl: Adapter, model: nn.Module, device: torch.device, strategy: str = "FULL_SHARD") -> nn.Module:
+    """``model`` sharded by ``impl`` as the SD tests shard: ``strategy``, each parameter-holding child
+    a unit (:func:`child_units`), the implementation's own ``use_orig_params``."""
+    return impl.require("sharding").shard(model, ShardingPlan(strategy=strategy, units=child_units(model), device=device))
+
+
+def wrap(model: nn.Module, how: str) -> nn.Module:
+    """``model`` inside the wrappers named in ``how`` ("checkpoint+compile+ddp"), innermost first
+    (fpw, checkpoint, compile, ddp).
+    Activation checkpointing wraps each direct child; the returned model shares ``model``'s modules."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    parts = set(how.split("+")) - {"plain"}
+    if "fpw" in parts:
+        model = FlatParamsWrapper(model, [p for p in model.parameters() if p.requires_grad])
+    if "checkpoint" in parts:
+        for name, child in list(model.named_children()):
+            setattr(model, name, checkpoint_wrapper(child))
+    if "compile" in parts:
+        compiled = torch.compile(model)  # compiles lazily, on the first forward: the tests never run one
+        assert isinstance(compiled, nn.Module)  # an OptimizedModule; torch.compile's stubs say a callable
+        model = compiled
+    if "ddp" in parts:
+        model = nn.parallel.DistributedDataParallel(model)
+    return model
+
+
+def source_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """Adam over the zoo's two param groups (different lr and weight decay), with the source extras."""
+    return add_source_extras(torch.optim.Adam(zoo.param_groups(model)))
+
+
+def train(model: nn.Module, optim: torch.optim.Optimizer, name: str, seeds: range, device: Any = "cpu") -> None:
+    for seed in seeds:
+        zoo.train_step(model, optim, zoo.batch(name, seed=seed, device=device))
+
+
+@torch.no_grad()
+def make_differ(target: nn.Module, source: nn.Module) -> None:
+    """Every state-dict entry of ``target`` set to :func:`different_like` of the source's: no element
+    of the target equals the source's bitwise, so any entry a load skips shows. (Same zoo model.)"""
+    target_entries = target.state_dict(keep_vars=True)
+    source_entries = source.state_dict()
+    assert list(target_entries) == list(source_entries), "make_differ needs two models of one zoo entry"
+    for key, value in target_entries.items():
+        value.copy_(different_like(source_entries[key]))
+
+
+@dataclass
+class Plain:
+    """A trained source and a target that differs from it in everything a load must change."""
+
+    source: nn.Module
+    source_optim: torch.optim.Optimizer
+    target: nn.Module
+    target_optim: torch.optim.Optimizer
+
+
+def plain_pair(name: str, layout: str = "reversed", device: Any = "cpu", *, extra_key: bool = False) -> Plain:
+    """Source: zoo ``name`` (seed 0), Adam in the zoo's two groups with the source extras, two steps.
+    Target: seed 1, perturbed Adam in ``layout``, one step on another batch (its ``step`` and moments
+    differ), then every model entry made bitwise different from the source's."""
+    source = zoo.build(name, seed=0, device=device)
+    source_optim = source_optimizer(source)
+    train(source, source_optim, name, range(2), device)
+    target = zoo.build(name, seed=1, device=device)
+    target_optim = target_optimizer([g["params"] for g in zoo.param_groups(target)], layout, extra_key=extra_key)
+    train(target, target_optim, name, range(5, 6), device)
+    make_differ(target, source)
+    return Plain(source, source_optim, target, target_optim)
+
+
+def assert_same_optim(got: Mapping[str, Any], expected: Mapping[str, Any], what: str, *, atol: float | None = None,
+                      where: str = "", sequence_types: bool = False) -> None:
+    """Same state and hyperparameters per parameter (:func:`per_parameter`), bitwise unless ``atol``."""
+    __tracebackhide__ = True
+    assert_same_state(per_parameter(got, sequence_types=sequence_types),
+                      per_parameter(expected, sequence_types=sequence_types), what=what, where=where,
+                      check_order=False, atol=atol, rtol=RTOL if atol is not None else 0.0)
+
+
+def untouched(before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor]) -> frozenset[str]:
+    """The keys whose values training left bit for bit as they were."""
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+    return frozenset(k for k in before if k in after and same(after[k], before[k]))
+
+
+def load(ops: StateDictOps, api: str, model: nn.Module, optim: torch.optim.Optimizer, model_sd: Any, optim_sd: Any,
+         options: Any) -> Any:
+    """Load model and optimizer state with one ``set_state_dict`` ("set_state_dict") or with
+    ``set_model_state_dict`` then ``set_optimizer_state_dict`` ("separate")."""
+    if api == "set_state_dict":
+        return ops.set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+    if api != "separate":
+        raise ValueError(f"unknown api {api!r}")
+    result = ops.set_model_state_dict(model, model_sd, options=options)
+    ops.set_optimizer_state_dict(model, optim, optim_sd, options=options)
+    return result
+
+
+@contextlib.contextmanager
+def recording_deprecations(ops: StateDictOps) -> Iterator[list[str]]:
+    """Record the FutureWarning torch emits for ``submodules=`` and submodule-keyed dicts (deprecated
+    upstream, still implemented): the behaviour is checked either way; the warning must match what the
+    adapter declares."""
+    recorded: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield recorded
+    recorded += [
+        str(w.message) for w in caught if issubclass(w.category, FutureWarning) and "deprecated" in str(w.message)
+    ]
+    if ops.submodules_deprecated:
+        assert recorded, "the adapter declares submodules deprecated, but no FutureWarning was emitted"
+    else:
+        assert not recorded, f"unexpected deprecation warning(s): {recorded}"
+
+
+def select_keys(model: nn.Module, paths: tuple[str, ...]) -> list[str]:
+    """Oracle of SD-4: the keys of ``model.state_dict()`` under any of ``paths`` (at a '.' boundary)."""
+    return [k for k in model.state_dict() if any(p == "" or k.startswith(p + ".") for p in paths)]
+
+
+def _shape_text(message: str) -> str:
+    return message.replace("torch.Size([", "(").replace("])", ")")
+
+
+def assert_names_shapes(message: str, got_shape: tuple[int, ...], want_shape: tuple[int, ...]) -> None:
+    """SD-9: the message names both shapes (as tuples or ``torch.Size``)."""
+    __tracebackhide__ = True
+    text = _shape_text(message)
+    for shape in (got_shape, want_shape):
+        if str(shape) not in text:
+            fail("the size-mismatch message does not name both shapes", message, f"{got_shape} and {want_shape}")
+
+
+class NestedStateAdam(torch.optim.Adam):
+    """Adam that also keeps nested per-parameter state, as optimizers with EMA or history do: a dict of
+    tensors by name and a dict by int (the flattened form spells both keys as text)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for param in group["params"]:
+                state = self.state[param]
+                ema = state.setdefault("ema", {"fast": torch.zeros_like(param), "slow": torch.zeros_like(param)})
+                ema["fast"].lerp_(param, 0.5)
+                ema["slow"].lerp_(param, 0.125)
+                history = state.setdefault("history", {})
+                history[len(history)] = param.detach().clone()
+        return loss
+
+
+class SharedChild(nn.Module):
+    """``first`` and ``second`` are one module, reachable at two paths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(3, 2)
+        self.second = self.first
+        self.other = nn.Linear(2, 2)
+
+
+@dataclass(frozen=True)
+class ErrorCase:
+    """One wrong input of a set: what is broken, the error it must raise and what the message names.
+
+    ``part`` is the part of the input that is wrong ("model", "optim" or "options"); ``key`` the
+    canonical FQN the message must name whole (None: ``needle`` must appear instead)."""
+
+    kind: str
+    req: str
+    model: str
+    part: str
+    error: type[BaseException]
+    key: str | None = None
+    needle: str | None = None
+    strict: bool = True
+
+    @property
+    def fqn(self) -> str:
+        """``key``, for a kind whose fault sits at one key (``ValueError`` for a case without one)."""
+        if self.key is None:
+            raise ValueError(f"error case {self.kind!r} for {self.model!r} names no key")
+        return self.key
+
+
+ERROR_CASES = {
+    case.kind: case
+    for case in (
+        ErrorCase("missing", "SD-8", "nested", "model", RuntimeError, key="10.inner.0.weight"),
+        ErrorCase("unexpected", "SD-8", "nested", "model", RuntimeError, key="10.inner.0.extra"),
+        ErrorCase("non-persistent", "SD-8", "buffers", "model", RuntimeError, key="scale"),
+        ErrorCase("shape", "SD-9", "nested", "model", RuntimeError, key="10.inner.0.weight"),
+        ErrorCase("shape-nonstrict", "SD-9", "nested", "model", RuntimeError, key="10.inner.0.weight", strict=False),
+        ErrorCase("shape-dtensor", "SD-9", "nested", "model", RuntimeError, key="10.inner.0.weight"),
+        ErrorCase("empty", "SD-10", "nested", "model", RuntimeError),
+        ErrorCase("optim-missing", "SD-8", "nested", "optim", RuntimeError, key="1.proj.bias"),
+        ErrorCase("optim-unexpected", "SD-8", "nested", "optim", RuntimeError, key="11.weight"),
+        # Adam's state of one trainable parameter dropped, the parameter still listed in its group.
+        ErrorCase("optim-state-missing", "SD-33", "nested", "optim", RuntimeError, key="1.proj.weight"),
+        ErrorCase("broadcast-options", "SD-14", "nested", "options", ValueError, needle="full_state_dict"),
+    )
+}
+
+
+def _wrong_shape_like(value: torch.Tensor) -> torch.Tensor:
+    """A tensor (a DTensor of the same layout for a DTensor) whose last dim is one longer."""
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        bad_local = torch.zeros(*local.shape[:-1], local.shape[-1] + 1, dtype=local.dtype, device=local.device)
+        shape = (*value.shape[:-1], value.shape[-1] + 1)
+        return DTensor.from_local(bad_local, value.device_mesh, value.placements, run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())
+    return torch.zeros(*value.shape[:-1], value.shape[-1] + 1, dtype=value.dtype, device=value.device)
+
+
+def break_input(case: ErrorCase, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(model_sd, optim_sd)`` with ``case``'s fault (copies; the inputs stay as they are)."""
+    model_sd, optim_sd = dict(model_sd), {"state": dict(optim_sd["state"]), "param_groups": optim_sd["param_groups"]}
+    if case.kind == "missing":
+        del model_sd[case.fqn]
+    elif case.kind in ("unexpected", "non-persistent"):
+        model_sd[case.fqn] = torch.zeros(3, device=next(iter(model_sd.values())).device)
+    elif case.kind.startswith("shape"):
+        model_sd[case.fqn] = _wrong_shape_like(model_sd[case.fqn])
+    elif case.kind == "empty":
+        model_sd = {}
+    elif case.kind == "optim-state-missing":
+        # Listed in its group, no state: Adam keeps state for it, so the dict lacks its moments (SD-33).
+        del optim_sd["state"][case.fqn]
+    elif case.kind == "optim-missing":
+        # A parameter the saved dict does not list at all.
+        optim_sd["state"].pop(case.key, None)
+        optim_sd["param_groups"] = [{**g, "params": [p for p in g["params"] if p != case.key]} for g in optim_sd["param_groups"]]
+    elif case.kind == "optim-unexpected":
+        optim_sd["state"][case.key] = copy.deepcopy(next(iter(optim_sd["state"].values())))
+    elif case.kind != "broadcast-options":
+        raise ValueError(case.kind)
+    return model_sd, optim_sd
+
+
+def error_options(ops: StateDictOps, case: ErrorCase, bad: bool, *, mutate: bool = False, **fields: Any) -> Any:
+    """The options of a load of ``case`` on a rank whose input is ``bad`` (or not). For
+    "broadcast-options" every rank loads with ``full_state_dict`` and ``broadcast_from_rank0``, except
+    that a bad rank lacks ``full_state_dict``: its options are built without it (the implementation may
+    refuse them at construction), or with ``mutate`` built valid and then changed (the dataclass is
+    mutable; only a check in the call sees that, and in the one-rank case the call on every rank must
+    fail alike)."""
+    if case.kind != "broadcast-options":
+        return ops.options(strict=case.strict, **fields)
+    fields = {**fields, "full_state_dict": True, "broadcast_from_rank0": True}
+    if not bad:
+        return ops.options(strict=case.strict, **fields)
+    if not mutate:
+        return ops.options(strict=case.strict, **{**fields, "full_state_dict": False})
+    options = ops.options(strict=case.strict, **fields)
+    options.full_state_dict = False
+    return options
+
+
+def _names(message: str, key: str) -> bool:
+    try:
+        assert_names_key(message, key)
+    except pytest.fail.Exception:
+        return False
+    return True
+
+
+def check_error(case: ErrorCase, exc: BaseException | None, model_sd: Mapping[str, Any], expected_keys: list[str],
+                where: str = "") -> None:
+    """``exc`` is ``case``'s error type and its message names what ``case`` says (for "empty": one of
+    ``expected_keys``; for a shape mismatch: both shapes)."""
+    __tracebackhide__ = True
+    if exc is None:
+        fail(f"{case.kind}: no error raised", "a normal return", case.error.__name__, where)
+    if not isinstance(exc, case.error):
+        fail(f"{case.kind}: wrong exception type", f"{type(exc).__name__}: {exc}", case.error.__name__, where)
+    message = str(exc)
+    if case.key is not None:
+        assert_names_key(message, case.key, what=f"{case.kind}: {type(exc).__name__} message", where=where)
+    if case.needle is not None and case.needle not in message:
+        fail(f"{case.kind}: the message lacks {case.needle!r}", message, f"a message naming {case.needle!r}", where)
+    if case.kind == "empty" and not any(_names(message, k) for k in expected_keys):
+        fail("empty: the message names no entry of the model", message, f"one of {expected_keys}", where)
+    if case.kind.startswith("shape"):
+        shape = tuple(model_sd[case.fqn].shape)
+        assert_names_shapes(message, (*shape[:-1], shape[-1] + 1), shape)
+
+
+def plain_error_params(req_marks: Mapping[str, Any]) -> list[Any]:
+    params = []
+    for kind, case in ERROR_CASES.items():
+        if kind == "shape-dtensor":
+            continue  # a sharded model's case
+        for api in ("set_state_dict", "single"):
+            if kind == "empty" and api == "set_state_dict":
+                continue  # an empty model dict in set_state_dict means "optimizer only", not an error
+            for how in ("plain", "checkpoint+compile"):
+                params.append(pytest.param(kind, api, how, id=f"{kind}-{api}-{how}", marks=req_marks[case.req]))
+    return params
+
+
+# -- SD-11: round trip --------------------------------------------------------------------------------
+
+
+def continue_equally(pair: Plain, name: str, device: Any = "cpu") -> None:
+    """One more step of source and target on one batch leaves them equal, bit for bit."""
+    __tracebackhide__ = True
+    batch = zoo.batch(name, seed=7, device=device)
+    zoo.train_step(pair.source, pair.source_optim, batch)
+    zoo.train_step(pair.target, pair.target_optim, batch)
+    assert_same_state(pair.target.state_dict(), pair.source.state_dict(), what="model after one more step")
+    assert_same_optim(fqn_keyed_optim(pair.target, pair.target_optim), fqn_keyed_optim(pair.source, pair.source_optim),
+                      "optimizer after one more step")
+
+
+# -- SD-12, SD-13, SD-14, SD-16, SD-17, SD-18: sharded models --------------------------------------
+
+
+def single_group_adam(model: nn.Module) -> torch.optim.Optimizer:
+    """One group with the source extras: FSDP1 presents flattened views, so grouping by parameter shape
+    is not portable across implementations."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return add_source_extras(torch.optim.Adam(params, lr=0.01, weight_decay=0.01))
+
+
+@dataclass
+class Sharded:
+    """A sharded model and its optimizer, and the unwrapped oracle and its optimizer, trained alike."""
+
+    model: nn.Module
+    optim: torch.optim.Optimizer
+    oracle: nn.Module
+    oracle_optim: torch.optim.Optimizer
+
+    def train(self, name: str, seeds: range, device: Any) -> None:
+        """Every rank sees the same batches, so the averaged gradient equals the single-process one."""
+        for seed in seeds:
+            batch = zoo.batch(name, seed=seed, device=device)
+            zoo.train_step(self.oracle, self.oracle_optim, batch)
+            zoo.train_step(self.model, self.optim, batch)
+
+
+def sharded_pair(impl: Adapter, dist: RankContext, name: str, strategy: str = "FULL_SHARD", steps: int = 2) -> Sharded:
+    """Zoo ``name`` (seed 0) sharded with ``strategy`` and unwrapped, ``steps`` steps each; a skip if
+    the implementation lacks the strategy."""
+    oracle = zoo.build(name, seed=0, device=dist.device)
+    try:
+        model = sd_shard(impl, zoo.build(name, seed=0, device=dist.device), dist.device, strategy)
+    except Unsupported as exc:
+        pytest.skip(f"sharding {strategy}: {exc}")
+    pair = Sharded(model, single_group_adam(model), oracle, single_group_adam(oracle))
+    pair.train(name, range(steps), dist.device)
+    return pair
+
+
+def _clean(name: str) -> str:
+    for segment in WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
+@torch.no_grad()
+def sharded_target(impl: Adapter, dist: RankContext, name: str, source_state: Mapping[str, torch.Tensor],
+                   strategy: str = "FULL_SHARD", *, extra_key: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Zoo ``name`` from seed 1, sharded, with a perturbed optimizer over its parameters in reverse
+    order, trained one step on another batch; its persistent buffers (plain on every rank) set to
+    :func:`different_like` of the source's (``source_state``: the unwrapped source's state dict). The
+    FSDP optimizer-state load matches param groups one to one, so a sharded target keeps one group."""
+    try:
+        model = sd_shard(impl, zoo.build(name, seed=1, device=dist.device), dist.device, strategy)
+    except Unsupported as exc:
+        pytest.skip(f"sharding {strategy}: {exc}")
+    optim = target_optimizer([[p for p in model.parameters() if p.requires_grad]], "reversed", extra_key=extra_key)
+    with torch.enable_grad():
+        train(model, optim, name, range(5, 6), dist.device)
+    for buffer_name, buffer in model.named_buffers():
+        key = _clean(buffer_name)
+        if key in source_state:  # persistent; a non-persistent buffer is never loaded
+            buffer.copy_(different_like(source_state[key]))
+    return model, optim
+
+
+def assert_dtensor_params(model_sd: Mapping[str, Any], oracle: nn.Module, dist: RankContext) -> None:
+    """SD-13: at world size > 1 every parameter entry of a sharded get is a DTensor."""
+    __tracebackhide__ = True
+    if dist.world_size == 1:
+        return
+    params = dict(oracle.named_parameters(remove_duplicate=False))
+    plain = [k for k, v in model_sd.items() if k in params and not isinstance(v, DTensor)]
+    if plain:
+        fail("sharded state dict: parameters that are not DTensors", plain, "DTensor shards", f"rank {dist.rank}")
+
+
+def assert_planned_get(got: Mapping[str, Any], expected: Mapping[str, Any], strategy: str, dist: RankContext, what: str) -> None:
+    """Every positional tensor of ``got`` (a model state dict, or one parameter's optimizer state) is a
+    DTensor laid out as ``strategy`` asks (:func:`~conformance.asserts.assert_planned_shard`: mesh
+    ranks and groups, placements, coordinate, this rank's piece of ``expected`` to float tolerance);
+    at world size 1 a plain tensor equal to ``expected`` is accepted. Every other entry equals
+    ``expected`` as it is."""
+    __tracebackhide__ = True
+    replicas, shards = strategy_layout(strategy, dist.world_size)
+    if list(got) != list(expected):
+        fail(f"{what}: keys", list(got), list(expected), f"rank {dist.rank}")
+    for key, value in got.items():
+        want, here = expected[key], f"{what}[{key!r}] on rank {dist.rank} of {dist.world_size} ({strategy})"
+        positional = isinstance(want, torch.Tensor) and want.dim() > 0 and want.is_floating_point()
+        if positional and (isinstance(value, DTensor) or dist.world_size > 1):
+            assert_planned_shard(value, want, replicas=replicas, shards=shards, rank=dist.rank, what=what, where=here,
+                                 atol=ATOL, rtol=RTOL)
+        else:
+            assert_same_state(value, want, what=what, where=here, atol=ATOL, rtol=RTOL)
+
+
+def dtensor_model(name: str, seed: int, dist: RankContext) -> nn.Module:
+    """Zoo model ``name`` whose every parameter is a DTensor sharded on dim 0 over all ranks, with no
+    FSDP wrapper (how tensor parallelism leaves a model); buffers stay plain."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model, mesh = zoo.build(name, seed=seed, device=dist.device), dist.mesh()
+    for module in model.modules():
+        for attr, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.detach(), mesh, [Shard(0)])
+            module.register_parameter(attr, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    return model
+
+
+def oracle_state(name: str, device: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The unwrapped model's (model, FQN-keyed optimizer) state dicts after two steps: what rank 0 holds."""
+    oracle = zoo.build(name, seed=0, device=device)
+    oracle_optim = single_group_adam(oracle)
+    train(oracle, oracle_optim, name, range(2), device)
+    return copy.deepcopy(oracle.state_dict()), copy.deepcopy(fqn_keyed_optim(oracle, oracle_optim))
+
+
+def broadcast_target(impl: Adapter, dist: RankContext, name: str, sharded: bool, expected_model: Mapping[str, Any]
+                      ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A target for rank 0's state: sharded, or plain and differing everywhere; one param group, like
+    the source (a split target is test_round_trip's)."""
+    if sharded:
+        return sharded_target(impl, dist, name, expected_model)
+    pair = plain_pair(name, device=dist.device)
+    optim = target_optimizer([[p for p in pair.target.parameters() if p.requires_grad]], "reversed")
+    train(pair.target, optim, name, range(5, 6), dist.device)
+    return pair.target, optim
+
+
+def check_broadcast_result(ops: StateDictOps, dist: RankContext, model: nn.Module, optim: torch.optim.Optimizer,
+                            expected_model: dict[str, Any], expected_optim: dict[str, Any]) -> None:
+    __tracebackhide__ = True
+    got_model, got_optim = ops.get_state_dict(model, optim, options=ops.options(full_state_dict=True))
+    assert_same_state(got_model, expected_model, what="model after the broadcast load", where=f"rank {dist.rank}")
+    assert_same_optim(got_optim, expected_optim, "optimizer after the broadcast load", where=f"rank {dist.rank}")
+
+
+def hyperparameters(optim: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
+
+
+def on_cpu_tree(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, Mapping):
+        return {k: on_cpu_tree(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(on_cpu_tree(v) for v in tree)
+    return tree
+
+
+def sharded_error_run(dist: RankContext, impl: Adapter, kind: str, bad_ranks: set[int]) -> None:
+    """A sharded nested model and its optimizer (trained, perturbed, like every target) get a set whose
+    input is wrong on ``bad_ranks`` only. Every rank raises the same error type with the same message
+    (naming the canonical key) and keeps its model and optimizer exactly as they were."""
+    ops = sd_ops(impl)
+    case = ERROR_CASES[kind]
+    source = sharded_pair(impl, dist, case.model)
+    full = kind != "shape-dtensor"
+    model_sd, optim_sd = copy.deepcopy(ops.get_state_dict(source.model, source.optim, options=ops.options(full_state_dict=full)))
+    target, target_optim = sharded_target(impl, dist, case.model, source.oracle.state_dict())
+    bad = dist.rank in bad_ranks
+    if bad:
+        model_sd_in, optim_sd_in = break_input(case, model_sd, optim_sd)
+    else:
+        model_sd_in, optim_sd_in = model_sd, optim_sd
+    before = snapshot(model=target, optim=target_optim)
+    where = f"rank {dist.rank}, bad input on rank(s) {sorted(bad_ranks)}"
+
+    def call() -> Any:
+        options = error_options(ops, case, bad, mutate=len(bad_ranks) < dist.world_size, full_state_dict=full)
+        if kind == "empty":
+            return ops.set_model_state_dict(target, model_sd_in, options=options)
+        return ops.set_state_dict(target, target_optim, model_state_dict=model_sd_in, optim_state_dict=optim_sd_in,
+                                  options=options)
+
+    exc = raised(call)
+
+    def raises() -> None:
+        assert_same_error_on_every_rank(dist, exc, what=f"{kind}: set with bad input on rank(s) {sorted(bad_ranks)}")
+        check_error(case, exc, model_sd, list(model_sd), where=where)
+
+    check_each(raises=raises, unchanged=lambda: assert_unchanged(before, where=where, model=target, optim=target_optim))
+
+
+def form_of(tree: Any) -> Any:
+    """What a state-dict configuration decides about a get, without the values: the keys (in order),
+    and for every tensor its kind, placements, global and local shape and dtype."""
+    if isinstance(tree, Mapping):
+        return {k: form_of(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [form_of(v) for v in tree]
+    if isinstance(tree, DTensor):
+        return ("DTensor", str(tree.placements), tuple(tree.shape), tuple(tree.to_local().shape), str(tree.dtype))
+    if isinstance(tree, torch.Tensor):
+        return ("Tensor", tuple(tree.shape), str(tree.dtype))
+    return type(tree).__name__

@@ -3,15 +3,15 @@ SD-30, OS-25, OS-26, FP-22, FP-27).
 
 Two kinds of module state that a fork drops or mis-routes while every parameter test passes:
 
-* **Extra state** (``get_extra_state`` / ``set_extra_state``, under ``<module>._extra_state``; Transformer
-  Engine's FP8 modules keep their scaling metadata there, as a ``BytesIO`` or a tensor whose length
-  changes once FP8 is initialized). :data:`EXTRA_KINDS` are the values tried, every one of them at the
-  model's root and inside a module that sharding makes a unit of its own (:class:`ExtraModel`), each
-  place and seed with its own value. The modules' ``get_extra_state`` returns a fresh copy and
-  ``set_extra_state`` records what it was handed: an implementation that writes into the object a get
-  returned (as it would a buffer) changes nothing, and is caught. Loads go into a target built from
-  another seed, so every loaded value differs from the target's own, and are checked on every rank in
-  the modules themselves.
+* **Extra state** (``get_extra_state`` / ``set_extra_state``, under ``<module>._extra_state``;
+  Transformer Engine's FP8 modules keep their scaling metadata there, as a ``BytesIO`` or a tensor whose
+  length changes once FP8 is initialized). :data:`EXTRA_KINDS` are the values tried, every one of them
+  at the model's root and inside a module that sharding makes a unit of its own
+  (:class:`~conformance.module_state_support.ExtraModel`), each place and seed with its own value. The
+  modules' ``get_extra_state`` returns a fresh copy and ``set_extra_state`` records what it was handed:
+  an implementation that writes into the object a get returned (as it would a buffer) changes nothing,
+  and is caught. Loads go into a target built from another seed, so every loaded value differs from the
+  target's own, and are checked on every rank in the modules themselves.
 * **A dtype change after wrapping** (``.to(torch.float64)``, ``.double()``, ``.half()``, ``.bfloat16()``,
   ``.type()``, :data:`DTYPE_FORMS`): a sharded or flattened model converted after wrapping must
   compute, train and save in the new dtype, as the unwrapped model converted the same way does.
@@ -23,13 +23,10 @@ own result; only ``full_state_dict`` with ``cpu_offload`` leaves ranks other tha
 from __future__ import annotations
 
 import copy
-import io
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from conformance import models as zoo
@@ -50,148 +47,87 @@ from conformance.asserts import (
 )
 from conformance.compare import fqn_keyed_optim
 from conformance.harness.context import RankContext
+from conformance.module_state_support import (
+    DTYPE_ATOL,
+    DTYPE_FORMS,
+    EXTRA_KINDS,
+    PLACES,
+    SHARDED_GETS,
+    assert_extra_entries,
+    assert_holds,
+    build_extra,
+    comparable,
+    extra_entries,
+    extra_value,
+    holders,
+    same,
+    shard_extra,
+    tensors_of,
+)
 from conformance.state_dict_support import PROMPTLY_S, sd_ops
 
-# -- extra state ---------------------------------------------------------------------------------------
 
-#: The values an extra state takes here: ``grown-tensor`` is a uint8 tensor whose length depends on the
-#: seed (Transformer Engine's serialized metadata); ``none`` is None in the source and a string in the
-#: target, so that loading None is seen.
-EXTRA_KINDS = ("str", "bytes", "bytesio", "tensor", "grown-tensor", "dict", "none")
-#: Where a model holds extra state: its root, and the module sharding makes a unit.
-PLACES = {"root": "_extra_state", "unit": "inp._extra_state"}
-
-
-def extra_value(kind: str, seed: int, place: str) -> Any:
-    """The extra state of ``place`` in a model built from ``seed``: distinct per kind, seed and place."""
-    tag = len(place)
-    raw = bytes([seed, 0, 255, tag]) + place.encode()
-    if kind == "str":
-        return f"{place}-fp8-recipe-{seed}"
-    if kind == "bytes":
-        return raw
-    if kind == "bytesio":
-        return io.BytesIO(raw)
-    if kind == "tensor":
-        return torch.tensor([seed + 0.5, -0.0 if seed == 0 else 2.0**-60, 1e300 * (tag + seed)], dtype=torch.float64)
-    if kind == "grown-tensor":
-        return torch.arange(3 + 2 * seed, dtype=torch.uint8) + tag
-    if kind == "dict":
-        return {"scale": torch.full((3,), 2.0**-seed) * tag, "history": [torch.arange(2) + seed, seed], "recipe": f"{place}-{seed}"}
-    if kind == "none":
-        return None if seed == 0 else f"{place}-set-{seed}"
-    raise ValueError(f"unknown extra-state kind {kind!r}; expected one of {EXTRA_KINDS}")
-
-
-def fresh(value: Any) -> Any:
-    """A copy of ``value`` sharing no object with it (a BytesIO with the same bytes, tensors cloned)."""
-    if isinstance(value, io.BytesIO):
-        return io.BytesIO(value.getvalue())
-    return copy.deepcopy(value)
+@pytest.mark.req("FP-22")
+@pytest.mark.parametrize("form", list(DTYPE_FORMS))
+def test_dtype_change_of_a_flat_param_wrapper(impl: Adapter, form: str) -> None:
+    """A wrapped ``nested`` converted by ``form``: its flat parameters stay flat parameters of the new
+    dtype, ``state_dict()`` equals the unwrapped model converted the same way bit for bit, it computes
+    what that model computes, and a step of an optimizer built afterwards matches it."""
+    ops = impl.require("flat_param")
+    convert, dtype = DTYPE_FORMS[form]
+    plain = zoo.build("nested", seed=0)
+    wrapped_model = zoo.build("nested", seed=0)
+    wrapped = ops.wrap(wrapped_model, list(wrapped_model.parameters()))
+    convert(plain)
+    convert(wrapped)
+    flats = [p for p in wrapped.parameters() if ops.is_flat_param(p)]
+    if not flats or any(f.dtype != dtype for f in flats):
+        fail(f"flat parameters after {form}", [(ops.is_flat_param(f), f.dtype) for f in wrapped.parameters()], f"flat parameters of {dtype}")
+    assert_same_state(dict(wrapped.state_dict()), dict(plain.state_dict()), what=f"state_dict() after {form}")
+    x = zoo.batch("nested", seed=3).to(dtype)
+    assert_same_state(wrapped(x), plain(x), what=f"output after {form}")
+    for model in (plain, wrapped):
+        optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        optim.zero_grad(set_to_none=True)
+        model(x).float().pow(2).mean().backward()
+        optim.step()
+    # Trained: the gradient reaches a flat parameter through views, whose rounding in half precision
+    # may differ from the unwrapped model's by an ulp.
+    atol = None if dtype == torch.float64 else DTYPE_ATOL[dtype]
+    assert_same_state(dict(wrapped.state_dict()), dict(plain.state_dict()), what=f"state_dict() trained after {form}", atol=atol)
 
 
-def comparable(value: Any) -> Any:
-    """``value`` with every BytesIO read out (``("BytesIO", bytes)``), for :func:`assert_same_state`."""
-    if isinstance(value, io.BytesIO):
-        return ("BytesIO", value.getvalue())
-    if isinstance(value, dict):
-        return {k: comparable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(comparable(v) for v in value)
-    return value
+@pytest.mark.req("FP-27")
+def test_extra_state_through_a_flat_param_wrapper(impl: Adapter) -> None:
+    """A model whose parameters a wrapper flattens, every kind: ``state_dict()`` has the unwrapped
+    model's extra-state entries; ``load_state_dict()`` of another seed's unwrapped dict hands each to its
+    module's ``set_extra_state``; a strict load without one raises ``RuntimeError`` naming it by its
+    unwrapped key."""
+    ops = impl.require("flat_param")
+    checks: dict[str, Callable[[], None]] = {}
+    for kind in EXTRA_KINDS:
 
+        def check(kind: str = kind) -> None:
+            plain = build_extra(kind, 0)
+            wrapped_model = build_extra(kind, 0)
+            wrapped = ops.wrap(wrapped_model, list(wrapped_model.parameters()))
+            got = wrapped.state_dict()
+            if list(got) != list(plain.state_dict()):
+                fail("state_dict() keys of the wrapped model", list(got), list(plain.state_dict()), kind)
+            assert_same_state(comparable(dict(got)), comparable(dict(plain.state_dict())), what="state_dict() of the wrapped model", where=kind)
+            target_model = build_extra(kind, 1)
+            modules = holders(target_model)
+            target = ops.wrap(target_model, list(target_model.parameters()))
+            target.load_state_dict(copy.deepcopy(plain.state_dict()))
+            assert_holds(modules, kind, 0, "load_state_dict of the wrapped model", kind)
+            assert_same_state(comparable(dict(target.state_dict())), comparable(dict(plain.state_dict())),
+                              what="state_dict() after the load", where=kind)
+            partial = {k: v for k, v in plain.state_dict().items() if k != PLACES["unit"]}
+            expect_error(lambda: target.load_state_dict(partial), RuntimeError, keys=[PLACES["unit"]],
+                         what="a strict load without an extra-state entry", where=kind)
 
-def same(got: Any, expected: Any) -> bool:
-    """Whether ``got`` equals ``expected`` as :func:`assert_same_state` compares (BytesIO by its bytes)."""
-    return raised(lambda: assert_same_state(comparable(got), comparable(expected))) is None
-
-
-class _ExtraState:
-    """``get_extra_state`` returns a fresh copy of ``extra``; ``set_extra_state`` records what it was
-    handed and keeps a copy of it."""
-
-    extra: Any
-    received: list[Any]
-
-    def get_extra_state(self) -> Any:
-        return fresh(self.extra)
-
-    def set_extra_state(self, state: Any) -> None:
-        self.received.append(state)
-        self.extra = fresh(state)
-
-
-class ExtraLinear(_ExtraState, nn.Linear):
-    def __init__(self, d_in: int, d_out: int, extra: Any) -> None:
-        super().__init__(d_in, d_out)
-        self.extra, self.received = extra, []
-
-
-class ExtraModel(_ExtraState, nn.Module):
-    """Extra state at the root and in ``inp`` (a unit when sharded); ``head`` has none."""
-
-    def __init__(self, kind: str, seed: int) -> None:
-        super().__init__()
-        self.inp = ExtraLinear(5, 6, extra_value(kind, seed, "unit"))
-        self.head = nn.Linear(6, 3)
-        self.extra, self.received = extra_value(kind, seed, "root"), []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.inp(x)))
-
-
-def build_extra(kind: str, seed: int, device: Any = "cpu") -> ExtraModel:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = ExtraModel(kind, seed)
-    return model.to(device)
-
-
-def holders(model: ExtraModel) -> dict[str, _ExtraState]:
-    """The modules holding extra state, by place, taken before any wrapping (the user's handles)."""
-    return {"root": model, "unit": model.inp}
-
-
-def extra_entries(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    return {place: state_dict[key] for place, key in PLACES.items() if key in state_dict}
-
-
-def assert_extra_entries(state_dict: Mapping[str, Any], kind: str, seed: int, what: str, where: str) -> None:
-    """The extra-state entries of ``state_dict`` are those of a model built from ``seed``, under their keys."""
-    __tracebackhide__ = True
-    missing = [key for key in PLACES.values() if key not in state_dict]
-    if missing:
-        fail(f"{what}: extra-state entries missing", missing, list(PLACES.values()), where)
-    want = {place: comparable(extra_value(kind, seed, place)) for place in PLACES}
-    assert_same_state(comparable(extra_entries(state_dict)), want, what=f"{what}: extra state ({kind})", where=where)
-
-
-def assert_holds(modules: Mapping[str, _ExtraState], kind: str, seed: int, what: str, where: str) -> None:
-    """Every module holds the extra state of a model built from ``seed``, handed to its ``set_extra_state``."""
-    __tracebackhide__ = True
-    for place, module in modules.items():
-        want = comparable(extra_value(kind, seed, place))
-        if not module.received:
-            fail(f"{what}: set_extra_state of the {place} module was never called", "never called", f"called with {want!r}"[:200], where)
-        assert_same_state(comparable(module.extra), want, what=f"{what}: the {place} module's extra state ({kind})", where=where)
-
-
-def _tensors_of(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, Mapping):
-        return [t for v in tree.values() for t in _tensors_of(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _tensors_of(v)]
-    return []
-
-
-def _shard_extra(impl: Adapter, model: nn.Module, device: torch.device) -> nn.Module:
-    plan = ShardingPlan("FULL_SHARD", units=lambda m: isinstance(m, ExtraLinear), device=device)
-    try:
-        return impl.require("sharding").shard(model, plan)
-    except Unsupported as exc:
-        pytest.skip(str(exc))
+        checks[kind] = check
+    check_each(**checks)
 
 
 @pytest.mark.req("SD-29")
@@ -241,15 +177,6 @@ def test_extra_state_round_trips_on_a_plain_model(impl: Adapter) -> None:
     check_each(**checks)
 
 
-#: The get options of a sharded model tried with extra state (SD-12, SD-13, SD-30).
-SHARDED_GETS = {
-    "sharded": {"full_state_dict": False},
-    "sharded+offload": {"full_state_dict": False, "cpu_offload": True},
-    "full": {"full_state_dict": True},
-    "full+offload": {"full_state_dict": True, "cpu_offload": True},
-}
-
-
 @pytest.mark.req("SD-29", "SD-12", "SD-14", "SD-30")
 @pytest.mark.rank_timeout(4 * PROMPTLY_S)
 @pytest.mark.parametrize("get", list(SHARDED_GETS))
@@ -269,7 +196,7 @@ def test_extra_state_round_trips_on_a_sharded_model(dist: RankContext, impl: Ada
 
         def check(kind: str = kind) -> None:
             where = f"rank {dist.rank}, {get}, {kind}"
-            source = _shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
+            source = shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
             got = ops.get_model_state_dict(source, options=ops.options(**fields))
             full_source = ops.get_model_state_dict(source, options=ops.options(full_state_dict=True))
             if rank0_only and dist.rank != 0:
@@ -278,12 +205,12 @@ def test_extra_state_round_trips_on_a_sharded_model(dist: RankContext, impl: Ada
             else:
                 assert_extra_entries(got, kind, 0, "get", where)
                 if fields.get("cpu_offload"):
-                    devices = sorted({str(t.device) for t in _tensors_of(extra_entries(got))})
+                    devices = sorted({str(t.device) for t in tensors_of(extra_entries(got))})
                     if devices not in ([], ["cpu"]):
                         fail("cpu_offload: devices of the extra state's tensors", devices, ["cpu"], where)
             target_model = build_extra(kind, 1, dist.device)
             modules = holders(target_model)
-            target = _shard_extra(impl, target_model, dist.device)
+            target = shard_extra(impl, target_model, dist.device)
             given = copy.deepcopy(got)
             load_options = ops.options(full_state_dict=bool(fields["full_state_dict"]), broadcast_from_rank0=bool(rank0_only))
             ops.set_model_state_dict(target, given, options=load_options)
@@ -303,13 +230,13 @@ def test_strict_sharded_set_without_extra_state_fails_on_every_rank(dist: RankCo
     every rank raises the same ``RuntimeError`` naming it, and no rank changes anything (the modules'
     extra states included)."""
     ops = sd_ops(impl)
-    source = _shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
+    source = shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
     given = copy.deepcopy(ops.get_model_state_dict(source))
     if dist.rank == dist.world_size - 1:
         del given[PLACES["unit"]]
     target_model = build_extra(kind, 1, dist.device)
     modules = holders(target_model)
-    target = _shard_extra(impl, target_model, dist.device)
+    target = shard_extra(impl, target_model, dist.device)
     before = snapshot(model=target)
     exc = raised(lambda: ops.set_model_state_dict(target, given))
     assert_same_error_on_every_rank(dist, exc, what="a strict set lacking an extra-state entry on the last rank")
@@ -321,41 +248,6 @@ def test_strict_sharded_set_without_extra_state_fails_on_every_rank(dist: RankCo
     for place, module in modules.items():
         if module.received:
             fail(f"a refused set called set_extra_state of the {place} module", comparable(module.received), "no call", where)
-
-
-#: The FSDP model state dicts tried with extra state: (get, load) of the optim_state ops.
-FSDP_FORMS = ("full", "sharded")
-
-
-@pytest.mark.req("OS-25")
-@pytest.mark.rank_timeout(4 * PROMPTLY_S)
-@pytest.mark.parametrize("form", FSDP_FORMS)
-def test_extra_state_through_fsdp_model_state_dicts(dist: RankContext, impl: Adapter, form: str) -> None:
-    """The FSDP implementation's own full and sharded model state dicts, every kind: on every rank the
-    extra states are under their keys as the modules returned them (never DTensors), and loading the
-    dict into another seed's sharded model hands each to its module's ``set_extra_state``."""
-    ops = impl.require("optim_state")
-    get = ops.full_state_dict if form == "full" else ops.sharded_state_dict
-    load = ops.load_full_state_dict if form == "full" else ops.load_sharded_state_dict
-    checks: dict[str, Callable[[], None]] = {}
-    for kind in EXTRA_KINDS:
-
-        def check(kind: str = kind) -> None:
-            where = f"rank {dist.rank}, {form}, {kind}"
-            source = _shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
-            got = get(source)
-            assert_extra_entries(got, kind, 0, f"{form} model state dict", where)
-            dtensors = [key for key, value in extra_entries(got).items() if isinstance(value, DTensor)]
-            if dtensors:
-                fail("an extra state made a DTensor", dtensors, "the module's own value", where)
-            target_model = build_extra(kind, 1, dist.device)
-            modules = holders(target_model)
-            target = _shard_extra(impl, target_model, dist.device)
-            load(target, copy.deepcopy(got))
-            assert_holds(modules, kind, 0, f"load of the {form} model state dict", where)
-
-        checks[kind] = check
-    check_each(**checks)
 
 
 @pytest.mark.req("SD-29", "ML-1")
@@ -371,13 +263,13 @@ def test_extra_state_through_a_checkpoint(dist: RankContext, impl: Adapter) -> N
 
         def check(kind: str = kind) -> None:
             where = f"rank {dist.rank}, {kind}"
-            source = _shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
+            source = shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
             model_sd, _ = ckpt.get_state_dicts(source, torch.optim.SGD(source.parameters(), lr=0.1))
             path = dist.tmp_dir / f"extra-{kind}"
             ckpt.save({"model": model_sd}, path)
             target_model = build_extra(kind, 1, dist.device)
             modules = holders(target_model)
-            target = _shard_extra(impl, target_model, dist.device)
+            target = shard_extra(impl, target_model, dist.device)
             optim = torch.optim.SGD(target.parameters(), lr=0.1)
             state, optim_sd = ckpt.get_state_dicts(target, optim)
             box = {"model": state}
@@ -390,52 +282,108 @@ def test_extra_state_through_a_checkpoint(dist: RankContext, impl: Adapter) -> N
     check_each(**checks)
 
 
-@pytest.mark.req("FP-27")
-def test_extra_state_through_a_flat_param_wrapper(impl: Adapter) -> None:
-    """A model whose parameters a wrapper flattens, every kind: ``state_dict()`` has the unwrapped
-    model's extra-state entries; ``load_state_dict()`` of another seed's unwrapped dict hands each to its
-    module's ``set_extra_state``; a strict load without one raises ``RuntimeError`` naming it by its
-    unwrapped key."""
-    ops = impl.require("flat_param")
+@pytest.mark.req("SD-30")
+@pytest.mark.rank_timeout(4 * PROMPTLY_S)
+@pytest.mark.parametrize("kind", ["plain", "sharded"])
+def test_cpu_offload_alone_keeps_every_ranks_own_state(dist: RankContext, impl: Adapter, kind: str) -> None:
+    """``cpu_offload=True`` without ``full_state_dict``, on every rank: a sharded model's get gives this
+    rank's own DTensors (its local piece of each parameter, of each positional optimizer state) on the
+    CPU, never ``{}`` on ranks other than 0; a plain model's gives the whole dict on every rank, on the
+    CPU. ``full_state_dict=True`` without ``cpu_offload`` gives every rank the full dict."""
+    ops = sd_ops(impl)
+    oracle = zoo.build("nested", seed=0, device=dist.device)
+    model = zoo.build("nested", seed=0, device=dist.device)
+    if kind == "sharded":
+        try:
+            model = impl.require("sharding").shard(model, ShardingPlan("FULL_SHARD", units=child_units(model), device=dist.device))
+        except Unsupported as exc:
+            pytest.skip(str(exc))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    oracle_optim = torch.optim.Adam(oracle.parameters(), lr=0.01)
+    x = zoo.batch("nested", seed=3, device=dist.device)
+    for m, o in ((model, optim), (oracle, oracle_optim)):
+        m(x).pow(2).mean().backward()
+        o.step()
+    where = f"rank {dist.rank} of {dist.world_size}, {kind} model"
+    want = oracle.state_dict()
+
+    def offload() -> None:
+        got_model = ops.get_model_state_dict(model, options=ops.options(cpu_offload=True))
+        got_optim = ops.get_optimizer_state_dict(model, optim, options=ops.options(cpu_offload=True))
+        for what, got in (("model", got_model), ("optimizer", got_optim)):
+            if not got:
+                fail(f"cpu_offload without full_state_dict: the {what} state dict", "{}", "this rank's own state", where)
+            devices = sorted({str((t.to_local() if isinstance(t, DTensor) else t).device) for t in tensors_of(got)})
+            if devices != ["cpu"]:
+                fail(f"cpu_offload: devices of the {what} state dict's tensors", devices, ["cpu"], where)
+        if list(got_model) != list(want):
+            fail("cpu_offload: model state dict keys", list(got_model), list(want), where)
+        want_optim = fqn_keyed_optim(oracle, oracle_optim)["state"]
+        if sorted(got_optim["state"]) != sorted(want_optim):
+            fail("cpu_offload: FQNs with optimizer state", sorted(got_optim["state"]), sorted(want_optim), where)
+        for fqn, state in got_optim["state"].items():
+            for name, value in state.items():
+                full = want_optim[fqn][name]
+                if isinstance(value, DTensor):
+                    mesh = value.device_mesh
+                    piece, _ = expected_local_chunk(full.detach().cpu(), value.placements, tuple(mesh.shape), tuple(mesh.get_coordinate() or ()))
+                    value, full = value.to_local(), piece
+                elif kind == "sharded" and isinstance(full, torch.Tensor) and full.dim() > 0 and dist.world_size > 1:
+                    fail("cpu_offload: a positional optimizer state is not a DTensor", type(value).__name__, "DTensor", f"{where}: {fqn!r}")
+                assert_same_state(value, full.cpu() if isinstance(full, torch.Tensor) else full, what="cpu_offload: optimizer state",
+                                  where=f"{where}: {fqn!r}[{name!r}]", atol=None if kind == "plain" else 1e-6)
+        params = dict(oracle.named_parameters())
+        for key, value in got_model.items():
+            full = want[key].detach().cpu()
+            if isinstance(value, DTensor):
+                assert_local_shard(value, full, what="cpu_offload: model state dict", where=f"{where}: {key!r}")
+            elif kind == "sharded" and key in params and dist.world_size > 1:
+                fail("cpu_offload: a sharded parameter is not a DTensor", type(value).__name__, "DTensor", f"{where}: {key!r}")
+            else:
+                assert_same_state(value, full, what="cpu_offload: model state dict", where=f"{where}: {key!r}",
+                                  atol=None if kind == "plain" else 1e-6)
+
+    def full_everywhere() -> None:
+        got = ops.get_model_state_dict(model, options=ops.options(full_state_dict=True))
+        if not got:
+            fail("full_state_dict without cpu_offload: the model state dict", "{}", "the full dict on every rank", where)
+        assert_same_state(got, want, what="full_state_dict without cpu_offload", where=where, atol=None if kind == "plain" else 1e-6)
+
+    check_each(offload=offload, full_everywhere=full_everywhere)
+
+
+#: The FSDP model state dicts tried with extra state: (get, load) of the optim_state ops.
+FSDP_FORMS = ("full", "sharded")
+
+
+@pytest.mark.req("OS-25")
+@pytest.mark.rank_timeout(4 * PROMPTLY_S)
+@pytest.mark.parametrize("form", FSDP_FORMS)
+def test_extra_state_through_fsdp_model_state_dicts(dist: RankContext, impl: Adapter, form: str) -> None:
+    """Through the FSDP implementation's own full and sharded model state dicts (the ``optim_state``
+    capability), not the state_dict API, for every kind; the load goes into another seed's sharded model."""
+    ops = impl.require("optim_state")
+    get = ops.full_state_dict if form == "full" else ops.sharded_state_dict
+    load = ops.load_full_state_dict if form == "full" else ops.load_sharded_state_dict
     checks: dict[str, Callable[[], None]] = {}
     for kind in EXTRA_KINDS:
 
         def check(kind: str = kind) -> None:
-            plain = build_extra(kind, 0)
-            wrapped_model = build_extra(kind, 0)
-            wrapped = ops.wrap(wrapped_model, list(wrapped_model.parameters()))
-            got = wrapped.state_dict()
-            if list(got) != list(plain.state_dict()):
-                fail("state_dict() keys of the wrapped model", list(got), list(plain.state_dict()), kind)
-            assert_same_state(comparable(dict(got)), comparable(dict(plain.state_dict())), what="state_dict() of the wrapped model", where=kind)
-            target_model = build_extra(kind, 1)
+            where = f"rank {dist.rank}, {form}, {kind}"
+            source = shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
+            got = get(source)
+            assert_extra_entries(got, kind, 0, f"{form} model state dict", where)
+            dtensors = [key for key, value in extra_entries(got).items() if isinstance(value, DTensor)]
+            if dtensors:
+                fail("an extra state made a DTensor", dtensors, "the module's own value", where)
+            target_model = build_extra(kind, 1, dist.device)
             modules = holders(target_model)
-            target = ops.wrap(target_model, list(target_model.parameters()))
-            target.load_state_dict(copy.deepcopy(plain.state_dict()))
-            assert_holds(modules, kind, 0, "load_state_dict of the wrapped model", kind)
-            assert_same_state(comparable(dict(target.state_dict())), comparable(dict(plain.state_dict())),
-                              what="state_dict() after the load", where=kind)
-            partial = {k: v for k, v in plain.state_dict().items() if k != PLACES["unit"]}
-            expect_error(lambda: target.load_state_dict(partial), RuntimeError, keys=[PLACES["unit"]],
-                         what="a strict load without an extra-state entry", where=kind)
+            target = shard_extra(impl, target_model, dist.device)
+            load(target, copy.deepcopy(got))
+            assert_holds(modules, kind, 0, f"load of the {form} model state dict", where)
 
         checks[kind] = check
     check_each(**checks)
-
-
-# -- a dtype change after wrapping -------------------------------------------------------------------------
-
-#: How a model's floating-point dtype is changed, and the dtype it then has.
-DTYPE_FORMS: dict[str, tuple[Callable[[nn.Module], Any], torch.dtype]] = {
-    "to-float64": (lambda m: m.to(torch.float64), torch.float64),
-    "to-dtype-keyword": (lambda m: m.to(dtype=torch.float64), torch.float64),
-    "double": (lambda m: m.double(), torch.float64),
-    "type": (lambda m: m.type(torch.float64), torch.float64),
-    "half": (lambda m: m.half(), torch.float16),
-    "bfloat16": (lambda m: m.bfloat16(), torch.bfloat16),
-}
-#: Tolerance of trained values per dtype (ranks average gradients: a sum may round).
-DTYPE_ATOL = {torch.float64: 1e-12, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.req("OS-26")
@@ -508,106 +456,3 @@ def test_dtype_change_after_sharding(dist: RankContext, impl: Adapter, form: str
             fail(f"optimizer state after {form}: dtypes of the momentum buffers", dtypes, [str(dtype)], where)
 
     check_each(full=full, sharded=sharded_dicts, forward=forward, train=train)
-
-
-@pytest.mark.req("FP-22")
-@pytest.mark.parametrize("form", list(DTYPE_FORMS))
-def test_dtype_change_of_a_flat_param_wrapper(impl: Adapter, form: str) -> None:
-    """A wrapped ``nested`` converted by ``form``: its flat parameters stay flat parameters of the new
-    dtype, ``state_dict()`` equals the unwrapped model converted the same way bit for bit, it computes
-    what that model computes, and a step of an optimizer built afterwards matches it."""
-    ops = impl.require("flat_param")
-    convert, dtype = DTYPE_FORMS[form]
-    plain = zoo.build("nested", seed=0)
-    wrapped_model = zoo.build("nested", seed=0)
-    wrapped = ops.wrap(wrapped_model, list(wrapped_model.parameters()))
-    convert(plain)
-    convert(wrapped)
-    flats = [p for p in wrapped.parameters() if ops.is_flat_param(p)]
-    if not flats or any(f.dtype != dtype for f in flats):
-        fail(f"flat parameters after {form}", [(ops.is_flat_param(f), f.dtype) for f in wrapped.parameters()], f"flat parameters of {dtype}")
-    assert_same_state(dict(wrapped.state_dict()), dict(plain.state_dict()), what=f"state_dict() after {form}")
-    x = zoo.batch("nested", seed=3).to(dtype)
-    assert_same_state(wrapped(x), plain(x), what=f"output after {form}")
-    for model in (plain, wrapped):
-        optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        optim.zero_grad(set_to_none=True)
-        model(x).float().pow(2).mean().backward()
-        optim.step()
-    # Trained: the gradient reaches a flat parameter through views, whose rounding in half precision
-    # may differ from the unwrapped model's by an ulp.
-    atol = None if dtype == torch.float64 else DTYPE_ATOL[dtype]
-    assert_same_state(dict(wrapped.state_dict()), dict(plain.state_dict()), what=f"state_dict() trained after {form}", atol=atol)
-
-
-# -- SD-30: cpu_offload without full_state_dict ---------------------------------------------------------------
-
-
-@pytest.mark.req("SD-30")
-@pytest.mark.rank_timeout(4 * PROMPTLY_S)
-@pytest.mark.parametrize("kind", ["plain", "sharded"])
-def test_cpu_offload_alone_keeps_every_ranks_own_state(dist: RankContext, impl: Adapter, kind: str) -> None:
-    """``cpu_offload=True`` without ``full_state_dict``, on every rank: a sharded model's get gives this
-    rank's own DTensors (its local piece of each parameter, of each positional optimizer state) on the
-    CPU, never ``{}`` on ranks other than 0; a plain model's gives the whole dict on every rank, on the
-    CPU. ``full_state_dict=True`` without ``cpu_offload`` gives every rank the full dict."""
-    ops = sd_ops(impl)
-    oracle = zoo.build("nested", seed=0, device=dist.device)
-    model = zoo.build("nested", seed=0, device=dist.device)
-    if kind == "sharded":
-        try:
-            model = impl.require("sharding").shard(model, ShardingPlan("FULL_SHARD", units=child_units(model), device=dist.device))
-        except Unsupported as exc:
-            pytest.skip(str(exc))
-    optim = torch.optim.Adam(model.parameters(), lr=0.01)
-    oracle_optim = torch.optim.Adam(oracle.parameters(), lr=0.01)
-    x = zoo.batch("nested", seed=3, device=dist.device)
-    for m, o in ((model, optim), (oracle, oracle_optim)):
-        m(x).pow(2).mean().backward()
-        o.step()
-    where = f"rank {dist.rank} of {dist.world_size}, {kind} model"
-    want = oracle.state_dict()
-
-    def offload() -> None:
-        got_model = ops.get_model_state_dict(model, options=ops.options(cpu_offload=True))
-        got_optim = ops.get_optimizer_state_dict(model, optim, options=ops.options(cpu_offload=True))
-        for what, got in (("model", got_model), ("optimizer", got_optim)):
-            if not got:
-                fail(f"cpu_offload without full_state_dict: the {what} state dict", "{}", "this rank's own state", where)
-            devices = sorted({str((t.to_local() if isinstance(t, DTensor) else t).device) for t in _tensors_of(got)})
-            if devices != ["cpu"]:
-                fail(f"cpu_offload: devices of the {what} state dict's tensors", devices, ["cpu"], where)
-        if list(got_model) != list(want):
-            fail("cpu_offload: model state dict keys", list(got_model), list(want), where)
-        want_optim = fqn_keyed_optim(oracle, oracle_optim)["state"]
-        if sorted(got_optim["state"]) != sorted(want_optim):
-            fail("cpu_offload: FQNs with optimizer state", sorted(got_optim["state"]), sorted(want_optim), where)
-        for fqn, state in got_optim["state"].items():
-            for name, value in state.items():
-                full = want_optim[fqn][name]
-                if isinstance(value, DTensor):
-                    mesh = value.device_mesh
-                    piece, _ = expected_local_chunk(full.detach().cpu(), value.placements, tuple(mesh.shape), tuple(mesh.get_coordinate() or ()))
-                    value, full = value.to_local(), piece
-                elif kind == "sharded" and isinstance(full, torch.Tensor) and full.dim() > 0 and dist.world_size > 1:
-                    fail("cpu_offload: a positional optimizer state is not a DTensor", type(value).__name__, "DTensor", f"{where}: {fqn!r}")
-                assert_same_state(value, full.cpu() if isinstance(full, torch.Tensor) else full, what="cpu_offload: optimizer state",
-                                  where=f"{where}: {fqn!r}[{name!r}]", atol=None if kind == "plain" else 1e-6)
-        params = dict(oracle.named_parameters())
-        for key, value in got_model.items():
-            full = want[key].detach().cpu()
-            if isinstance(value, DTensor):
-                assert_local_shard(value, full, what="cpu_offload: model state dict", where=f"{where}: {key!r}")
-            elif kind == "sharded" and key in params and dist.world_size > 1:
-                fail("cpu_offload: a sharded parameter is not a DTensor", type(value).__name__, "DTensor", f"{where}: {key!r}")
-            else:
-                assert_same_state(value, full, what="cpu_offload: model state dict", where=f"{where}: {key!r}",
-                                  atol=None if kind == "plain" else 1e-6)
-
-    def full_everywhere() -> None:
-        got = ops.get_model_state_dict(model, options=ops.options(full_state_dict=True))
-        if not got:
-            fail("full_state_dict without cpu_offload: the model state dict", "{}", "the full dict on every rank", where)
-        assert_same_state(got, want, what="full_state_dict without cpu_offload", where=where, atol=None if kind == "plain" else 1e-6)
-
-    check_each(offload=offload, full_everywhere=full_everywhere)

@@ -29,9 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import warnings
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -41,18 +38,14 @@ from torch.distributed.tensor import DTensor
 
 from conformance import models as zoo
 from conformance.adapters.base import Adapter, Unsupported, load_adapter
-from conformance.adapters.sharding import STRATEGIES, ShardingPlan, child_units, strategy_layout
-from conformance.adapters.state_dict import SHARDING_STRATEGIES, StateDictOps
+from conformance.adapters.sharding import STRATEGIES, ShardingPlan, child_units
+from conformance.adapters.state_dict import SHARDING_STRATEGIES
 from conformance.asserts import (
-    WRAPPER_SEGMENTS,
     assert_bitwise_equal,
     assert_local_shard,
-    assert_names_key,
-    assert_planned_shard,
     assert_same_error_on_every_rank,
     assert_same_state,
     assert_unchanged,
-    bits,
     check_each,
     expect_error,
     fail,
@@ -60,171 +53,58 @@ from conformance.asserts import (
     snapshot,
 )
 from conformance.compare import fqn_keyed_optim
-from conformance.flat_wrapper import FlatParamsWrapper
 from conformance.fqn import canonical_fqn
 from conformance.harness.context import RankContext
 from conformance.state_dict_support import (
     ATOL,
+    ERROR_CASES,
     PROMPTLY_S,
     RTOL,
+    SHARDED_ZOO,
+    NestedStateAdam,
+    SharedChild,
     add_source_extras,
+    assert_dtensor_params,
     assert_matches_oracle,
+    assert_planned_get,
+    assert_same_optim,
+    break_input,
+    broadcast_target,
+    check_broadcast_result,
+    check_error,
+    continue_equally,
+    dtensor_model,
+    error_options,
+    form_of,
+    hyperparameters,
+    load,
+    make_differ,
+    on_cpu_tree,
+    oracle_state,
     per_parameter,
+    plain_error_params,
+    plain_pair,
+    recording_deprecations,
     regroup,
     sd_ops,
+    sd_shard,
+    select_keys,
+    sharded_error_run,
+    sharded_pair,
+    sharded_target,
+    single_group_adam,
+    source_optimizer,
     target_optimizer,
+    train,
+    untouched,
+    wrap,
 )
 from conformance.values import different_like, perturb_hyperparameters
-
-# -- set-up -------------------------------------------------------------------------------------------
 
 #: Wrappers that run without a process group; "ddp" is added in rank tests. "fpw" is the suite's own
 #: flattening wrapper (:class:`conformance.flat_wrapper.FlatParamsWrapper`) over the model's trainable
 #: parameters: one flat parameter, a state dict with the original keys.
 LOCAL_WRAPPERS = ("plain", "checkpoint", "compile", "checkpoint+compile", "fpw")
-#: Zoo models that the sharded tests use (``groups`` adds nothing to the SD section).
-SHARDED_ZOO = ("mlp", "tied", "frozen", "buffers", "nested", "tiny", "dtypes")
-
-
-def sd_shard(impl: Adapter, model: nn.Module, device: torch.device, strategy: str = "FULL_SHARD") -> nn.Module:
-    """``model`` sharded by ``impl`` as the SD tests shard: ``strategy``, each parameter-holding child
-    a unit (:func:`child_units`), the implementation's own ``use_orig_params``."""
-    return impl.require("sharding").shard(model, ShardingPlan(strategy=strategy, units=child_units(model), device=device))
-
-
-def wrap(model: nn.Module, how: str) -> nn.Module:
-    """``model`` inside the wrappers named in ``how`` ("checkpoint+compile+ddp"), innermost first
-    (fpw, checkpoint, compile, ddp).
-    Activation checkpointing wraps each direct child; the returned model shares ``model``'s modules."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    parts = set(how.split("+")) - {"plain"}
-    if "fpw" in parts:
-        model = FlatParamsWrapper(model, [p for p in model.parameters() if p.requires_grad])
-    if "checkpoint" in parts:
-        for name, child in list(model.named_children()):
-            setattr(model, name, checkpoint_wrapper(child))
-    if "compile" in parts:
-        compiled = torch.compile(model)  # compiles lazily, on the first forward: the tests never run one
-        assert isinstance(compiled, nn.Module)  # an OptimizedModule; torch.compile's stubs say a callable
-        model = compiled
-    if "ddp" in parts:
-        model = nn.parallel.DistributedDataParallel(model)
-    return model
-
-
-def source_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """Adam over the zoo's two param groups (different lr and weight decay), with the source extras."""
-    return add_source_extras(torch.optim.Adam(zoo.param_groups(model)))
-
-
-def train(model: nn.Module, optim: torch.optim.Optimizer, name: str, seeds: range, device: Any = "cpu") -> None:
-    for seed in seeds:
-        zoo.train_step(model, optim, zoo.batch(name, seed=seed, device=device))
-
-
-@torch.no_grad()
-def make_differ(target: nn.Module, source: nn.Module) -> None:
-    """Every state-dict entry of ``target`` set to :func:`different_like` of the source's: no element
-    of the target equals the source's bitwise, so any entry a load skips shows. (Same zoo model.)"""
-    target_entries = target.state_dict(keep_vars=True)
-    source_entries = source.state_dict()
-    assert list(target_entries) == list(source_entries), "make_differ needs two models of one zoo entry"
-    for key, value in target_entries.items():
-        value.copy_(different_like(source_entries[key]))
-
-
-@dataclass
-class Plain:
-    """A trained source and a target that differs from it in everything a load must change."""
-
-    source: nn.Module
-    source_optim: torch.optim.Optimizer
-    target: nn.Module
-    target_optim: torch.optim.Optimizer
-
-
-def plain_pair(name: str, layout: str = "reversed", device: Any = "cpu", *, extra_key: bool = False) -> Plain:
-    """Source: zoo ``name`` (seed 0), Adam in the zoo's two groups with the source extras, two steps.
-    Target: seed 1, perturbed Adam in ``layout``, one step on another batch (its ``step`` and moments
-    differ), then every model entry made bitwise different from the source's."""
-    source = zoo.build(name, seed=0, device=device)
-    source_optim = source_optimizer(source)
-    train(source, source_optim, name, range(2), device)
-    target = zoo.build(name, seed=1, device=device)
-    target_optim = target_optimizer([g["params"] for g in zoo.param_groups(target)], layout, extra_key=extra_key)
-    train(target, target_optim, name, range(5, 6), device)
-    make_differ(target, source)
-    return Plain(source, source_optim, target, target_optim)
-
-
-def assert_same_optim(got: Mapping[str, Any], expected: Mapping[str, Any], what: str, *, atol: float | None = None,
-                      where: str = "", sequence_types: bool = False) -> None:
-    """Same state and hyperparameters per parameter (:func:`per_parameter`), bitwise unless ``atol``."""
-    __tracebackhide__ = True
-    assert_same_state(per_parameter(got, sequence_types=sequence_types),
-                      per_parameter(expected, sequence_types=sequence_types), what=what, where=where,
-                      check_order=False, atol=atol, rtol=RTOL if atol is not None else 0.0)
-
-
-def untouched(before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor]) -> frozenset[str]:
-    """The keys whose values training left bit for bit as they were."""
-    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
-
-    return frozenset(k for k in before if k in after and same(after[k], before[k]))
-
-
-def load(ops: StateDictOps, api: str, model: nn.Module, optim: torch.optim.Optimizer, model_sd: Any, optim_sd: Any,
-         options: Any) -> Any:
-    """Load model and optimizer state with one ``set_state_dict`` ("set_state_dict") or with
-    ``set_model_state_dict`` then ``set_optimizer_state_dict`` ("separate")."""
-    if api == "set_state_dict":
-        return ops.set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
-    if api != "separate":
-        raise ValueError(f"unknown api {api!r}")
-    result = ops.set_model_state_dict(model, model_sd, options=options)
-    ops.set_optimizer_state_dict(model, optim, optim_sd, options=options)
-    return result
-
-
-@contextlib.contextmanager
-def recording_deprecations(ops: StateDictOps) -> Iterator[list[str]]:
-    """Record the FutureWarning torch emits for ``submodules=`` and submodule-keyed dicts (deprecated
-    upstream, still implemented): the behaviour is checked either way; the warning must match what the
-    adapter declares."""
-    recorded: list[str] = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield recorded
-    recorded += [
-        str(w.message) for w in caught if issubclass(w.category, FutureWarning) and "deprecated" in str(w.message)
-    ]
-    if ops.submodules_deprecated:
-        assert recorded, "the adapter declares submodules deprecated, but no FutureWarning was emitted"
-    else:
-        assert not recorded, f"unexpected deprecation warning(s): {recorded}"
-
-
-def select_keys(model: nn.Module, paths: tuple[str, ...]) -> list[str]:
-    """Oracle of SD-4: the keys of ``model.state_dict()`` under any of ``paths`` (at a '.' boundary)."""
-    return [k for k in model.state_dict() if any(p == "" or k.startswith(p + ".") for p in paths)]
-
-
-def _shape_text(message: str) -> str:
-    return message.replace("torch.Size([", "(").replace("])", ")")
-
-
-def assert_names_shapes(message: str, got_shape: tuple[int, ...], want_shape: tuple[int, ...]) -> None:
-    """SD-9: the message names both shapes (as tuples or ``torch.Size``)."""
-    __tracebackhide__ = True
-    text = _shape_text(message)
-    for shape in (got_shape, want_shape):
-        if str(shape) not in text:
-            fail("the size-mismatch message does not name both shapes", message, f"{got_shape} and {want_shape}")
-
-
-# -- SD-1, SD-2: canonical FQNs through wrappers --------------------------------------------------
 
 
 @pytest.mark.req("SD-1")
@@ -258,6 +138,27 @@ def test_set_through_wrappers_takes_canonical_fqns(impl: Adapter, name: str, how
     assert_same_state(after, expected, what=f"{name} after a set through {how}")
 
 
+@pytest.mark.req("SD-1", "SD-2", "SD-11")
+@pytest.mark.parametrize("name", ("tied", "buffers", "nested"))
+def test_round_trip_through_ddp(dist: RankContext, impl: Adapter, name: str) -> None:
+    """DDP(compile(checkpointed children)): get is keyed by clean FQNs and equals the oracle; set of it
+    into a differing target through the same wrappers makes the target equal, and a step keeps it so."""
+    ops = sd_ops(impl)
+    pair = plain_pair(name, device=dist.device)
+    expected_model = copy.deepcopy(pair.source.state_dict())
+    expected_optim = copy.deepcopy(fqn_keyed_optim(pair.source, pair.source_optim))
+    got_model, got_optim = ops.get_state_dict(wrap(pair.source, "checkpoint+compile+ddp"), pair.source_optim)
+    assert_same_state(got_model, expected_model, what="model state dict through DDP", where=f"rank {dist.rank}")
+    assert_same_state(got_optim, expected_optim, what="optimizer state dict through DDP", where=f"rank {dist.rank}")
+
+    saved = copy.deepcopy((got_model, got_optim))
+    load(ops, "set_state_dict", wrap(pair.target, "checkpoint+compile+ddp"), pair.target_optim, *copy.deepcopy(saved),
+         options=None)
+    assert_same_state(pair.target.state_dict(), expected_model, what="model after set through DDP")
+    assert_same_optim(fqn_keyed_optim(pair.target, pair.target_optim), expected_optim, "optimizer after set through DDP")
+    continue_equally(pair, name, dist.device)
+
+
 @pytest.mark.req("SD-2")
 @pytest.mark.parametrize("how", ("plain", "checkpoint+compile"))
 @pytest.mark.parametrize("name", ("mlp", "tied", "frozen", "nested", "groups", "dtypes"))
@@ -285,24 +186,6 @@ def test_flattened_optimizer_state_dict(impl: Adapter, name: str) -> None:
                       what="flattened optimizer state dict", check_order=False)
 
 
-class _NestedStateAdam(torch.optim.Adam):
-    """Adam that also keeps nested per-parameter state, as optimizers with EMA or history do: a dict of
-    tensors by name and a dict by int (the flattened form spells both keys as text)."""
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = super().step(closure)
-        for group in self.param_groups:
-            for param in group["params"]:
-                state = self.state[param]
-                ema = state.setdefault("ema", {"fast": torch.zeros_like(param), "slow": torch.zeros_like(param)})
-                ema["fast"].lerp_(param, 0.5)
-                ema["slow"].lerp_(param, 0.125)
-                history = state.setdefault("history", {})
-                history[len(history)] = param.detach().clone()
-        return loss
-
-
 @pytest.mark.req("SD-2")
 def test_flattened_nested_state_round_trips(impl: Adapter) -> None:
     """Per-parameter state that holds dicts (by name and by int) flattens to ``state.<fqn>.ema.fast`` and
@@ -311,7 +194,7 @@ def test_flattened_nested_state_round_trips(impl: Adapter) -> None:
     ops = sd_ops(impl)
     options = ops.options(flatten_optimizer_state_dict=True)
     source = zoo.build("nested", seed=0)
-    source_optim = add_source_extras(_NestedStateAdam(zoo.param_groups(source)))
+    source_optim = add_source_extras(NestedStateAdam(zoo.param_groups(source)))
     train(source, source_optim, "nested", range(2))
     expected = fqn_keyed_optim(source, source_optim)
     try:
@@ -323,35 +206,11 @@ def test_flattened_nested_state_round_trips(impl: Adapter) -> None:
         if key not in flat:
             fail("a nested state's flattened key", sorted(k for k in flat if k.startswith(f"state.{fqn}.")), key, "flattened optimizer state dict")
     target = zoo.build("nested", seed=1)
-    target_optim = _NestedStateAdam([{"params": g} for g in regroup([g["params"] for g in zoo.param_groups(target)], "reversed")])
+    target_optim = NestedStateAdam([{"params": g} for g in regroup([g["params"] for g in zoo.param_groups(target)], "reversed")])
     perturb_hyperparameters(target_optim)
     train(target, target_optim, "nested", range(5, 8))  # three history entries: the load must drop the third
     ops.set_optimizer_state_dict(target, target_optim, flat, options=options)
     assert_same_optim(fqn_keyed_optim(target, target_optim), expected, what="optimizer state after a set of the flattened nested state")
-
-
-@pytest.mark.req("SD-1", "SD-2", "SD-11")
-@pytest.mark.parametrize("name", ("tied", "buffers", "nested"))
-def test_round_trip_through_ddp(dist: RankContext, impl: Adapter, name: str) -> None:
-    """DDP(compile(checkpointed children)): get is keyed by clean FQNs and equals the oracle; set of it
-    into a differing target through the same wrappers makes the target equal, and a step keeps it so."""
-    ops = sd_ops(impl)
-    pair = plain_pair(name, device=dist.device)
-    expected_model = copy.deepcopy(pair.source.state_dict())
-    expected_optim = copy.deepcopy(fqn_keyed_optim(pair.source, pair.source_optim))
-    got_model, got_optim = ops.get_state_dict(wrap(pair.source, "checkpoint+compile+ddp"), pair.source_optim)
-    assert_same_state(got_model, expected_model, what="model state dict through DDP", where=f"rank {dist.rank}")
-    assert_same_state(got_optim, expected_optim, what="optimizer state dict through DDP", where=f"rank {dist.rank}")
-
-    saved = copy.deepcopy((got_model, got_optim))
-    load(ops, "set_state_dict", wrap(pair.target, "checkpoint+compile+ddp"), pair.target_optim, *copy.deepcopy(saved),
-         options=None)
-    assert_same_state(pair.target.state_dict(), expected_model, what="model after set through DDP")
-    assert_same_optim(fqn_keyed_optim(pair.target, pair.target_optim), expected_optim, "optimizer after set through DDP")
-    continue_equally(pair, name, dist.device)
-
-
-# -- SD-3: frozen parameters ------------------------------------------------------------------------
 
 
 @pytest.mark.req("SD-3")
@@ -376,7 +235,15 @@ def test_ignore_frozen_params(impl: Adapter, how: str) -> None:
     assert_same_state({k: after[k] for k in frozen_before}, frozen_before, what="frozen parameters after set")
 
 
-# -- SD-4, SD-5: submodule selection ---------------------------------------------------------------
+@pytest.mark.req("SD-3")
+def test_sharded_ignore_frozen_params(dist: RankContext, impl: Adapter) -> None:
+    ops = sd_ops(impl)
+    pair = sharded_pair(impl, dist, "frozen")
+    frozen = {n for n, p in pair.oracle.named_parameters() if not p.requires_grad}
+    got = ops.get_model_state_dict(pair.model, options=ops.options(full_state_dict=True, ignore_frozen_params=True))
+    assert_same_state(got, {k: v for k, v in pair.oracle.state_dict().items() if k not in frozen}, what="trainable entries",
+                      where=f"rank {dist.rank}", atol=ATOL, rtol=RTOL)
+
 
 SELECTIONS = [
     pytest.param("nested", ("1",), id="nested-1"),
@@ -394,7 +261,7 @@ SELECTIONS = [
 @pytest.mark.parametrize("how", ("plain", "checkpoint+compile"))
 @pytest.mark.parametrize("name, paths", SELECTIONS)
 def test_submodules_select_entries(impl: Adapter, name: str, paths: tuple[str, ...], how: str) -> None:
-    """Exactly the entries under the selected modules, full FQNs, '.'-boundary matching, bit for bit."""
+    """Oracle: the model's own ``state_dict()`` entries under the selected paths, bit for bit."""
     ops = sd_ops(impl)
     model = zoo.build(name)
     expected = {k: v for k, v in model.state_dict().items() if k in select_keys(model, paths)}
@@ -415,11 +282,33 @@ def test_submodule_not_in_model_is_an_error(impl: Adapter) -> None:
                      what="get with a submodule that is not part of the model")
 
 
+@pytest.mark.req("SD-4", "SD-5")
+@pytest.mark.parametrize("keep", (True, False), ids=("keep-prefixes", "strip-prefixes"))
+@pytest.mark.parametrize("path", ("1", "10", "1.inner"))
+def test_sharded_submodule_selection(dist: RankContext, impl: Adapter, path: str, keep: bool) -> None:
+    """Selecting a module of the user's model after it was sharded (inside a sharding unit): the
+    oracle's entries of that module, bit for bit (nothing was trained), on every rank."""
+    ops = sd_ops(impl)
+    oracle = zoo.build("nested", seed=0, device=dist.device)
+    model = zoo.build("nested", seed=0, device=dist.device)
+    sub = model.get_submodule(path)  # the user's handle, taken before sharding
+    try:
+        sharded = sd_shard(impl, model, dist.device, "FULL_SHARD")
+    except Unsupported as exc:
+        pytest.skip(str(exc))
+    options = ops.options(full_state_dict=True, keep_submodule_prefixes=keep)
+    with recording_deprecations(ops):
+        got = ops.get_model_state_dict(sharded, submodules={sub}, options=options)
+    expected = {k: v for k, v in oracle.state_dict().items() if k.startswith(path + ".")}
+    if not keep:
+        expected = {k[len(path) + 1 :]: v for k, v in expected.items()}
+    assert_same_state(got, expected, what=f"entries of {path!r}", where=f"rank {dist.rank}")
+
+
 @pytest.mark.req("SD-5")
 @pytest.mark.parametrize("how", ("plain", "checkpoint+compile"))
 @pytest.mark.parametrize("name, path", [("nested", "1"), ("nested", "10"), ("nested", "1.inner"), ("tied", "head"), ("buffers", "norm")])
 def test_strip_submodule_prefixes(impl: Adapter, name: str, path: str, how: str) -> None:
-    """keep_submodule_prefixes=False with one submodule gives that submodule's own state_dict()."""
     ops = sd_ops(impl)
     model = zoo.build(name)
     sub = model.get_submodule(path)
@@ -441,9 +330,6 @@ def test_stripped_prefixes_collide(impl: Adapter) -> None:
             lambda: ops.get_model_state_dict(model, submodules=subs, options=ops.options(keep_submodule_prefixes=False)),
             ValueError, keys=["1.inner.0.weight", "10.inner.0.weight"], what="get whose stripped keys collide",
         )
-
-
-# -- SD-6: submodule-keyed loads --------------------------------------------------------------------
 
 
 @pytest.mark.req("SD-6")
@@ -470,21 +356,11 @@ def test_submodule_keyed_load(impl: Adapter, how: str, strict: bool) -> None:
     assert list(result.unexpected_keys) == []
 
 
-class _SharedChild(nn.Module):
-    """``first`` and ``second`` are one module, reachable at two paths."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = nn.Linear(3, 2)
-        self.second = self.first
-        self.other = nn.Linear(2, 2)
-
-
 @pytest.mark.req("SD-6")
 def test_submodule_key_reachable_at_two_paths_is_an_error(impl: Adapter) -> None:
     """A submodule key stands for one path; a module reachable at two has no single FQN to load at."""
     ops = sd_ops(impl)
-    model = _SharedChild()
+    model = SharedChild()
     sub_sd = {k: different_like(v) for k, v in model.first.state_dict().items()}
     before = snapshot(model=model)
     expect_error(lambda: ops.set_model_state_dict(model, {model.first: sub_sd}, options=ops.options(strict=False)),
@@ -533,9 +409,6 @@ def test_sharded_submodule_keyed_load(dist: RankContext, impl: Adapter, path: st
     expected = {k: (sub_sd[k[len(prefix):]] if k.startswith(prefix) else v) for k, v in before.items()}
     assert_same_state(got, expected, what=f"model after loading {path!r} by submodule", where=f"rank {dist.rank}")
     assert sorted(result.missing_keys) == sorted(k for k in before if not k.startswith(prefix))
-
-
-# -- SD-7, SD-8, SD-9, SD-10, SD-14: partial, strict, mismatched and empty loads ---------------------
 
 
 @pytest.mark.req("SD-7")
@@ -587,30 +460,6 @@ def test_non_persistent_buffer_is_not_loaded(impl: Adapter) -> None:
     assert_same_state(target.scale, torch.full((3,), 0.75), what="the non-persistent buffer after a non-strict load")
 
 
-@dataclass(frozen=True)
-class ErrorCase:
-    """One wrong input of a set: what is broken, the error it must raise and what the message names.
-
-    ``part`` is the part of the input that is wrong ("model", "optim" or "options"); ``key`` the
-    canonical FQN the message must name whole (None: ``needle`` must appear instead)."""
-
-    kind: str
-    req: str
-    model: str
-    part: str
-    error: type[BaseException]
-    key: str | None = None
-    needle: str | None = None
-    strict: bool = True
-
-    @property
-    def fqn(self) -> str:
-        """``key``, for a kind whose fault sits at one key (``ValueError`` for a case without one)."""
-        if self.key is None:
-            raise ValueError(f"error case {self.kind!r} for {self.model!r} names no key")
-        return self.key
-
-
 #: The marks of the requirements a parametrization checks, spelled out: tests/test_spec_coverage.py reads
 #: the IDs from the source.
 REQ_MARKS = {
@@ -624,123 +473,8 @@ REQ_MARKS = {
     "SD-33": pytest.mark.req("SD-33"),
 }
 
-ERROR_CASES = {
-    case.kind: case
-    for case in (
-        ErrorCase("missing", "SD-8", "nested", "model", RuntimeError, key="10.inner.0.weight"),
-        ErrorCase("unexpected", "SD-8", "nested", "model", RuntimeError, key="10.inner.0.extra"),
-        ErrorCase("non-persistent", "SD-8", "buffers", "model", RuntimeError, key="scale"),
-        ErrorCase("shape", "SD-9", "nested", "model", RuntimeError, key="10.inner.0.weight"),
-        ErrorCase("shape-nonstrict", "SD-9", "nested", "model", RuntimeError, key="10.inner.0.weight", strict=False),
-        ErrorCase("shape-dtensor", "SD-9", "nested", "model", RuntimeError, key="10.inner.0.weight"),
-        ErrorCase("empty", "SD-10", "nested", "model", RuntimeError),
-        ErrorCase("optim-missing", "SD-8", "nested", "optim", RuntimeError, key="1.proj.bias"),
-        ErrorCase("optim-unexpected", "SD-8", "nested", "optim", RuntimeError, key="11.weight"),
-        # Adam's state of one trainable parameter dropped, the parameter still listed in its group.
-        ErrorCase("optim-state-missing", "SD-33", "nested", "optim", RuntimeError, key="1.proj.weight"),
-        ErrorCase("broadcast-options", "SD-14", "nested", "options", ValueError, needle="full_state_dict"),
-    )
-}
 
-
-def _wrong_shape_like(value: torch.Tensor) -> torch.Tensor:
-    """A tensor (a DTensor of the same layout for a DTensor) whose last dim is one longer."""
-    if isinstance(value, DTensor):
-        local = value.to_local()
-        bad_local = torch.zeros(*local.shape[:-1], local.shape[-1] + 1, dtype=local.dtype, device=local.device)
-        shape = (*value.shape[:-1], value.shape[-1] + 1)
-        return DTensor.from_local(bad_local, value.device_mesh, value.placements, run_check=False, shape=torch.Size(shape),
-                                  stride=torch.empty(shape, device="meta").stride())
-    return torch.zeros(*value.shape[:-1], value.shape[-1] + 1, dtype=value.dtype, device=value.device)
-
-
-def break_input(case: ErrorCase, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(model_sd, optim_sd)`` with ``case``'s fault (copies; the inputs stay as they are)."""
-    model_sd, optim_sd = dict(model_sd), {"state": dict(optim_sd["state"]), "param_groups": optim_sd["param_groups"]}
-    if case.kind == "missing":
-        del model_sd[case.fqn]
-    elif case.kind in ("unexpected", "non-persistent"):
-        model_sd[case.fqn] = torch.zeros(3, device=next(iter(model_sd.values())).device)
-    elif case.kind.startswith("shape"):
-        model_sd[case.fqn] = _wrong_shape_like(model_sd[case.fqn])
-    elif case.kind == "empty":
-        model_sd = {}
-    elif case.kind == "optim-state-missing":
-        # Listed in its group, no state: Adam keeps state for it, so the dict lacks its moments (SD-33).
-        del optim_sd["state"][case.fqn]
-    elif case.kind == "optim-missing":
-        # A parameter the saved dict does not list at all.
-        optim_sd["state"].pop(case.key, None)
-        optim_sd["param_groups"] = [{**g, "params": [p for p in g["params"] if p != case.key]} for g in optim_sd["param_groups"]]
-    elif case.kind == "optim-unexpected":
-        optim_sd["state"][case.key] = copy.deepcopy(next(iter(optim_sd["state"].values())))
-    elif case.kind != "broadcast-options":
-        raise ValueError(case.kind)
-    return model_sd, optim_sd
-
-
-def error_options(ops: StateDictOps, case: ErrorCase, bad: bool, *, mutate: bool = False, **fields: Any) -> Any:
-    """The options of a load of ``case`` on a rank whose input is ``bad`` (or not). For
-    "broadcast-options" every rank loads with ``full_state_dict`` and ``broadcast_from_rank0``, except
-    that a bad rank lacks ``full_state_dict``: its options are built without it (the implementation may
-    refuse them at construction), or with ``mutate`` built valid and then changed (the dataclass is
-    mutable; only a check in the call sees that, and in the one-rank case the call on every rank must
-    fail alike)."""
-    if case.kind != "broadcast-options":
-        return ops.options(strict=case.strict, **fields)
-    fields = {**fields, "full_state_dict": True, "broadcast_from_rank0": True}
-    if not bad:
-        return ops.options(strict=case.strict, **fields)
-    if not mutate:
-        return ops.options(strict=case.strict, **{**fields, "full_state_dict": False})
-    options = ops.options(strict=case.strict, **fields)
-    options.full_state_dict = False
-    return options
-
-
-def _names(message: str, key: str) -> bool:
-    try:
-        assert_names_key(message, key)
-    except pytest.fail.Exception:
-        return False
-    return True
-
-
-def check_error(case: ErrorCase, exc: BaseException | None, model_sd: Mapping[str, Any], expected_keys: list[str],
-                where: str = "") -> None:
-    """``exc`` is ``case``'s error type and its message names what ``case`` says (for "empty": one of
-    ``expected_keys``; for a shape mismatch: both shapes)."""
-    __tracebackhide__ = True
-    if exc is None:
-        fail(f"{case.kind}: no error raised", "a normal return", case.error.__name__, where)
-    if not isinstance(exc, case.error):
-        fail(f"{case.kind}: wrong exception type", f"{type(exc).__name__}: {exc}", case.error.__name__, where)
-    message = str(exc)
-    if case.key is not None:
-        assert_names_key(message, case.key, what=f"{case.kind}: {type(exc).__name__} message", where=where)
-    if case.needle is not None and case.needle not in message:
-        fail(f"{case.kind}: the message lacks {case.needle!r}", message, f"a message naming {case.needle!r}", where)
-    if case.kind == "empty" and not any(_names(message, k) for k in expected_keys):
-        fail("empty: the message names no entry of the model", message, f"one of {expected_keys}", where)
-    if case.kind.startswith("shape"):
-        shape = tuple(model_sd[case.fqn].shape)
-        assert_names_shapes(message, (*shape[:-1], shape[-1] + 1), shape)
-
-
-def _plain_error_params() -> list[Any]:
-    params = []
-    for kind, case in ERROR_CASES.items():
-        if kind == "shape-dtensor":
-            continue  # a sharded model's case
-        for api in ("set_state_dict", "single"):
-            if kind == "empty" and api == "set_state_dict":
-                continue  # an empty model dict in set_state_dict means "optimizer only", not an error
-            for how in ("plain", "checkpoint+compile"):
-                params.append(pytest.param(kind, api, how, id=f"{kind}-{api}-{how}", marks=REQ_MARKS[case.req]))
-    return params
-
-
-@pytest.mark.parametrize("kind, api, how", _plain_error_params())
+@pytest.mark.parametrize("kind, api, how", plain_error_params(REQ_MARKS))
 def test_load_error(impl: Adapter, kind: str, api: str, how: str) -> None:
     """A wrong model or optimizer dict, or bad options: the error type, the canonical key named whole
     (no wrapper segment), and model and optimizer unchanged. "single" loads the wrong part alone
@@ -814,569 +548,6 @@ def test_strict_decides_whether_a_mismatch_is_an_error(impl: Adapter, kind: str,
         assert_same_state(pair.target.scale, torch.full((3,), 0.75), what="the non-persistent buffer after a non-strict set")
 
 
-@pytest.mark.req("SD-10")
-def test_empty_nonstrict_load_reports_everything_missing(impl: Adapter) -> None:
-    ops = sd_ops(impl)
-    model = zoo.build("mlp")
-    before = snapshot(model=model)
-    result = ops.set_model_state_dict(model, {}, options=ops.options(strict=False))
-    assert sorted(result.missing_keys) == sorted(model.state_dict())
-    assert_unchanged(before, model=model)
-
-
-@pytest.mark.req("SD-10")
-@pytest.mark.parametrize("case", ("stateless-submodule", "all-frozen", "stateless-model"))
-def test_empty_get_is_not_an_error(impl: Adapter, case: str) -> None:
-    """A selection, or a model, that has no entries gives {}."""
-    ops = sd_ops(impl)
-    model = zoo.build("mlp")
-    with recording_deprecations(ops) if case == "stateless-submodule" else contextlib.nullcontext():
-        if case == "stateless-submodule":
-            got = ops.get_model_state_dict(model, submodules={model.get_submodule("net.1")})  # a ReLU
-        elif case == "all-frozen":
-            model.requires_grad_(False)
-            got = ops.get_model_state_dict(model, options=ops.options(ignore_frozen_params=True))
-        else:
-            got = ops.get_model_state_dict(nn.Sequential(nn.ReLU(), nn.Tanh()))
-    assert got == {}
-
-
-# -- SD-11: round trip --------------------------------------------------------------------------------
-
-
-def continue_equally(pair: Plain, name: str, device: Any = "cpu") -> None:
-    """One more step of source and target on one batch leaves them equal, bit for bit."""
-    __tracebackhide__ = True
-    batch = zoo.batch(name, seed=7, device=device)
-    zoo.train_step(pair.source, pair.source_optim, batch)
-    zoo.train_step(pair.target, pair.target_optim, batch)
-    assert_same_state(pair.target.state_dict(), pair.source.state_dict(), what="model after one more step")
-    assert_same_optim(fqn_keyed_optim(pair.target, pair.target_optim), fqn_keyed_optim(pair.source, pair.source_optim),
-                      "optimizer after one more step")
-
-
-#: (wrappers, optimizer state dict form, target's param groups, set API): every pair of two choices
-#: occurs in some row, so a fault that needs two of them together is met without the full product.
-ROUND_TRIPS = [
-    ("plain", "nested", "reversed", "set_state_dict"),
-    ("plain", "flat", "regrouped", "separate"),
-    ("checkpoint+compile", "nested", "regrouped", "separate"),
-    ("checkpoint+compile", "flat", "reversed", "set_state_dict"),
-    ("plain", "flat", "reversed", "separate"),
-    ("checkpoint+compile", "nested", "regrouped", "set_state_dict"),
-]
-
-
-@pytest.mark.req("SD-11")
-@pytest.mark.parametrize("how, form, layout, api", [pytest.param(*row, id="-".join(row)) for row in ROUND_TRIPS])
-@pytest.mark.parametrize("name", tuple(zoo.ZOO))
-def test_round_trip(impl: Adapter, name: str, how: str, form: str, layout: str, api: str) -> None:
-    """set(get(source)) into a target differing in values, hyperparameters (initial_lr, a custom key, a
-    key of its own) and param-group layout: get of the target then equals get of the source bit for
-    bit (per parameter for the optimizer), and one more step keeps source and target equal."""
-    ops = sd_ops(impl)
-    options = ops.options(flatten_optimizer_state_dict=(form == "flat"))
-    pair = plain_pair(name, layout)
-    # A deep copy travels, as through a file: Optimizer.load_state_dict keeps the given tensors, and
-    # source and target stepping one shared exp_avg would tell nothing about the round trip.
-    saved = copy.deepcopy(ops.get_state_dict(wrap(pair.source, how), pair.source_optim, options=options))
-    load(ops, api, wrap(pair.target, how), pair.target_optim, *copy.deepcopy(saved), options=options)
-    model_sd, optim_sd = ops.get_state_dict(pair.target, pair.target_optim, options=options)
-    assert_same_state(model_sd, saved[0], what="model state dict after set")
-    assert_same_optim(optim_sd, saved[1], "optimizer state dict after set")
-    continue_equally(pair, name)
-
-
-# -- SD-12, SD-13, SD-14, SD-16, SD-17, SD-18: sharded models --------------------------------------
-
-
-def single_group_adam(model: nn.Module) -> torch.optim.Optimizer:
-    """One group with the source extras: FSDP1 presents flattened views, so grouping by parameter shape
-    is not portable across implementations."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return add_source_extras(torch.optim.Adam(params, lr=0.01, weight_decay=0.01))
-
-
-@dataclass
-class Sharded:
-    """A sharded model and its optimizer, and the unwrapped oracle and its optimizer, trained alike."""
-
-    model: nn.Module
-    optim: torch.optim.Optimizer
-    oracle: nn.Module
-    oracle_optim: torch.optim.Optimizer
-
-    def train(self, name: str, seeds: range, device: Any) -> None:
-        """Every rank sees the same batches, so the averaged gradient equals the single-process one."""
-        for seed in seeds:
-            batch = zoo.batch(name, seed=seed, device=device)
-            zoo.train_step(self.oracle, self.oracle_optim, batch)
-            zoo.train_step(self.model, self.optim, batch)
-
-
-def sharded_pair(impl: Adapter, dist: RankContext, name: str, strategy: str = "FULL_SHARD", steps: int = 2) -> Sharded:
-    """Zoo ``name`` (seed 0) sharded with ``strategy`` and unwrapped, ``steps`` steps each; a skip if
-    the implementation lacks the strategy."""
-    oracle = zoo.build(name, seed=0, device=dist.device)
-    try:
-        model = sd_shard(impl, zoo.build(name, seed=0, device=dist.device), dist.device, strategy)
-    except Unsupported as exc:
-        pytest.skip(f"sharding {strategy}: {exc}")
-    pair = Sharded(model, single_group_adam(model), oracle, single_group_adam(oracle))
-    pair.train(name, range(steps), dist.device)
-    return pair
-
-
-def _clean(name: str) -> str:
-    for segment in WRAPPER_SEGMENTS:
-        name = name.replace(segment, "")
-    return name
-
-
-@torch.no_grad()
-def sharded_target(impl: Adapter, dist: RankContext, name: str, source_state: Mapping[str, torch.Tensor],
-                   strategy: str = "FULL_SHARD", *, extra_key: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Zoo ``name`` from seed 1, sharded, with a perturbed optimizer over its parameters in reverse
-    order, trained one step on another batch; its persistent buffers (plain on every rank) set to
-    :func:`different_like` of the source's (``source_state``: the unwrapped source's state dict). The
-    FSDP optimizer-state load matches param groups one to one, so a sharded target keeps one group."""
-    try:
-        model = sd_shard(impl, zoo.build(name, seed=1, device=dist.device), dist.device, strategy)
-    except Unsupported as exc:
-        pytest.skip(f"sharding {strategy}: {exc}")
-    optim = target_optimizer([[p for p in model.parameters() if p.requires_grad]], "reversed", extra_key=extra_key)
-    with torch.enable_grad():
-        train(model, optim, name, range(5, 6), dist.device)
-    for buffer_name, buffer in model.named_buffers():
-        key = _clean(buffer_name)
-        if key in source_state:  # persistent; a non-persistent buffer is never loaded
-            buffer.copy_(different_like(source_state[key]))
-    return model, optim
-
-
-def assert_dtensor_params(model_sd: Mapping[str, Any], oracle: nn.Module, dist: RankContext) -> None:
-    """SD-13: at world size > 1 every parameter entry of a sharded get is a DTensor."""
-    __tracebackhide__ = True
-    if dist.world_size == 1:
-        return
-    params = dict(oracle.named_parameters(remove_duplicate=False))
-    plain = [k for k, v in model_sd.items() if k in params and not isinstance(v, DTensor)]
-    if plain:
-        fail("sharded state dict: parameters that are not DTensors", plain, "DTensor shards", f"rank {dist.rank}")
-
-
-#: (zoo model, form, set API) of the sharded round trips: every zoo model full and sharded, the API
-#: alternating; SD-17's flattened full form on three models.
-SHARDED_ROUND_TRIPS = [
-    pytest.param(name, form, api, id=f"{name}-{form}-{api}", marks=REQ_MARKS[req])
-    for i, name in enumerate(SHARDED_ZOO)
-    for form, api, req in (
-        ("full", ("set_state_dict", "separate")[i % 2], "SD-12"),
-        ("sharded", ("separate", "set_state_dict")[i % 2], "SD-13"),
-    )
-] + [
-    pytest.param(name, "full+flat", api, id=f"{name}-full+flat-{api}", marks=REQ_MARKS["SD-17"])
-    for name, api in (("nested", "set_state_dict"), ("tied", "separate"), ("dtypes", "set_state_dict"))
-]
-
-
-@pytest.mark.req("SD-11")
-@pytest.mark.parametrize("name, form, api", SHARDED_ROUND_TRIPS)
-def test_sharded_round_trip(dist: RankContext, impl: Adapter, name: str, form: str, api: str) -> None:
-    """get of a sharded model (full; sharded; full and flattened) equals the unwrapped oracle on every
-    rank (DTensors by their local shards: bit for bit before training, within float tolerance after);
-    set of it into a sharded target differing in values, hyperparameters and parameter order makes the
-    target's get equal the source's bit for bit, and one more step keeps them equal."""
-    ops = sd_ops(impl)
-    options = ops.options(full_state_dict=form != "sharded", flatten_optimizer_state_dict=form == "full+flat")
-    source = sharded_pair(impl, dist, name, steps=0)
-    initial = copy.deepcopy(source.oracle.state_dict())
-    if form == "sharded":
-        untrained = ops.get_model_state_dict(source.model)
-        assert_dtensor_params(untrained, source.oracle, dist)
-        for key, value in source.oracle.state_dict().items():  # nothing computed yet: every bit
-            if isinstance(untrained.get(key), DTensor):
-                assert_local_shard(untrained[key], value, what="untrained sharded state dict", where=f"{key}, rank {dist.rank}")
-    source.train(name, range(2), dist.device)
-
-    model_sd, optim_sd = ops.get_state_dict(source.model, source.optim, options=options)
-    if form == "sharded":
-        assert_dtensor_params(model_sd, source.oracle, dist)
-    assert_matches_oracle(model_sd, source.oracle.state_dict(), f"{form} model state dict", rank=dist.rank,
-                          exact=untouched(initial, source.oracle.state_dict()))
-    assert_matches_oracle(per_parameter(optim_sd), per_parameter(fqn_keyed_optim(source.oracle, source.oracle_optim)),
-                          f"{form} optimizer state dict", rank=dist.rank, check_order=False)
-
-    target, target_optim = sharded_target(impl, dist, name, source.oracle.state_dict())
-    saved = copy.deepcopy((model_sd, optim_sd))
-    load(ops, api, target, target_optim, *copy.deepcopy(saved), options=options)
-    got_model, got_optim = ops.get_state_dict(target, target_optim, options=options)
-    assert_same_state(got_model, saved[0], what="model state dict after set", where=f"rank {dist.rank}")
-    assert_same_optim(got_optim, saved[1], "optimizer state dict after set", where=f"rank {dist.rank}")
-
-    batch = zoo.batch(name, seed=7, device=dist.device)
-    zoo.train_step(source.model, source.optim, batch)
-    zoo.train_step(target, target_optim, batch)
-    after_source = ops.get_state_dict(source.model, source.optim)
-    after_target = ops.get_state_dict(target, target_optim)
-    assert_same_state(after_target[0], after_source[0], what="model after one more step", where=f"rank {dist.rank}")
-    assert_same_optim(after_target[1], after_source[1], "optimizer after one more step", where=f"rank {dist.rank}")
-
-
-@pytest.mark.req("SD-12")
-@pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
-@pytest.mark.parametrize("name", ("nested", "tied"))
-def test_sharded_full_state_dict(dist: RankContext, impl: Adapter, name: str, strategy: str) -> None:
-    """Every strategy: full_state_dict gives plain tensors equal to the oracle on every rank (the zoo
-    under FULL_SHARD is covered by test_sharded_round_trip)."""
-    ops = sd_ops(impl)
-    pair = sharded_pair(impl, dist, name, strategy)
-    model_sd, optim_sd = ops.get_state_dict(pair.model, pair.optim, options=ops.options(full_state_dict=True))
-    dtensors = [k for k, v in model_sd.items() if isinstance(v, DTensor)]
-    if dtensors:
-        fail("full state dict holds DTensors", dtensors, "plain tensors only", f"rank {dist.rank}")
-    assert_same_state(model_sd, pair.oracle.state_dict(), what=f"full model state dict ({strategy})",
-                      where=f"rank {dist.rank}", atol=ATOL, rtol=RTOL)
-    assert_same_optim(optim_sd, fqn_keyed_optim(pair.oracle, pair.oracle_optim), f"full optimizer state dict ({strategy})",
-                      atol=ATOL, where=f"rank {dist.rank}")
-
-
-def assert_planned_get(got: Mapping[str, Any], expected: Mapping[str, Any], strategy: str, dist: RankContext, what: str) -> None:
-    """Every positional tensor of ``got`` (a model state dict, or one parameter's optimizer state) is a
-    DTensor laid out as ``strategy`` asks (:func:`~conformance.asserts.assert_planned_shard`: mesh
-    ranks and groups, placements, coordinate, this rank's piece of ``expected`` to float tolerance);
-    at world size 1 a plain tensor equal to ``expected`` is accepted. Every other entry equals
-    ``expected`` as it is."""
-    __tracebackhide__ = True
-    replicas, shards = strategy_layout(strategy, dist.world_size)
-    if list(got) != list(expected):
-        fail(f"{what}: keys", list(got), list(expected), f"rank {dist.rank}")
-    for key, value in got.items():
-        want, here = expected[key], f"{what}[{key!r}] on rank {dist.rank} of {dist.world_size} ({strategy})"
-        positional = isinstance(want, torch.Tensor) and want.dim() > 0 and want.is_floating_point()
-        if positional and (isinstance(value, DTensor) or dist.world_size > 1):
-            assert_planned_shard(value, want, replicas=replicas, shards=shards, rank=dist.rank, what=what, where=here,
-                                 atol=ATOL, rtol=RTOL)
-        else:
-            assert_same_state(value, want, what=what, where=here, atol=ATOL, rtol=RTOL)
-
-
-@pytest.mark.req("SD-13")
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_sharded_get_follows_the_plan(dist: RankContext, impl: Adapter, strategy: str) -> None:
-    """``full_state_dict=False`` on a model sharded with each strategy: every parameter and every
-    positional optimizer state is a DTensor on the mesh the plan asked for (FULL_SHARD and
-    SHARD_GRAD_OP: ``Shard(0)`` over every rank; NO_SHARD: ``Replicate()``; HYBRID_SHARD: the 2-D mesh
-    whose dim 0 is the replicate groups and dim 1 the shard groups, ``(Replicate(), Shard(0))``), its
-    mesh dims' process groups holding the ranks the plan puts together, and its local shard on every
-    rank this rank's planned piece of the unwrapped oracle's value, whatever coordinate it reports. A
-    mesh read the wrong way round (dims transposed) fails at world size 2 and 4."""
-    ops = sd_ops(impl)
-    pair = sharded_pair(impl, dist, "nested", strategy)
-    model_sd, optim_sd = ops.get_state_dict(pair.model, pair.optim, options=ops.options(full_state_dict=False))
-    assert_planned_get(model_sd, pair.oracle.state_dict(), strategy, dist, "sharded model state dict")
-    oracle_optim = fqn_keyed_optim(pair.oracle, pair.oracle_optim)
-    if sorted(optim_sd["state"]) != sorted(oracle_optim["state"]):
-        fail("sharded optimizer state dict: FQNs with state", sorted(optim_sd["state"]), sorted(oracle_optim["state"]),
-             f"rank {dist.rank}")
-    for fqn, state in optim_sd["state"].items():
-        assert_planned_get(state, oracle_optim["state"][fqn], strategy, dist, f"sharded optimizer state of {fqn!r}")
-
-
-@pytest.mark.req("SD-12")
-@pytest.mark.parametrize("part", ("model", "optimizer"))
-def test_sharded_full_state_dict_cpu_offload(dist: RankContext, impl: Adapter, part: str) -> None:
-    """full_state_dict + cpu_offload: rank 0 holds the full dict on CPU, the other ranks {}."""
-    ops = sd_ops(impl)
-    pair = sharded_pair(impl, dist, "nested")
-    options = ops.options(full_state_dict=True, cpu_offload=True)
-    if part == "model":
-        got, expected = ops.get_model_state_dict(pair.model, options=options), pair.oracle.state_dict()
-    else:
-        got, expected = ops.get_optimizer_state_dict(pair.model, pair.optim, options=options), fqn_keyed_optim(pair.oracle, pair.oracle_optim)
-    if dist.rank != 0:
-        assert got == {}, f"rank {dist.rank}: with cpu_offload only rank 0 holds the full state dict"
-        return
-    leaves = list(got.values()) if part == "model" else [t for s in got["state"].values() for t in s.values()]
-    on_gpu = [t.device for t in leaves if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
-    if on_gpu:
-        fail("cpu_offload: tensors not on the CPU", on_gpu, "cpu")
-    if part == "model":
-        assert_same_state(got, expected, what="full model state dict", atol=ATOL, rtol=RTOL)
-    else:
-        assert_same_optim(got, expected, "full optimizer state dict", atol=ATOL)
-
-
-def dtensor_model(name: str, seed: int, dist: RankContext) -> nn.Module:
-    """Zoo model ``name`` whose every parameter is a DTensor sharded on dim 0 over all ranks, with no
-    FSDP wrapper (how tensor parallelism leaves a model); buffers stay plain."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    model, mesh = zoo.build(name, seed=seed, device=dist.device), dist.mesh()
-    for module in model.modules():
-        for attr, param in list(module.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.detach(), mesh, [Shard(0)])
-            module.register_parameter(attr, nn.Parameter(sharded, requires_grad=param.requires_grad))
-    return model
-
-
-@pytest.mark.req("SD-12", "SD-19")
-def test_dtensor_parameters_full_cpu_offload(dist: RankContext, impl: Adapter) -> None:
-    """full_state_dict + cpu_offload on a DTensor-parameter model: rank 0 holds the full values on the
-    CPU, every other rank ``{}``."""
-    ops = sd_ops(impl)
-    oracle = zoo.build("nested", seed=0, device=dist.device).state_dict()
-    got = ops.get_model_state_dict(dtensor_model("nested", 0, dist), options=ops.options(full_state_dict=True, cpu_offload=True))
-    if dist.rank != 0:
-        assert got == {}, f"rank {dist.rank}: with cpu_offload only rank 0 holds the full state dict; got keys {list(got)}"
-        return
-    off_cpu = {key: str(value.device) for key, value in got.items() if value.device.type != "cpu"}
-    if off_cpu:
-        fail("cpu_offload: tensors not on the CPU", off_cpu, "cpu", "rank 0")
-    assert_same_state(got, {k: v.cpu() for k, v in oracle.items()}, what="full state dict on rank 0", where="rank 0")
-
-
-@pytest.mark.req("SD-19")
-@pytest.mark.parametrize("form", ("full", "sharded"))
-@pytest.mark.parametrize("name", ("nested", "tiny", "dtypes"))
-def test_dtensor_parameters_without_fsdp(dist: RankContext, impl: Adapter, name: str, form: str) -> None:
-    """Parameters that are DTensors without any FSDP unit: ``full_state_dict=True`` gives the plain full
-    values on every rank, ``False`` the DTensors (each rank's local shard as the layout says), and a set
-    of either form into a model of another seed restores the source bit for bit on every rank."""
-    ops = sd_ops(impl)
-    oracle = zoo.build(name, seed=0, device=dist.device).state_dict()
-    source, target = dtensor_model(name, 0, dist), dtensor_model(name, 1, dist)
-    options = ops.options(full_state_dict=form == "full")
-    got = ops.get_model_state_dict(source, options=options)
-    where = f"rank {dist.rank}"
-    if form == "full":
-        assert_same_state(got, oracle, what="full state dict of a DTensor-parameter model", where=where)
-    else:
-        assert list(got) == list(oracle), f"{where}: keys {list(got)}"
-        params = dict(source.named_parameters())
-        for key, value in got.items():
-            if key in params:
-                assert_local_shard(value, oracle[key], what="sharded state dict entry", where=f"{key} on {where}")
-            else:
-                assert_bitwise_equal(value, oracle[key], what="buffer", where=f"{key} on {where}")
-    ops.set_model_state_dict(target, copy.deepcopy(got), options=options)
-    full = ops.get_model_state_dict(target, options=ops.options(full_state_dict=True))
-    assert_same_state(full, oracle, what=f"target after a set of the {form} state dict", where=where)
-
-
-@pytest.mark.req("SD-4", "SD-5")
-@pytest.mark.parametrize("keep", (True, False), ids=("keep-prefixes", "strip-prefixes"))
-@pytest.mark.parametrize("path", ("1", "10", "1.inner"))
-def test_sharded_submodule_selection(dist: RankContext, impl: Adapter, path: str, keep: bool) -> None:
-    """Selecting a module of the user's model after it was sharded (inside a sharding unit): the
-    oracle's entries of that module, bit for bit (nothing was trained), on every rank."""
-    ops = sd_ops(impl)
-    oracle = zoo.build("nested", seed=0, device=dist.device)
-    model = zoo.build("nested", seed=0, device=dist.device)
-    sub = model.get_submodule(path)  # the user's handle, taken before sharding
-    try:
-        sharded = sd_shard(impl, model, dist.device, "FULL_SHARD")
-    except Unsupported as exc:
-        pytest.skip(str(exc))
-    options = ops.options(full_state_dict=True, keep_submodule_prefixes=keep)
-    with recording_deprecations(ops):
-        got = ops.get_model_state_dict(sharded, submodules={sub}, options=options)
-    expected = {k: v for k, v in oracle.state_dict().items() if k.startswith(path + ".")}
-    if not keep:
-        expected = {k[len(path) + 1 :]: v for k, v in expected.items()}
-    assert_same_state(got, expected, what=f"entries of {path!r}", where=f"rank {dist.rank}")
-
-
-@pytest.mark.req("SD-3")
-def test_sharded_ignore_frozen_params(dist: RankContext, impl: Adapter) -> None:
-    ops = sd_ops(impl)
-    pair = sharded_pair(impl, dist, "frozen")
-    frozen = {n for n, p in pair.oracle.named_parameters() if not p.requires_grad}
-    got = ops.get_model_state_dict(pair.model, options=ops.options(full_state_dict=True, ignore_frozen_params=True))
-    assert_same_state(got, {k: v for k, v in pair.oracle.state_dict().items() if k not in frozen}, what="trainable entries",
-                      where=f"rank {dist.rank}", atol=ATOL, rtol=RTOL)
-
-
-def _oracle_state(name: str, device: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The unwrapped model's (model, FQN-keyed optimizer) state dicts after two steps: what rank 0 holds."""
-    oracle = zoo.build(name, seed=0, device=device)
-    oracle_optim = single_group_adam(oracle)
-    train(oracle, oracle_optim, name, range(2), device)
-    return copy.deepcopy(oracle.state_dict()), copy.deepcopy(fqn_keyed_optim(oracle, oracle_optim))
-
-
-def _broadcast_target(impl: Adapter, dist: RankContext, name: str, sharded: bool, expected_model: Mapping[str, Any]
-                      ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A target for rank 0's state: sharded, or plain and differing everywhere; one param group, like
-    the source (a split target is test_round_trip's)."""
-    if sharded:
-        return sharded_target(impl, dist, name, expected_model)
-    pair = plain_pair(name, device=dist.device)
-    optim = target_optimizer([[p for p in pair.target.parameters() if p.requires_grad]], "reversed")
-    train(pair.target, optim, name, range(5, 6), dist.device)
-    return pair.target, optim
-
-
-def _check_broadcast_result(ops: StateDictOps, dist: RankContext, model: nn.Module, optim: torch.optim.Optimizer,
-                            expected_model: dict[str, Any], expected_optim: dict[str, Any]) -> None:
-    __tracebackhide__ = True
-    got_model, got_optim = ops.get_state_dict(model, optim, options=ops.options(full_state_dict=True))
-    assert_same_state(got_model, expected_model, what="model after the broadcast load", where=f"rank {dist.rank}")
-    assert_same_optim(got_optim, expected_optim, "optimizer after the broadcast load", where=f"rank {dist.rank}")
-
-
-@pytest.mark.req("SD-14")
-@pytest.mark.parametrize("sharded", (False, True), ids=("plain", "sharded"))
-@pytest.mark.parametrize("name", ("nested", "dtypes"))
-def test_broadcast_from_rank0(dist: RankContext, impl: Adapter, name: str, sharded: bool) -> None:
-    """Rank 0 holds the oracle's full model and optimizer state, the other ranks pass {} to
-    set_model_state_dict and set_optimizer_state_dict; every rank ends with rank 0's state bit for bit,
-    hyperparameters included, in a target that differed everywhere."""
-    ops = sd_ops(impl)
-    expected_model, expected_optim = _oracle_state(name, dist.device)
-    target, target_optim = _broadcast_target(impl, dist, name, sharded, expected_model)
-    options = ops.options(full_state_dict=True, broadcast_from_rank0=True)
-    model_sd, optim_sd = copy.deepcopy((expected_model, expected_optim)) if dist.rank == 0 else ({}, {})
-    ops.set_model_state_dict(target, model_sd, options=options)
-    ops.set_optimizer_state_dict(target, target_optim, optim_sd, options=options)
-    _check_broadcast_result(ops, dist, target, target_optim, expected_model, expected_optim)
-
-
-def _hyperparameters(optim: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
-
-
-@pytest.mark.req("SD-34", "SD-14")
-@pytest.mark.parametrize("api", ("set_optimizer_state_dict", "set_state_dict"))
-@pytest.mark.parametrize("sharded", (False, True), ids=("plain", "sharded"))
-def test_broadcast_leaves_rank0s_hyperparameters_on_every_rank(dist: RankContext, impl: Adapter, sharded: bool, api: str) -> None:
-    """Each rank's optimizer starts with hyperparameters of its own (lr, betas, eps, and a key only that
-    rank's groups have); rank 0's dict carries a key no rank's optimizer has. After a broadcast set,
-    every rank's optimizer itself (its ``param_groups``, not a get, which may report the coordinator's
-    groups) holds exactly rank 0's hyperparameters: the rank's own key gone, rank 0's key there."""
-    ops = sd_ops(impl)
-    expected_model, expected_optim = _oracle_state("nested", dist.device)
-    expected_optim["param_groups"][0]["sdc_from_rank0"] = "a key only rank 0's dict has"
-    target, target_optim = _broadcast_target(impl, dist, "nested", sharded, expected_model)
-    for group in target_optim.param_groups:
-        group["lr"] = 0.5 + dist.rank
-        group["betas"] = (0.1 * (dist.rank + 1), 0.2 * (dist.rank + 1))
-        group["eps"] = 10.0 ** -(dist.rank + 3)
-        group[f"sdc_rank_{dist.rank}_only"] = dist.rank
-    options = ops.options(full_state_dict=True, broadcast_from_rank0=True)
-    model_sd, optim_sd = copy.deepcopy((expected_model, expected_optim)) if dist.rank == 0 else ({}, {})
-    if api == "set_state_dict":
-        ops.set_state_dict(target, target_optim, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
-    else:
-        ops.set_optimizer_state_dict(target, target_optim, optim_sd, options=options)
-    expected = [{k: v for k, v in g.items() if k != "params"} for g in expected_optim["param_groups"]]
-    assert_same_state(_hyperparameters(target_optim), expected, what="the optimizer's own param groups after the broadcast set",
-                      where=f"rank {dist.rank} ({'sharded' if sharded else 'plain'}, {api})")
-
-
-@pytest.mark.req("SD-35", "SD-12", "SD-14")
-@pytest.mark.world_size(min=3)
-@pytest.mark.rank_timeout(PROMPTLY_S)
-def test_sharded_on_a_subgroup_without_global_rank0(dist: RankContext, impl: Adapter) -> None:
-    """A model sharded over a process group of ranks ``1 .. n-1`` (global rank 0 is in no unit and
-    only takes part in building the group, as a pipeline stage or a job of several models leaves it).
-    "Rank 0" of every option is the group's first rank, global rank 1: with ``full_state_dict`` and
-    ``cpu_offload`` it alone gets the dict, equal to the full dict every member gets without
-    ``cpu_offload``; with ``broadcast_from_rank0`` it alone holds the model and optimizer state, the
-    other members pass ``{}``, and afterwards every member's model, optimizer state and own param
-    groups are that dict's (pytorch/pytorch#63213: global ranks taken for the group's)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    ops = sd_ops(impl)
-    members = list(range(1, dist.world_size))
-    mesh = DeviceMesh(dist.device.type, torch.tensor(members))  # every rank of the job builds the group
-    if dist.rank not in members:
-        return
-    where = f"global rank {dist.rank}, group of ranks {members}"
-
-    def sharded(seed: int) -> nn.Module:
-        raw = zoo.build("nested", seed=seed, device=dist.device)
-        plan = ShardingPlan("FULL_SHARD", units=child_units(raw), device=dist.device, mesh=mesh)
-        try:
-            return impl.require("sharding").shard(raw, plan)
-        except Unsupported as exc:
-            pytest.skip(f"sharding over a subgroup: {exc}")
-
-    source = sharded(0)
-    source_optim = single_group_adam(source)
-    group_rank = members.index(dist.rank)
-    for seed in range(2):
-        zoo.train_step(source, source_optim, zoo.batch("nested", seed=seed, device=dist.device).chunk(len(members))[group_rank])
-    full = ops.options(full_state_dict=True)
-    everywhere = copy.deepcopy(ops.get_state_dict(source, source_optim, options=full))
-    offloaded = ops.get_state_dict(source, source_optim, options=ops.options(full_state_dict=True, cpu_offload=True))
-    if dist.rank == members[0]:
-        assert_same_state(on_cpu_tree(offloaded[0]), on_cpu_tree(everywhere[0]), what="model state dict with cpu_offload on the group's first rank",
-                          where=where)
-        assert_same_optim(on_cpu_tree(offloaded[1]), on_cpu_tree(everywhere[1]), "optimizer state dict with cpu_offload on the group's first rank",
-                          where=where)
-    elif offloaded != ({}, {}):
-        fail("full_state_dict + cpu_offload on a member other than the group's first rank", sorted(offloaded[0])[:5], "{} for both", where)
-
-    target = sharded(1)
-    target_optim = target_optimizer([[p for p in target.parameters() if p.requires_grad]], "reversed")
-    for seed in range(5, 6):
-        zoo.train_step(target, target_optim, zoo.batch("nested", seed=seed, device=dist.device).chunk(len(members))[group_rank])
-    given = copy.deepcopy(everywhere) if dist.rank == members[0] else ({}, {})
-    ops.set_state_dict(target, target_optim, model_state_dict=given[0], optim_state_dict=given[1],
-                       options=ops.options(full_state_dict=True, broadcast_from_rank0=True))
-    got_model, got_optim = ops.get_state_dict(target, target_optim, options=full)
-    assert_same_state(got_model, everywhere[0], what="model after a broadcast from the group's first rank", where=where)
-    assert_same_optim(got_optim, everywhere[1], "optimizer after a broadcast from the group's first rank", where=where)
-    assert_same_state(_hyperparameters(target_optim), [{k: v for k, v in g.items() if k != "params"} for g in everywhere[1]["param_groups"]],
-                      what="the optimizer's own param groups after the broadcast", where=where)
-
-
-def on_cpu_tree(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, Mapping):
-        return {k: on_cpu_tree(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(on_cpu_tree(v) for v in tree)
-    return tree
-
-
-@pytest.mark.req("SD-16")
-@pytest.mark.rank_timeout(PROMPTLY_S)
-def test_set_state_dict_broadcast_with_empty_dicts_on_other_ranks(dist: RankContext, impl: Adapter) -> None:
-    """One set_state_dict call on every rank of a sharded model, ranks > 0 passing {} for both the model
-    and the optimizer state: it completes, and every rank ends with rank 0's state (checked on each
-    rank, bit for bit). (Sharded only: a wrong implementation hangs here, and each hang costs the timeout.)"""
-    ops = sd_ops(impl)
-    expected_model, expected_optim = _oracle_state("buffers", dist.device)
-    target, target_optim = _broadcast_target(impl, dist, "buffers", True, expected_model)
-    options = ops.options(full_state_dict=True, broadcast_from_rank0=True)
-    model_sd, optim_sd = copy.deepcopy((expected_model, expected_optim)) if dist.rank == 0 else ({}, {})
-    ops.set_state_dict(target, target_optim, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
-    _check_broadcast_result(ops, dist, target, target_optim, expected_model, expected_optim)
-
-
-@pytest.mark.req("SD-14", "SD-7")
-@pytest.mark.parametrize("sharded", (False, True), ids=("plain", "sharded"))
-def test_broadcast_with_cpu_offload_not_strict_skips_unknown_keys(dist: RankContext, impl: Adapter, sharded: bool) -> None:
-    """``broadcast_from_rank0`` with ``cpu_offload`` and ``strict=False``, rank 0's dict holding a key the
-    model does not have: the rest loads on every rank and the key is reported unexpected, not a
-    ``KeyError`` from inside the broadcast (pytorch/pytorch#149516, PR #150239)."""
-    ops = sd_ops(impl)
-    expected_model, expected_optim = _oracle_state("nested", dist.device)
-    target, target_optim = _broadcast_target(impl, dist, "nested", sharded, expected_model)
-    options = ops.options(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True, strict=False)
-    extra = "10.inner.0.sdc_extra"
-    model_sd = {**copy.deepcopy(expected_model), extra: torch.ones(3, device=dist.device)} if dist.rank == 0 else {}
-    result = ops.set_model_state_dict(target, model_sd, options=options)
-    unexpected = list(getattr(result, "unexpected_keys", []))
-    if unexpected != [extra]:
-        fail("unexpected keys reported by a non-strict broadcast load", unexpected, [extra], f"rank {dist.rank}")
-    ops.set_optimizer_state_dict(target, target_optim, copy.deepcopy(expected_optim) if dist.rank == 0 else {}, options=options)
-    _check_broadcast_result(ops, dist, target, target_optim, expected_model, expected_optim)
-
-
 @pytest.mark.req("SD-8", "SD-19")
 def test_strict_load_into_dtensor_parameters_names_the_missing_key(dist: RankContext, impl: Adapter) -> None:
     """A model whose parameters are DTensors (tensor parallel, no FSDP unit) honours ``strict``: a full or
@@ -1396,48 +567,10 @@ def test_strict_load_into_dtensor_parameters_names_the_missing_key(dist: RankCon
         assert_unchanged(before, model=target, where=f"rank {dist.rank}, after the refused {form} load")
 
 
-# -- errors on sharded models: on every rank, and when only one rank's input is bad ------------------
-
 #: The error cases of sharded loads: the model and optimizer state are full dicts, except "shape-dtensor"
 #: (a DTensor of the wrong global shape in a sharded dict); "broadcast-options" breaks the options.
 SHARDED_ERROR_KINDS = ("missing", "unexpected", "shape", "shape-dtensor", "empty", "optim-missing", "optim-unexpected",
                        "optim-state-missing", "broadcast-options")
-#: The one-rank cases: one per requirement and kind of input that reaches a collective.
-ONE_RANK_ERROR_KINDS = ("missing", "shape-dtensor", "empty", "optim-missing", "optim-state-missing", "broadcast-options")
-
-
-def sharded_error_run(dist: RankContext, impl: Adapter, kind: str, bad_ranks: set[int]) -> None:
-    """A sharded nested model and its optimizer (trained, perturbed, like every target) get a set whose
-    input is wrong on ``bad_ranks`` only. Every rank raises the same error type with the same message
-    (naming the canonical key) and keeps its model and optimizer exactly as they were."""
-    ops = sd_ops(impl)
-    case = ERROR_CASES[kind]
-    source = sharded_pair(impl, dist, case.model)
-    full = kind != "shape-dtensor"
-    model_sd, optim_sd = copy.deepcopy(ops.get_state_dict(source.model, source.optim, options=ops.options(full_state_dict=full)))
-    target, target_optim = sharded_target(impl, dist, case.model, source.oracle.state_dict())
-    bad = dist.rank in bad_ranks
-    if bad:
-        model_sd_in, optim_sd_in = break_input(case, model_sd, optim_sd)
-    else:
-        model_sd_in, optim_sd_in = model_sd, optim_sd
-    before = snapshot(model=target, optim=target_optim)
-    where = f"rank {dist.rank}, bad input on rank(s) {sorted(bad_ranks)}"
-
-    def call() -> Any:
-        options = error_options(ops, case, bad, mutate=len(bad_ranks) < dist.world_size, full_state_dict=full)
-        if kind == "empty":
-            return ops.set_model_state_dict(target, model_sd_in, options=options)
-        return ops.set_state_dict(target, target_optim, model_state_dict=model_sd_in, optim_state_dict=optim_sd_in,
-                                  options=options)
-
-    exc = raised(call)
-
-    def raises() -> None:
-        assert_same_error_on_every_rank(dist, exc, what=f"{kind}: set with bad input on rank(s) {sorted(bad_ranks)}")
-        check_error(case, exc, model_sd, list(model_sd), where=where)
-
-    check_each(raises=raises, unchanged=lambda: assert_unchanged(before, where=where, model=target, optim=target_optim))
 
 
 @pytest.mark.rank_timeout(PROMPTLY_S)
@@ -1445,6 +578,10 @@ def sharded_error_run(dist: RankContext, impl: Adapter, kind: str, bad_ranks: se
 def test_sharded_load_error(dist: RankContext, impl: Adapter, kind: str) -> None:
     """Every rank's input is wrong: every rank raises the same error and changes nothing."""
     sharded_error_run(dist, impl, kind, bad_ranks=set(range(dist.world_size)))
+
+
+#: The one-rank cases: one per requirement and kind of input that reaches a collective.
+ONE_RANK_ERROR_KINDS = ("missing", "shape-dtensor", "empty", "optim-missing", "optim-state-missing", "broadcast-options")
 
 
 @pytest.mark.world_size(min=2)
@@ -1506,51 +643,120 @@ def test_sharded_strict_decides_whether_a_mismatch_is_an_error(dist: RankContext
              (sorted(reported.missing_keys), sorted(reported.unexpected_keys)), (sorted(missing), sorted(unexpected)), where)
 
 
-def form_of(tree: Any) -> Any:
-    """What a state-dict configuration decides about a get, without the values: the keys (in order),
-    and for every tensor its kind, placements, global and local shape and dtype."""
-    if isinstance(tree, Mapping):
-        return {k: form_of(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return [form_of(v) for v in tree]
-    if isinstance(tree, DTensor):
-        return ("DTensor", str(tree.placements), tuple(tree.shape), tuple(tree.to_local().shape), str(tree.dtype))
-    if isinstance(tree, torch.Tensor):
-        return ("Tensor", tuple(tree.shape), str(tree.dtype))
-    return type(tree).__name__
-
-
-@pytest.mark.req("SD-18")
-@pytest.mark.rank_timeout(PROMPTLY_S)
-@pytest.mark.parametrize("kind", ("unexpected", "shape", "optim-missing"))
-def test_failed_set_restores_state_dict_config(dist: RankContext, impl: Adapter, kind: str) -> None:
-    """A full_state_dict set that raises leaves the model's state-dict configuration as it was: the
-    default get then has the form it had before (sharded DTensors with the same placements and local
-    shapes, the same keys), and a valid default set then loads bit for bit. Checked by behaviour, so it
-    holds for every implementation; the failing set offers the model's own values, so that whether it
-    changed anything (SD-8, SD-9) does not matter here."""
+@pytest.mark.req("SD-10")
+def test_empty_nonstrict_load_reports_everything_missing(impl: Adapter) -> None:
     ops = sd_ops(impl)
-    case = ERROR_CASES[kind]
-    pair = sharded_pair(impl, dist, "nested")
-    before = form_of(ops.get_state_dict(pair.model, pair.optim))
-    full_model, full_optim = copy.deepcopy(ops.get_state_dict(pair.model, pair.optim, options=ops.options(full_state_dict=True)))
-    bad_model, bad_optim = break_input(case, full_model, full_optim)
-    exc = raised(lambda: ops.set_state_dict(pair.model, pair.optim, model_state_dict=bad_model, optim_state_dict=bad_optim,
-                                            options=ops.options(full_state_dict=True)))
-    if not isinstance(exc, case.error):
-        fail(f"{kind}: the set did not raise {case.error.__name__}", repr(exc), case.error.__name__, f"rank {dist.rank}")
+    model = zoo.build("mlp")
+    before = snapshot(model=model)
+    result = ops.set_model_state_dict(model, {}, options=ops.options(strict=False))
+    assert sorted(result.missing_keys) == sorted(model.state_dict())
+    assert_unchanged(before, model=model)
 
-    assert_same_state(form_of(ops.get_state_dict(pair.model, pair.optim)), before,
-                      what="form of the default get after the failed set", where=f"rank {dist.rank}")
-    other, other_optim = sharded_target(impl, dist, "nested", pair.oracle.state_dict())
-    other_sd = copy.deepcopy(ops.get_state_dict(other, other_optim))
-    ops.set_state_dict(pair.model, pair.optim, model_state_dict=copy.deepcopy(other_sd[0]),
-                       optim_state_dict=copy.deepcopy(other_sd[1]))
-    got_model, got_optim = ops.get_state_dict(pair.model, pair.optim)
-    assert_same_state(got_model, other_sd[0], what="model after a valid set that followed the failed one",
-                      where=f"rank {dist.rank}")
-    assert_same_optim(got_optim, other_sd[1], "optimizer after a valid set that followed the failed one",
-                      where=f"rank {dist.rank}")
+
+@pytest.mark.req("SD-10")
+@pytest.mark.parametrize("case", ("stateless-submodule", "all-frozen", "stateless-model"))
+def test_empty_get_is_not_an_error(impl: Adapter, case: str) -> None:
+    ops = sd_ops(impl)
+    model = zoo.build("mlp")
+    with recording_deprecations(ops) if case == "stateless-submodule" else contextlib.nullcontext():
+        if case == "stateless-submodule":
+            got = ops.get_model_state_dict(model, submodules={model.get_submodule("net.1")})  # a ReLU
+        elif case == "all-frozen":
+            model.requires_grad_(False)
+            got = ops.get_model_state_dict(model, options=ops.options(ignore_frozen_params=True))
+        else:
+            got = ops.get_model_state_dict(nn.Sequential(nn.ReLU(), nn.Tanh()))
+    assert got == {}
+
+
+#: (wrappers, optimizer state dict form, target's param groups, set API): every pair of two choices
+#: occurs in some row, so a fault that needs two of them together is met without the full product.
+ROUND_TRIPS = [
+    ("plain", "nested", "reversed", "set_state_dict"),
+    ("plain", "flat", "regrouped", "separate"),
+    ("checkpoint+compile", "nested", "regrouped", "separate"),
+    ("checkpoint+compile", "flat", "reversed", "set_state_dict"),
+    ("plain", "flat", "reversed", "separate"),
+    ("checkpoint+compile", "nested", "regrouped", "set_state_dict"),
+]
+
+
+@pytest.mark.req("SD-11")
+@pytest.mark.parametrize("how, form, layout, api", [pytest.param(*row, id="-".join(row)) for row in ROUND_TRIPS])
+@pytest.mark.parametrize("name", tuple(zoo.ZOO))
+def test_round_trip(impl: Adapter, name: str, how: str, form: str, layout: str, api: str) -> None:
+    """set(get(source)) into a target differing in values, hyperparameters (initial_lr, a custom key, a
+    key of its own) and param-group layout: get of the target then equals get of the source bit for
+    bit (per parameter for the optimizer), and one more step keeps source and target equal."""
+    ops = sd_ops(impl)
+    options = ops.options(flatten_optimizer_state_dict=(form == "flat"))
+    pair = plain_pair(name, layout)
+    # A deep copy travels, as through a file: Optimizer.load_state_dict keeps the given tensors, and
+    # source and target stepping one shared exp_avg would tell nothing about the round trip.
+    saved = copy.deepcopy(ops.get_state_dict(wrap(pair.source, how), pair.source_optim, options=options))
+    load(ops, api, wrap(pair.target, how), pair.target_optim, *copy.deepcopy(saved), options=options)
+    model_sd, optim_sd = ops.get_state_dict(pair.target, pair.target_optim, options=options)
+    assert_same_state(model_sd, saved[0], what="model state dict after set")
+    assert_same_optim(optim_sd, saved[1], "optimizer state dict after set")
+    continue_equally(pair, name)
+
+
+#: (zoo model, form, set API) of the sharded round trips: every zoo model full and sharded, the API
+#: alternating; SD-17's flattened full form on three models.
+SHARDED_ROUND_TRIPS = [
+    pytest.param(name, form, api, id=f"{name}-{form}-{api}", marks=REQ_MARKS[req])
+    for i, name in enumerate(SHARDED_ZOO)
+    for form, api, req in (
+        ("full", ("set_state_dict", "separate")[i % 2], "SD-12"),
+        ("sharded", ("separate", "set_state_dict")[i % 2], "SD-13"),
+    )
+] + [
+    pytest.param(name, "full+flat", api, id=f"{name}-full+flat-{api}", marks=REQ_MARKS["SD-17"])
+    for name, api in (("nested", "set_state_dict"), ("tied", "separate"), ("dtypes", "set_state_dict"))
+]
+
+
+@pytest.mark.req("SD-11")
+@pytest.mark.parametrize("name, form, api", SHARDED_ROUND_TRIPS)
+def test_sharded_round_trip(dist: RankContext, impl: Adapter, name: str, form: str, api: str) -> None:
+    """get of a sharded model (full; sharded; full and flattened) equals the unwrapped oracle on every
+    rank (DTensors by their local shards: bit for bit before training, within float tolerance after);
+    set of it into a sharded target differing in values, hyperparameters and parameter order makes the
+    target's get equal the source's bit for bit, and one more step keeps them equal."""
+    ops = sd_ops(impl)
+    options = ops.options(full_state_dict=form != "sharded", flatten_optimizer_state_dict=form == "full+flat")
+    source = sharded_pair(impl, dist, name, steps=0)
+    initial = copy.deepcopy(source.oracle.state_dict())
+    if form == "sharded":
+        untrained = ops.get_model_state_dict(source.model)
+        assert_dtensor_params(untrained, source.oracle, dist)
+        for key, value in source.oracle.state_dict().items():  # nothing computed yet: every bit
+            if isinstance(untrained.get(key), DTensor):
+                assert_local_shard(untrained[key], value, what="untrained sharded state dict", where=f"{key}, rank {dist.rank}")
+    source.train(name, range(2), dist.device)
+
+    model_sd, optim_sd = ops.get_state_dict(source.model, source.optim, options=options)
+    if form == "sharded":
+        assert_dtensor_params(model_sd, source.oracle, dist)
+    assert_matches_oracle(model_sd, source.oracle.state_dict(), f"{form} model state dict", rank=dist.rank,
+                          exact=untouched(initial, source.oracle.state_dict()))
+    assert_matches_oracle(per_parameter(optim_sd), per_parameter(fqn_keyed_optim(source.oracle, source.oracle_optim)),
+                          f"{form} optimizer state dict", rank=dist.rank, check_order=False)
+
+    target, target_optim = sharded_target(impl, dist, name, source.oracle.state_dict())
+    saved = copy.deepcopy((model_sd, optim_sd))
+    load(ops, api, target, target_optim, *copy.deepcopy(saved), options=options)
+    got_model, got_optim = ops.get_state_dict(target, target_optim, options=options)
+    assert_same_state(got_model, saved[0], what="model state dict after set", where=f"rank {dist.rank}")
+    assert_same_optim(got_optim, saved[1], "optimizer state dict after set", where=f"rank {dist.rank}")
+
+    batch = zoo.batch(name, seed=7, device=dist.device)
+    zoo.train_step(source.model, source.optim, batch)
+    zoo.train_step(target, target_optim, batch)
+    after_source = ops.get_state_dict(source.model, source.optim)
+    after_target = ops.get_state_dict(target, target_optim)
+    assert_same_state(after_target[0], after_source[0], what="model after one more step", where=f"rank {dist.rank}")
+    assert_same_optim(after_target[1], after_source[1], "optimizer after one more step", where=f"rank {dist.rank}")
 
 
 #: Where a load of param groups goes through: (model, optimizer state dict form).
@@ -1584,7 +790,117 @@ def test_load_replaces_param_groups_whole(dist: RankContext, impl: Adapter, path
     assert_same_optim(got, saved, "optimizer state dict after set", where=f"rank {dist.rank}", sequence_types=True)
 
 
-# -- SD-15: across implementations ------------------------------------------------------------------
+@pytest.mark.req("SD-12")
+@pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
+@pytest.mark.parametrize("name", ("nested", "tied"))
+def test_sharded_full_state_dict(dist: RankContext, impl: Adapter, name: str, strategy: str) -> None:
+    """Every strategy, on two zoo models (the zoo under FULL_SHARD is covered by test_sharded_round_trip)."""
+    ops = sd_ops(impl)
+    pair = sharded_pair(impl, dist, name, strategy)
+    model_sd, optim_sd = ops.get_state_dict(pair.model, pair.optim, options=ops.options(full_state_dict=True))
+    dtensors = [k for k, v in model_sd.items() if isinstance(v, DTensor)]
+    if dtensors:
+        fail("full state dict holds DTensors", dtensors, "plain tensors only", f"rank {dist.rank}")
+    assert_same_state(model_sd, pair.oracle.state_dict(), what=f"full model state dict ({strategy})",
+                      where=f"rank {dist.rank}", atol=ATOL, rtol=RTOL)
+    assert_same_optim(optim_sd, fqn_keyed_optim(pair.oracle, pair.oracle_optim), f"full optimizer state dict ({strategy})",
+                      atol=ATOL, where=f"rank {dist.rank}")
+
+
+@pytest.mark.req("SD-12")
+@pytest.mark.parametrize("part", ("model", "optimizer"))
+def test_sharded_full_state_dict_cpu_offload(dist: RankContext, impl: Adapter, part: str) -> None:
+    ops = sd_ops(impl)
+    pair = sharded_pair(impl, dist, "nested")
+    options = ops.options(full_state_dict=True, cpu_offload=True)
+    if part == "model":
+        got, expected = ops.get_model_state_dict(pair.model, options=options), pair.oracle.state_dict()
+    else:
+        got, expected = ops.get_optimizer_state_dict(pair.model, pair.optim, options=options), fqn_keyed_optim(pair.oracle, pair.oracle_optim)
+    if dist.rank != 0:
+        assert got == {}, f"rank {dist.rank}: with cpu_offload only rank 0 holds the full state dict"
+        return
+    leaves = list(got.values()) if part == "model" else [t for s in got["state"].values() for t in s.values()]
+    on_gpu = [t.device for t in leaves if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
+    if on_gpu:
+        fail("cpu_offload: tensors not on the CPU", on_gpu, "cpu")
+    if part == "model":
+        assert_same_state(got, expected, what="full model state dict", atol=ATOL, rtol=RTOL)
+    else:
+        assert_same_optim(got, expected, "full optimizer state dict", atol=ATOL)
+
+
+@pytest.mark.req("SD-12", "SD-19")
+def test_dtensor_parameters_full_cpu_offload(dist: RankContext, impl: Adapter) -> None:
+    ops = sd_ops(impl)
+    oracle = zoo.build("nested", seed=0, device=dist.device).state_dict()
+    got = ops.get_model_state_dict(dtensor_model("nested", 0, dist), options=ops.options(full_state_dict=True, cpu_offload=True))
+    if dist.rank != 0:
+        assert got == {}, f"rank {dist.rank}: with cpu_offload only rank 0 holds the full state dict; got keys {list(got)}"
+        return
+    off_cpu = {key: str(value.device) for key, value in got.items() if value.device.type != "cpu"}
+    if off_cpu:
+        fail("cpu_offload: tensors not on the CPU", off_cpu, "cpu", "rank 0")
+    assert_same_state(got, {k: v.cpu() for k, v in oracle.items()}, what="full state dict on rank 0", where="rank 0")
+
+
+@pytest.mark.req("SD-13")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sharded_get_follows_the_plan(dist: RankContext, impl: Adapter, strategy: str) -> None:
+    """``full_state_dict=False`` on a model sharded with each strategy: every parameter and every
+    positional optimizer state is a DTensor on the mesh the plan asked for (FULL_SHARD and
+    SHARD_GRAD_OP: ``Shard(0)`` over every rank; NO_SHARD: ``Replicate()``; HYBRID_SHARD: the 2-D mesh
+    whose dim 0 is the replicate groups and dim 1 the shard groups, ``(Replicate(), Shard(0))``), its
+    mesh dims' process groups holding the ranks the plan puts together, and its local shard on every
+    rank this rank's planned piece of the unwrapped oracle's value, whatever coordinate it reports. A
+    mesh read the wrong way round (dims transposed) fails at world size 2 and 4."""
+    ops = sd_ops(impl)
+    pair = sharded_pair(impl, dist, "nested", strategy)
+    model_sd, optim_sd = ops.get_state_dict(pair.model, pair.optim, options=ops.options(full_state_dict=False))
+    assert_planned_get(model_sd, pair.oracle.state_dict(), strategy, dist, "sharded model state dict")
+    oracle_optim = fqn_keyed_optim(pair.oracle, pair.oracle_optim)
+    if sorted(optim_sd["state"]) != sorted(oracle_optim["state"]):
+        fail("sharded optimizer state dict: FQNs with state", sorted(optim_sd["state"]), sorted(oracle_optim["state"]),
+             f"rank {dist.rank}")
+    for fqn, state in optim_sd["state"].items():
+        assert_planned_get(state, oracle_optim["state"][fqn], strategy, dist, f"sharded optimizer state of {fqn!r}")
+
+
+@pytest.mark.req("SD-14")
+@pytest.mark.parametrize("sharded", (False, True), ids=("plain", "sharded"))
+@pytest.mark.parametrize("name", ("nested", "dtypes"))
+def test_broadcast_from_rank0(dist: RankContext, impl: Adapter, name: str, sharded: bool) -> None:
+    """Rank 0 holds the oracle's full model and optimizer state, the other ranks pass {} to
+    set_model_state_dict and set_optimizer_state_dict; every rank ends with rank 0's state bit for bit,
+    hyperparameters included, in a target that differed everywhere."""
+    ops = sd_ops(impl)
+    expected_model, expected_optim = oracle_state(name, dist.device)
+    target, target_optim = broadcast_target(impl, dist, name, sharded, expected_model)
+    options = ops.options(full_state_dict=True, broadcast_from_rank0=True)
+    model_sd, optim_sd = copy.deepcopy((expected_model, expected_optim)) if dist.rank == 0 else ({}, {})
+    ops.set_model_state_dict(target, model_sd, options=options)
+    ops.set_optimizer_state_dict(target, target_optim, optim_sd, options=options)
+    check_broadcast_result(ops, dist, target, target_optim, expected_model, expected_optim)
+
+
+@pytest.mark.req("SD-14", "SD-7")
+@pytest.mark.parametrize("sharded", (False, True), ids=("plain", "sharded"))
+def test_broadcast_with_cpu_offload_not_strict_skips_unknown_keys(dist: RankContext, impl: Adapter, sharded: bool) -> None:
+    """``broadcast_from_rank0`` with ``cpu_offload`` and ``strict=False``, rank 0's dict holding a key the
+    model does not have: the rest loads on every rank and the key is reported unexpected, not a
+    ``KeyError`` from inside the broadcast (pytorch/pytorch#149516, PR #150239)."""
+    ops = sd_ops(impl)
+    expected_model, expected_optim = oracle_state("nested", dist.device)
+    target, target_optim = broadcast_target(impl, dist, "nested", sharded, expected_model)
+    options = ops.options(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True, strict=False)
+    extra = "10.inner.0.sdc_extra"
+    model_sd = {**copy.deepcopy(expected_model), extra: torch.ones(3, device=dist.device)} if dist.rank == 0 else {}
+    result = ops.set_model_state_dict(target, model_sd, options=options)
+    unexpected = list(getattr(result, "unexpected_keys", []))
+    if unexpected != [extra]:
+        fail("unexpected keys reported by a non-strict broadcast load", unexpected, [extra], f"rank {dist.rank}")
+    ops.set_optimizer_state_dict(target, target_optim, copy.deepcopy(expected_optim) if dist.rank == 0 else {}, options=options)
+    check_broadcast_result(ops, dist, target, target_optim, expected_model, expected_optim)
 
 
 @pytest.mark.req("SD-15")
@@ -1627,3 +943,164 @@ def test_cross_implementation_sharded(dist: RankContext, impl: Adapter, name: st
                       where=f"rank {dist.rank}", atol=ATOL, rtol=RTOL)
     assert_same_optim(got[1], fqn_keyed_optim(source.oracle, source.oracle_optim), "optimizer loaded across implementations",
                       atol=ATOL, where=f"rank {dist.rank}")
+
+
+@pytest.mark.req("SD-16")
+@pytest.mark.rank_timeout(PROMPTLY_S)
+def test_set_state_dict_broadcast_with_empty_dicts_on_other_ranks(dist: RankContext, impl: Adapter) -> None:
+    """One set_state_dict call on every rank of a sharded model, ranks > 0 passing {} for both the model
+    and the optimizer state: it completes, and every rank ends with rank 0's state (checked on each
+    rank, bit for bit). (Sharded only: a wrong implementation hangs here, and each hang costs the timeout.)"""
+    ops = sd_ops(impl)
+    expected_model, expected_optim = oracle_state("buffers", dist.device)
+    target, target_optim = broadcast_target(impl, dist, "buffers", True, expected_model)
+    options = ops.options(full_state_dict=True, broadcast_from_rank0=True)
+    model_sd, optim_sd = copy.deepcopy((expected_model, expected_optim)) if dist.rank == 0 else ({}, {})
+    ops.set_state_dict(target, target_optim, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+    check_broadcast_result(ops, dist, target, target_optim, expected_model, expected_optim)
+
+
+@pytest.mark.req("SD-18")
+@pytest.mark.rank_timeout(PROMPTLY_S)
+@pytest.mark.parametrize("kind", ("unexpected", "shape", "optim-missing"))
+def test_failed_set_restores_state_dict_config(dist: RankContext, impl: Adapter, kind: str) -> None:
+    """A full_state_dict set that raises leaves the model's state-dict configuration as it was: the
+    default get then has the form it had before (sharded DTensors with the same placements and local
+    shapes, the same keys), and a valid default set then loads bit for bit. Checked by behaviour, so it
+    holds for every implementation; the failing set offers the model's own values, so that whether it
+    changed anything (SD-8, SD-9) does not matter here."""
+    ops = sd_ops(impl)
+    case = ERROR_CASES[kind]
+    pair = sharded_pair(impl, dist, "nested")
+    before = form_of(ops.get_state_dict(pair.model, pair.optim))
+    full_model, full_optim = copy.deepcopy(ops.get_state_dict(pair.model, pair.optim, options=ops.options(full_state_dict=True)))
+    bad_model, bad_optim = break_input(case, full_model, full_optim)
+    exc = raised(lambda: ops.set_state_dict(pair.model, pair.optim, model_state_dict=bad_model, optim_state_dict=bad_optim,
+                                            options=ops.options(full_state_dict=True)))
+    if not isinstance(exc, case.error):
+        fail(f"{kind}: the set did not raise {case.error.__name__}", repr(exc), case.error.__name__, f"rank {dist.rank}")
+
+    assert_same_state(form_of(ops.get_state_dict(pair.model, pair.optim)), before,
+                      what="form of the default get after the failed set", where=f"rank {dist.rank}")
+    other, other_optim = sharded_target(impl, dist, "nested", pair.oracle.state_dict())
+    other_sd = copy.deepcopy(ops.get_state_dict(other, other_optim))
+    ops.set_state_dict(pair.model, pair.optim, model_state_dict=copy.deepcopy(other_sd[0]),
+                       optim_state_dict=copy.deepcopy(other_sd[1]))
+    got_model, got_optim = ops.get_state_dict(pair.model, pair.optim)
+    assert_same_state(got_model, other_sd[0], what="model after a valid set that followed the failed one",
+                      where=f"rank {dist.rank}")
+    assert_same_optim(got_optim, other_sd[1], "optimizer after a valid set that followed the failed one",
+                      where=f"rank {dist.rank}")
+
+
+@pytest.mark.req("SD-19")
+@pytest.mark.parametrize("form", ("full", "sharded"))
+@pytest.mark.parametrize("name", ("nested", "tiny", "dtypes"))
+def test_dtensor_parameters_without_fsdp(dist: RankContext, impl: Adapter, name: str, form: str) -> None:
+    """Each rank's local shard is checked against the documented layout; the set goes into a model of
+    another seed and must restore the source bit for bit."""
+    ops = sd_ops(impl)
+    oracle = zoo.build(name, seed=0, device=dist.device).state_dict()
+    source, target = dtensor_model(name, 0, dist), dtensor_model(name, 1, dist)
+    options = ops.options(full_state_dict=form == "full")
+    got = ops.get_model_state_dict(source, options=options)
+    where = f"rank {dist.rank}"
+    if form == "full":
+        assert_same_state(got, oracle, what="full state dict of a DTensor-parameter model", where=where)
+    else:
+        assert list(got) == list(oracle), f"{where}: keys {list(got)}"
+        params = dict(source.named_parameters())
+        for key, value in got.items():
+            if key in params:
+                assert_local_shard(value, oracle[key], what="sharded state dict entry", where=f"{key} on {where}")
+            else:
+                assert_bitwise_equal(value, oracle[key], what="buffer", where=f"{key} on {where}")
+    ops.set_model_state_dict(target, copy.deepcopy(got), options=options)
+    full = ops.get_model_state_dict(target, options=ops.options(full_state_dict=True))
+    assert_same_state(full, oracle, what=f"target after a set of the {form} state dict", where=where)
+
+
+@pytest.mark.req("SD-34", "SD-14")
+@pytest.mark.parametrize("api", ("set_optimizer_state_dict", "set_state_dict"))
+@pytest.mark.parametrize("sharded", (False, True), ids=("plain", "sharded"))
+def test_broadcast_leaves_rank0s_hyperparameters_on_every_rank(dist: RankContext, impl: Adapter, sharded: bool, api: str) -> None:
+    """Each rank's optimizer starts with hyperparameters of its own (lr, betas, eps, and a key only that
+    rank's groups have); rank 0's dict carries a key no rank's optimizer has. After a broadcast set,
+    every rank's optimizer itself (its ``param_groups``, not a get, which may report the coordinator's
+    groups) holds exactly rank 0's hyperparameters: the rank's own key gone, rank 0's key there."""
+    ops = sd_ops(impl)
+    expected_model, expected_optim = oracle_state("nested", dist.device)
+    expected_optim["param_groups"][0]["sdc_from_rank0"] = "a key only rank 0's dict has"
+    target, target_optim = broadcast_target(impl, dist, "nested", sharded, expected_model)
+    for group in target_optim.param_groups:
+        group["lr"] = 0.5 + dist.rank
+        group["betas"] = (0.1 * (dist.rank + 1), 0.2 * (dist.rank + 1))
+        group["eps"] = 10.0 ** -(dist.rank + 3)
+        group[f"sdc_rank_{dist.rank}_only"] = dist.rank
+    options = ops.options(full_state_dict=True, broadcast_from_rank0=True)
+    model_sd, optim_sd = copy.deepcopy((expected_model, expected_optim)) if dist.rank == 0 else ({}, {})
+    if api == "set_state_dict":
+        ops.set_state_dict(target, target_optim, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+    else:
+        ops.set_optimizer_state_dict(target, target_optim, optim_sd, options=options)
+    expected = [{k: v for k, v in g.items() if k != "params"} for g in expected_optim["param_groups"]]
+    assert_same_state(hyperparameters(target_optim), expected, what="the optimizer's own param groups after the broadcast set",
+                      where=f"rank {dist.rank} ({'sharded' if sharded else 'plain'}, {api})")
+
+
+@pytest.mark.req("SD-35", "SD-12", "SD-14")
+@pytest.mark.world_size(min=3)
+@pytest.mark.rank_timeout(PROMPTLY_S)
+def test_sharded_on_a_subgroup_without_global_rank0(dist: RankContext, impl: Adapter) -> None:
+    """A model sharded over a process group of ranks ``1 .. n-1`` (global rank 0 is in no unit and
+    only takes part in building the group, as a pipeline stage or a job of several models leaves it).
+    "Rank 0" of every option is the group's first rank, global rank 1: with ``full_state_dict`` and
+    ``cpu_offload`` it alone gets the dict, equal to the full dict every member gets without
+    ``cpu_offload``; with ``broadcast_from_rank0`` it alone holds the model and optimizer state, the
+    other members pass ``{}``, and afterwards every member's model, optimizer state and own param
+    groups are that dict's (pytorch/pytorch#63213: global ranks taken for the group's)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ops = sd_ops(impl)
+    members = list(range(1, dist.world_size))
+    mesh = DeviceMesh(dist.device.type, torch.tensor(members))  # every rank of the job builds the group
+    if dist.rank not in members:
+        return
+    where = f"global rank {dist.rank}, group of ranks {members}"
+
+    def sharded(seed: int) -> nn.Module:
+        raw = zoo.build("nested", seed=seed, device=dist.device)
+        plan = ShardingPlan("FULL_SHARD", units=child_units(raw), device=dist.device, mesh=mesh)
+        try:
+            return impl.require("sharding").shard(raw, plan)
+        except Unsupported as exc:
+            pytest.skip(f"sharding over a subgroup: {exc}")
+
+    source = sharded(0)
+    source_optim = single_group_adam(source)
+    group_rank = members.index(dist.rank)
+    for seed in range(2):
+        zoo.train_step(source, source_optim, zoo.batch("nested", seed=seed, device=dist.device).chunk(len(members))[group_rank])
+    full = ops.options(full_state_dict=True)
+    everywhere = copy.deepcopy(ops.get_state_dict(source, source_optim, options=full))
+    offloaded = ops.get_state_dict(source, source_optim, options=ops.options(full_state_dict=True, cpu_offload=True))
+    if dist.rank == members[0]:
+        assert_same_state(on_cpu_tree(offloaded[0]), on_cpu_tree(everywhere[0]), what="model state dict with cpu_offload on the group's first rank",
+                          where=where)
+        assert_same_optim(on_cpu_tree(offloaded[1]), on_cpu_tree(everywhere[1]), "optimizer state dict with cpu_offload on the group's first rank",
+                          where=where)
+    elif offloaded != ({}, {}):
+        fail("full_state_dict + cpu_offload on a member other than the group's first rank", sorted(offloaded[0])[:5], "{} for both", where)
+
+    target = sharded(1)
+    target_optim = target_optimizer([[p for p in target.parameters() if p.requires_grad]], "reversed")
+    for seed in range(5, 6):
+        zoo.train_step(target, target_optim, zoo.batch("nested", seed=seed, device=dist.device).chunk(len(members))[group_rank])
+    given = copy.deepcopy(everywhere) if dist.rank == members[0] else ({}, {})
+    ops.set_state_dict(target, target_optim, model_state_dict=given[0], optim_state_dict=given[1],
+                       options=ops.options(full_state_dict=True, broadcast_from_rank0=True))
+    got_model, got_optim = ops.get_state_dict(target, target_optim, options=full)
+    assert_same_state(got_model, everywhere[0], what="model after a broadcast from the group's first rank", where=where)
+    assert_same_optim(got_optim, everywhere[1], "optimizer after a broadcast from the group's first rank", where=where)
+    assert_same_state(hyperparameters(target_optim), [{k: v for k, v in g.items() if k != "params"} for g in everywhere[1]["param_groups"]],
+                      what="the optimizer's own param groups after the broadcast", where=where)

@@ -23,18 +23,13 @@ either ``use_orig_params`` on every rank, full state dicts gathered on every ran
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
-from conformance.adapters.sharding import ShardingPlan, child_units
 from conformance.adapters.state_dict import StateDictOps
 from conformance.asserts import (
-    assert_names_key,
     assert_same_error_on_every_rank,
     assert_same_state,
     assert_unchanged,
@@ -44,167 +39,42 @@ from conformance.asserts import (
     snapshot,
 )
 from conformance.compare import fqn_keyed_optim
-from conformance.error_cases import WHERE, bad_input_here
+from conformance.error_cases import bad_input_here, parametrize_where
+from conformance.training_states_support import (
+    OPTIMIZERS,
+    assert_matches_oracle,
+    assert_no_state_entries,
+    batch,
+    build,
+    check_missing_state_error,
+    empty_groups_round_trip,
+    full_options,
+    future_after,
+    groups_of,
+    make_run,
+    round_trip,
+    scheduled,
+    sharding_params,
+    trainable_fqns,
+    trained_source,
+    where_of,
+    without_state,
+)
 from conformance.values import perturb_hyperparameters
 
-#: Ranks average gradients; only results of training are compared with this tolerance.
-ATOL, RTOL = 1e-6, 1e-5
-#: Rows of every global batch (each rank of a sharded run trains on its equal slice).
-GLOBAL_BATCH = 12
 
-
-class AuxModel(nn.Module):
-    """A trunk and two heads; ``aux`` takes part in the loss only when asked (``use_aux``), so until
-    then it has no gradient and no optimizer state while the rest has both. Sizes are uneven so
-    shards are uneven at 2 and 4 ranks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Linear(5, 7)
-        self.head = nn.Linear(7, 3)
-        self.aux = nn.Linear(7, 2)
-
-    def forward(self, x: torch.Tensor, use_aux: bool = False) -> torch.Tensor:
-        h = torch.tanh(self.body(x))
-        out = self.head(h)
-        return torch.cat([out, self.aux(h)], dim=1) if use_aux else out
-
-
-def build(seed: int, device: Any = "cpu") -> AuxModel:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AuxModel()
-    return model.to(device)
-
-
-def batch(step: int, device: Any = "cpu") -> torch.Tensor:
-    return torch.randn(GLOBAL_BATCH, 5, generator=torch.Generator().manual_seed(500 + step)).to(device)
-
-
-#: Optimizers as jobs configure them: every group has weight decay, so a materializing step that let
-#: it act would move the parameters.
-OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]]], torch.optim.Optimizer]] = {
-    "adamw": lambda groups: torch.optim.AdamW(groups, lr=0.05, weight_decay=0.1),
-    # a tensor learning rate (as jobs that schedule it inside compiled steps use) must stay a tensor
-    "adamw-tensor-lr": lambda groups: torch.optim.AdamW([{**g, "lr": torch.tensor(g.get("lr", 0.05))} for g in groups], lr=torch.tensor(0.05),
-                                                       weight_decay=0.1),
-    "adam": lambda groups: torch.optim.Adam(groups, lr=0.05, weight_decay=0.1),
-    "sgd-momentum": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=0.1),
-    "sgd": lambda groups: torch.optim.SGD(groups, lr=0.05),
-}
-
-
-def groups_of(model: nn.Module, *, empty_group_lr: float | None = None) -> list[dict[str, Any]]:
-    """The ``head`` module's parameters in one group (other lr), the rest in another: by module, so
-    that flat parameters (one per unit) split as the original ones do; with ``empty_group_lr``, a
-    group without parameters between them."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    # initial_lr as an LR scheduler leaves it, and a key of the user's own: a load carries both.
-    groups: list[dict[str, Any]] = [{"params": [p for n, p in named if "head" not in n.split(".")], "initial_lr": 0.1, "sdc_custom": "trunk"}]
-    if empty_group_lr is not None:
-        groups.append({"params": [], "lr": empty_group_lr, "initial_lr": 0.5, "sdc_custom": "kept for a later add_param_group"})
-    groups.append({"params": [p for n, p in named if "head" in n.split(".")], "lr": 0.02, "initial_lr": 0.04, "sdc_custom": "head"})
-    return groups
-
-
-@dataclass
-class Run:
-    """A model (plain, or sharded by the implementation) with its optimizer, and how it trains."""
-
-    model: nn.Module
-    optim: torch.optim.Optimizer
-    rows: Callable[[torch.Tensor], torch.Tensor]  #: this rank's rows of a global batch
-
-    def step(self, step: int, device: Any, *, use_aux: bool) -> None:
-        self.optim.zero_grad(set_to_none=True)
-        self.model(self.rows(batch(step, device)), use_aux=use_aux).pow(2).mean().backward()
-        self.optim.step()
-
-
-def make_run(impl: Any, dist: Any, kind: str, seed: int, *, use_orig_params: bool | None, empty_group_lr: float | None = None) -> Run:
-    """``AuxModel`` of ``seed`` with optimizer ``kind``: plain when ``dist`` is None, else sharded by
-    the implementation (each child a unit, FULL_SHARD, ``use_orig_params``) and trained on its rows."""
-    if dist is None:
-        model: nn.Module = build(seed)
-        return Run(model, OPTIMIZERS[kind](groups_of(model, empty_group_lr=empty_group_lr)), lambda x: x)
-    raw = build(seed, dist.device)
-    plan = ShardingPlan("FULL_SHARD", use_orig_params, units=child_units(raw), device=dist.device)
-    sharding = impl.require("sharding")
-    reason = sharding.unsupported(plan)
-    if reason is not None:
-        pytest.skip(reason)
-    model = sharding.shard(raw, plan)
-    return Run(model, OPTIMIZERS[kind](groups_of(model, empty_group_lr=empty_group_lr)), lambda x: x.chunk(dist.world_size)[dist.rank])
-
-
-def full_options(ops: StateDictOps, dist: Any, **fields: Any) -> Any:
-    """Full state dicts on every rank for a sharded run (plain tensors, comparable with the oracle)."""
-    return ops.options(full_state_dict=True, **fields) if dist is not None else ops.options(**fields)
-
-
-def on_cpu(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, Mapping):
-        return {k: on_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [on_cpu(v) for v in tree]
-    return tree
-
-
-def where_of(dist: Any, kind: str, use_orig_params: bool | None) -> str:
-    if dist is None:
-        return f"{kind}, plain model"
-    return f"{kind}, rank {dist.rank} of {dist.world_size}, use_orig_params={use_orig_params}"
-
-
-def sharding_params() -> Any:
-    """(use_orig_params) for the sharded variants; None marks the plain variant (no ``dist``)."""
-    return pytest.mark.parametrize("use_orig_params", (False, True), ids=("flat", "orig"))
-
-
-def assert_matches_oracle(ops: StateDictOps, run: Run, oracle: Run, dist: Any, *, what: str, where: str, exact: bool) -> None:
-    """The run's model and optimizer state dicts equal the oracle's (FQN-keyed), bitwise when ``exact``."""
-    __tracebackhide__ = True
-    got_model, got_optim = ops.get_state_dict(run.model, run.optim, options=full_options(ops, dist))
-    tolerance = {} if exact else {"atol": ATOL, "rtol": RTOL}
-    assert_same_state(on_cpu(got_model), on_cpu(oracle.model.state_dict()), what=f"{what}: model", where=where, check_order=False, **tolerance)
-    assert_same_state(on_cpu(got_optim["state"]), on_cpu(fqn_keyed_optim(oracle.model, oracle.optim)["state"]), what=f"{what}: optimizer state",
-                      where=where, check_order=False, **tolerance)
-
-
-# -- SD-20: taking a state dict never changes the optimizer's future ---------------------------------------
-
-
-def _future_after(impl: Any, kind: str, situation: str, take: bool) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
-    """The model and optimizer after: the situation's history, a get (when ``take``), one real step."""
+@pytest.mark.req("SD-11")
+def test_saved_extra_keys_are_restored_into_groups_that_lack_them(impl: Any) -> None:
+    """The saved groups carry ``initial_lr`` (an LR scheduler's) and a key of the user's; a target whose
+    groups have neither (no scheduler built yet) gets both from the set (pytorch/pytorch#140900)."""
     ops: StateDictOps = impl.require("state_dict")
-    run = make_run(impl, None, kind, 0, use_orig_params=None)
-    if situation in ("partial", "accumulating"):
-        run.step(0, "cpu", use_aux=False)  # aux has no gradient and no state yet
-    observed: dict[str, Any] = {}
-    if situation == "accumulating":
-        run.optim.zero_grad(set_to_none=True)
-        run.model(batch(1), use_aux=True).pow(2).mean().backward()  # a micro-batch's gradients, not yet stepped
-        observed["grads"] = {n: None if p.grad is None else p.grad.clone() for n, p in run.model.named_parameters()}
-    if take:
-        hyper = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in run.optim.param_groups])
-        params = {n: p.detach().clone() for n, p in run.model.named_parameters()}
-        grads = {n: None if p.grad is None else p.grad.clone() for n, p in run.model.named_parameters()}
-        observed["got"] = ops.get_optimizer_state_dict(run.model, run.optim)
-        assert_same_state({n: p.detach() for n, p in run.model.named_parameters()}, params, what="parameters after the get")
-        for name, param in run.model.named_parameters():
-            if (param.grad is None) != (grads[name] is None):
-                fail("a parameter's grad after the get", param.grad, grads[name], name)
-        assert_same_state({n: p.grad for n, p in run.model.named_parameters() if p.grad is not None},
-                          {n: g for n, g in grads.items() if g is not None}, what="accumulated gradients after the get")
-        assert_same_state([{k: v for k, v in g.items() if k != "params"} for g in run.optim.param_groups], hyper,
-                          what="hyperparameters after the get")
-    if situation == "accumulating":
-        run.optim.step()
-    else:
-        run.step(2, "cpu", use_aux=True)
-    return run.model, run.optim, observed
+    source, saved = trained_source(impl)
+    target_model = build(1)
+    target_optim = torch.optim.AdamW([{"params": g["params"]} for g in groups_of(target_model)], lr=0.3)
+    ops.set_optimizer_state_dict(target_model, target_optim, copy.deepcopy(saved))
+    got = [{k: v for k, v in g.items() if k != "params"} for g in ops.get_optimizer_state_dict(target_model, target_optim)["param_groups"]]
+    assert_same_state(got, [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]],
+                      what="param groups after a set into groups without initial_lr", check_order=False)
 
 
 @pytest.mark.req("SD-20")
@@ -216,8 +86,8 @@ def test_get_never_changes_the_optimizers_future(impl: Any, kind: str, situation
     holds a gradient) changes no parameter, grad or hyperparameter, and the next real step computes
     bit for bit what it computes in the run that took no state dict (a zero-lr step that counts would
     make Adam's first update use step-2 bias correction: pytorch/pytorch#164929)."""
-    with_get = _future_after(impl, kind, situation, take=True)
-    without = _future_after(impl, kind, situation, take=False)
+    with_get = future_after(impl, kind, situation, take=True)
+    without = future_after(impl, kind, situation, take=False)
     where = f"{kind}, {situation}"
     assert_same_state(dict(with_get[0].named_parameters()), dict(without[0].named_parameters()),
                       what="parameters after one real step, with a get before it vs without", where=where)
@@ -230,48 +100,6 @@ def test_get_never_changes_the_optimizers_future(impl: Any, kind: str, situation
                 fail("state of a trainable parameter without a gradient yet, in the get", sorted(got["state"]), f"an entry for {fqn!r}", where)
 
 
-# -- SD-21: every trainable parameter's state round-trips ---------------------------------------------------
-
-
-def _round_trip(impl: Any, dist: Any, kind: str, use_orig_params: bool | None, flatten: bool, *, empty_group_lr: float | None = None,
-                aux_before_save: bool = False) -> None:
-    """Source trains 2 steps (without aux unless ``aux_before_save``); get; set (strict) into another
-    seed's run that took a step with aux (state for every parameter) and whose hyperparameters differ;
-    get again equals the saved dict bitwise; then 2 steps with aux (aux's first gradient, unless
-    ``aux_before_save``) equal the run that never stopped."""
-    __tracebackhide__ = True
-    ops: StateDictOps = impl.require("state_dict")
-    device = dist.device if dist is not None else "cpu"
-    where = where_of(dist, kind, use_orig_params) + (", flattened" if flatten else "")
-    oracle = make_run(impl, None, kind, 0, use_orig_params=None, empty_group_lr=empty_group_lr)
-    oracle.model.to(device)
-    source = make_run(impl, dist, kind, 0, use_orig_params=use_orig_params, empty_group_lr=empty_group_lr)
-    for step in range(2):
-        oracle.step(step, device, use_aux=aux_before_save)
-        source.step(step, device, use_aux=aux_before_save)
-    options = full_options(ops, dist, flatten_optimizer_state_dict=flatten)
-    saved = on_cpu(ops.get_state_dict(source.model, source.optim, options=options))
-
-    target = make_run(impl, dist, kind, 1, use_orig_params=use_orig_params, empty_group_lr=None if empty_group_lr is None else empty_group_lr * 3)
-    target.step(7, device, use_aux=True)
-    perturb_hyperparameters(target.optim)
-    ops.set_state_dict(target.model, target.optim, model_state_dict=copy.deepcopy(saved[0]), optim_state_dict=copy.deepcopy(saved[1]),
-                       options=options)
-    again = on_cpu(ops.get_state_dict(target.model, target.optim, options=options))
-    assert_same_state(again[0], saved[0], what="model state dict: get after set vs the saved one", where=where, check_order=False)
-    assert_same_state(again[1], saved[1], what="optimizer state dict: get after set vs the saved one", where=where, check_order=False)
-    if empty_group_lr is not None:
-        empty = [g for g in target.optim.param_groups if not g["params"]]
-        if len(empty) != 1 or empty[0]["lr"] != empty_group_lr or empty[0].get("initial_lr") != 0.5:
-            fail("the param group without parameters after the load", [{k: v for k, v in g.items() if k != "params"} for g in empty],
-                 f"the saved one: lr {empty_group_lr}, initial_lr 0.5", where)
-    for step in range(2, 4):
-        oracle.step(step, device, use_aux=True)
-        target.step(step, device, use_aux=True)
-    assert_matches_oracle(ops, target, oracle, dist, what="after 2 more steps with aux, vs the run that never stopped", where=where,
-                          exact=dist is None)
-
-
 @pytest.mark.req("SD-21")
 @pytest.mark.parametrize("flatten", (False, True), ids=("nested", "flattened"))
 @pytest.mark.parametrize("kind", ("adamw", "sgd-momentum"))
@@ -279,7 +107,7 @@ def test_parameter_without_gradient_yet_round_trips(impl: Any, kind: str, flatte
     """The aux head has no gradient yet while the rest has state: get holds state for it too, a strict
     set accepts the dict, and once aux is trained the run equals the one that never stopped, bitwise
     (pytorch/pytorch#192202; torchtitan, verl and NeMo carried workarounds)."""
-    _round_trip(impl, None, kind, None, flatten)
+    round_trip(impl, None, kind, None, flatten)
 
 
 @pytest.mark.req("SD-21")
@@ -289,24 +117,13 @@ def test_sharded_parameter_without_gradient_yet_round_trips(dist: Any, impl: Any
     """As the plain test, on a model sharded with each child a unit: the aux unit's parameters have no
     gradient on any rank; full state dicts on every rank; the end state equals the oracle to float
     tolerance on every rank."""
-    _round_trip(impl, dist, kind, use_orig_params, flatten=False)
-
-
-# -- SD-23: a stateless optimizer round-trips -----------------------------------------------------------------
-
-
-def _assert_no_state_entries(optim: torch.optim.Optimizer, where: str) -> None:
-    entries = {i: s for i, s in optim.state_dict()["state"].items()}
-    if entries:
-        fail("state entries of a stateless optimizer after the load", entries, "none (not even empty ones)", where)
+    round_trip(impl, dist, kind, use_orig_params, flatten=False)
 
 
 @pytest.mark.req("SD-23")
 @pytest.mark.parametrize("flatten", (False, True), ids=("nested", "flattened"))
 def test_stateless_optimizer_round_trips(impl: Any, flatten: bool) -> None:
-    """SGD without momentum keeps no state: get has none (no ``state.`` key when flattened), a strict
-    set of it loads the hyperparameters and leaves the optimizer with no state entry at all, not empty
-    ones (pytorch/pytorch#192225, #133415), and training on equals the run that never stopped, bitwise."""
+    """Training on is compared with the run that never stopped bit for bit (pytorch/pytorch#192225, #133415)."""
     where = f"sgd, {'flattened' if flatten else 'nested'}"
     ops: StateDictOps = impl.require("state_dict")
     trained = make_run(impl, None, "sgd", 0, use_orig_params=None)
@@ -315,14 +132,14 @@ def test_stateless_optimizer_round_trips(impl: Any, flatten: bool) -> None:
     state_keys = [k for k in got if k.startswith("state.")] if flatten else list(got["state"])
     if state_keys:
         fail("state of a stateless optimizer in the get", state_keys, "none", where)
-    _round_trip(impl, None, "sgd", None, flatten, aux_before_save=True)
+    round_trip(impl, None, "sgd", None, flatten, aux_before_save=True)
     target = make_run(impl, None, "sgd", 1, use_orig_params=None)
     source = make_run(impl, None, "sgd", 0, use_orig_params=None)
     source.step(0, "cpu", use_aux=True)
     options = ops.options(flatten_optimizer_state_dict=flatten)
     ops.set_optimizer_state_dict(target.model, target.optim, ops.get_optimizer_state_dict(source.model, source.optim, options=options),
                                  options=options)
-    _assert_no_state_entries(target.optim, where)
+    assert_no_state_entries(target.optim, where)
 
 
 @pytest.mark.req("SD-23")
@@ -330,25 +147,21 @@ def test_stateless_optimizer_round_trips(impl: Any, flatten: bool) -> None:
 def test_sharded_stateless_optimizer_round_trips(dist: Any, impl: Any, use_orig_params: bool) -> None:
     """As the plain test, sharded: a strict set loads, no rank's optimizer holds a state entry, and
     training on matches the oracle."""
-    _round_trip(impl, dist, "sgd", use_orig_params, flatten=False, aux_before_save=True)
+    round_trip(impl, dist, "sgd", use_orig_params, flatten=False, aux_before_save=True)
     ops: StateDictOps = impl.require("state_dict")
     source = make_run(impl, dist, "sgd", 0, use_orig_params=use_orig_params)
     source.step(0, dist.device, use_aux=True)
     saved = ops.get_optimizer_state_dict(source.model, source.optim, options=full_options(ops, dist))
     target = make_run(impl, dist, "sgd", 1, use_orig_params=use_orig_params)
     ops.set_optimizer_state_dict(target.model, target.optim, saved, options=full_options(ops, dist))
-    _assert_no_state_entries(target.optim, where_of(dist, "sgd", use_orig_params))
-
-
-# -- SD-24: saved state of parameters frozen after training is kept -------------------------------------------
+    assert_no_state_entries(target.optim, where_of(dist, "sgd", use_orig_params))
 
 
 @pytest.mark.req("SD-24")
 @pytest.mark.parametrize("flatten", (False, True), ids=("nested", "flattened"))
 def test_state_of_a_parameter_frozen_after_training_is_kept(impl: Any, flatten: bool) -> None:
-    """The body is trained, then frozen (``requires_grad_(False)``) while the optimizer still holds it,
-    as a fine-tuning schedule does: get keeps its state, and set loads that state into a target frozen
-    the same way, bit for bit, instead of dropping it (pytorch/pytorch#192307)."""
+    """The body is trained, then frozen (``requires_grad_(False)``) while the optimizer still holds it, as
+    a fine-tuning schedule does."""
     ops: StateDictOps = impl.require("state_dict")
     options = ops.options(flatten_optimizer_state_dict=flatten)
     source = make_run(impl, None, "adamw", 0, use_orig_params=None)
@@ -370,43 +183,44 @@ def test_state_of_a_parameter_frozen_after_training_is_kept(impl: Any, flatten: 
     assert_same_state(got["state"], expected["state"], what="optimizer state after the load vs the source's", where=where, check_order=False)
 
 
-# -- SD-25: a param group without parameters keeps its hyperparameters ----------------------------------------
-
-
 @pytest.mark.req("SD-25")
 @pytest.mark.parametrize("flatten", (False,), ids=("nested",))
 def test_param_group_without_parameters_round_trips(impl: Any, flatten: bool) -> None:
     """An optimizer with a group that holds no parameter (its own lr and a key of the user's): set
     gives the target's empty group the saved hyperparameters, not its own, so a later get equals the
     saved dict (pytorch/pytorch#143828); every parameter has state before the save."""
-    _round_trip(impl, None, "adamw", None, flatten, empty_group_lr=0.125, aux_before_save=True)
+    round_trip(impl, None, "adamw", None, flatten, empty_group_lr=0.125, aux_before_save=True)
 
 
 @pytest.mark.req("SD-25")
 @sharding_params()
 def test_sharded_param_group_without_parameters_round_trips(dist: Any, impl: Any, use_orig_params: bool) -> None:
     """As the plain test, on a sharded model, on every rank."""
-    _round_trip(impl, dist, "adamw", use_orig_params, flatten=False, empty_group_lr=0.125, aux_before_save=True)
+    round_trip(impl, dist, "adamw", use_orig_params, flatten=False, empty_group_lr=0.125, aux_before_save=True)
 
 
-# -- SD-26: a set between micro-batches; SD-27: a loaded state is the optimizer's own ---------------------------
+@pytest.mark.req("SD-25")
+def test_groups_without_parameters_pair_in_order_wherever_they_sit(impl: Any) -> None:
+    """Two groups without parameters, each with its own hyperparameters and user key, sit first and
+    third in the source's groups and last in the target's: after a set the target's first empty group
+    holds the source's first one's hyperparameters and its second the second's, whatever their
+    positions (a load pairing groups by position gives them a group of parameters' or each other's)."""
+    empty_groups_round_trip(impl, None, None)
 
 
-def _trained_source(impl: Any, kind: str = "adamw") -> tuple[Run, dict[str, Any]]:
-    ops: StateDictOps = impl.require("state_dict")
-    source = make_run(impl, None, kind, 0, use_orig_params=None)
-    for step in range(2):
-        source.step(step, "cpu", use_aux=True)
-    return source, ops.get_optimizer_state_dict(source.model, source.optim)
+@pytest.mark.req("SD-25")
+@sharding_params()
+def test_sharded_groups_without_parameters_pair_in_order_wherever_they_sit(dist: Any, impl: Any, use_orig_params: bool) -> None:
+    """As the plain test, on a sharded model, full state dicts, on every rank."""
+    empty_groups_round_trip(impl, dist, use_orig_params)
 
 
 @pytest.mark.req("SD-26")
 def test_set_while_parameters_hold_gradients_loads_the_state(impl: Any) -> None:
-    """A set into an optimizer whose parameters hold gradients (a resume between micro-batches, or
-    after a forward/backward that warmed the model) loads the saved state all the same, and leaves
-    every gradient as it was (pytorch/pytorch#140898: the loaded state was silently empty)."""
+    """The target's gradients come from a forward and backward before the set (as between micro-batches,
+    or after a warm-up); in pytorch/pytorch#140898 the loaded state was then silently empty."""
     ops: StateDictOps = impl.require("state_dict")
-    source, saved = _trained_source(impl)
+    source, saved = trained_source(impl)
     expected = copy.deepcopy(fqn_keyed_optim(source.model, source.optim))
     target = make_run(impl, None, "adamw", 1, use_orig_params=None)
     target.model(batch(9), use_aux=True).pow(2).mean().backward()
@@ -420,11 +234,10 @@ def test_set_while_parameters_hold_gradients_loads_the_state(impl: Any) -> None:
 
 @pytest.mark.req("SD-27")
 def test_loaded_state_shares_no_tensor_with_the_given_dict(impl: Any) -> None:
-    """After a set, the optimizer's state tensors are its own: training the source on, or changing the
-    dict that was passed in, leaves the target's state as loaded (pytorch/pytorch#196083: the loaded
-    state aliased the source's tensors in one process, so two optimizers stepped one state)."""
+    """In pytorch/pytorch#196083 the loaded state aliased the source's tensors in one process, so two
+    optimizers stepped one state."""
     ops: StateDictOps = impl.require("state_dict")
-    source, saved = _trained_source(impl)
+    source, saved = trained_source(impl)
     expected = copy.deepcopy(fqn_keyed_optim(source.model, source.optim))
     target = make_run(impl, None, "adamw", 1, use_orig_params=None)
     ops.set_optimizer_state_dict(target.model, target.optim, saved)  # the get's own dict, not a copy
@@ -435,91 +248,6 @@ def test_loaded_state_shares_no_tensor_with_the_given_dict(impl: Any) -> None:
                 value.add_(1.0)
     assert_same_state(fqn_keyed_optim(target.model, target.optim)["state"], expected["state"],
                       what="the target's optimizer state after the source stepped and the given dict changed", check_order=False)
-
-
-@pytest.mark.req("SD-11")
-def test_saved_extra_keys_are_restored_into_groups_that_lack_them(impl: Any) -> None:
-    """The saved groups carry ``initial_lr`` (an LR scheduler's) and a key of the user's; a target whose
-    groups have neither (no scheduler built yet) gets both from the set (pytorch/pytorch#140900)."""
-    ops: StateDictOps = impl.require("state_dict")
-    source, saved = _trained_source(impl)
-    target_model = build(1)
-    target_optim = torch.optim.AdamW([{"params": g["params"]} for g in groups_of(target_model)], lr=0.3)
-    ops.set_optimizer_state_dict(target_model, target_optim, copy.deepcopy(saved))
-    got = [{k: v for k, v in g.items() if k != "params"} for g in ops.get_optimizer_state_dict(target_model, target_optim)["param_groups"]]
-    assert_same_state(got, [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]],
-                      what="param groups after a set into groups without initial_lr", check_order=False)
-
-
-# -- SD-25: groups without parameters pair in order, wherever they sit ------------------------------------------
-
-#: Param-group layouts: "trunk" and "head" hold those modules' parameters, "empty" none. The source's
-#: two empty groups sit before and between, the target's after all the others: a load that pairs
-#: groups by position gives them the wrong hyperparameters.
-EMPTY_LAYOUTS = {"source": ("empty", "trunk", "empty", "head"), "target": ("trunk", "head", "empty", "empty")}
-
-
-def groups_in_layout(model: nn.Module, layout: tuple[str, ...], tag: str) -> list[dict[str, Any]]:
-    """Param groups of ``model`` in ``layout``; the k-th empty group has lr ``0.125 * (k + 1)``, its own
-    ``initial_lr`` and a user key naming ``tag`` and k."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups: list[dict[str, Any]] = []
-    empties = 0
-    for part in layout:
-        if part == "empty":
-            groups.append({"params": [], "lr": 0.125 * (empties + 1), "initial_lr": 0.5 + empties, "sdc_custom": f"{tag}-empty-{empties}"})
-            empties += 1
-        else:
-            head = part == "head"
-            groups.append({"params": [p for n, p in named if ("head" in n.split(".")) == head], "initial_lr": 0.1, "sdc_custom": part})
-    return groups
-
-
-def _empty_groups(optim: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups if not g["params"]]
-
-
-def _run_in_layout(impl: Any, dist: Any, seed: int, layout: tuple[str, ...], tag: str, use_orig_params: bool | None) -> Run:
-    run = make_run(impl, dist, "adamw", seed, use_orig_params=use_orig_params)
-    return Run(run.model, OPTIMIZERS["adamw"](groups_in_layout(run.model, layout, tag)), run.rows)
-
-
-def _empty_groups_round_trip(impl: Any, dist: Any, use_orig_params: bool | None) -> None:
-    __tracebackhide__ = True
-    ops: StateDictOps = impl.require("state_dict")
-    device = dist.device if dist is not None else "cpu"
-    where = where_of(dist, "adamw", use_orig_params) + f", groups {EMPTY_LAYOUTS['source']} -> {EMPTY_LAYOUTS['target']}"
-    source = _run_in_layout(impl, dist, 0, EMPTY_LAYOUTS["source"], "saved", use_orig_params)
-    for step in range(2):
-        source.step(step, device, use_aux=True)
-    options = full_options(ops, dist)
-    saved = on_cpu(ops.get_optimizer_state_dict(source.model, source.optim, options=options))
-    expected = _empty_groups(source.optim)
-    target = _run_in_layout(impl, dist, 1, EMPTY_LAYOUTS["target"], "target", use_orig_params)
-    target.step(7, device, use_aux=True)
-    perturb_hyperparameters(target.optim)
-    ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(saved), options=options)
-    assert_same_state(_empty_groups(target.optim), expected,
-                      what="the groups without parameters after the load, in order (the k-th takes the k-th saved)", where=where)
-
-
-@pytest.mark.req("SD-25")
-def test_groups_without_parameters_pair_in_order_wherever_they_sit(impl: Any) -> None:
-    """Two groups without parameters, each with its own hyperparameters and user key, sit first and
-    third in the source's groups and last in the target's: after a set the target's first empty group
-    holds the source's first one's hyperparameters and its second the second's, whatever their
-    positions (a load pairing groups by position gives them a group of parameters' or each other's)."""
-    _empty_groups_round_trip(impl, None, None)
-
-
-@pytest.mark.req("SD-25")
-@sharding_params()
-def test_sharded_groups_without_parameters_pair_in_order_wherever_they_sit(dist: Any, impl: Any, use_orig_params: bool) -> None:
-    """As the plain test, on a sharded model, full state dicts, on every rank."""
-    _empty_groups_round_trip(impl, dist, use_orig_params)
-
-
-# -- SD-32: the optimizer's own state dict, given to the state_dict API -------------------------------------------
 
 
 @pytest.mark.req("SD-32", "SD-27")
@@ -595,44 +323,9 @@ def test_optimizers_own_state_dict_that_does_not_fit_changes_nothing(impl: Any, 
     check_each(raises=raises, unchanged=lambda: assert_unchanged(before, where=where, model=target_model, optims=optims))
 
 
-# -- SD-33: a parameter listed without state ----------------------------------------------------------------------
-
 #: What a cut-short dict lacks: every state entry of ``head.weight`` (its moments, its step), or every
 #: state entry of every parameter (the ``state`` section gone, the groups kept).
 DROPS = ("one-parameter", "every-parameter")
-
-
-def without_state(saved: Mapping[str, Any], *, flatten: bool, drop: str) -> dict[str, Any]:
-    """``saved`` (nested or flattened) without the state ``drop`` names; its groups list every parameter."""
-    if flatten:
-        prefix = "state.head.weight." if drop == "one-parameter" else "state."
-        return {k: v for k, v in saved.items() if not k.startswith(prefix)}
-    state = {fqn: entry for fqn, entry in saved["state"].items() if drop == "one-parameter" and fqn != "head.weight"}
-    return {"state": state, "param_groups": saved["param_groups"]}
-
-
-def names_a_parameter(message: str, fqns: list[str]) -> bool:
-    for fqn in fqns:
-        try:
-            assert_names_key(message, fqn)
-        except pytest.fail.Exception:
-            continue
-        return True
-    return False
-
-
-def check_missing_state_error(exc: BaseException | None, fqns: list[str], where: str) -> None:
-    """``exc`` is a ``RuntimeError`` naming one of ``fqns`` whole (the parameters without state)."""
-    __tracebackhide__ = True
-    if not isinstance(exc, RuntimeError):
-        fail(f"{where}: a strict set of a dict that lists a parameter without its state",
-             "a normal return" if exc is None else f"{type(exc).__name__}: {exc}", "RuntimeError naming the parameter")
-    if not names_a_parameter(str(exc), fqns):
-        fail(f"{where}: the error names no parameter without state", str(exc)[:600], f"one of {fqns} named whole")
-
-
-def _trainable_fqns(model: nn.Module) -> list[str]:
-    return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
 @pytest.mark.req("SD-33", "SD-8")
@@ -657,7 +350,7 @@ def test_missing_state_the_optimizer_keeps_is_an_error(impl: Any, kind: str, fla
     perturb_hyperparameters(target.optim)
     before = snapshot(model=target.model, optim=target.optim)
     exc = raised(lambda: ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(bad), options=options))
-    fqns = ["head.weight"] if drop == "one-parameter" else _trainable_fqns(target.model)
+    fqns = ["head.weight"] if drop == "one-parameter" else trainable_fqns(target.model)
     check_each(raises=lambda: check_missing_state_error(exc, fqns, where),
                unchanged=lambda: assert_unchanged(before, where=where, model=target.model, optim=target.optim))
 
@@ -686,11 +379,11 @@ def test_missing_state_follows_the_loaded_hyperparameters(impl: Any, case: str) 
     if case == "momentum-into-stateless":
         before = snapshot(model=target.model, optim=target.optim)
         exc = raised(lambda: ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(saved)))
-        check_each(raises=lambda: check_missing_state_error(exc, _trainable_fqns(target.model), case),
+        check_each(raises=lambda: check_missing_state_error(exc, trainable_fqns(target.model), case),
                    unchanged=lambda: assert_unchanged(before, where=case, model=target.model, optim=target.optim))
         return
     ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(saved))
-    _assert_no_state_entries(target.optim, case)
+    assert_no_state_entries(target.optim, case)
     for step in range(2, 4):
         oracle.step(step, "cpu", use_aux=True)
         target.step(step, "cpu", use_aux=True)
@@ -699,7 +392,7 @@ def test_missing_state_follows_the_loaded_hyperparameters(impl: Any, case: str) 
 
 @pytest.mark.req("SD-33")
 @pytest.mark.rank_timeout(60)
-@pytest.mark.parametrize("where", WHERE)
+@parametrize_where
 @pytest.mark.parametrize("flatten", (False, True), ids=("nested", "flattened"))
 @sharding_params()
 def test_sharded_missing_state_is_an_error(dist: Any, impl: Any, use_orig_params: bool, flatten: bool, where: str) -> None:
@@ -729,18 +422,6 @@ def test_sharded_missing_state_is_an_error(dist: Any, impl: Any, use_orig_params
     check_each(raises=raises, unchanged=lambda: assert_unchanged(before, where=label, model=target.model, optim=target.optim))
 
 
-# -- SD-36: scheduler state with int-keyed containers --------------------------------------------------------------
-
-
-def _scheduled(milestones: list[int], gamma: float, epochs: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.MultiStepLR]:
-    optim = torch.optim.SGD(build(0).parameters(), lr=1.0)
-    scheduler = torch.optim.lr_scheduler.MultiStepLR(optim, milestones=milestones, gamma=gamma)
-    for _ in range(epochs):
-        optim.step()
-        scheduler.step()
-    return optim, scheduler
-
-
 @pytest.mark.req("SD-36")
 def test_scheduler_state_with_a_counter_round_trips_through_a_checkpoint(impl: Any, tmp_path: Any) -> None:
     """``MultiStepLR``'s state holds ``milestones``, a ``collections.Counter`` keyed by int epochs (a
@@ -751,10 +432,10 @@ def test_scheduler_state_with_a_counter_round_trips_through_a_checkpoint(impl: A
     rate at every later epoch (its optimizer loaded too, as a resume does), and the loaded state saves
     again (pytorch/pytorch#153842: ``'7'`` beside ``7``, and the next save failed on the duplicate)."""
     ops = impl.require("checkpoint")
-    _, source = _scheduled([3, 7, 7], 0.5, epochs=4)
+    _, source = scheduled([3, 7, 7], 0.5, epochs=4)
     saved = copy.deepcopy(source.state_dict())
     ops.save({"scheduler": source.state_dict()}, tmp_path / "ckpt")
-    target_optim, target = _scheduled([3, 7], 0.9, epochs=1)
+    target_optim, target = scheduled([3, 7], 0.9, epochs=1)
     state = {"scheduler": target.state_dict()}
     ops.load(state, tmp_path / "ckpt")
     loaded = state["scheduler"]

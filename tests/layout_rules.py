@@ -1,7 +1,8 @@
 """The import rules every package of this repository keeps, read from the source (AST): imports go one
 way (no cycles), and no module imports another module's private names. Function-local and
-``TYPE_CHECKING`` imports count like module-level ones. Used by ``tests/reference/test_layout.py``
-and ``tests/test_layout.py``; self-tested there."""
+``TYPE_CHECKING`` imports count like module-level ones. And what a conformance test file may define at
+top level (:func:`non_test_definitions`). Used by ``tests/reference/test_layout.py`` and
+``tests/test_layout.py``; self-tested there."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import ast
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["ROOT", "modules_of", "imports_of", "import_graph", "find_cycle", "private_imports"]
+__all__ = ["ROOT", "modules_of", "imports_of", "import_graph", "find_cycle", "private_imports", "non_test_definitions"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,3 +83,67 @@ def private_imports(path: Path, prefixes: Iterable[str], allowed: Iterable[str] 
             bad += [f"line {node.lineno}: imports {a.name} from {node.module}" for a in node.names
                     if a.name.startswith("_") and not a.name.startswith("__") and a.name not in allowed]
     return bad
+
+
+def _is_fixture(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Decorated with ``pytest.fixture`` (``@pytest.fixture``, ``@pytest.fixture(...)``, ``@fixture``)."""
+    for decorator in node.decorator_list:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        if ast.unparse(target) in ("pytest.fixture", "fixture"):
+            return True
+    return False
+
+
+def _read(nodes: Iterable[ast.AST]) -> set[str]:
+    return {n.id for node in nodes for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def non_test_definitions(path: Path) -> list[str]:
+    """What a conformance test file defines at top level besides its tests (``test_*`` functions), its
+    pytest fixtures and the constants its tests' and fixtures' decorators read (parametrize lists and
+    ids, a constant such a constant is built from, ``pytestmark``), as ``line N: what``. Imports, the
+    module docstring and ``if TYPE_CHECKING:`` imports are allowed. A constant that a test or fixture
+    reads in its body is reported too: what tests use at run time belongs in a support module."""
+    tree = ast.parse(path.read_text())
+    body = list(tree.body)
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+        body = body[1:]
+    functions = [n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    in_decorators = _read(d for f in functions for d in f.decorator_list)
+    in_bodies = _read(part for f in functions for part in [*f.body, f.args])
+    constants: dict[str, ast.stmt] = {}
+    bad = []
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING") and not node.orelse \
+                and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in node.body):
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if not (node.name.startswith("test_") or _is_fixture(node)):
+                bad.append(f"line {node.lineno}: function {node.name} (neither a test nor a fixture)")
+            continue
+        if isinstance(node, ast.ClassDef):
+            bad.append(f"line {node.lineno}: class {node.name}")
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        flat = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]
+        names = [t.id for t in flat if isinstance(t, ast.Name)]
+        if not names or len(names) != len(flat):
+            bad.append(f"line {node.lineno}: {ast.unparse(node).splitlines()[0][:80]}")
+            continue
+        for name in names:
+            constants[name] = node
+    # Allowed: read by a test's or fixture's decorator, or by the value of an allowed constant.
+    allowed = {name for name in constants if name in in_decorators or name == "pytestmark"}
+    grown = True
+    while grown:
+        read_by_allowed = _read(constants[name] for name in allowed)
+        grown = bool((set(constants) - allowed) & read_by_allowed)
+        allowed |= set(constants) & read_by_allowed
+    for name, node in constants.items():
+        if name not in allowed:
+            bad.append(f"line {node.lineno}: constant {name} (no test's decorator reads it)")
+        elif name in in_bodies:
+            bad.append(f"line {node.lineno}: constant {name} (read in a test's or fixture's body)")
+    return sorted(bad, key=lambda line: int(line.split()[1].rstrip(":")))

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conformance.error_cases import WHERE, bad_input_here
+from conformance.error_cases import EVERY_RANK, ONE_RANK, WHERE, bad_input_here, parametrize_where
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -23,3 +23,9 @@ def test_one_rank_at_world_size_1_is_a_skip_and_a_typo_an_error() -> None:
     with pytest.raises(ValueError, match="one-ranks"):
         bad_input_here(SimpleNamespace(rank=0, world_size=2), "one-ranks")
     assert WHERE == ("every-rank", "one-rank")
+
+
+def test_the_shared_parametrization_is_where_over_both_placements() -> None:
+    """Every error test spells its placement alike: the argument ``where``, the ids of WHERE."""
+    assert parametrize_where.args == ("where", WHERE)
+    assert (EVERY_RANK, ONE_RANK) == WHERE
