@@ -137,7 +137,8 @@ def check_each(checks: Mapping[str, Callable[[], Any]] | None = None, /, **named
             raise
         except BaseException as exc:  # every clause is reported, whatever broke it
             text = getattr(exc, "msg", None) if isinstance(exc, pytest.fail.Exception) else f"{type(exc).__name__}: {exc}"
-            parts.append((key, str(text)) if key in keyed else (clause_of(exc), f"[{key}] {text}"))
+            # The innermost clause wins: a check may tag a part of itself as another clause.
+            parts.append((clause_of(exc) or key, str(text)) if key in keyed else (clause_of(exc), f"[{key}] {text}"))
     if parts:
         raise PropertiesFailed(parts)
 

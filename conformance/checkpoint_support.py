@@ -1,5 +1,5 @@
-"""Helpers the checkpoint sections' test files share (``test_checkpoint.py``,
-``test_checkpoint_unpinned.py``): the adapter's ops, values and DTensors to save, bit-exact comparison,
+"""Helpers the checkpoint sections' test files share (``test_checkpoint.py``, ``test_async_save.py``):
+the adapter's ops, values and DTensors to save, bit-exact comparison,
 faults and damage applied to a saved checkpoint, and memory measurement; then the set-up of
 ``test_checkpoint.py``'s tests, section by section (the values a checkpoint holds, the on-disk format,
 meta loading, resharding, strict loading, successive saves, crafted checkpoints, loads failing at each
@@ -36,6 +36,7 @@ from conformance.asserts import (
     assert_same_error_on_every_rank,
     assert_same_state,
     check_each,
+    clause,
     expect_error,
     expected_local_chunk,
     fail,
@@ -225,8 +226,7 @@ def peak_bytes_during(device: torch.device, fn: Callable[[], Any]) -> tuple[int,
 
 def injected_fault(dist: RankContext, path: Path, fault: str, where: str) -> contextlib.AbstractContextManager[None]:
     """The save fault ``fault`` (:data:`SAVE_FAULTS`) where ``where`` puts it: on every rank, or on the
-    last rank only (``"one-rank"``, and ``"last-rank"`` as test_checkpoint_unpinned.py and
-    test_async_save.py spell it)."""
+    last rank only (``"one-rank"``, and ``"last-rank"`` as test_async_save.py spells it)."""
     if where in (ONE_RANK, "last-rank") and dist.rank != dist.world_size - 1:
         return contextlib.nullcontext()
     if fault == "fsync-fails":
@@ -493,15 +493,18 @@ def mesh_2d_of(dist: RankContext) -> Any:
 
 
 def fails_alike(dist: RankContext, fn: Callable[[], Any], *, keys: tuple[str, ...] = (), needles: tuple[str, ...] = (),
-                 what: str) -> BaseException:
+                 what: str, agreed: str | None = None, named: str | None = None) -> BaseException:
     """``fn()`` raises on this rank (any type: ML-15 checks the type), naming every key of ``keys``
     whole and containing every string of ``needles``; then every rank compares what it raised: the
-    same type and message everywhere (a rank that returned fails the test on every rank)."""
+    same type and message everywhere (a rank that returned fails the test on every rank). ``agreed``
+    and ``named`` are the SPEC clauses of the two checks, where a requirement letters them apart."""
     exc = raised(lambda: call_or_skip(fn))
-    assert_same_error_on_every_rank(dist, exc, what=what)
+    with clause(agreed) if agreed else contextlib.nullcontext():
+        assert_same_error_on_every_rank(dist, exc, what=what)
     assert exc is not None  # assert_same_error_on_every_rank fails when any rank returned
-    return expect_error(lambda: reraise(exc), BaseException, keys=keys, needles=needles, what=what,
-                        where=f"rank {dist.rank} of {dist.world_size}")
+    with clause(named) if named else contextlib.nullcontext():
+        return expect_error(lambda: reraise(exc), BaseException, keys=keys, needles=needles, what=what,
+                            where=f"rank {dist.rank} of {dist.world_size}")
 
 
 def _at(state: Any, path: tuple[Any, ...]) -> Any:
@@ -839,7 +842,7 @@ def format_load(dist: RankContext, impl: Adapter, route: str, path: str, seed: i
             assert_same_bits(torch.load(out, weights_only=False), _full_values(saved.values, saved.fulls), check_order=False,
                               what="upstream's dcp_to_torch_save of the checkpoint (nesting from planner_data)")
 
-    check_each(metadata=metadata, loaded=loaded, converted=converted)
+    check_each({"ML-25.d": metadata, "ML-25.a" if route == "impl-saves" else "ML-25.c": loaded, "ML-25.b": converted})
 
 
 # -- ML-4 meta loading ------------------------------------------------------------------------------

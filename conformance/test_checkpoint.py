@@ -39,6 +39,7 @@ from conformance.asserts import (
     assert_same_error_on_every_rank,
     assert_unchanged,
     check_each,
+    clause,
     expected_local_chunk,
     fail,
     raised,
@@ -241,8 +242,10 @@ def test_meta_load_fsdp2_model(dist, impl, name: str) -> None:
 
 @pytest.mark.req("ML-5")
 def test_meta_load_keeps_tied_storage_shared(dist, impl) -> None:
-    """Zoo ``tied`` built on meta: after the load its two tied entries share one storage, and the model
-    assigned from them (re-tied) computes what the saved model computes."""
+    """Zoo ``tied`` built on meta: after the load its two tied entries are built with the saved bits and
+    share one storage; the model assigned from them (re-tied) computes what the saved model computes,
+    and one SGD step of each on the same batch leaves them equal bit for bit (checked even when the
+    storages are not shared: a loader that builds only the first name of a tie fails there)."""
     ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     model = models.build("tied", seed=2, device=dist.device)
@@ -251,15 +254,26 @@ def test_meta_load_keeps_tied_storage_shared(dist, impl) -> None:
     meta_model = zoo_model(dist, "tied", seed=0, device="meta")
     sd = meta_model.state_dict()
     call_or_skip(lambda: ops.load(sd, path, process_group=group_of(dist)))
-    check_built(dist, sd, State(model.state_dict(), {}))
-    embed, head = sd["embed.weight"].untyped_storage().data_ptr(), sd["head.weight"].untyped_storage().data_ptr()
-    if embed != head:
-        fail("tied values shared a storage on meta but not after loading", f"{hex(embed)} and {hex(head)}", "one storage",
-             "embed.weight, head.weight")
-    meta_model.load_state_dict(sd, assign=True)
-    meta_model.get_submodule("head").weight = meta_model.get_parameter("embed.weight")  # assign=True makes one Parameter per key: re-tie
-    inputs = models.batch("tied", seed=1, device=dist.device)
-    assert_bitwise_equal(meta_model(inputs).detach(), model(inputs).detach(), what="output of the re-tied model")
+
+    def shared() -> None:
+        check_built(dist, sd, State(model.state_dict(), {}))
+        embed, head = sd["embed.weight"].untyped_storage().data_ptr(), sd["head.weight"].untyped_storage().data_ptr()
+        if embed != head:
+            fail("tied values shared a storage on meta but not after loading", f"{hex(embed)} and {hex(head)}", "one storage",
+                 "embed.weight, head.weight")
+
+    def retied() -> None:
+        meta_model.load_state_dict(sd, assign=True)
+        meta_model.get_submodule("head").weight = meta_model.get_parameter("embed.weight")  # assign=True makes one Parameter per key: re-tie
+        inputs = models.batch("tied", seed=1, device=dist.device)
+        assert_bitwise_equal(meta_model(inputs).detach(), model(inputs).detach(), what="output of the re-tied model")
+        for m in (model, meta_model):
+            models.train_step(m, torch.optim.SGD(m.parameters(), lr=0.1), inputs)
+        after = meta_model.state_dict()
+        for key, value in model.state_dict().items():
+            assert_bitwise_equal(after[key], value, what="the re-tied model after one step vs the saved model after one", where=key)
+
+    check_each({"ML-5.a": shared, "ML-5.b": retied})
 
 
 @pytest.mark.req("ML-6")
@@ -277,32 +291,34 @@ def test_meta_value_of_unknown_type_is_an_error(dist, impl, where: str) -> None:
           "proj.bias": torch.empty(2, device="meta")}
     before = snapshot(state_dict=sd)
     exc = raised(lambda: ops.load(sd, path, process_group=group_of(dist)))
-    check_each(
-        raises=lambda: fails_alike(dist, lambda: reraise(exc), keys=("proj.weight",), needles=("MarkedTensor",),
-                                    what="load into a meta MarkedTensor"),
-        unchanged=lambda: assert_unchanged(before, state_dict=sd, where=f"rank {dist.rank}"),
-    )
+    check_each({
+        "ML-6.a": lambda: fails_alike(dist, lambda: reraise(exc), keys=("proj.weight",), needles=("MarkedTensor",),
+                                      what="load into a meta MarkedTensor"),
+        "ML-6.b": lambda: assert_unchanged(before, state_dict=sd, where=f"rank {dist.rank}"),
+    })
 
 
 @pytest.mark.req("ML-7")
-def test_meta_load_allocates_local_shards_once(dist, impl) -> None:
-    """Measured on a 64 MiB-per-rank meta load, on the device the shards are built on: RSS on the CPU, the
-    allocator's peak on a GPU."""
+@pytest.mark.parametrize("records, rows, cols", [(1, 4096, 4096), (64, 256, 1024)], ids=["one-record", "many-records"])
+def test_meta_load_allocates_local_shards_once(dist, impl, records: int, rows: int, cols: int) -> None:
+    """Measured on a 64 MiB-per-rank meta load (one record as large as the shards, or 64 of 1 MiB), on the
+    device the shards are built on: RSS on the CPU, the allocator's peak on a GPU. A loader that reads a
+    whole data file (or every record) before building the shards, or keeps a copy of each, needs about
+    twice."""
     ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
-    rows = 4096 * dist.world_size
-    full = torch.randn(rows, 4096, generator=torch.Generator().manual_seed(0))  # 64 MiB per rank
-    saved = {"w": dtensor_of(full, dist.mesh(), [Shard(0)])}
+    gen = torch.Generator().manual_seed(0)
+    saved = {f"w{i:02d}": dtensor_of(torch.randn(rows * dist.world_size, cols, generator=gen), dist.mesh(), [Shard(0)]) for i in range(records)}
     ops.save(saved, path, process_group=group_of(dist))
-    local_bytes = saved["w"].to_local().numel() * 4
-    del full
-    sd = {"w": dtensor_of(torch.empty(rows, 4096, device="meta"), dist.mesh(), [Shard(0)])}
+    local_bytes = sum(v.to_local().numel() * 4 for v in saved.values())
+    sd = {k: dtensor_of(torch.empty(rows * dist.world_size, cols, device="meta"), dist.mesh(), [Shard(0)]) for k in saved}
     peak, measured = peak_bytes_during(dist.device, lambda: call_or_skip(lambda: ops.load(sd, path, process_group=group_of(dist))))
-    assert_bitwise_equal(sd["w"].to_local(), saved["w"].to_local(), what="local shard loaded into meta")
-    if sd["w"].to_local().device != dist.device:
-        fail("the meta load built the shard on another device", sd["w"].to_local().device, dist.device, f"rank {dist.rank}")
+    for key, value in sd.items():
+        if value.to_local().device != dist.device:
+            fail("the meta load built a shard on another device", value.to_local().device, dist.device, f"{key}, rank {dist.rank}")
+        assert_bitwise_equal(value.to_local(), saved[key].to_local(), what="local shard loaded into meta", where=f"{key}, rank {dist.rank}")
     if peak >= 1.5 * local_bytes:
-        fail(f"load into meta raised the {measured} too much", f"{peak / 2**20:.1f} MiB",
+        fail(f"a load of {records} record(s) into meta raised the {measured} too much", f"{peak / 2**20:.1f} MiB",
              f"below 1.5 x {local_bytes / 2**20:.1f} MiB of local shards", f"rank {dist.rank}")
 
 
@@ -394,10 +410,10 @@ def test_unexpected_keys_can_be_an_error(dist, impl, where: str) -> None:
         sd["surplus.scale"] = different_like(saved["surplus.scale"])
     before = snapshot(state_dict=sd)
     exc = raised(lambda: ops.load(sd, path, process_group=group_of(dist), allow_unexpected=False))
-    check_each(
-        raises=lambda: fails_alike(dist, lambda: reraise(exc), keys=("surplus.scale",), what="load with an unexpected key"),
-        unchanged=lambda: assert_unchanged(before, state_dict=sd, where=f"rank {dist.rank}"),
-    )
+    check_each({
+        "ML-11.a": lambda: fails_alike(dist, lambda: reraise(exc), keys=("surplus.scale",), what="load with an unexpected key"),
+        "ML-11.b": lambda: assert_unchanged(before, state_dict=sd, where=f"rank {dist.rank}"),
+    })
 
 
 @pytest.mark.req("ML-12")
@@ -426,7 +442,8 @@ def test_save_and_load_without_a_process_group(impl, tmp_path: Path, target: str
 def test_failed_save_leaves_the_previous_checkpoint_whole(dist, impl, directory: str, fault: str, where: str) -> None:
     """The faults of :data:`~conformance.checkpoint_support.SAVE_FAULTS`, injected while the save writes
     over a previous checkpoint (which must then load whole with its own values) or into a fresh
-    directory (which must then hold nothing that loads)."""
+    directory (which must then hold nothing that loads); then a save into the directory succeeds and
+    loads back whole. Every clause is checked whatever the others found."""
     ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     if directory == "overwrite":
@@ -438,20 +455,39 @@ def test_failed_save_leaves_the_previous_checkpoint_whole(dist, impl, directory:
             ops.save(sharded_values(dist, 50.0), path, process_group=group_of(dist))
 
     exc = raised(failing_save)
-    if exc is None:
-        fail(f"a save with {fault} on {where}", "returned normally", "an error on every rank", f"rank {dist.rank}")
-    if str(path) not in str(exc) and path.name not in str(exc):
-        fail(f"the error of a save with {fault}", f"{type(exc).__name__}: {exc}"[:400], f"a message naming {str(path)!r}", f"rank {dist.rank}")
     dist.barrier()
     target = sharded_values(dist, -7.0)
     loaded = raised(lambda: ops.load(target, path, process_group=group_of(dist)))
-    if directory == "fresh":
+    dist.barrier()
+    again = raised(lambda: ops.save(sharded_values(dist, 2.0), path, process_group=group_of(dist)))
+    next_target = sharded_values(dist, -7.0)
+    reloaded = raised(lambda: ops.load(next_target, path, process_group=group_of(dist))) if again is None else again
+
+    def raises() -> None:
+        if exc is None:
+            fail(f"a save with {fault} on {where}", "returned normally", "an error on every rank", f"rank {dist.rank}")
+
+    def names() -> None:
+        if exc is not None and str(path) not in str(exc) and path.name not in str(exc):
+            fail(f"the error of a save with {fault}", f"{type(exc).__name__}: {exc}"[:400], f"a message naming {str(path)!r}", f"rank {dist.rank}")
+
+    def previous_whole() -> None:
+        if loaded is not None:
+            fail("the previous checkpoint after a failed overwrite", f"{type(loaded).__name__}: {loaded}"[:400], "loads whole", f"rank {dist.rank}")
+        assert_same_bits(target, sharded_values(dist, 1.0), what="the previous checkpoint after a failed overwrite")
+
+    def nothing_loads() -> None:
         if loaded is None:
             fail("a fresh directory after a failed save", "a checkpoint that loads", "nothing that loads", f"rank {dist.rank}")
-        return
-    if loaded is not None:
-        fail("the previous checkpoint after a failed overwrite", f"{type(loaded).__name__}: {loaded}"[:400], "loads whole", f"rank {dist.rank}")
-    assert_same_bits(target, sharded_values(dist, 1.0), what="the previous checkpoint after a failed overwrite")
+
+    def next_save() -> None:
+        if reloaded is not None:
+            fail("the next save into the directory of a failed one, loaded back", f"{type(reloaded).__name__}: {reloaded}"[:400],
+                 "a save that succeeds and loads whole", f"rank {dist.rank}")
+        assert_same_bits(next_target, sharded_values(dist, 2.0), what="the next save after a failed one, loaded back")
+
+    holds = {"ML-13.c": previous_whole} if directory == "overwrite" else {"ML-13.d": nothing_loads}
+    check_each({"ML-13.a": raises, "ML-13.b": names, **holds, "ML-13.e": next_save})
 
 
 @pytest.mark.req("ML-13")
@@ -563,11 +599,11 @@ def test_bad_checkpoint_fails_fast_naming_the_file(dist, impl, case: str, where:
     elapsed = time.monotonic() - start
 
     def raises() -> None:
-        fails_alike(dist, lambda: reraise(exc), needles=(needle,), what=f"load of a checkpoint with a {case}")
+        fails_alike(dist, lambda: reraise(exc), needles=(needle,), what=f"load of a checkpoint with a {case}", agreed="ML-14.a", named="ML-14.b")
         if elapsed >= 30:
             fail(f"{case}: the error took too long", f"{elapsed:.0f} s", "within seconds", f"rank {dist.rank}")
 
-    check_each(raises=raises, unchanged=lambda: assert_unchanged(before, state_dict=target, where=f"rank {dist.rank}"))
+    check_each({"ML-14.a": raises, "ML-14.c": lambda: assert_unchanged(before, state_dict=target, where=f"rank {dist.rank}")})
 
 
 @pytest.mark.req("ML-14", "ML-20")
@@ -589,36 +625,60 @@ def test_files_that_vanish_or_shrink_during_a_load_fail_it_cleanly(dist, impl, h
         with failing_reads(path, how) if faulty else contextlib.nullcontext():
             ops.load(target, path, process_group=group_of(dist))
 
-    exc = fails_alike(dist, load, what=f"a load whose data files {how}")
-    if not isinstance(exc, Exception):
-        fail("the error is not an Exception", type(exc).__name__, "a subclass of Exception", f"rank {dist.rank}")
-    if ".distcp" not in str(exc) and "__" not in str(exc):
-        fail(f"the error of a load whose data files {how}", f"{type(exc).__name__}: {exc}"[:400], "a message naming the data file", f"rank {dist.rank}")
-    if target["step"] != -7 or any(target[k] is not v for k, v in entries.items()):
-        fail("the state dict after a failed load", {k: type(v).__name__ for k, v in target.items()}, "the same objects, 'step' still -7", f"rank {dist.rank}")
+    exc = raised(load)
+
+    def names_the_file() -> None:
+        if exc is not None and ".distcp" not in str(exc) and "__" not in str(exc):
+            fail(f"the error of a load whose data files {how}", f"{type(exc).__name__}: {exc}"[:400], "a message naming the data file",
+                 f"rank {dist.rank}")
+
+    def an_exception() -> None:
+        if exc is not None and not isinstance(exc, Exception):
+            fail("the error is not an Exception", type(exc).__name__, "a subclass of Exception", f"rank {dist.rank}")
+
+    def replaces_nothing() -> None:
+        if target["step"] != -7 or any(target[k] is not v for k, v in entries.items()):
+            fail("the state dict after a failed load", {k: type(v).__name__ for k, v in target.items()}, "the same objects, 'step' still -7",
+                 f"rank {dist.rank}")
+
+    check_each({
+        "ML-20.a": lambda: assert_same_error_on_every_rank(dist, exc, what=f"a load whose data files {how}"),
+        "ML-20.b": names_the_file,
+        "ML-15.a": an_exception,
+        "ML-20.c": replaces_nothing,
+    })
 
 
 @pytest.mark.req("ML-15")
 @pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("failure", ["missing-key", "missing-metadata", "save-fails-on-rank-0"])
+@pytest.mark.parametrize("failure", ["missing-key", "missing-metadata", "shape-mismatch", "save-fails-on-rank-0", "save-fails-on-the-last-rank"])
 def test_errors_are_exceptions_alike_on_every_rank(dist, impl, failure: str) -> None:
-    """The errors: a load of a key the checkpoint lacks, a load of a directory without metadata, and a
-    save whose data file rank 0 cannot write."""
+    """The errors: a load of a key the checkpoint lacks, a load of a directory without metadata, a load
+    of a shape the checkpoint does not hold, and a save whose data file one rank (the first or the last)
+    cannot write. Both clauses are checked whatever the other found."""
     ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
-    if failure == "save-fails-on-rank-0":
+    if failure.startswith("save-fails"):
+        failing_rank = 0 if failure.endswith("rank-0") else dist.world_size - 1
+
         def call() -> None:
-            with failing_writes(path) if dist.rank == 0 else contextlib.nullcontext():
+            with failing_writes(path) if dist.rank == failing_rank else contextlib.nullcontext():
                 ops.save(sharded_values(dist, 3.0), path, process_group=group_of(dist))
     else:
-        if failure == "missing-key":
+        if failure != "missing-metadata":
             ops.save({"w": torch.ones(2)}, path, process_group=group_of(dist))
-        call = lambda: ops.load({"w": torch.zeros(2), "v": torch.zeros(2)}, path, process_group=group_of(dist))  # noqa: E731
-    exc = fails_alike(dist, call, what=failure)
-    if not isinstance(exc, Exception):
-        fail("the error is not an Exception: `except Exception` misses it",
-             f"{type(exc).__module__}.{type(exc).__qualname__} (bases {[b.__name__ for b in type(exc).__mro__[1:]]})",
-             "a subclass of Exception", failure)
+            dist.barrier()
+        target = {"w": torch.zeros(3)} if failure == "shape-mismatch" else {"w": torch.zeros(2), "v": torch.zeros(2)}
+        call = lambda: ops.load(target, path, process_group=group_of(dist))  # noqa: E731
+    exc = raised(lambda: call_or_skip(call))
+
+    def an_exception() -> None:
+        if exc is not None and not isinstance(exc, Exception):
+            fail("the error is not an Exception: `except Exception` misses it",
+                 f"{type(exc).__module__}.{type(exc).__qualname__} (bases {[b.__name__ for b in type(exc).__mro__[1:]]})",
+                 "a subclass of Exception", failure)
+
+    check_each({"ML-15.a": an_exception, "ML-15.b": lambda: assert_same_error_on_every_rank(dist, exc, what=failure)})
 
 
 @pytest.mark.req("ML-18")
@@ -707,11 +767,11 @@ def test_failed_read_replaces_nothing(dist, impl, where: str) -> None:
         sd["note"] = ""
     before = snapshot(state_dict=sd)
     exc = raised(lambda: ops.load(sd, path, process_group=group_of(dist)))
-    check_each(
-        raises=lambda: fails_alike(dist, lambda: reraise(exc), keys=("note",), needles=(name,),
-                                    what="load of a checkpoint with a corrupt record"),
-        unchanged=lambda: assert_unchanged(before, state_dict=sd, where=f"rank {dist.rank}"),
-    )
+    check_each({
+        "ML-20.a": lambda: fails_alike(dist, lambda: reraise(exc), keys=("note",), needles=(name,),
+                                       what="load of a checkpoint with a corrupt record", agreed="ML-20.a", named="ML-20.b"),
+        "ML-20.c": lambda: assert_unchanged(before, state_dict=sd, where=f"rank {dist.rank}"),
+    })
 
 
 @pytest.mark.req("ML-22")
@@ -775,7 +835,8 @@ def test_a_load_failing_at_any_step_replaces_nothing(dist, impl, target: str, ca
 
     def names() -> None:
         if exc is None:
-            fail("the load returned normally", "no error", f"an error naming the failure of ranks {sorted(failing)}", f"rank {dist.rank}")
+            with clause("ML-23.a"):
+                fail("the load returned normally", "no error", f"an error naming the failure of ranks {sorted(failing)}", f"rank {dist.rank}")
         for rank, (step, which) in sorted(failing.items()):
             names_the_failure(text, path, step, which)
             if dist.world_size > 1 and not re.search(rf"\brank\W{{0,2}}{rank}\b", text, re.IGNORECASE):
@@ -785,13 +846,15 @@ def test_a_load_failing_at_any_step_replaces_nothing(dist, impl, target: str, ca
         if not alone:
             return
         if any(e is None for e in alone.values()):
-            fail("a load with one rank's fault alone returned normally here", {r: repr(e)[:200] for r, e in alone.items()},
-                 "an error on every rank", f"rank {dist.rank}")
+            with clause("ML-23.a"):
+                fail("a load with one rank's fault alone returned normally here", {r: repr(e)[:200] for r, e in alone.items()},
+                     "an error on every rank", f"rank {dist.rank}")
         if len(failing) < len(faults):  # the later step's fault was never reached
             (single,) = alone.values()
             if type(exc) is not type(single) or text != str(single):
-                fail("a failure in an earlier step must end the load: the error differs from the one that fault alone gives",
-                     f"{type(exc).__name__}: {text[:400]}", f"{type(single).__name__}: {str(single)[:400]}", f"rank {dist.rank}")
+                with clause("ML-24.d"):
+                    fail("a failure in an earlier step must end the load: the error differs from the one that fault alone gives",
+                         f"{type(exc).__name__}: {text[:400]}", f"{type(single).__name__}: {str(single)[:400]}", f"rank {dist.rank}")
             return
         types = [type(e) for e in alone.values()]
         wanted = most_specific_common_types(types)
@@ -807,12 +870,12 @@ def test_a_load_failing_at_any_step_replaces_nothing(dist, impl, target: str, ca
             assert_same_bits(skeleton_of(load.state), load.skeleton, what=f"the state dict after a load that failed while {STEPS[earliest]} "
                               "(entries replaced, meta built, non-tensor or Stateful values loaded)")
 
-    check_each(
-        agreed=lambda: assert_same_error_on_every_rank(dist, exc, what=f"load failing ({case.id})"),
-        names=names,
-        type=agreed_type,
-        unchanged=unchanged,
-    )
+    check_each({
+        "ML-24.a": lambda: assert_same_error_on_every_rank(dist, exc, what=f"load failing ({case.id})"),
+        "ML-24.b": names,
+        "ML-24.c": agreed_type,
+        "ML-23.b": unchanged,
+    })
 
 
 _FORMAT_ROUTES = ["impl-saves", "upstream-saves"]
@@ -998,8 +1061,10 @@ def test_a_crafted_checkpoint_runs_no_code(dist, impl, target: str, route: str, 
                  "nothing from the checkpoint runs", f"rank {dist.rank}")
 
     needles = (name,) if route in NAME_LIES else (name, "builtins.exec")
-    check_each(
-        ran=no_code_ran,
-        raises=lambda: fails_alike(dist, lambda: reraise(exc), keys=(key,) if key else (), needles=needles, what=what),
-        unchanged=lambda: assert_unchanged(before, state_dict=checked(), where=f"rank {dist.rank}"),
-    )
+    check_each({
+        "ML-27.b": no_code_ran,
+        # a record whose member names lie is ML-28's refusal; one that asks for a global, ML-27's
+        "ML-28" if route in NAME_LIES else "ML-27.a":
+            lambda: fails_alike(dist, lambda: reraise(exc), keys=(key,) if key else (), needles=needles, what=what),
+        "ML-27.c": lambda: assert_unchanged(before, state_dict=checked(), where=f"rank {dist.rank}"),
+    })

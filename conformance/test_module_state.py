@@ -39,6 +39,7 @@ from conformance.asserts import (
     assert_same_state,
     assert_unchanged,
     check_each,
+    clause,
     expect_error,
     expected_local_chunk,
     fail,
@@ -141,37 +142,42 @@ def test_extra_state_round_trips_on_a_plain_model(impl: Adapter) -> None:
     for kind in EXTRA_KINDS:
 
         def get_and_set(kind: str = kind) -> None:
-            source = build_extra(kind, 0)
-            got = ops.get_model_state_dict(source)
-            assert_extra_entries(got, kind, 0, "get", "plain model")
-            if list(got) != list(source.state_dict()):
-                fail("get: keys", list(got), list(source.state_dict()), "plain model")
-            target = build_extra(kind, 1)
-            ops.set_model_state_dict(target, copy.deepcopy(got))
-            assert_holds(holders(target), kind, 0, "set", "plain model")
+            with clause("SD-29.a"):
+                source = build_extra(kind, 0)
+                got = ops.get_model_state_dict(source)
+                assert_extra_entries(got, kind, 0, "get", "plain model")
+                if list(got) != list(source.state_dict()):
+                    fail("get: keys", list(got), list(source.state_dict()), "plain model")
+            with clause("SD-29.b"):
+                target = build_extra(kind, 1)
+                ops.set_model_state_dict(target, copy.deepcopy(got))
+                assert_holds(holders(target), kind, 0, "set", "plain model")
 
         def strict(kind: str = kind) -> None:
             partial = {k: v for k, v in ops.get_model_state_dict(build_extra(kind, 0)).items() if k != PLACES["unit"]}
             target = build_extra(kind, 1)
             before = snapshot(model=target)
-            expect_error(lambda: ops.set_model_state_dict(target, partial), RuntimeError, keys=[PLACES["unit"]],
-                         what="a strict set without an extra-state entry", where="plain model")
-            assert_unchanged(before, model=target, where="after the refused strict set")
-            for place, module in holders(target).items():
-                if module.received or not same(module.extra, extra_value(kind, 1, place)):
-                    fail(f"a refused strict set changed the {place} module's extra state", comparable(module.extra),
-                         comparable(extra_value(kind, 1, place)))
+            with clause("SD-29.c"):
+                expect_error(lambda: ops.set_model_state_dict(target, partial), RuntimeError, keys=[PLACES["unit"]],
+                             what="a strict set without an extra-state entry", where="plain model")
+            with clause("SD-29.d"):
+                assert_unchanged(before, model=target, where="after the refused strict set")
+                for place, module in holders(target).items():
+                    if module.received or not same(module.extra, extra_value(kind, 1, place)):
+                        fail(f"a refused strict set changed the {place} module's extra state", comparable(module.extra),
+                             comparable(extra_value(kind, 1, place)))
 
         def nonstrict(kind: str = kind) -> None:
-            partial = {k: v for k, v in ops.get_model_state_dict(build_extra(kind, 0)).items() if k != PLACES["unit"]}
-            target = build_extra(kind, 1)
-            result = ops.set_model_state_dict(target, partial, options=ops.options(strict=False))
-            if PLACES["unit"] not in list(getattr(result, "missing_keys", [])):
-                fail("a non-strict set without an extra-state entry: missing_keys", list(getattr(result, "missing_keys", [])),
-                     f"a list naming {PLACES['unit']!r}")
-            assert_holds({"root": target}, kind, 0, "non-strict set", "plain model")
-            assert_same_state(comparable(target.inp.extra), comparable(extra_value(kind, 1, "unit")),
-                              what="the unit's extra state, not given to a non-strict set", where="plain model")
+            with clause("SD-7"):
+                partial = {k: v for k, v in ops.get_model_state_dict(build_extra(kind, 0)).items() if k != PLACES["unit"]}
+                target = build_extra(kind, 1)
+                result = ops.set_model_state_dict(target, partial, options=ops.options(strict=False))
+                if PLACES["unit"] not in list(getattr(result, "missing_keys", [])):
+                    fail("a non-strict set without an extra-state entry: missing_keys", list(getattr(result, "missing_keys", [])),
+                         f"a list naming {PLACES['unit']!r}")
+                assert_holds({"root": target}, kind, 0, "non-strict set", "plain model")
+                assert_same_state(comparable(target.inp.extra), comparable(extra_value(kind, 1, "unit")),
+                                  what="the unit's extra state, not given to a non-strict set", where="plain model")
 
         checks.update({f"{kind}-get-set": get_and_set, f"{kind}-strict": strict, f"{kind}-nonstrict": nonstrict})
     check_each(**checks)
@@ -196,27 +202,29 @@ def test_extra_state_round_trips_on_a_sharded_model(dist: RankContext, impl: Ada
 
         def check(kind: str = kind) -> None:
             where = f"rank {dist.rank}, {get}, {kind}"
-            source = shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
-            got = ops.get_model_state_dict(source, options=ops.options(**fields))
-            full_source = ops.get_model_state_dict(source, options=ops.options(full_state_dict=True))
-            if rank0_only and dist.rank != 0:
-                if got != {}:
-                    fail("full_state_dict + cpu_offload on a rank other than 0", sorted(got), "{}", where)
-            else:
-                assert_extra_entries(got, kind, 0, "get", where)
-                if fields.get("cpu_offload"):
-                    devices = sorted({str(t.device) for t in tensors_of(extra_entries(got))})
-                    if devices not in ([], ["cpu"]):
-                        fail("cpu_offload: devices of the extra state's tensors", devices, ["cpu"], where)
-            target_model = build_extra(kind, 1, dist.device)
-            modules = holders(target_model)
-            target = shard_extra(impl, target_model, dist.device)
-            given = copy.deepcopy(got)
-            load_options = ops.options(full_state_dict=bool(fields["full_state_dict"]), broadcast_from_rank0=bool(rank0_only))
-            ops.set_model_state_dict(target, given, options=load_options)
-            assert_holds(modules, kind, 0, "set", where)
-            after = ops.get_model_state_dict(target, options=ops.options(full_state_dict=True))
-            assert_same_state(comparable(after), comparable(full_source), what="full model state dict after the set", where=where)
+            with clause("SD-29.a"):
+                source = shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
+                got = ops.get_model_state_dict(source, options=ops.options(**fields))
+                full_source = ops.get_model_state_dict(source, options=ops.options(full_state_dict=True))
+                if rank0_only and dist.rank != 0:
+                    if got != {}:
+                        fail("full_state_dict + cpu_offload on a rank other than 0", sorted(got), "{}", where)
+                else:
+                    assert_extra_entries(got, kind, 0, "get", where)
+                    if fields.get("cpu_offload"):
+                        devices = sorted({str(t.device) for t in tensors_of(extra_entries(got))})
+                        if devices not in ([], ["cpu"]):
+                            fail("cpu_offload: devices of the extra state's tensors", devices, ["cpu"], where)
+            with clause("SD-29.b"):
+                target_model = build_extra(kind, 1, dist.device)
+                modules = holders(target_model)
+                target = shard_extra(impl, target_model, dist.device)
+                given = copy.deepcopy(got)
+                load_options = ops.options(full_state_dict=bool(fields["full_state_dict"]), broadcast_from_rank0=bool(rank0_only))
+                ops.set_model_state_dict(target, given, options=load_options)
+                assert_holds(modules, kind, 0, "set", where)
+                after = ops.get_model_state_dict(target, options=ops.options(full_state_dict=True))
+                assert_same_state(comparable(after), comparable(full_source), what="full model state dict after the set", where=where)
 
         checks[kind] = check
     check_each(**checks)
@@ -239,15 +247,21 @@ def test_strict_sharded_set_without_extra_state_fails_on_every_rank(dist: RankCo
     target = shard_extra(impl, target_model, dist.device)
     before = snapshot(model=target)
     exc = raised(lambda: ops.set_model_state_dict(target, given))
-    assert_same_error_on_every_rank(dist, exc, what="a strict set lacking an extra-state entry on the last rank")
     where = f"rank {dist.rank}"
-    if not isinstance(exc, RuntimeError):
-        fail("exception type", type(exc).__name__, "RuntimeError", where)
-    assert_names_key(str(exc), PLACES["unit"], where=where)
-    assert_unchanged(before, model=target, where=f"{where}: after the refused set")
-    for place, module in modules.items():
-        if module.received:
-            fail(f"a refused set called set_extra_state of the {place} module", comparable(module.received), "no call", where)
+
+    def refused() -> None:
+        assert_same_error_on_every_rank(dist, exc, what="a strict set lacking an extra-state entry on the last rank")
+        if not isinstance(exc, RuntimeError):
+            fail("exception type", type(exc).__name__, "RuntimeError", where)
+        assert_names_key(str(exc), PLACES["unit"], where=where)
+
+    def unchanged() -> None:
+        assert_unchanged(before, model=target, where=f"{where}: after the refused set")
+        for place, module in modules.items():
+            if module.received:
+                fail(f"a refused set called set_extra_state of the {place} module", comparable(module.received), "no call", where)
+
+    check_each({"SD-29.c": refused, "SD-29.d": unchanged})
 
 
 @pytest.mark.req("SD-29", "ML-1")
@@ -263,20 +277,22 @@ def test_extra_state_through_a_checkpoint(dist: RankContext, impl: Adapter) -> N
 
         def check(kind: str = kind) -> None:
             where = f"rank {dist.rank}, {kind}"
-            source = shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
-            model_sd, _ = ckpt.get_state_dicts(source, torch.optim.SGD(source.parameters(), lr=0.1))
-            path = dist.tmp_dir / f"extra-{kind}"
-            ckpt.save({"model": model_sd}, path)
-            target_model = build_extra(kind, 1, dist.device)
-            modules = holders(target_model)
-            target = shard_extra(impl, target_model, dist.device)
-            optim = torch.optim.SGD(target.parameters(), lr=0.1)
-            state, optim_sd = ckpt.get_state_dicts(target, optim)
-            box = {"model": state}
-            ckpt.load(box, path)
-            assert_extra_entries(box["model"], kind, 0, "the state dict a checkpoint load filled", where)
-            ckpt.set_state_dicts(target, optim, box["model"], optim_sd)
-            assert_holds(modules, kind, 0, "set after the checkpoint load", where)
+            with clause("SD-29.a"):
+                source = shard_extra(impl, build_extra(kind, 0, dist.device), dist.device)
+                model_sd, _ = ckpt.get_state_dicts(source, torch.optim.SGD(source.parameters(), lr=0.1))
+            with clause("SD-29.e"):
+                path = dist.tmp_dir / f"extra-{kind}"
+                ckpt.save({"model": model_sd}, path)
+                target_model = build_extra(kind, 1, dist.device)
+                modules = holders(target_model)
+                target = shard_extra(impl, target_model, dist.device)
+                optim = torch.optim.SGD(target.parameters(), lr=0.1)
+                state, optim_sd = ckpt.get_state_dicts(target, optim)
+                box = {"model": state}
+                ckpt.load(box, path)
+                assert_extra_entries(box["model"], kind, 0, "the state dict a checkpoint load filled", where)
+                ckpt.set_state_dicts(target, optim, box["model"], optim_sd)
+                assert_holds(modules, kind, 0, "set after the checkpoint load", where)
 
         checks[kind] = check
     check_each(**checks)
@@ -349,7 +365,7 @@ def test_cpu_offload_alone_keeps_every_ranks_own_state(dist: RankContext, impl: 
             fail("full_state_dict without cpu_offload: the model state dict", "{}", "the full dict on every rank", where)
         assert_same_state(got, want, what="full_state_dict without cpu_offload", where=where, atol=None if kind == "plain" else 1e-6)
 
-    check_each(offload=offload, full_everywhere=full_everywhere)
+    check_each({"SD-30.a": offload, "SD-30.b": full_everywhere})
 
 
 #: The FSDP model state dicts tried with extra state: (get, load) of the optim_state ops.
@@ -455,4 +471,4 @@ def test_dtype_change_after_sharding(dist: RankContext, impl: Adapter, form: str
         if dtypes != [str(dtype)]:
             fail(f"optimizer state after {form}: dtypes of the momentum buffers", dtypes, [str(dtype)], where)
 
-    check_each(full=full, sharded=sharded_dicts, forward=forward, train=train)
+    check_each({"OS-26.a": full, "OS-26.b": sharded_dicts, "OS-26.c": forward, "OS-26.d": train})

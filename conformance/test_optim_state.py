@@ -417,11 +417,11 @@ def test_bad_optimizer_state_dict_is_a_clear_error(dist, impl, kind: str, use_or
     bad, fqn = bad_osd(kind, good)
     before = snapshot(optim=run.optim, model=run.model)
     exc = raised(lambda: ops.load_optim_state_dict(run.model, run.optim, bad if bad_input_here(dist, where) else good))
-    check_each(
-        raises=lambda: check_error(dist, exc, (ValueError, RuntimeError), (fqn,), f"{kind} ({form}) on {where}"),
-        unchanged=lambda: assert_unchanged(before, where=f"{kind} ({form}) on {where}: after the failed load, rank {dist.rank}",
-                                           optim=run.optim, model=run.model),
-    )
+    check_each({
+        "OS-16.a": lambda: check_error(dist, exc, (ValueError, RuntimeError), (fqn,), f"{kind} ({form}) on {where}"),
+        "OS-16.b": lambda: assert_unchanged(before, where=f"{kind} ({form}) on {where}: after the failed load, rank {dist.rank}",
+                                            optim=run.optim, model=run.model),
+    })
 
 
 @pytest.mark.req("OS-16")
@@ -449,7 +449,7 @@ def test_bad_optimizer_state_dict_fails_alike_and_changes_nothing(dist, impl, ki
         if not isinstance(exc, (ValueError, RuntimeError)):
             fail(f"{kind} ({form}): exception type", f"{type(exc).__name__}: {exc}", "ValueError or RuntimeError", where)
 
-    check_each(raises=raises, unchanged=lambda: assert_unchanged(before, where=f"{where}: after the failed load", optim=run.optim, model=run.model))
+    check_each({"OS-16.a": raises, "OS-16.b": lambda: assert_unchanged(before, where=f"{where}: after the failed load", optim=run.optim, model=run.model)})
     ops.load_optim_state_dict(run.model, run.optim, good)
     run.train(1)
     assert_model_matches(ops, run, f"{where}: one step after loading the good dict")
@@ -489,7 +489,7 @@ def test_bad_layout_is_a_clear_error(dist, impl, kind: str, where: str, strategy
         if wrapped:
             fail(f"{kind}: the module was wrapped", wrapped, "no unit", f"rank {dist.rank}")
 
-    check_each(raises=lambda: check_error(dist, exc, (ValueError,), names, f"{kind} on {where}"), unchanged=unwrapped)
+    check_each({"OS-17.a": lambda: check_error(dist, exc, (ValueError,), names, f"{kind} on {where}"), "OS-17.b": unwrapped})
 
 
 @pytest.mark.req("OS-18")
@@ -583,10 +583,10 @@ def test_bad_model_state_dict_is_a_clear_error(dist, impl, kind: str, use_orig_p
     bad = {**good, key: torch.zeros(2, 3)} if kind == "wrong-shape" else {k: v for k, v in good.items() if k != key}
     before = snapshot(model=run.model)
     exc = raised(lambda: ops.load_full_state_dict(run.model, bad if bad_input_here(dist, where) else good))
-    check_each(
-        raises=lambda: check_error(dist, exc, (ValueError, RuntimeError), (key,), f"{kind} on {where}"),
-        unchanged=lambda: assert_unchanged(before, where=f"{kind} on {where}: rank {dist.rank}", model=run.model),
-    )
+    check_each({
+        "OS-19.d": lambda: check_error(dist, exc, (ValueError, RuntimeError), (key,), f"{kind} on {where}"),
+        "OS-19.e": lambda: assert_unchanged(before, where=f"{kind} on {where}: rank {dist.rank}", model=run.model),
+    })
 
 
 @pytest.mark.req("OS-20")

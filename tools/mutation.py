@@ -123,7 +123,7 @@ SECTIONS: dict[str, Section] = {
         Section(
             "ML",
             ("reference/checkpoint/*.py",),
-            ("conformance/test_checkpoint.py", "conformance/test_checkpoint_unpinned.py", "tests/reference/test_checkpoint*.py"),
+            ("conformance/test_checkpoint.py", "tests/reference/test_checkpoint*.py"),
             excludes=_ASYNC_SOURCES,
         ),
         Section("AS", _ASYNC_SOURCES, ("conformance/test_async_save.py", "tests/reference/test_async*.py")),
