@@ -599,3 +599,39 @@ def test_a_fork_identical_to_torch_passes_the_generated_tests_torch_passes(suite
         "conformance/test_generated.py::test_generated_state_dict_round_trip[torchfork]": "PASSED",
         "conformance/test_generated.py::test_generated_optim_state_reload[torchfork]": "PASSED",
     }, result.stdout.str()
+
+
+def _fenced_blocks(text: str) -> list[str]:
+    """The contents of the fenced code blocks of a markdown page, in order."""
+    import re
+
+    return [block for _, block in re.findall(r"```(\w*)\n(.*?)```", text, re.DOTALL)]
+
+
+@pytest.mark.req("HX-17", "HX-18")
+def test_the_readme_fork_file_works_as_written(suite: pytest.Pytester) -> None:
+    """README's adapter and its known-deviations file, copied as they are (the adapter's checkpoint ops
+    are torch's, as a fork that has not changed them yet): the entry pinned to a clause marks torch's
+    tied-storage test, which fails that clause only (XFAIL), and the ``!`` line cancels torch's entry for
+    the Exception test, which then runs and fails as torch does."""
+    blocks = _fenced_blocks((REPO_ROOT / "README.md").read_text(encoding="utf-8"))
+    adapter = next(b for b in blocks if "class MyStackAdapter(TorchAdapter)" in b)
+    deviations = next(b for b in blocks if b.startswith("# mystack/known_deviations.txt"))
+    package = suite.path / "mystack"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "conformance_adapter.py").write_text(adapter)
+    (package / "known_deviations.txt").write_text(deviations)
+    (package / "testing.py").write_text("from conformance.adapters.checkpoint import TorchCheckpointOps as MyCheckpointOps\n")
+    result = run_suite(
+        suite, str(REPO_ROOT / "conformance" / "test_checkpoint.py"), "--rootdir", str(suite.path),
+        "--impl", "mystack.conformance_adapter:MyStackAdapter", "--world-size", "2", "-W", "error::UserWarning",
+        "-k", "test_meta_load_keeps_tied_storage_shared or test_errors_are_exceptions_alike_on_every_rank and missing-key", timeout=600,
+    )
+    out = result.stdout.str()
+    assert _outcomes(result) == {
+        "conformance/test_checkpoint.py::test_meta_load_keeps_tied_storage_shared[ws2-mystack]": "XFAIL",
+        "conformance/test_checkpoint.py::test_errors_are_exceptions_alike_on_every_rank[ws2-mystack-missing-key]": "FAILED",
+    }, out
+    assert "known_deviations.txt:2" in out and "clauses=ML-5.a" in out, out
+    assert "[ML-15.a]" in out and "the error is not an Exception" in out, out
