@@ -374,11 +374,11 @@ def _item_bytes(item: WriteItem) -> int:
     return item.bytes_io_data.nbytes if item.bytes_io_data is not None else 0
 
 
-#: What writing one record costs beyond its bytes, in bytes written in the same time: about 25 us of
-#: per-record work (resolving the item, the record's header and tail, its result) at about 1.5 GB/s
-#: into the page cache (measured on the 2-core machine of docs/benchmark-results.md). Balancing by bytes alone handed one rank a run of small
-#: replicated items (an optimizer's 4-byte ``step`` tensors: 86 more records than the other rank at
-#: 512 MB, world size 2), all of whose fixed costs the save then waited for.
+#: What writing one record costs beyond its bytes, in bytes written in the same time: a record's fixed
+#: work (resolving the item, the record's header and tail, its result) at page-cache write speed
+#: (the figures are in docs/benchmark-results.md). Balancing by bytes alone handed one rank a run of
+#: small replicated items (an optimizer's 4-byte ``step`` tensors), all of whose fixed costs the save
+#: then waited for.
 RECORD_COST_BYTES = 32 * 1024
 
 
