@@ -550,10 +550,11 @@ def test_without_rerun_crashes_a_segfault_fails_its_test(suite: pytest.Pytester)
 @pytest.mark.req("HX-3")
 def test_a_test_module_imported_by_another_is_rewritten_on_ranks(tmp_path: Path) -> None:
     """A rank imports the module a task names with pytest's assertion rewriting, and so every test module
-    that one imports: ``from conformance.test_x import helper`` in another test file must not leave
+    (and ``*_support`` module, which holds tests' checks) that one imports: ``from conformance.test_x import helper`` in another test file must not leave
     ``test_x``'s own asserts bare (empty messages) for the tests of ``test_x`` that run on that rank later."""
-    (tmp_path / "test_importer.py").write_text("from test_imported import check\n")
+    (tmp_path / "test_importer.py").write_text("from test_imported import check\nfrom probe_support import support_check\n")
     (tmp_path / "test_imported.py").write_text("def check():\n    values = [1]\n    assert values == [2]\n")
+    (tmp_path / "probe_support.py").write_text("def support_check():\n    held = (3,)\n    assert held == (4,)\n")
     script = (
         "import sys\n"
         f"sys.path.insert(0, {str(tmp_path)!r})\n"
@@ -561,10 +562,13 @@ def test_a_test_module_imported_by_another_is_rewritten_on_ranks(tmp_path: Path)
         "_import_test_module('test_importer')\n"
         "imported = _import_test_module('test_imported')\n"
         "try:\n    imported.check()\nexcept AssertionError as error:\n    print(repr(str(error)))\n"
+        "import probe_support\n"
+        "try:\n    probe_support.support_check()\nexcept AssertionError as error:\n    print(repr(str(error)))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr
     assert "assert [1] == [2]" in done.stdout, done.stdout
+    assert "assert (3,) == (4,)" in done.stdout, done.stdout  # a support module's checks too
 
 
 SHARDED = '''

@@ -54,8 +54,12 @@ from conformance.harness.report_json import SESSION_RESULTS, record_report, repo
 from conformance.harness.requirements import load_spec
 from conformance.harness.runner import RankRun, RanksNotStarted, Runner
 from conformance.harness.torchrun import launched, start_runner
-from conformance.harness.worker import DIST_ARG
+from conformance.harness.worker import DIST_ARG, SUPPORT_MODULES
 from conformance.harness.xfails import XfailEntry
+
+# The support modules hold the tests' checks (moved out of the test files): their bare asserts get
+# pytest's messages, as a test module's do (the harness imports none of them: this comes first).
+pytest.register_assert_rewrite(*SUPPORT_MODULES)
 
 __all__ = ["DistSpec", "Pools", "StaleXfailWarning", "selected_world_sizes", "suite_test_id", "AdapterFile", "adapter_xfail_files"]
 

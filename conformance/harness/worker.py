@@ -133,8 +133,20 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
+#: The suite's modules that hold tests' checks besides the test files (``conformance/*_support.py``):
+#: pytest rewrites their asserts too (the plugin registers them; :class:`_RewritingFinder` on the ranks).
+SUPPORT_MODULES = tuple(
+    f"conformance.{path.stem}" for path in sorted(Path(__file__).resolve().parent.parent.glob("*_support.py"))
+)
+
+
+def _rewritten(origin: str) -> bool:
+    name = os.path.basename(origin)
+    return origin.endswith(".py") and (name.startswith("test_") or name.endswith("_support.py"))
+
+
 class _RewritingFinder:
-    """Imports every ``test_*.py`` module with pytest's assertion rewriting, as on the controller, so
+    """Imports every ``test_*.py`` and ``*_support.py`` module with pytest's assertion rewriting, as on the controller, so
     that a failing ``assert a == b`` on a rank shows both values. A meta path finder, not a rewrite of
     the module a task names: a test module imported by another one (``from conformance.test_x
     import ...``) is rewritten too, whichever a rank happens to import first."""
@@ -143,7 +155,7 @@ class _RewritingFinder:
         from importlib.machinery import PathFinder
 
         spec = PathFinder.find_spec(name, path)
-        if spec is None or not spec.origin or not os.path.basename(spec.origin).startswith("test_") or not spec.origin.endswith(".py"):
+        if spec is None or not spec.origin or not _rewritten(spec.origin):
             return None
         return importlib.util.spec_from_file_location(name, spec.origin, loader=_RewritingLoader(spec.origin))
 
