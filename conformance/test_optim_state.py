@@ -36,6 +36,7 @@ from conformance.asserts import (
     assert_same_state,
     assert_unchanged,
     check_each,
+    clause,
     fail,
     raised,
     snapshot,
@@ -529,12 +530,14 @@ def test_full_model_state_dict(dist, impl, model: str, use_orig_params: bool) ->
     trained = model != "dtypes"
     if trained:
         run.train(1)
-    assert_model_matches(ops, run, f"{run.setup}: full state dict", atol=ATOL if trained else None)
+    with clause("OS-19.a"):
+        assert_model_matches(ops, run, f"{run.setup}: full state dict", atol=ATOL if trained else None)
     full = ops.full_state_dict(run.model)
     expected = {k: v.detach().clone() for k, v in full.items()}  # a load may rewrite the dict it is given
-    target = Run(dist, impl, replace(run.setup, seed=1))
-    ops.load_full_state_dict(target.model, full)
-    assert_same_state(ops.full_state_dict(target.model), expected, what="full model state dict after the load", where=str(run.setup))
+    with clause("OS-19.c"):
+        target = Run(dist, impl, replace(run.setup, seed=1))
+        ops.load_full_state_dict(target.model, full)
+        assert_same_state(ops.full_state_dict(target.model), expected, what="full model state dict after the load", where=str(run.setup))
 
 
 @pytest.mark.req("OS-19")
@@ -550,21 +553,23 @@ def test_sharded_model_state_dict(dist, impl, strategy: str, use_orig_params: bo
     run.train(1)
     full = ops.full_state_dict(run.model)
     sharded = ops.sharded_state_dict(run.model)
-    if list(sharded) != list(full):
-        fail("sharded model state dict: keys", list(sharded), list(full), str(run.setup))
-    params = {n for n, _ in run.oracle.named_parameters()}
-    for key, value in sharded.items():
-        where = f"{run.setup}: {key!r} on rank {dist.rank}"
-        if key in params:
-            if not isinstance(value, DTensor):
-                fail("sharded model state dict: a parameter is not a DTensor", type(value).__name__, "DTensor", where)
-            sharded_positional(value, full[key], strategy, "sharded model state dict", where, None)
-        else:
-            assert_same_state(value, full[key], what="sharded model state dict: a buffer", where=where)
+    with clause("OS-19.b"):
+        if list(sharded) != list(full):
+            fail("sharded model state dict: keys", list(sharded), list(full), str(run.setup))
+        params = {n for n, _ in run.oracle.named_parameters()}
+        for key, value in sharded.items():
+            where = f"{run.setup}: {key!r} on rank {dist.rank}"
+            if key in params:
+                if not isinstance(value, DTensor):
+                    fail("sharded model state dict: a parameter is not a DTensor", type(value).__name__, "DTensor", where)
+                sharded_positional(value, full[key], strategy, "sharded model state dict", where, None)
+            else:
+                assert_same_state(value, full[key], what="sharded model state dict: a buffer", where=where)
     full = {k: v.detach().clone() for k, v in full.items()}
-    target = Run(dist, impl, replace(run.setup, seed=1))
-    ops.load_sharded_state_dict(target.model, sharded)
-    assert_same_state(ops.full_state_dict(target.model), full, what="full model state dict after loading the sharded one", where=str(run.setup))
+    with clause("OS-19.c"):
+        target = Run(dist, impl, replace(run.setup, seed=1))
+        ops.load_sharded_state_dict(target.model, sharded)
+        assert_same_state(ops.full_state_dict(target.model), full, what="full model state dict after loading the sharded one", where=str(run.setup))
 
 
 @pytest.mark.req("OS-19")

@@ -34,6 +34,7 @@ from conformance.asserts import (
     assert_same_state,
     assert_unchanged,
     check_each,
+    clause,
     fail,
     raised,
     snapshot,
@@ -271,14 +272,15 @@ def test_optimizers_own_state_dict_loads(impl: Any, kind: str) -> None:
     target.step(7, "cpu", use_aux=True)
     perturb_hyperparameters(target.optim)
     target.model.load_state_dict(source.model.state_dict())
-    ops.set_optimizer_state_dict(target.model, target.optim, given)
-    assert_same_state(fqn_keyed_optim(target.model, target.optim), expected, what="optimizer after the set of the id-keyed dict vs the source's",
-                      where=where)
-    source.step(2, "cpu", use_aux=True)  # steps the tensors `given` holds: the target's must not move
-    for step in range(2, 4):
-        oracle.step(step, "cpu", use_aux=True)
-        target.step(step, "cpu", use_aux=True)
-    assert_matches_oracle(ops, target, oracle, None, what="after 2 more steps, vs the run that never stopped", where=where, exact=True)
+    with clause("SD-32.a"):
+        ops.set_optimizer_state_dict(target.model, target.optim, given)
+        assert_same_state(fqn_keyed_optim(target.model, target.optim), expected, what="optimizer after the set of the id-keyed dict vs the source's",
+                          where=where)
+        source.step(2, "cpu", use_aux=True)  # steps the tensors `given` holds: the target's must not move
+        for step in range(2, 4):
+            oracle.step(step, "cpu", use_aux=True)
+            target.step(step, "cpu", use_aux=True)
+        assert_matches_oracle(ops, target, oracle, None, what="after 2 more steps, vs the run that never stopped", where=where, exact=True)
 
 
 #: Ways an id-keyed dict does not fit the optimizers it is given with.

@@ -35,6 +35,7 @@ regression in the same test.
     (:func:`conformance.asserts.clause`, :func:`conformance.asserts.check_each`), else the test's
     requirement (``ML-5``; several joined by ``+``: ``ML-2+ML-8``). A test checks each clause even
     when another failed, so a deviation pinned to one clause does not hide a regression in another.
+    A rank that died or hung failed no clause: ``raises=DIED``/``raises=HUNG`` (or ``ranks=``) pins it.
 ``raises=Name``
     Every failing rank's exception is of class ``Name`` (or derives from it). ``Failed`` is the
     suite's own assertion; ``HUNG`` and ``DIED`` are a rank that did not answer or died.
@@ -78,7 +79,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conformance.harness.failures import Failure
+from conformance.harness.failures import DIED, HUNG, Failure
 
 __all__ = ["Pin", "Condition", "XfailEntry", "parse_xfails", "matches", "matches_at_any_world_size", "as_run_by", "split_reason"]
 
@@ -161,7 +162,7 @@ class Pin:
             elif got != want:
                 problems.append(f"failing ranks {want} ({self.ranks}), got {got}")
         for failure in failures:
-            if self.clauses is not None and failure.clause not in self.clauses:
+            if self.clauses is not None and failure.clause not in self.clauses and not failure.is_a(DIED) and not failure.is_a(HUNG):
                 problems.append(f"a failure of {' or '.join(self.clauses)}, got {failure.headline()}")
             elif self.raises is not None and not failure.is_a(self.raises):
                 problems.append(f"{self.raises}, got {failure.headline()}")
