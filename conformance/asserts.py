@@ -164,7 +164,7 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` on the CPU, contiguous, reinterpreted as integers of the same width: two tensors
     have equal bits exactly when these are ``torch.equal`` (a NaN equals the same NaN payload, and
     ``-0.0`` differs from ``0.0``, unlike ``==``)."""
-    plain = tensor.detach().to("cpu").contiguous()
+    plain = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()  # a lazy view's values, not its raw storage
     if plain.dtype == torch.bool:
         return plain.view(torch.uint8)
     if plain.is_complex():

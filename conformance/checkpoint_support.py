@@ -49,7 +49,7 @@ from conformance.dcp_files import read_metadata, storage_bytes_range
 from conformance.error_cases import EVERY_RANK, ONE_RANK
 from conformance.faults import failing_fsync, failing_writes, unreadable_bytes
 from conformance.harness.context import RankContext, per_group_cache
-from conformance.values import EDGE_DTYPES, different_like, edge_tensors, perturb_hyperparameters
+from conformance.values import EDGE_DTYPES, different_like, edge_tensors, lazy_views, perturb_hyperparameters
 
 __all__ = [
     "extension_for_exec",
@@ -670,7 +670,7 @@ def state_of(dist: RankContext, kind: str, role: str, seed: int = 1) -> State:
     (``role="saved"``), as a load target whose every value differs (``"target"``), or with every
     tensor on meta (``"meta"``). ``fulls`` are the saved full values whatever the role."""
     if kind == "plain":
-        saved = edge_tensors(seed)
+        saved = {**edge_tensors(seed), **lazy_views(seed)}
         make = {"saved": lambda v: v, "target": target_like, "meta": meta_like}[role]
         return State({k: make(v) for k, v in saved.items()}, {})
     if kind in ("objects", "int-keys"):

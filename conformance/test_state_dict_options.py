@@ -42,9 +42,10 @@ Each case is checked twice, on every rank:
   others (frozen, missing) as the target had them, exactly those reported in ``missing_keys``, and the
   optimizer state and hyperparameters as given.
 
-Between cases the target is set back to its own state (checked), so every case loads into a target
-that starts different. A case's failure names the case and its options; an implementation's known
-deviations are pinned per case and check (``match='^\\[row3_set\\]'``).
+Each row of the covering array is its own test (``...-row3]``), its get and its set checked as the
+clauses SD-28.a and SD-28.b, so an implementation's known deviations are pinned per row and clause
+(``test_options_combine[[]ws*-myfork-*-row3]  clauses=SD-28.b``); within a test, the target is set
+back to its own state after the set (checked), and a failure names the row and its options.
 """
 
 from __future__ import annotations

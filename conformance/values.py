@@ -14,7 +14,7 @@ import struct
 
 import torch
 
-__all__ = ["EDGE_DTYPES", "edge_values", "edge_tensors", "different_like", "perturb_hyperparameters", "HYPERPARAMETER_EXTRAS"]
+__all__ = ["EDGE_DTYPES", "edge_values", "edge_tensors", "lazy_views", "different_like", "perturb_hyperparameters", "HYPERPARAMETER_EXTRAS"]
 
 #: Every dtype a checkpoint of these models holds, floating first.
 EDGE_DTYPES: tuple[torch.dtype, ...] = (
@@ -96,13 +96,29 @@ def edge_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
+def lazy_views(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Tensors whose values are a lazy view of their storage: a complex tensor with the conjugate bit
+    (``.conj()``) and a real one with the negative bit (the imaginary part of a conjugate). A saver or
+    loader that copies their raw storage, or rebuilds a record without its bits, gets the values of the
+    unconjugated, unnegated storage: wrong signs, equal magnitudes."""
+    gen = torch.Generator().manual_seed(seed)
+    complex_values = torch.randn(6, generator=gen, dtype=torch.complex64)
+    return {
+        "complex64": complex_values.clone(),
+        "complex64.conj": complex_values.conj(),
+        "float32.neg": torch.randn(5, generator=gen, dtype=torch.complex64).conj().imag,
+    }
+
+
 def different_like(value: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor of ``value``'s dtype and shape whose every element differs from ``value``'s
     (bitwise), so a load that skipped it is visible. Not zeros, not the same seed: a function of the
     value itself."""
-    plain = value.detach().to("cpu").contiguous()
+    plain = value.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
     if plain.dtype == torch.bool:
         return ~plain
+    if plain.is_complex():
+        return torch.view_as_complex(different_like(torch.view_as_real(plain)))
     if plain.is_floating_point():
         from conformance.asserts import bits  # bit-level: NaN payloads and -0.0 must differ too
 

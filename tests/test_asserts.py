@@ -467,3 +467,19 @@ def test_clause_names_what_fails_inside_it() -> None:
     with pytest.raises(ValueError, match="'4.b' is not a clause ID"):
         with asserts.clause("4.b"):
             pass
+
+
+@pytest.mark.req("ML-1")
+def test_lazy_views_compare_and_differ_by_their_values() -> None:
+    """A conjugated or negated view is compared by its values, not its raw storage, and
+    ``different_like`` of one differs from it in every element."""
+    from conformance.values import lazy_views
+
+    for name, view in lazy_views(3).items():
+        resolved = view.resolve_conj().resolve_neg().clone()
+        assert_bitwise_equal(view, resolved, what=name)
+        other = different_like(view)
+        assert not (bits(other) == bits(resolved)).any(), name
+    conj = lazy_views(3)["complex64.conj"]
+    with pytest.raises(Failed, match="values differ"):
+        assert_bitwise_equal(conj, conj.conj().resolve_conj(), what="a conjugate against its unconjugated values")
