@@ -41,7 +41,7 @@ IMPL_ARG := $(if $(IMPL),--impl $(IMPL),)
 RERUN_ARG := $(if $(RERUN_CRASHES),--rerun-crashes $(RERUN_CRASHES),)
 BENCH_ENV := $(if $(IMPL),BENCH_IMPL=$(IMPL),)
 
-.PHONY: setup conformance lint test stress bench asv asv-gate mutation matrix clean
+.PHONY: setup conformance lint test test-bench stress bench asv asv-gate mutation matrix clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -60,10 +60,15 @@ conformance: setup
 
 # Everything CI runs: lint and types first (fail fast; configured in pyproject.toml), then harness and
 # tool self-tests and the conformance suite in JOBS parts at once (each part's output whole when it
-# ends), then every benchmark once.
+# ends), and every benchmark once: with JOBS > 1 as one more job beside the parts (after them, its
+# minute would leave a core idle), else after the part.
 SHARDS := $(shell seq 1 $(JOBS))
+BENCH_JOB := $(if $(filter-out 1,$(JOBS)),test-bench,)
 test: setup lint
-	@$(MAKE) --no-print-directory -j$(JOBS) -Otarget $(addprefix test-shard-,$(SHARDS))
+	@$(MAKE) --no-print-directory -j$(words $(SHARDS) $(BENCH_JOB)) -Otarget $(addprefix test-shard-,$(SHARDS)) $(BENCH_JOB)
+	$(if $(BENCH_JOB),,@$(MAKE) --no-print-directory test-bench)
+
+test-bench: setup
 	$(PY) -m pytest bench --benchmark-disable -q -p no:cacheprovider
 
 test-shard-%: setup

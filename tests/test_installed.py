@@ -53,6 +53,7 @@ def test_the_installed_suite_runs_from_any_directory(installed: Path, tmp_path: 
     assert {v for k, v in outcomes.items() if "test_model_keys" in k} == {"passed"}, outcomes
     assert str(installed / "conformance" / "xfails" / "torch.txt") in out or "torch.txt" in json.dumps(data["known_deviations"]), out
     assert all(str(installed) in e["source"] for e in data["known_deviations"]), data["known_deviations"][:2]
+    assert (installed / "conformance" / "harness" / "shard_costs.json").is_file()  # the parts of an installed run deal by it too
 
 
 def _env(installed: Path, *extra: Path) -> dict[str, str]:

@@ -53,6 +53,7 @@ from conformance.harness.pool import PoolRunner
 from conformance.harness.report_json import SESSION_RESULTS, record_report, report_payload
 from conformance.harness.requirements import load_spec
 from conformance.harness.runner import RankRun, RanksNotStarted, Runner
+from conformance.harness.shards import deal, load_costs
 from conformance.harness.torchrun import launched, start_runner
 from conformance.harness.worker import DIST_ARG, SUPPORT_MODULES
 from conformance.harness.xfails import XfailEntry
@@ -452,20 +453,26 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if misplaced:
         raise pytest.UsageError("; ".join(dict.fromkeys(misplaced)))
     warn_stale(entries, used, items, test_ids, torch.__version__)
-    _deselect_other_shards(config, items)
+    _deselect_other_shards(config, items, test_ids)
 
 
-def _deselect_other_shards(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep the K-th of every N tests (HX-35), after this plugin's checks of the whole collection (a stale
-    known deviation is judged on all of it). Every part deals from the same collection, so a test is in
-    exactly one part, whatever else deselects later (``-k``); dealt out in collection order, each part
-    gets its share of every file's expensive grid."""
+def _deselect_other_shards(config: pytest.Config, items: list[pytest.Item], test_ids: dict[pytest.Item, str]) -> None:
+    """Keep the K-th of N parts of the tests (HX-35), after this plugin's checks of the whole collection
+    (a stale known deviation is judged on all of it). Every part deals from the same collection and the
+    same measured costs (:mod:`~conformance.harness.shards`), so a test is in exactly one part, whatever
+    else deselects later (``-k``), and the parts cost about the same; a part keeps its tests in
+    collection order."""
     shard = harness_config(config).shard
     if shard is None:
         return
     k, n = shard
-    keep = [item for position, item in enumerate(items) if position % n == k - 1]
-    other = [item for position, item in enumerate(items) if position % n != k - 1]
+    try:
+        costs = load_costs()
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    owners = deal([costs.cost(test_ids[item]) for item in items], n)
+    keep = [item for item, owner in zip(items, owners) if owner == k - 1]
+    other = [item for item, owner in zip(items, owners) if owner != k - 1]
     if other:
         config.hook.pytest_deselected(items=other)
     items[:] = keep

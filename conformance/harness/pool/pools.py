@@ -14,7 +14,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -97,13 +97,17 @@ class RankPool:
             conn.send_bytes(payload)
         run = self._collect(time.monotonic() + timeout_s, offsets)
         if not run.healthy:
-            self.stop()
+            self.stop(hung=run.hung)
         return run
 
-    def stop(self) -> None:
-        """Ask the ranks to exit, kill what does not, and remove the rendezvous directory."""
-        for proc, conn in zip(self._procs, self._conns):
-            if proc.is_alive():
+    def stop(self, hung: Collection[int] = ()) -> None:
+        """Ask the ranks to exit, kill what does not, and remove the rendezvous directory. The ``hung``
+        ranks (their stacks already read) are killed at once: a rank stuck in a test body never reads
+        the request, and waiting for it would only delay the next test."""
+        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns)):
+            if rank in hung and proc.is_alive():
+                proc.kill()
+            elif proc.is_alive():
                 try:
                     send_message(conn, None)
                 except (OSError, BrokenPipeError):
