@@ -18,12 +18,17 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as torch_dist
 from torch.distributed.tensor import DTensor, Shard
 
 from conformance.adapters.async_checkpoint import AsyncCheckpointOps, AsyncSave
 from conformance.adapters.base import Adapter, Unsupported
-from conformance.asserts import raised
-from conformance.checkpoint_support import dtensor_of
+from conformance.asserts import assert_same_error_on_every_rank, check_each, fail, raised
+from conformance.checkpoint_support import (
+    assert_same_bits,
+    checkpoint_ops,
+    dtensor_of,
+)
 from conformance.harness.context import RankContext
 
 __all__ = [
@@ -39,6 +44,14 @@ __all__ = [
     "Resources",
     "signal_writer_processes",
     "isolated",
+    "PUBLICATION_DELAY_S",
+    "loaded_state",
+    "save_and_wait",
+    "assert_holds",
+    "MAX_LOADS_DURING_WRITE",
+    "on_every_rank",
+    "RefusingStateful",
+    "check_after_a_failure",
 ]
 
 EXECUTORS = ("thread", "process")
@@ -214,3 +227,79 @@ def signal_writer_processes(signum: int) -> list[int]:
             if error is None:
                 reached.append(pid)
     return reached
+
+
+#: Seconds the publication of a save is held back where the test can (the thread executor publishes in
+#: the training process), so that a window before it is long enough to be seen.
+PUBLICATION_DELAY_S = 0.5
+
+
+def loaded_state(dist: RankContext, impl: Adapter, path: Path) -> dict[str, Any]:
+    """The checkpoint at ``path`` loaded by the adapter's synchronous load into a state of other values."""
+    target = training_state(dist, -7.0)
+    checkpoint_ops(impl).load(target, path, process_group=dist.group)
+    return target
+
+
+def save_and_wait(dist: RankContext, impl: Adapter, executor: str, path: Path, fill: float) -> None:
+    ops = async_ops(impl, executor)
+    response = async_save(ops, training_state(dist, fill), path, dist, executor)
+    error = outcome(response.upload_completion, f"async save of fill {fill}", f"rank {dist.rank}")
+    if error is not None:
+        fail(f"async save of fill {fill} to {path}", f"{type(error).__name__}: {error}"[:600], "success", f"rank {dist.rank}")
+
+
+def assert_holds(dist: RankContext, impl: Adapter, path: Path, fill: float, *, what: str) -> None:
+    loaded = raised(lambda: loaded_state(dist, impl, path))
+    if isinstance(loaded, BaseException):
+        fail(what, f"the load raised {type(loaded).__name__}: {loaded}"[:600], f"the checkpoint of fill {fill}, whole", f"rank {dist.rank}")
+    assert_same_bits(loaded_state(dist, impl, path), training_state(dist, fill), what=what)
+
+
+#: Loads at most during one background write (each a fraction of a second here).
+MAX_LOADS_DURING_WRITE = 50
+
+
+def on_every_rank(dist: RankContext, flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank (collective)."""
+    value = torch.tensor([1 if flag else 0], device=dist.device)
+    torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MIN, group=dist.group)
+    return bool(value.item())
+
+
+class RefusingStateful:
+    """A ``Stateful`` whose ``state_dict`` refuses, as an object that cannot be saved mid-step does."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("refusing: the dataloader is mid-epoch")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise AssertionError("never loaded")
+
+
+def check_after_a_failure(dist: RankContext, impl: Adapter, executor: str, path: Path, fault: str, where: str,
+                     error: BaseException | None) -> None:
+    """AS-4's checks once an async save met ``fault``, each clause checked even when another failed: one
+    error everywhere (a), naming the path (b); the previous checkpoint whole (c); the next async save
+    succeeds (d)."""
+
+    def names() -> None:
+        if error is not None and str(path) not in str(error) and path.name not in str(error):
+            fail(f"the error of an async save with {fault}", f"{type(error).__name__}: {error}"[:400], f"a message naming {str(path)!r}", f"rank {dist.rank}")
+
+    def previous_whole() -> None:
+        dist.barrier()
+        assert_holds(dist, impl, path, 1.0, what=f"the previous checkpoint after an async save failed with {fault}")
+
+    def next_save() -> None:
+        dist.barrier()
+        save_and_wait(dist, impl, executor, path, 3.0)
+        dist.barrier()
+        assert_holds(dist, impl, path, 3.0, what=f"the async save after one that failed with {fault}")
+
+    check_each({
+        "AS-4.a": lambda: assert_same_error_on_every_rank(dist, error, what=f"an async save with {fault} on {where} ({executor})"),
+        "AS-4.b": names,
+        "AS-4.c": previous_whole,
+        "AS-4.d": next_save,
+    })

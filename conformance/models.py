@@ -26,9 +26,10 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from conformance.asserts import bits
 from conformance.values import EDGE_DTYPES, edge_values
 
-__all__ = ["ZOO", "build", "batch", "loss", "param_groups", "train_step"]
+__all__ = ["ZOO", "build", "batch", "loss", "param_groups", "train_step", "fingerprint"]
 
 
 class MLP(nn.Module):
@@ -198,3 +199,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch
     value.backward()
     optimizer.step()
     return value.detach()
+
+
+def fingerprint(model: torch.nn.Module) -> list[tuple[str, bytes]]:
+    """Every state entry's bits (NaN payloads and -0.0 included), comparable across processes."""
+    return [(k, bits(v).cpu().numpy().tobytes()) for k, v in model.state_dict().items()]

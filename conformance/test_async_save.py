@@ -20,14 +20,22 @@ import torch
 import torch.distributed as torch_dist
 
 from conformance.adapters.base import Adapter
-from conformance.asserts import assert_same_error_on_every_rank, check_each, fail, raised
+from conformance.asserts import fail, raised
 from conformance.async_support import (
     EXECUTORS,
+    MAX_LOADS_DURING_WRITE,
+    PUBLICATION_DELAY_S,
+    RefusingStateful,
     Resources,
+    assert_holds,
     async_ops,
     async_save,
+    check_after_a_failure,
     isolated,
+    loaded_state,
+    on_every_rank,
     outcome,
+    save_and_wait,
     settled_growth,
     signal_writer_processes,
     train_on,
@@ -43,36 +51,9 @@ from conformance.checkpoint_support import (
 )
 from conformance.error_cases import WHERE, bad_input_here
 from conformance.faults import slowed_publication
-from conformance.harness.context import RankContext
 
 # A save that never ends is cut here, not at the suite's default of 120 s (see async_support.outcome).
 pytestmark = pytest.mark.rank_timeout(60)
-
-#: Seconds the publication of a save is held back where the test can (the thread executor publishes in
-#: the training process), so that a window before it is long enough to be seen.
-_PUBLICATION_DELAY_S = 0.5
-
-
-def _loaded(dist: RankContext, impl: Adapter, path: Path) -> dict[str, Any]:
-    """The checkpoint at ``path`` loaded by the adapter's synchronous load into a state of other values."""
-    target = training_state(dist, -7.0)
-    checkpoint_ops(impl).load(target, path, process_group=dist.group)
-    return target
-
-
-def _save_and_wait(dist: RankContext, impl: Adapter, executor: str, path: Path, fill: float) -> None:
-    ops = async_ops(impl, executor)
-    response = async_save(ops, training_state(dist, fill), path, dist, executor)
-    error = outcome(response.upload_completion, f"async save of fill {fill}", f"rank {dist.rank}")
-    if error is not None:
-        fail(f"async save of fill {fill} to {path}", f"{type(error).__name__}: {error}"[:600], "success", f"rank {dist.rank}")
-
-
-def _assert_holds(dist: RankContext, impl: Adapter, path: Path, fill: float, *, what: str) -> None:
-    loaded = raised(lambda: _loaded(dist, impl, path))
-    if isinstance(loaded, BaseException):
-        fail(what, f"the load raised {type(loaded).__name__}: {loaded}"[:600], f"the checkpoint of fill {fill}, whole", f"rank {dist.rank}")
-    assert_same_bits(_loaded(dist, impl, path), training_state(dist, fill), what=what)
 
 
 # -- AS-1 the snapshot -----------------------------------------------------------------------------------------------
@@ -96,7 +77,7 @@ def test_checkpoint_is_the_state_when_staging_completed(dist, impl, executor: st
     if error is not None:
         fail("the async save", f"{type(error).__name__}: {error}"[:600], "success", f"rank {dist.rank}")
     dist.barrier()
-    assert_same_bits(_loaded(dist, impl, path), training_state(dist, 2.0), what=f"the checkpoint of an async save ({executor}) after training went on")
+    assert_same_bits(loaded_state(dist, impl, path), training_state(dist, 2.0), what=f"the checkpoint of an async save ({executor}) after training went on")
 
 
 @pytest.mark.req("AS-1")
@@ -140,18 +121,18 @@ def test_completion_means_the_checkpoint_loads_whole(dist, impl, executor: str) 
     """Over a previous checkpoint, with the publication held back where the test can (thread executor):
     a load made the moment the completion future resolves, with no barrier, gets the new checkpoint."""
     path = dist.tmp_dir / "ckpt"
-    _save_and_wait(dist, impl, executor, path, 1.0)
+    save_and_wait(dist, impl, executor, path, 1.0)
     # Checked at once, like the second save below: and the first save's publication, if it were still
     # to come, would otherwise be the one held back.
-    _assert_holds(dist, impl, path, 1.0, what=f"the checkpoint when the first completion future resolved ({executor})")
+    assert_holds(dist, impl, path, 1.0, what=f"the checkpoint when the first completion future resolved ({executor})")
     dist.barrier()
     ops = async_ops(impl, executor)
-    with slowed_publication(path, _PUBLICATION_DELAY_S):
+    with slowed_publication(path, PUBLICATION_DELAY_S):
         response = async_save(ops, training_state(dist, 2.0), path, dist, executor)
         error = outcome(response.upload_completion, "the completion future", f"rank {dist.rank}")
     if error is not None:
         fail("the async save", f"{type(error).__name__}: {error}"[:600], "success", f"rank {dist.rank}")
-    _assert_holds(dist, impl, path, 2.0, what=f"the checkpoint when the completion future resolved ({executor})")
+    assert_holds(dist, impl, path, 2.0, what=f"the checkpoint when the completion future resolved ({executor})")
 
 
 @pytest.mark.req("AS-2", "ML-25")
@@ -163,7 +144,7 @@ def test_async_checkpoint_loads_with_upstream_and_the_reference(dist, impl, refe
     import torch.distributed.checkpoint as dcp
 
     path = dist.tmp_dir / "ckpt"
-    _save_and_wait(dist, impl, executor, path, 3.0)
+    save_and_wait(dist, impl, executor, path, 3.0)
     dist.barrier()
     upstream = training_state(dist, -7.0)
     dcp.load(upstream, checkpoint_id=path, process_group=dist.group)
@@ -185,13 +166,13 @@ def test_loads_during_the_background_write_get_one_whole_checkpoint(dist, impl, 
     returned; each load gets the previous checkpoint or the new one whole, never an error and never a
     mix."""
     path = dist.tmp_dir / "ckpt"
-    _save_and_wait(dist, impl, executor, path, 1.0)
+    save_and_wait(dist, impl, executor, path, 1.0)
     dist.barrier()
     ops = async_ops(impl, executor)
     seen: list[str] = []
-    with slowed_publication(path, _PUBLICATION_DELAY_S):
+    with slowed_publication(path, PUBLICATION_DELAY_S):
         response = async_save(ops, training_state(dist, 2.0), path, dist, executor)
-        while len(seen) < _MAX_LOADS_DURING_WRITE and not _every_rank(dist, response.upload_completion.done()):
+        while len(seen) < MAX_LOADS_DURING_WRITE and not on_every_rank(dist, response.upload_completion.done()):
             target = training_state(dist, -7.0)
             error = raised(lambda target=target: checkpoint_ops(impl).load(target, path, process_group=dist.group))  # type: ignore[misc]
             if error is not None:
@@ -225,7 +206,7 @@ def test_an_evaluation_job_loading_during_the_write_gets_one_whole_checkpoint(di
     from conformance.child_process import start_child
 
     path = dist.tmp_dir / "ckpt"
-    _save_and_wait(dist, impl, executor, path, 1.0)
+    save_and_wait(dist, impl, executor, path, 1.0)
     ops = async_ops(impl, executor)
     files = {name: dist.tmp_dir / f"eval-{name}" for name in ("ready", "stop", "out")}
     job, stderr = None, ""
@@ -237,7 +218,7 @@ def test_an_evaluation_job_loading_during_the_write_gets_one_whole_checkpoint(di
             time.sleep(0.05)
     dist.barrier()
     try:
-        with slowed_publication(path, _PUBLICATION_DELAY_S):
+        with slowed_publication(path, PUBLICATION_DELAY_S):
             response = async_save(ops, training_state(dist, 2.0), path, dist, executor)
             error = outcome(response.upload_completion, "the completion future", f"rank {dist.rank}")
         if error is not None:
@@ -255,17 +236,6 @@ def test_an_evaluation_job_loading_during_the_write_gets_one_whole_checkpoint(di
     if any(s not in ("fill 1.0", "fill 2.0") for s in seen):
         fail(f"an evaluation job's loads during an async save's background write ({executor})", seen[:8],
              "each the previous or the new checkpoint, whole", f"rank {dist.rank}")
-
-
-#: Loads at most during one background write (each a fraction of a second here).
-_MAX_LOADS_DURING_WRITE = 50
-
-
-def _every_rank(dist: RankContext, flag: bool) -> bool:
-    """Whether ``flag`` holds on every rank (collective)."""
-    value = torch.tensor([1 if flag else 0], device=dist.device)
-    torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MIN, group=dist.group)
-    return bool(value.item())
 
 
 #: Where a child doing an async save over a checkpoint is killed: at its n-th write, fsync or rename
@@ -296,16 +266,6 @@ def test_an_async_save_killed_on_one_rank_of_two_leaves_one_whole_checkpoint(imp
 # -- AS-4 failures ---------------------------------------------------------------------------------------------------
 
 
-class _RefusingStateful:
-    """A ``Stateful`` whose ``state_dict`` refuses, as an object that cannot be saved mid-step does."""
-
-    def state_dict(self) -> dict[str, Any]:
-        raise RuntimeError("refusing: the dataloader is mid-epoch")
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        raise AssertionError("never loaded")
-
-
 #: Faults of the background write: the I/O faults of ML-13 (injected into the training process's file
 #: I/O, where a thread executor writes), a refusing ``Stateful``, and the writer process killed.
 _FAULTS = ("full-disk-mid-data", "fsync-fails", "read-only", "refusing-stateful", "writer-dies")
@@ -329,11 +289,11 @@ def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, faul
                     "(its failure is tried as writer-dies)")
     here = bad_input_here(dist, where)
     path = dist.tmp_dir / "ckpt"
-    _save_and_wait(dist, impl, executor, path, 1.0)
+    save_and_wait(dist, impl, executor, path, 1.0)
     dist.barrier()
     state: dict[str, Any] = training_state(dist, 2.0)
     if fault == "refusing-stateful" and here:
-        state["loader"] = _RefusingStateful()
+        state["loader"] = RefusingStateful()
     elif fault == "refusing-stateful":
         state["loader"] = {"position": 5}
 
@@ -362,38 +322,10 @@ def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, faul
 
     error = raised(failing_save)
     try:
-        _after_a_failure(dist, impl, executor, path, fault, where, error)
+        check_after_a_failure(dist, impl, executor, path, fault, where, error)
     finally:
         if fault == "writer-dies":
             ops.shutdown()  # whatever this implementation kept of its dead writer is not the next test's
-
-
-def _after_a_failure(dist: RankContext, impl: Adapter, executor: str, path: Path, fault: str, where: str,
-                     error: BaseException | None) -> None:
-    """AS-4's checks once an async save met ``fault``, each clause checked even when another failed: one
-    error everywhere (a), naming the path (b); the previous checkpoint whole (c); the next async save
-    succeeds (d)."""
-
-    def names() -> None:
-        if error is not None and str(path) not in str(error) and path.name not in str(error):
-            fail(f"the error of an async save with {fault}", f"{type(error).__name__}: {error}"[:400], f"a message naming {str(path)!r}", f"rank {dist.rank}")
-
-    def previous_whole() -> None:
-        dist.barrier()
-        _assert_holds(dist, impl, path, 1.0, what=f"the previous checkpoint after an async save failed with {fault}")
-
-    def next_save() -> None:
-        dist.barrier()
-        _save_and_wait(dist, impl, executor, path, 3.0)
-        dist.barrier()
-        _assert_holds(dist, impl, path, 3.0, what=f"the async save after one that failed with {fault}")
-
-    check_each({
-        "AS-4.a": lambda: assert_same_error_on_every_rank(dist, error, what=f"an async save with {fault} on {where} ({executor})"),
-        "AS-4.b": names,
-        "AS-4.c": previous_whole,
-        "AS-4.d": next_save,
-    })
 
 
 # -- AS-5 saves in flight --------------------------------------------------------------------------------------------
@@ -425,8 +357,8 @@ def test_a_second_save_while_one_is_in_flight_never_mixes(dist, impl, executor: 
             fail("a refused second save", str(second_error)[:400], f"an error naming {str(second_path)!r}", f"rank {dist.rank}")
     dist.barrier()
     if target == "new-path":
-        _assert_holds(dist, impl, first_path, 1.0, what="the first of two async saves in flight")
-    _assert_holds(dist, impl, second_path, 2.0 if second_error is None else 1.0, what="the last of two async saves in flight")
+        assert_holds(dist, impl, first_path, 1.0, what="the first of two async saves in flight")
+    assert_holds(dist, impl, second_path, 2.0 if second_error is None else 1.0, what="the last of two async saves in flight")
 
 
 @pytest.mark.req("AS-5")
@@ -502,13 +434,13 @@ def test_shutdown_releases_threads_processes_and_descriptors(dist, impl, executo
 
     def one_round(path: Path) -> None:
         for fill in (1.0, 2.0):
-            _save_and_wait(dist, impl, executor, path, fill)
-        refusing = {**training_state(dist, 3.0), "loader": _RefusingStateful()}
+            save_and_wait(dist, impl, executor, path, fill)
+        refusing = {**training_state(dist, 3.0), "loader": RefusingStateful()}
         issued: list[Any] = []
         raised_at_call = raised(lambda: issued.append(async_save(ops, refusing, path, dist, executor)))
         if raised_at_call is None and outcome(issued[0].upload_completion, "the completion future of a failing save", f"rank {dist.rank}") is None:
             fail("an async save with a refusing Stateful", "succeeded", "an error", f"rank {dist.rank}")
-        _loaded(dist, impl, path)
+        loaded_state(dist, impl, path)
         dist.barrier()
         ops.shutdown()
         dist.barrier()

@@ -6,12 +6,8 @@ import pytest
 import torch
 
 from conformance import models
-from conformance.asserts import assert_same_state, bits, fail
-
-
-def _fingerprint(model: torch.nn.Module) -> list[tuple[str, bytes]]:
-    """Every state entry's bits (NaN payloads and -0.0 included), comparable across processes."""
-    return [(k, bits(v).cpu().numpy().tobytes()) for k, v in model.state_dict().items()]
+from conformance.asserts import assert_same_state, fail
+from conformance.models import fingerprint
 
 
 @pytest.mark.req("HX-13")
@@ -19,13 +15,13 @@ def _fingerprint(model: torch.nn.Module) -> list[tuple[str, bytes]]:
 def test_zoo_models_are_equal_on_every_rank(dist, name: str) -> None:
     """Built on the rank's device (a GPU under nccl), as the suite's oracles are."""
     model = models.build(name, seed=3, device=dist.device)
-    gathered = dist.all_gather_object(_fingerprint(model))
+    gathered = dist.all_gather_object(fingerprint(model))
     for rank, theirs in enumerate(gathered):
         if theirs != gathered[0]:
             fail(f"{name}: ranks built different models from one seed", f"rank {rank}'s state", "rank 0's state", f"rank {dist.rank}")
     assert_same_state(models.build(name, seed=3, device=dist.device).state_dict(), model.state_dict(), what=f"{name}: a second build")
     other = models.build(name, seed=4, device=dist.device)
-    changed = [k for (k, mine), (_, theirs) in zip(_fingerprint(model), _fingerprint(other)) if mine != theirs]
+    changed = [k for (k, mine), (_, theirs) in zip(fingerprint(model), fingerprint(other)) if mine != theirs]
     if not changed:
         fail(f"{name}: the seed does not change the model", "seed 4 equal to seed 3", "different values")
     out = model(models.batch(name, seed=0, batch_size=4, device=dist.device))
