@@ -8,6 +8,7 @@ section that states them: they differ on purpose from section to section.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from conformance.fqn import canonical_fqn
 
-__all__ = ["fqn_keyed_optim", "full_on_cpu", "full_tensor", "local_tensor"]
+__all__ = ["fqn_keyed_optim", "on_cpu", "full_on_cpu", "full_tensor", "local_tensor"]
 
 
 
@@ -43,6 +44,18 @@ def full_tensor(value: Any) -> Any:
 def local_tensor(value: Any) -> Any:
     """A DTensor's local shard on this rank; anything else as it is."""
     return value.to_local() if isinstance(value, DTensor) else value
+
+
+def on_cpu(value: Any) -> Any:
+    """``value`` with every tensor moved to the CPU as it is (a DTensor stays one: nothing is gathered, no
+    collective); mappings, lists and tuples rebuilt, other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, Mapping):
+        return {k: on_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_cpu(v) for v in value)
+    return value
 
 
 def full_on_cpu(value: Any) -> Any:

@@ -22,7 +22,7 @@ from conformance.adapters.base import Adapter
 from conformance.adapters.sharding import ShardingPlan, hybrid_mesh_shape, strategy_layout
 from conformance.asserts import assert_names_key, assert_planned_shard, assert_same_error_on_every_rank, assert_same_state, expected_local_chunk, fail
 from conformance.asserts import bits as bits_of
-from conformance.compare import fqn_keyed_optim
+from conformance.compare import fqn_keyed_optim, on_cpu
 from conformance.fqn import canonical_fqn
 from conformance.harness.context import RankContext
 from conformance.values import EDGE_DTYPES, edge_values, perturb_hyperparameters
@@ -275,18 +275,6 @@ def load_into_oracle(run: Run, model_sd: dict[str, torch.Tensor], osd: dict[str,
 
 
 # -- comparisons ---------------------------------------------------------------------------------------
-
-
-def _to_cpu(obj: Any) -> Any:
-    """``obj`` with every tensor moved to the CPU (containers rebuilt), to send between pools. Not
-    :func:`conformance.compare.full_on_cpu`: this moves full state dicts as they are, gathering nothing."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
 
 
 def assert_model_matches(ops: Any, run: Run, where: str, *, atol: float | None = ATOL) -> None:
@@ -561,7 +549,7 @@ def save_phase(ctx: RankContext, impl: Adapter, setup: Setup, steps: int) -> tup
     ops = impl.require("optim_state")
     run = Run(ctx, impl, setup)
     run.train(steps)
-    saved = _to_cpu((ops.full_state_dict(run.model), ops.optim_state_dict(run.model, run.optim)))
+    saved = on_cpu((ops.full_state_dict(run.model), ops.optim_state_dict(run.model, run.optim)))
     return saved if ctx.rank == 0 else None
 
 

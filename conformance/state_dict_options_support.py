@@ -20,6 +20,7 @@ from conformance.adapters.base import Unsupported
 from conformance.adapters.sharding import ShardingPlan
 from conformance.asserts import assert_names_key, assert_same_state, assert_unchanged, expected_local_chunk, fail, raised, snapshot
 from conformance.compare import fqn_keyed_optim
+from conformance.module_state_support import tensors_of
 from conformance.pairwise import pairwise, uncovered_pairs
 from conformance.state_dict_support import ATOL, add_source_extras, assert_matches_oracle, per_parameter, sd_ops, target_optimizer
 from conformance.values import different_like
@@ -214,16 +215,6 @@ def expected_optim(oracle: nn.Module, optim: torch.optim.Optimizer, row: Mapping
     return per_parameter(osd, sequence_types=True) if row["flatten_optimizer_state_dict"] else osd
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, Mapping):
-        return [t for v in tree.values() for t in _tensors(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _tensors(v)]
-    return []
-
-
 # -- one model kind, its source, its target ------------------------------------------------------------
 
 
@@ -331,10 +322,10 @@ def check_get(case: Case, row: Mapping[str, Any], label: str) -> None:
         return
     device = torch.device("cpu") if row["cpu_offload"] else dist.device
     for name, tree in (("model", model_sd), ("optimizer", optim_sd)):
-        devices = sorted({str((t.to_local() if isinstance(t, DTensor) else t).device) for t in _tensors(tree)})
+        devices = sorted({str((t.to_local() if isinstance(t, DTensor) else t).device) for t in tensors_of(tree)})
         if devices not in ([], [str(device)]):
             fail(f"{name} state dict: devices of its tensors", devices, [str(device)], where)
-        kinds = {type(t).__name__ for t in _tensors(tree)}
+        kinds = {type(t).__name__ for t in tensors_of(tree)}
         if row["full_state_dict"] and "DTensor" in kinds:
             fail(f"{name} state dict with full_state_dict: a DTensor", sorted(kinds), "plain tensors only", where)
     flat = row["flatten_optimizer_state_dict"]

@@ -89,7 +89,6 @@ __all__ = [
     "broadcast_target",
     "check_broadcast_result",
     "hyperparameters",
-    "on_cpu_tree",
     "sharded_error_run",
     "form_of",
 ]
@@ -678,16 +677,6 @@ def check_broadcast_result(ops: StateDictOps, dist: RankContext, model: nn.Modul
 
 def hyperparameters(optim: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
-
-
-def on_cpu_tree(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, Mapping):
-        return {k: on_cpu_tree(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(on_cpu_tree(v) for v in tree)
-    return tree
 
 
 def sharded_error_run(dist: RankContext, impl: Adapter, kind: str, bad_ranks: set[int]) -> None:

@@ -52,7 +52,7 @@ from conformance.asserts import (
     raised,
     snapshot,
 )
-from conformance.compare import fqn_keyed_optim
+from conformance.compare import fqn_keyed_optim, on_cpu
 from conformance.fqn import canonical_fqn
 from conformance.harness.context import RankContext
 from conformance.state_dict_support import (
@@ -80,7 +80,6 @@ from conformance.state_dict_support import (
     hyperparameters,
     load,
     make_differ,
-    on_cpu_tree,
     oracle_state,
     per_parameter,
     plain_error_params,
@@ -1087,9 +1086,9 @@ def test_sharded_on_a_subgroup_without_global_rank0(dist: RankContext, impl: Ada
     everywhere = copy.deepcopy(ops.get_state_dict(source, source_optim, options=full))
     offloaded = ops.get_state_dict(source, source_optim, options=ops.options(full_state_dict=True, cpu_offload=True))
     if dist.rank == members[0]:
-        assert_same_state(on_cpu_tree(offloaded[0]), on_cpu_tree(everywhere[0]), what="model state dict with cpu_offload on the group's first rank",
+        assert_same_state(on_cpu(offloaded[0]), on_cpu(everywhere[0]), what="model state dict with cpu_offload on the group's first rank",
                           where=where)
-        assert_same_optim(on_cpu_tree(offloaded[1]), on_cpu_tree(everywhere[1]), "optimizer state dict with cpu_offload on the group's first rank",
+        assert_same_optim(on_cpu(offloaded[1]), on_cpu(everywhere[1]), "optimizer state dict with cpu_offload on the group's first rank",
                           where=where)
     elif offloaded != ({}, {}):
         fail("full_state_dict + cpu_offload on a member other than the group's first rank", sorted(offloaded[0])[:5], "{} for both", where)
