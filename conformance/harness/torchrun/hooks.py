@@ -102,6 +102,7 @@ class JobHooks:
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         job = self.job
         job.session_finished = True
+        job.session = session
         if job.is_reporter:
             add_launch_info(job)
 

@@ -83,6 +83,8 @@ class Job:
     in_body: bool = False
     cut_pending: bool = False
     session_finished: bool = False
+    #: the finished session, whose ``exitstatus`` (final once pytest unconfigures) this rank exits with
+    session: pytest.Session | None = None
 
     @property
     def rank(self) -> int:

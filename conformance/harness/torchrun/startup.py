@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
+import multiprocessing
 import os
 import secrets
 import shutil
@@ -182,6 +184,23 @@ def _at_exit(job: Job) -> None:
         shutil.rmtree(job.base / "tmp", ignore_errors=True)
     set_current_job(None)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if job.session is not None:
+        _leave(int(job.session.exitstatus))
+
+
+def _leave(status: int) -> None:
+    """End this rank now with ``status``, as the pool's ranks end: without the interpreter's teardown.
+    That teardown destroys c10d's C++ objects (stores, the last group's threads); one whose thread is
+    still joinable then calls std::terminate, and the rank aborts after a session that passed. Its
+    launcher then fails the node, and the other nodes' launchers wait out torchrun's exit barrier.
+    What the teardown would still do for this rank is done here: logs flushed, children ended."""
+    logging.shutdown()
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=5)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
