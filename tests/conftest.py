@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.forked_pytest import run_forked_pytest
+from tests.forked import run_forked_pytest
 
 #: The conformance plugin, so that tests of the reference alone (tests/reference/) can take ``dist``
 #: and run on rank pools. Also named by conformance/conftest.py: pytest registers it once.
@@ -25,6 +25,6 @@ def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.
 
 def run_suite(pytester: pytest.Pytester, *args: str, timeout: float = 240) -> pytest.RunResult:
     """Run pytest in a process of its own with the conformance plugin, verbose, on the files made by
-    ``pytester``: forked from the torch-preloaded server (:mod:`tests.forked_pytest`), as a fresh
+    ``pytester``: forked from the torch-preloaded server (:mod:`tests.forked`), as a fresh
     ``python -m pytest`` there would run."""
     return run_forked_pytest(pytester, ("-p", "conformance.harness.plugin", "-v", "-rA", "-p", "no:cacheprovider", *args), timeout=timeout)

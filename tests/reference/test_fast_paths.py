@@ -34,8 +34,6 @@ import pickle
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -56,6 +54,7 @@ from conformance.checkpoint_support import (
     extension_for_exec,
     replace_record,
 )
+from conformance.child_process import run_child
 from conformance.values import EDGE_DTYPES, edge_tensors
 from reference.checkpoint import (
     CheckpointFormatError,
@@ -73,7 +72,7 @@ from reference.checkpoint import (
 )
 from reference.checkpoint.collective import Collective
 from reference.host_bytes import element_bytes
-from tests.conftest import REPO_ROOT
+from tests.forked import python_c
 
 MODES = ("fast", "plain")
 
@@ -446,13 +445,14 @@ def test_the_switch_is_on_by_default_and_disabled_restores_it() -> None:
 def test_the_switch_is_read_from_the_environment_at_import(value: str, on: bool | None) -> None:
     """A process started with the variable set (as the suite's rank processes are) has the fast paths on
     or off from its first import; a value that is neither is an error, not a guess."""
-    env = {**os.environ, fast_paths.ENVIRONMENT_VARIABLE: value, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, fast_paths.ENVIRONMENT_VARIABLE: value}
     probe = "from reference.checkpoint import fast_paths; print(fast_paths.enabled())"
-    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    # A process forked from the torch-preloaded server, which has imported nothing of reference/.
+    status, output = run_child(python_c, [probe], env=env, timeout=120, description="the import probe")
     if on is None:
-        assert result.returncode != 0 and fast_paths.ENVIRONMENT_VARIABLE in result.stderr, result
+        assert status != 0 and fast_paths.ENVIRONMENT_VARIABLE in output, output
     else:
-        assert result.returncode == 0 and result.stdout.strip() == str(on), result
+        assert status == 0 and output.strip().splitlines()[-1:] == [str(on)], output
 
 
 #: The fast paths' module-level functions, one or more per fast path: none may run while the switch is

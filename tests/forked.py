@@ -1,5 +1,6 @@
-"""An inner pytest session of a self-test, in a process forked from the torch-preloaded server
-(:mod:`conformance.child_process`) instead of a fresh interpreter.
+"""Processes of the self-tests forked from the torch-preloaded server (:mod:`conformance.child_process`)
+instead of started as fresh interpreters: an inner pytest session (:func:`run_forked_pytest`), and
+``python -c CODE`` (:func:`python_c`, for ``conformance.child_process.run_child``).
 
 The self-tests run about a hundred small suites (``run_suite``); a fresh ``python -m pytest`` spends
 most of its seconds importing torch before it collects a test. A forked session is still a process of
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["run_forked_pytest"]
+__all__ = ["python_c", "run_forked_pytest"]
 
 
 def _session(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
@@ -44,6 +45,23 @@ def _session(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str)
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(int(status))
+
+
+def python_c(argv: list[str]) -> int:
+    """``python -c argv[0]`` as the main function of a forked child: run the code in a fresh ``__main__``
+    namespace; an exception's traceback goes to stderr and the status is 1. Nothing of the code's own
+    imports is in the server, so what a module reads from the environment at import, it reads from
+    the child's."""
+    import traceback
+
+    try:
+        exec(compile(argv[0], "<string>", "exec"), {"__name__": "__main__"})
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
 
 
 def run_forked_pytest(pytester: pytest.Pytester, args: Sequence[str], *, timeout: float,
