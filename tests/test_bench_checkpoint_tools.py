@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,6 +12,14 @@ import torch.distributed as dist
 from bench import checkpoint_io, checkpoint_phases, config
 from bench.ranks import RankGroup
 from bench.workloads import checkpoint as ck
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> Iterator[RankGroup]:
+    """One group of two ranks for this module's tests: each starts two fresh interpreters otherwise.
+    Every test prepares its own state first (``ck.prepare``), so none sees another's."""
+    with RankGroup(2) as group:
+        yield group
 
 
 def _rows(text: str) -> list[list[str]]:
@@ -64,13 +73,14 @@ def _agreed_raw_collectives(directory: str) -> dict[str, dict[str, int]]:
 
 
 @pytest.mark.parametrize("layout", ck.LAYOUTS)
-def test_raw_agreed_is_raw_between_the_collectives_of_a_dcp_save_and_of_specs_load_agreements(tmp_path: Any, layout: str) -> None:
+def test_raw_agreed_is_raw_between_the_collectives_of_a_dcp_save_and_of_specs_load_agreements(
+    two_ranks: RankGroup, tmp_path: Any, layout: str,
+) -> None:
     """Four one-integer collectives around a save (plans gathered and scattered before the writes,
     results gathered and the metadata broadcast after), three all-reduces in a load, on every rank; the
     bytes are raw's, loaded back whole."""
-    with RankGroup(2) as group:
-        group.run(ck.prepare, 4 << 20, layout)
-        counts = group.run(_agreed_raw_collectives, str(tmp_path / "ckpt"))
+    two_ranks.run(ck.prepare, 4 << 20, layout)
+    counts = two_ranks.run(_agreed_raw_collectives, str(tmp_path / "ckpt"))
     assert counts == [{"save": {"gather": 2, "scatter": 1, "broadcast": 1}, "load": {"all_reduce": 3}}] * 2
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["raw_rank0.bin", "raw_rank1.bin"]
 
@@ -149,18 +159,18 @@ def test_exchange_is_the_time_from_the_last_rank_arriving_to_each_agreement_endi
 
 
 @pytest.mark.parametrize("impl", ["reference", "raw"])
-def test_saves_over_the_previous_checkpoint_keep_the_directory_on_every_rank(tmp_path: Any, impl: str) -> None:
+def test_saves_over_the_previous_checkpoint_keep_the_directory_on_every_rank(two_ranks: RankGroup, tmp_path: Any, impl: str) -> None:
     """``save_once(..., over_previous=True)``: the first save makes the directory, later ones go over what
     is there (a file of the user's stays), and every rank makes the same collective calls whichever rank
     looks first (a rank deciding alone from what it sees hung the ranks)."""
     directory = tmp_path / "ckpt"
-    with RankGroup(2) as group:
-        group.run(ck.prepare, 4 << 20, "sharded")
-        for k in range(3):
-            assert all(s > 0 for s in group.run(ck.save_once, impl, str(directory), True, timeout=120))
-            if k == 0:
-                (directory / "mine.txt").write_text("kept")
-            assert all(s > 0 for s in group.run(ck.load_once, impl, str(directory), timeout=120))  # checks every value
-        assert (directory / "mine.txt").read_text() == "kept"
-        group.run(ck.save_once, impl, str(directory), timeout=120)  # not over the previous one: emptied first
-        assert not (directory / "mine.txt").exists()
+    group = two_ranks
+    group.run(ck.prepare, 4 << 20, "sharded")
+    for k in range(3):
+        assert all(s > 0 for s in group.run(ck.save_once, impl, str(directory), True, timeout=120))
+        if k == 0:
+            (directory / "mine.txt").write_text("kept")
+        assert all(s > 0 for s in group.run(ck.load_once, impl, str(directory), timeout=120))  # checks every value
+    assert (directory / "mine.txt").read_text() == "kept"
+    group.run(ck.save_once, impl, str(directory), timeout=120)  # not over the previous one: emptied first
+    assert not (directory / "mine.txt").exists()
