@@ -282,6 +282,25 @@ def test_after():
     pass
 '''
 
+#: A session that passes, then aborts in the interpreter's teardown on every rank: the module's object is
+#: destroyed when its module is, as a c10d object left to the teardown is, and its destructor aborts as
+#: that object's still-joinable thread did (std::terminate) on one rank of a job that had passed.
+TEARDOWN = '''
+import os
+
+
+class _AbortsWhenDestroyed:
+    def __del__(self):
+        os.abort()
+
+
+_LEFT_TO_THE_TEARDOWN = _AbortsWhenDestroyed()
+
+
+def test_passes(dist):
+    dist.barrier()
+'''
+
 #: The suite's slice: one or two tests of each section, at world sizes 4 and 2.
 SLICE_FILES = ["conformance/test_flat_param.py", "conformance/test_state_dict.py", "conformance/test_optim_state.py",
                "conformance/test_checkpoint.py", "conformance/test_zoo.py"]
@@ -385,6 +404,7 @@ JOB_OF_TEST = {
     "test_different_collections_stop_every_rank": "mismatch",
     "test_failures_hangs_and_deaths_on_two_nodes": "faults",
     "test_ranks_that_cannot_be_freed_end_the_job_with_a_report": "deadlock",
+    "test_a_rank_exits_with_its_sessions_status_whatever_its_teardown_would_do": "teardown",
 }
 
 
@@ -396,12 +416,14 @@ def jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     (workdir / "test_faults.py").write_text(FAULTS)
     (workdir / "test_deadlock.py").write_text(DEADLOCK)
     (workdir / "test_mismatch.py").write_text(MISMATCH)
+    (workdir / "test_teardown.py").write_text(TEARDOWN)
     wanted = {JOB_OF_TEST[item.name] for item in request.session.items if item.name in JOB_OF_TEST}
     specs = {
         "slice": ([*SLICE_FILES, "--impl", "reference,torch", "--world-size", "4,2,8", "-k", SLICE_K], 2, REPO_ROOT),
         "faults": (["test_faults.py", "--world-size", "4,2", "--rank-timeout", "10"], 2, workdir),
         "deadlock": (["test_deadlock.py", "--rank-timeout", "5"], 1, workdir),
         "mismatch": (["test_mismatch.py"], 1, workdir),
+        "teardown": (["test_teardown.py"], 1, workdir),
     }
     started = {name: Job(name, workdir, args, nnodes=nnodes, cwd=cwd) for name, (args, nnodes, cwd) in specs.items() if name in wanted}
     yield started
@@ -448,6 +470,16 @@ def test_different_collections_stop_every_rank(jobs: dict[str, Job]) -> None:
     assert "test #1 is test_mismatch.py::test_after on rank 0 but test_mismatch.py::test_only_on_rank_1 on rank 1" in done.out
     assert "exitcode  : 4" in done.out  # pytest's usage error, on the ranks
     assert done.report is not None and done.report["tests"] == {}  # nothing ran
+
+
+@pytest.mark.req("HX-31")
+def test_a_rank_exits_with_its_sessions_status_whatever_its_teardown_would_do(jobs: dict[str, Job]) -> None:
+    """Every rank's session passed and the report is written: the job succeeds, though each rank's
+    interpreter teardown would abort it (a rank that aborts there fails its node's launcher, and the
+    other nodes' launchers wait out torchrun's exit barrier)."""
+    done = jobs["teardown"].wait()
+    assert done.returncodes == [0], done.outputs
+    assert done.report is not None and [t["outcome"] for t in done.report["tests"].values()] == ["passed"], done.out
 
 
 @pytest.mark.req("HX-29", "HX-30", "HX-31", "HX-32")
