@@ -16,14 +16,18 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO_ROOT
+from tools.mutation import checkout_files, make_scratch
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """This checkout installed (no dependencies: they are this environment's) into a fresh directory."""
+    """This checkout installed (no dependencies: they are this environment's) into a fresh directory,
+    from a copy of its files: setuptools would package what an earlier build left in ``build/``."""
     target = tmp_path_factory.mktemp("site")
+    source = tmp_path_factory.mktemp("source") / "checkout"
+    make_scratch(REPO_ROOT, source, checkout_files(REPO_ROOT))
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(REPO_ROOT)],
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(source)],
         check=True, capture_output=True, timeout=300,
     )
     return target

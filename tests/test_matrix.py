@@ -103,3 +103,32 @@ def test_a_rerun_replaces_the_outcomes_of_its_tests_only() -> None:
     assert merged["tests"] == {"a": {"outcome": "xfailed"}, "b": {"outcome": "passed"}}
     assert merged["known_deviations"] == ["new"]
     assert whole["tests"]["a"] == {"outcome": "failed"}
+
+
+def test_the_wheel_holds_the_checkout_not_a_stale_build_directory(tmp_path: Path, monkeypatch: Any) -> None:
+    """A module removed from the checkout but left in setuptools' ``build/lib`` by an earlier build is not
+    packaged: every release would run it (a deleted test file ran on 2.14.1 this way)."""
+    import subprocess
+    import zipfile
+
+    from tools import matrix
+
+    checkout = tmp_path / "checkout"
+    (checkout / "conformance").mkdir(parents=True)
+    (checkout / "conformance" / "__init__.py").write_text("")
+    (checkout / "README.md").write_text("tiny\n")
+    (checkout / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "statedict-conformance"\nversion = "0.0.1"\nreadme = "README.md"\n'
+        '[tool.setuptools.packages.find]\ninclude = ["conformance*"]\n'
+    )
+    (checkout / ".gitignore").write_text("build/\n")
+    stale = checkout / "build" / "lib" / "conformance" / "test_removed.py"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("def test_gone(): pass\n")
+    subprocess.run(["git", "init", "-q", str(checkout)], check=True)
+    monkeypatch.setattr(matrix, "REPO_ROOT", checkout)
+    wheel = matrix.build_wheel(tmp_path / "out")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "conformance/__init__.py" in names, names
+    assert not [n for n in names if "test_removed" in n], names

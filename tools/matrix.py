@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tools.mutation import checkout_files, make_scratch
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / ".matrix"
 DEFAULT_DOC = REPO_ROOT / "docs" / "compatibility.md"
@@ -48,11 +50,17 @@ def _log(message: str) -> None:
 
 
 def build_wheel(out: Path) -> Path:
-    """This checkout as a wheel in ``out/dist`` (rebuilt every run: it is what the releases install)."""
+    """This checkout as a wheel in ``out/dist`` (rebuilt every run: it is what the releases install).
+    Built from a copy of :func:`checkout_files`: setuptools reuses the checkout's ``build/`` directory,
+    where a file removed from the checkout stays and would be packaged (a deleted test module ran on
+    every release)."""
     dist = out / "dist"
     shutil.rmtree(dist, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist), str(REPO_ROOT)],
-                   check=True, timeout=600)
+    with tempfile.TemporaryDirectory(prefix="sdc-wheel-") as tmp:
+        source = Path(tmp) / "src"
+        make_scratch(REPO_ROOT, source, checkout_files(REPO_ROOT))
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist), str(source)],
+                       check=True, timeout=600)
     (wheel,) = dist.glob("statedict_conformance-*.whl")
     return wheel
 

@@ -234,7 +234,8 @@ class Result:
 
 
 def checkout_files(root: Path) -> list[str]:
-    """The files of the checkout as it is now: tracked and untracked-but-not-ignored (git), else a walk."""
+    """The files of the checkout as it is now: tracked and untracked-but-not-ignored (git), else a walk
+    of what the suite and its package are built from."""
     try:
         listed = subprocess.run(
             ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
@@ -246,7 +247,7 @@ def checkout_files(root: Path) -> list[str]:
     except (OSError, subprocess.CalledProcessError):
         files = [
             p.relative_to(root).as_posix()
-            for top in ("reference", "conformance", "tests", "tools", "pyproject.toml")
+            for top in ("reference", "conformance", "tests", "tools", "pyproject.toml", "README.md")
             for p in ([root / top] if (root / top).is_file() else (root / top).rglob("*"))
             if p.is_file() and "__pycache__" not in p.parts
         ]
