@@ -24,9 +24,19 @@ from conformance import generated as gen
 from conformance import generated_support as support
 from conformance.adapters.sharding import ShardingPlan
 from conformance.generated_support import FIXTURE_SETTINGS
+from conformance.generated_support import accept as _accept
+from conformance.generated_support import checked as _checked
+from conformance.generated_support import excluded as _excluded
+from conformance.generated_support import run_checkpoint as _run_checkpoint
+from conformance.generated_support import run_optim_state as _run_optim_state
+from conformance.generated_support import world_sizes as _world_sizes
 
 # The test functions' source and signatures are part of their derandomized draws (hypothesis seeds the
 # ci profile from a digest of them): an edit of a @given test's code or signature draws other cases.
+# The helpers are imported under the names these bodies have called them by since their draws were
+# last checked for every adapter. Renamed once, the new draws made torch's CPU/gloo build segfault now
+# and then inside a pools phase, which --rerun-crashes does not rerun (HX-33); new draws need that
+# check again, over several runs.
 
 
 @pytest.mark.req("SD-11", "SD-1", "SD-2")
@@ -39,8 +49,8 @@ def test_generated_state_dict_round_trip(impl: Any, excluded_cases: Any, data: s
     param groups split further, reordered, perturbed and holding state of their own, gives back the
     saved state bitwise, and training on matches the run that never stopped bitwise."""
     ops = impl.require("state_dict")
-    case = data.draw(gen.round_trip_cases(support.excluded(excluded_cases, gen.STATE_DICT_TEST)), label="case")
-    support.checked(gen.state_dict_round_trip, ops, case)
+    case = data.draw(gen.round_trip_cases(_excluded(excluded_cases, gen.STATE_DICT_TEST)), label="case")
+    _checked(gen.state_dict_round_trip, ops, case)
 
 
 @pytest.mark.req("SD-12", "SD-13", "SD-11")
@@ -53,10 +63,10 @@ def test_generated_sharded_state_dict_round_trip(impl: Any, pools: Any, pytestco
     (another strategy for full state dicts; optimizer reordered, perturbed, with state of its own) gives
     the saved values back bitwise, and training on matches the unwrapped run."""
     impl.require("state_dict")
-    sizes = support.world_sizes(pytestconfig)
-    case = data.draw(gen.sharded_state_dict_cases(sizes, support.excluded(excluded_cases, gen.SHARDED_STATE_DICT_TEST)), label="case")
+    sizes = _world_sizes(pytestconfig)
+    case = data.draw(gen.sharded_state_dict_cases(sizes, _excluded(excluded_cases, gen.SHARDED_STATE_DICT_TEST)), label="case")
     assert case.save is not None
-    support.accept(support.checked(pools.run, case.save.world_size, gen.sharded_state_dict_round_trip, impl, case))
+    _accept(_checked(pools.run, case.save.world_size, gen.sharded_state_dict_round_trip, impl, case))
 
 
 @pytest.mark.req("FP-8", "FP-13", "FP-6", "FP-9", "FP-12")
@@ -69,8 +79,8 @@ def test_generated_flat_param_round_trip(impl: Any, excluded_cases: Any, data: s
     and optimizer state cut per parameter); the state dict and optimizer state load into a model of
     another seed wrapped from another order, and training on matches the run that never stopped."""
     ops = impl.require("flat_param")
-    case = data.draw(gen.flat_param_cases(support.excluded(excluded_cases, gen.FLAT_PARAM_TEST)), label="case")
-    support.checked(gen.flat_param_round_trip, ops, case)
+    case = data.draw(gen.flat_param_cases(_excluded(excluded_cases, gen.FLAT_PARAM_TEST)), label="case")
+    _checked(gen.flat_param_round_trip, ops, case)
 
 
 @pytest.mark.req("OS-6", "OS-7", "OS-1", "OS-3", "OS-10", "OS-11", "OS-12")
@@ -84,11 +94,11 @@ def test_generated_optim_state_reload(impl: Any, pools: Any, pytestconfig: pytes
     another world size, whose optimizer lists its groups and parameters in another order with
     perturbed hyperparameters; the load is bitwise, and training on matches the unwrapped run."""
     impl.require("optim_state")
-    sizes = support.world_sizes(pytestconfig)
+    sizes = _world_sizes(pytestconfig)
     sharding = impl.require("sharding")
     choices = [(s, o) for s in gen.STRATEGIES for o in (False, True) if sharding.unsupported(ShardingPlan(s, o)) is None]
-    case = data.draw(gen.optim_state_cases(sizes, choices, support.excluded(excluded_cases, gen.OPTIM_STATE_TEST)), label="case")
-    support.run_optim_state(impl, pools, case)
+    case = data.draw(gen.optim_state_cases(sizes, choices, _excluded(excluded_cases, gen.OPTIM_STATE_TEST)), label="case")
+    _run_optim_state(impl, pools, case, _accept)
 
 
 @pytest.mark.req("ML-1", "ML-8")
@@ -101,9 +111,9 @@ def test_generated_checkpoint_reshard(impl: Any, pools: Any, pytestconfig: pytes
     perturbed, with state of its own): every value equals the saved one bitwise, and training on
     matches the unwrapped run that never stopped."""
     impl.require("checkpoint")
-    sizes = support.world_sizes(pytestconfig)
-    case = data.draw(gen.checkpoint_cases(sizes, support.excluded(excluded_cases, gen.CHECKPOINT_TEST)), label="case")
-    support.run_checkpoint(impl, pools, case)
+    sizes = _world_sizes(pytestconfig)
+    case = data.draw(gen.checkpoint_cases(sizes, _excluded(excluded_cases, gen.CHECKPOINT_TEST)), label="case")
+    _run_checkpoint(impl, pools, case)
 
 
 @pytest.mark.parametrize("name", support.witness_params())
