@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Child", "ChildTimeout", "process_context", "start_child", "run_child"]
+__all__ = ["Child", "ChildTimeout", "adopt_environment", "process_context", "start_child", "run_child"]
 
 #: What the server imports before it forks: torch and the parts of it every adapter's checkpoint uses.
 #: A module missing here only costs time (the child imports it).
@@ -40,11 +40,31 @@ def process_context() -> Any:
     return context
 
 
+def adopt_environment(env: Mapping[str, str]) -> None:
+    """Make ``env`` (the starter's environment) this forked process's, as a fresh interpreter started
+    with it would have it: also torch's intra-op threads, which the server fixed when it imported torch
+    under its own environment, follow ``env``'s ``OMP_NUM_THREADS``. Where ``env`` does not set it, the
+    process and those it starts get one, as torchrun gives each of several processes on one machine:
+    the suite's processes (both world sizes' ranks, the children tests start, the parts of ``make
+    test``) share the cores, and with torch's default of a thread per core each process's idle OpenMP
+    threads spin on cores another one needs, while the suite's tensors are too small to gain from more."""
+    import torch  # the server's, already imported
+
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        threads = int(os.environ["OMP_NUM_THREADS"])
+    except ValueError:  # torch ignores a value that is not a number, and so does this
+        return
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
 def _entry(main: Callable[[list[str]], int], argv: list[str], env: dict[str, str], output: str) -> None:
     """The child: the caller's environment, stdout and stderr into ``output``, then ``main(argv)`` as
     its exit status."""
-    os.environ.clear()
-    os.environ.update(env)
+    adopt_environment(env)
     fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from conformance.child_process import run_child
 from conformance.harness.shards import COSTS_FILE, CostTable, deal, load_costs
 from tests.conftest import REPO_ROOT, run_suite
+from tests.forked import python_c
 
 FAULTS = '''
 import os, signal, time
@@ -445,6 +447,45 @@ def test_pools_are_reused_across_tests(suite: pytest.Pytester, monkeypatch: pyte
     assert seen["a"] == seen["b"], "the second test must run on the same rank processes"
     payload = json.loads((suite.path / "out.json").read_text())
     assert {v["outcome"] for v in payload["tests"].values()} == {"passed"}
+
+
+THREADS = '''
+import os
+import torch
+
+from conformance.child_process import run_child
+
+
+def test_rank(dist):
+    assert (os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()) == ("1", 1)
+
+
+def report_threads(argv):
+    print("threads", os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads())
+    return 0
+
+
+def test_child():
+    status, output = run_child(report_threads, [], timeout=60)
+    assert status == 0 and "threads 1 1" in output, output
+'''
+
+
+@pytest.mark.req("HX-2")
+def test_ranks_and_children_run_one_intra_op_thread_unless_the_environment_says(suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    suite.makepyfile(test_threads=THREADS)
+    run_suite(suite, "--world-size", "1,2").assert_outcomes(passed=3)
+
+
+@pytest.mark.req("HX-2")
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_a_child_runs_the_intra_op_threads_its_environment_sets(threads: str) -> None:
+    # The server imported torch under its own environment: the child's threads come from the child's.
+    env = {**os.environ, "OMP_NUM_THREADS": threads}
+    code = "import os, torch; print('threads', os.environ['OMP_NUM_THREADS'], torch.get_num_threads())"
+    status, output = run_child(python_c, [code], env=env, timeout=60, description="the thread probe")
+    assert status == 0 and f"threads {threads} {threads}" in output, output
 
 
 CRASH_ADAPTERS = '''

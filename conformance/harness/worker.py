@@ -27,6 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from conformance.child_process import adopt_environment
 from conformance.harness.failures import Failure
 
 __all__ = ["Task", "RankOutcome", "DistArg", "DIST_ARG", "make_task", "rank_main", "run_task", "send_message", "recv_message"]
@@ -247,8 +248,7 @@ def rank_main(
     """Entry point of a rank process (a multiprocessing target). ``env``: the controller's environment
     when it started the rank, which a rank forked from a server would not otherwise see."""
     if env is not None:
-        os.environ.clear()
-        os.environ.update(env)
+        adopt_environment(env)
     # Ctrl-C in a terminal reaches the whole foreground process group: the controller handles it and
     # tears the pools down; a rank interrupted mid-collective would only leave its peers hanging.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
