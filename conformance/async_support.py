@@ -54,7 +54,11 @@ __all__ = [
     "check_after_a_failure",
 ]
 
-EXECUTORS = ("thread", "process")
+#: Where the background write runs. A process executor's case costs a writer process per rank (an
+#: interpreter that imports torch) and runs the same code at every world size, so it runs at the
+#: largest selected one (every world size under ``--hypothesis-profile thorough``); the thread
+#: executor's runs at each.
+EXECUTORS = ("thread", pytest.param("process", marks=pytest.mark.largest_world_size))
 #: Seconds a future gets to resolve once its save should have ended (AS-4's "within seconds"); a
 #: future still pending then is a hang, reported as such instead of stopping the run.
 OUTCOME_TIMEOUT_S = 30.0

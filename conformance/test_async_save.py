@@ -1,7 +1,8 @@
 """AS: async checkpoints (SPEC.md, section AS).
 
 Every test runs on each executor the adapter provides (``thread``, ``process``); a missing one is a skip
-naming it. The state is a training job's (:func:`conformance.async_support.training_state`): a sharded
+naming it. The process executor's cases run at the largest selected world size (every one under
+``--hypothesis-profile thorough``). The state is a training job's (:func:`conformance.async_support.training_state`): a sharded
 DTensor parameter, optimizer state with a tensor step and hyperparameters, buffers of other dtypes and
 non-tensor progress. What the checkpoint holds is read back with the adapter's synchronous load into a
 state of other values, and compared bit for bit. A future is never waited for without a timeout: a

@@ -203,6 +203,41 @@ def test_skips_propagate_and_disagreement_is_reported(suite: pytest.Pytester) ->
     result.assert_outcomes(passed=3, skipped=5, failed=1)
 
 
+LARGEST = '''
+import pytest
+
+
+@pytest.mark.parametrize("case", ["every", pytest.param("costly", marks=pytest.mark.largest_world_size)])
+def test_grid(dist, case):
+    pass
+
+
+@pytest.mark.largest_world_size
+def test_marked(dist):
+    pass
+'''
+
+
+@pytest.mark.req("HX-8")
+@pytest.mark.parametrize(("args", "skipped"), [
+    (["--world-size", "1,2"], {"test_grid[ws1-costly]", "test_marked[ws1]"}),
+    (["--world-size", "2,1", "--hypothesis-profile", "thorough"], set()),
+    (["--world-size", "1"], set()),
+    (["--world-size", "2,3"], {"test_grid[ws2-costly]", "test_marked[ws2]"}),
+], ids=["default", "thorough", "one-size", "two-and-three"])
+def test_a_case_marked_largest_world_size_runs_at_the_largest_selected_only(suite: pytest.Pytester, args: list[str], skipped: set[str]) -> None:
+    suite.makeconftest("from conformance.generated import register_profiles\n\nregister_profiles()\n")
+    suite.makepyfile(test_largest=LARGEST)
+    report = suite.path / "out.json"
+    result = run_suite(suite, *args, "--report-json", str(report), "-k", "costly or marked")
+    tests = json.loads(report.read_text())["tests"]
+    got = {t.split("::")[-1] for t, v in tests.items() if v["outcome"] == "skipped"}
+    assert got == skipped, result.stdout.str()[-2000:]
+    for test in skipped:
+        assert "runs at the largest selected world size" in tests[f"test_largest.py::{test}"]["reason"]
+    assert {v["outcome"] for t, v in tests.items() if t.split("::")[-1] not in skipped} == {"passed"}
+
+
 @pytest.mark.req("HX-8")
 def test_nccl_without_gpus_is_a_skip_that_says_so(suite: pytest.Pytester) -> None:
     import torch

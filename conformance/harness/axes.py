@@ -17,7 +17,7 @@ from conformance.harness.config import harness_config
 
 __all__ = [
     "CONFORMANCE_DIR", "DistSpec", "selected_world_sizes", "impl_specs", "item_impl", "item_backend",
-    "suite_test_id",
+    "suite_test_id", "below_the_largest_world_size",
 ]
 
 #: The directory of the suite (``conformance/``), wherever it is installed.
@@ -65,6 +65,27 @@ def item_backend(item: pytest.Item) -> str | None:
     if pair:
         return harness_config(item.config).backend_for(max(pair))
     return None
+
+
+def below_the_largest_world_size(item: pytest.Item) -> str | None:
+    """Why a case marked ``largest_world_size`` is skipped at this item's world size, or None when it
+    runs. Such a case (one parameter of a grid whose cost is a process per rank, say) runs at the largest
+    world size the run selects and checks there everything it would at a smaller one; under the
+    ``thorough`` hypothesis profile, the suite's exhaustive run, it runs at every selected world size.
+    A run that selects one world size runs it there, whatever that size is."""
+    if item.get_closest_marker("largest_world_size") is None:
+        return None
+    callspec = getattr(item, "callspec", None)
+    spec = callspec.params.get("dist") if callspec is not None else None
+    if not isinstance(spec, DistSpec):
+        return None
+    from hypothesis import settings
+
+    largest = max(selected_world_sizes(item.config))
+    if spec.world_size >= largest or settings.get_current_profile_name() == "thorough":
+        return None
+    return (f"this case runs at the largest selected world size ({largest}), which checks all it would check at "
+            f"{spec.world_size}; --hypothesis-profile thorough runs it at every world size")
 
 
 def suite_test_id(item: pytest.Item) -> str:

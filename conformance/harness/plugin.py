@@ -32,7 +32,15 @@ from typing import Any, NoReturn
 import pytest
 
 from conformance.adapters.base import SHIPPED, Adapter, capability_of, load_adapter
-from conformance.harness.axes import CONFORMANCE_DIR, DistSpec, impl_specs, item_impl, selected_world_sizes, suite_test_id
+from conformance.harness.axes import (
+    CONFORMANCE_DIR,
+    DistSpec,
+    below_the_largest_world_size,
+    impl_specs,
+    item_impl,
+    selected_world_sizes,
+    suite_test_id,
+)
 from conformance.harness.config import SETTINGS, HarnessConfig, harness_config
 from conformance.harness.failures import DIED, HUNG, Failure
 from conformance.harness.known_deviations import (
@@ -167,6 +175,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "rank_timeout(seconds): cut this rank test after `seconds` (at most --rank-timeout): for tests where a wrong "
         "implementation leaves ranks waiting",
+    )
+    config.addinivalue_line(
+        "markers",
+        "largest_world_size: run this rank test (or parameter of one) at the largest selected world size only, "
+        "unless the hypothesis profile is thorough; at a smaller one it is a skip that says so",
     )
     config.addinivalue_line(
         "markers",
@@ -402,6 +415,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if in_suite and item_impl(item) is None and any(capability_of(r) for r in reqs):
             without_impl.append(item.nodeid)
         _rank_timeout(config, item)  # a malformed rank_timeout marker is a usage error before anything runs
+        covered = below_the_largest_world_size(item)
+        if covered is not None:
+            item.add_marker(pytest.mark.skip(reason=covered))
         impl = item_impl(item)
         item.user_properties.append(("reqs", reqs))
         item.user_properties.append(("impl", impl.name if impl else None))
