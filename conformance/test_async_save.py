@@ -363,6 +363,7 @@ def test_a_second_save_while_one_is_in_flight_never_mixes(dist, impl, executor: 
 
 
 @pytest.mark.req("AS-5")
+@pytest.mark.rank_timeout(30)  # four saves of 16 MiB end in seconds; a writer they broke leaves a future pending
 @pytest.mark.parametrize("executor", EXECUTORS)
 @isolated
 def test_staged_copies_stay_bounded(dist, impl, executor: str) -> None:
@@ -380,7 +381,7 @@ def test_staged_copies_stay_bounded(dist, impl, executor: str) -> None:
             state["step"] = step
             responses.append(async_save(ops, state, dist.tmp_dir / "ckpt", dist, executor))
         for response in responses:
-            outcome(response.upload_completion, "a completion future", f"rank {dist.rank}")
+            outcome(response.upload_completion, "a completion future", f"rank {dist.rank}", timeout=20)
 
     grown, measured = peak_bytes_during(dist.device, four_saves)
     errors = [r.upload_completion.exception() for r in responses]
