@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_for_futures
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,8 @@ EXECUTORS = ("thread", pytest.param("process", marks=pytest.mark.largest_world_s
 #: Seconds a future gets to resolve once its save should have ended (AS-4's "within seconds"); a
 #: future still pending then is a hang, reported as such instead of stopping the run.
 OUTCOME_TIMEOUT_S = 30.0
+#: Seconds a staging future gets to resolve once the completion future of its save has.
+STAGING_AFTER_COMPLETION_S = 5.0
 #: Columns of the sharded matrix: 4 rows per rank of float32, 1 MiB per rank, so that the background
 #: write takes longer than what the test does right after the call returns.
 _COLUMNS = 1 << 16
@@ -282,10 +285,17 @@ class RefusingStateful:
 
 
 def check_after_a_failure(dist: RankContext, impl: Adapter, executor: str, path: Path, fault: str, where: str,
-                     error: BaseException | None) -> None:
+                     error: BaseException | None, staging: Future[Any] | None) -> None:
     """AS-4's checks once an async save met ``fault``, each clause checked even when another failed: one
     error everywhere (a), naming the path (b); the previous checkpoint whole (c); the next async save
-    succeeds (d)."""
+    succeeds (d); ``staging`` (the failed save's staging future, None when the call raised) resolved (e)."""
+
+    def staging_resolved() -> None:
+        # The completion future has resolved, and staging comes before the write: a staging future
+        # still pending now stays so, and a trainer waiting on it before its next step hangs.
+        if staging is not None and not wait_for_futures([staging], timeout=STAGING_AFTER_COMPLETION_S).done:
+            fail(f"the staging future of an async save with {fault} ({executor})", "still pending after the completion future resolved",
+                 "resolved (with the staging error where staging failed)", f"rank {dist.rank}")
 
     def names() -> None:
         if error is not None and str(path) not in str(error) and path.name not in str(error):
@@ -306,4 +316,5 @@ def check_after_a_failure(dist: RankContext, impl: Adapter, executor: str, path:
         "AS-4.b": names,
         "AS-4.c": previous_whole,
         "AS-4.d": next_save,
+        "AS-4.e": staging_resolved,
     })

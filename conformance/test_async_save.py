@@ -281,7 +281,8 @@ _FAULTS = ("full-disk-mid-data", "fsync-fails", "read-only", "refusing-stateful"
 def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, fault: str, where: str) -> None:
     """Over a previous checkpoint, an async save meets ``fault`` on every rank or on the last only: the
     completion future of every rank resolves, within seconds, with the same error, naming the path (or
-    the call raises so on every rank); the previous checkpoint loads whole; the next async save succeeds."""
+    the call raises so on every rank); the previous checkpoint loads whole; the next async save succeeds;
+    the failed save's staging future has resolved too."""
     ops = async_ops(impl, executor)
     if fault == "writer-dies" and executor != "process":
         pytest.skip("a thread executor has no writer process to kill")
@@ -298,6 +299,8 @@ def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, faul
     elif fault == "refusing-stateful":
         state["loader"] = {"position": 5}
 
+    issued: list[Any] = []  # the failing save's response, when the call returned one
+
     def failing_save() -> None:
         if fault in ("refusing-stateful", "writer-dies"):
             if fault == "writer-dies" and here:
@@ -305,6 +308,7 @@ def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, faul
                 # write surely not done (a fresh writer of this save is killed once staging completed).
                 signal_writer_processes(signal.SIGSTOP)
             response = async_save(ops, state, path, dist, executor)
+            issued.append(response)
             if fault == "writer-dies" and here:
                 outcome(response.staging_completion, "the staging future", f"rank {dist.rank}")
                 if not signal_writer_processes(signal.SIGKILL):
@@ -313,6 +317,7 @@ def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, faul
         else:
             with injected_fault(dist, path, fault, "every-rank" if where == "every-rank" else "last-rank"):
                 response = async_save(ops, state, path, dist, executor)
+                issued.append(response)
                 error = outcome(response.upload_completion, "the completion future of a failing save", f"rank {dist.rank}")
             if error is not None:
                 raise error
@@ -323,7 +328,7 @@ def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, faul
 
     error = raised(failing_save)
     try:
-        check_after_a_failure(dist, impl, executor, path, fault, where, error)
+        check_after_a_failure(dist, impl, executor, path, fault, where, error, issued[0].staging_completion if issued else None)
     finally:
         if fault == "writer-dies":
             ops.shutdown()  # whatever this implementation kept of its dead writer is not the next test's
