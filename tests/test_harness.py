@@ -10,10 +10,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from conformance.child_process import run_child
+from conformance.harness.axes import DistSpec, below_the_largest_world_size
+from conformance.harness.config import SETTINGS, HarnessConfig
 from conformance.harness.shards import COSTS_FILE, CostTable, deal, load_costs
 from tests.conftest import REPO_ROOT, run_suite
 from tests.forked import python_c
@@ -223,8 +227,7 @@ def test_marked(dist):
     (["--world-size", "1,2"], {"test_grid[ws1-costly]", "test_marked[ws1]"}),
     (["--world-size", "2,1", "--hypothesis-profile", "thorough"], set()),
     (["--world-size", "1"], set()),
-    (["--world-size", "2,3"], {"test_grid[ws2-costly]", "test_marked[ws2]"}),
-], ids=["default", "thorough", "one-size", "two-and-three"])
+], ids=["default", "thorough", "one-size"])
 def test_a_case_marked_largest_world_size_runs_at_the_largest_selected_only(suite: pytest.Pytester, args: list[str], skipped: set[str]) -> None:
     suite.makeconftest("from conformance.generated import register_profiles\n\nregister_profiles()\n")
     suite.makepyfile(test_largest=LARGEST)
@@ -234,8 +237,30 @@ def test_a_case_marked_largest_world_size_runs_at_the_largest_selected_only(suit
     got = {t.split("::")[-1] for t, v in tests.items() if v["outcome"] == "skipped"}
     assert got == skipped, result.stdout.str()[-2000:]
     for test in skipped:
-        assert "runs at the largest selected world size" in tests[f"test_largest.py::{test}"]["reason"]
+        assert "runs at the largest world size this run can run (2)" in tests[f"test_largest.py::{test}"]["reason"]
     assert {v["outcome"] for t, v in tests.items() if t.split("::")[-1] not in skipped} == {"passed"}
+
+
+def _marked_case(world_size: int, settings: HarnessConfig) -> Any:
+    """What the plugin sees of a case marked ``largest_world_size`` at ``world_size`` in a run of ``settings``."""
+    config = SimpleNamespace(stash={SETTINGS: settings})
+    marker = pytest.mark.largest_world_size.mark
+    return SimpleNamespace(config=config, callspec=SimpleNamespace(params={"dist": DistSpec(world_size, settings.backend_for(world_size))}),
+                           get_closest_marker=lambda name: marker if name == marker.name else None)
+
+
+@pytest.mark.req("HX-8")
+@pytest.mark.parametrize(("sizes", "backend", "gpus", "ranks", "runs_at"), [
+    ((2, 3), "gloo", 0, None, {3}),  # the largest, not a fixed size
+    ((2, 4, 8), "gloo", 0, 4, {4, 8}),  # a torchrun job of 4: 8 is a skip of its own, 4 runs the case
+    ((1, 2), "auto", 1, None, {2}),  # nccl at 1, gloo at 2: both run
+    ((1, 2), "nccl", 1, None, {1, 2}),  # nccl at 2 has one GPU: only 1 runs (2 is a skip of its own)
+], ids=["largest", "torchrun-job", "auto-backend", "nccl-one-gpu"])
+def test_the_largest_world_size_is_the_largest_the_run_can_run(sizes: tuple[int, ...], backend: str, gpus: int, ranks: int | None,
+                                                              runs_at: set[int]) -> None:
+    settings = HarnessConfig(world_sizes=sizes, backend=backend, cuda_devices=gpus, impls=("reference",), rank_timeout_s=60.0,
+                             rerun_crashes=frozenset(), run_known_hangs=False, launcher="pool", shared_tmp=None, ranks=ranks)
+    assert {size for size in sizes if below_the_largest_world_size(_marked_case(size, settings)) is None} == runs_at
 
 
 @pytest.mark.req("HX-8")
@@ -489,6 +514,8 @@ import os
 import torch
 
 from conformance.child_process import run_child
+from conformance.harness.axes import DistSpec, below_the_largest_world_size
+from conformance.harness.config import SETTINGS, HarnessConfig
 
 
 def test_rank(dist):

@@ -70,9 +70,9 @@ def item_backend(item: pytest.Item) -> str | None:
 def below_the_largest_world_size(item: pytest.Item) -> str | None:
     """Why a case marked ``largest_world_size`` is skipped at this item's world size, or None when it
     runs. Such a case (one parameter of a grid whose cost is a process per rank, say) runs at the largest
-    world size the run selects and checks there everything it would at a smaller one; under the
-    ``thorough`` hypothesis profile, the suite's exhaustive run, it runs at every selected world size.
-    A run that selects one world size runs it there, whatever that size is."""
+    selected world size this run can run (the runner has its ranks, nccl a GPU for each) and checks
+    there everything it would at a smaller one; under the ``thorough`` hypothesis profile, the suite's
+    exhaustive run, it runs at every selected world size. A run that can run one world size runs it there."""
     if item.get_closest_marker("largest_world_size") is None:
         return None
     callspec = getattr(item, "callspec", None)
@@ -81,11 +81,12 @@ def below_the_largest_world_size(item: pytest.Item) -> str | None:
         return None
     from hypothesis import settings
 
-    largest = max(selected_world_sizes(item.config))
-    if spec.world_size >= largest or settings.get_current_profile_name() == "thorough":
+    config = harness_config(item.config)
+    runnable = [size for size in config.world_sizes if config.can_run(size)]
+    if not runnable or spec.world_size >= max(runnable) or settings.get_current_profile_name() == "thorough":
         return None
-    return (f"this case runs at the largest selected world size ({largest}), which checks all it would check at "
-            f"{spec.world_size}; --hypothesis-profile thorough runs it at every world size")
+    return (f"this case runs at the largest world size this run can run ({max(runnable)}), which checks all it would "
+            f"check at {spec.world_size}; --hypothesis-profile thorough runs it at every world size")
 
 
 def suite_test_id(item: pytest.Item) -> str:

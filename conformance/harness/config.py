@@ -67,11 +67,15 @@ class HarnessConfig:
     shared_tmp: str | None
     #: ``--shard K/N``: run the K-th of N parts of the selected tests (None: all of them)
     shard: tuple[int, int] | None = None
+    #: the ranks the runner has (a torchrun job's world size); None: pools of any size
+    ranks: int | None = None
 
     @classmethod
-    def from_options(cls, config: pytest.Config, *, default_world_sizes: str | None = None, cuda_devices: int | None = None) -> HarnessConfig:
-        """The settings ``config``'s options give; ``default_world_sizes`` and ``cuda_devices`` are the
-        runner's (a torchrun job's) when it has its own, else ``1,2`` and this machine's GPUs."""
+    def from_options(cls, config: pytest.Config, *, default_world_sizes: str | None = None, cuda_devices: int | None = None,
+                     ranks: int | None = None) -> HarnessConfig:
+        """The settings ``config``'s options give; ``default_world_sizes``, ``cuda_devices`` and ``ranks``
+        are the runner's (a torchrun job's) when it has its own, else ``1,2``, this machine's GPUs and
+        pools of any size."""
         impls = [s.strip() for opt in config.getoption("--impl") for s in opt.split(",") if s.strip()]
         return cls(
             world_sizes=parse_world_sizes(config.getoption("--world-size") or default_world_sizes or "1,2"),
@@ -84,6 +88,7 @@ class HarnessConfig:
             launcher=str(config.getoption("--launcher")),
             shared_tmp=config.getoption("--shared-tmp"),
             shard=parse_shard(config.getoption("--shard")),
+            ranks=ranks,
         )
 
     @property
@@ -91,6 +96,13 @@ class HarnessConfig:
         """The process groups' own timeout: twice the rank timeout, at least a minute (the harness cuts
         a hang first, and names it)."""
         return max(60.0, self.rank_timeout_s * 2)
+
+    def can_run(self, world_size: int) -> bool:
+        """Whether a rank test of ``world_size`` runs here rather than being a skip: the runner has the
+        ranks, and nccl (the backend ``world_size`` gets) a GPU for each."""
+        if self.ranks is not None and world_size > self.ranks:
+            return False
+        return self.backend_for(world_size) != "nccl" or self.cuda_devices >= world_size
 
     def backend_for(self, world_size: int) -> str:
         """The backend of ``world_size``: ``auto`` is nccl where every rank has a GPU, else gloo."""

@@ -208,7 +208,7 @@ def _start(config: pytest.Config) -> tuple[HarnessConfig, Runner]:
         raise pytest.UsageError("--shard splits a run of rank pools on one machine; under torchrun every rank runs every test")
     runner = start_runner(config, env, rank_timeout_s=settings.rank_timeout_s, shared_tmp=settings.shared_tmp, write_report=_write_report)
     job = runner.job
-    return HarnessConfig.from_options(config, default_world_sizes=str(job.world_size), cuda_devices=job.cuda_ranks), runner
+    return HarnessConfig.from_options(config, default_world_sizes=str(job.world_size), cuda_devices=job.cuda_ranks, ranks=job.world_size), runner
 
 
 #: Modules the harness needs that torch does not install: (module, what needs it).
