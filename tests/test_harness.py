@@ -223,19 +223,14 @@ def test_marked(dist):
 
 
 @pytest.mark.req("HX-8")
-@pytest.mark.parametrize(("args", "skipped"), [
-    (["--world-size", "1,2"], {"test_grid[ws1-costly]", "test_marked[ws1]"}),
-    (["--world-size", "2,1", "--hypothesis-profile", "thorough"], set()),
-    (["--world-size", "1"], set()),
-], ids=["default", "thorough", "one-size"])
-def test_a_case_marked_largest_world_size_runs_at_the_largest_selected_only(suite: pytest.Pytester, args: list[str], skipped: set[str]) -> None:
-    suite.makeconftest("from conformance.generated import register_profiles\n\nregister_profiles()\n")
+def test_a_case_marked_largest_world_size_runs_at_the_largest_selected_only(suite: pytest.Pytester) -> None:
+    # End to end through the plugin; which sizes run in other runs: the unit test below.
     suite.makepyfile(test_largest=LARGEST)
     report = suite.path / "out.json"
-    result = run_suite(suite, *args, "--report-json", str(report), "-k", "costly or marked")
+    result = run_suite(suite, "--world-size", "1,2", "--report-json", str(report), "-k", "costly or marked")
     tests = json.loads(report.read_text())["tests"]
-    got = {t.split("::")[-1] for t, v in tests.items() if v["outcome"] == "skipped"}
-    assert got == skipped, result.stdout.str()[-2000:]
+    skipped = {"test_grid[ws1-costly]", "test_marked[ws1]"}
+    assert {t.split("::")[-1] for t, v in tests.items() if v["outcome"] == "skipped"} == skipped, result.stdout.str()[-2000:]
     for test in skipped:
         assert "runs at the largest world size this run can run (2)" in tests[f"test_largest.py::{test}"]["reason"]
     assert {v["outcome"] for t, v in tests.items() if t.split("::")[-1] not in skipped} == {"passed"}
@@ -250,17 +245,30 @@ def _marked_case(world_size: int, settings: HarnessConfig) -> Any:
 
 
 @pytest.mark.req("HX-8")
-@pytest.mark.parametrize(("sizes", "backend", "gpus", "ranks", "runs_at"), [
-    ((2, 3), "gloo", 0, None, {3}),  # the largest, not a fixed size
-    ((2, 4, 8), "gloo", 0, 4, {4, 8}),  # a torchrun job of 4: 8 is a skip of its own, 4 runs the case
-    ((1, 2), "auto", 1, None, {2}),  # nccl at 1, gloo at 2: both run
-    ((1, 2), "nccl", 1, None, {1, 2}),  # nccl at 2 has one GPU: only 1 runs (2 is a skip of its own)
-], ids=["largest", "torchrun-job", "auto-backend", "nccl-one-gpu"])
+@pytest.mark.parametrize(("sizes", "backend", "gpus", "ranks", "profile", "runs_at"), [
+    ((2, 3), "gloo", 0, None, "ci", {3}),  # the largest, not a fixed size
+    ((1, 2), "gloo", 0, None, "thorough", {1, 2}),  # the exhaustive run: every size
+    ((1,), "gloo", 0, None, "ci", {1}),  # one size: it runs there
+    ((2, 4, 8), "gloo", 0, 4, "ci", {4, 8}),  # a torchrun job of 4: 8 is a skip of its own, 4 runs the case
+    ((1, 2), "auto", 1, None, "ci", {2}),  # nccl at 1, gloo at 2: both run
+    ((1, 2), "nccl", 1, None, "ci", {1, 2}),  # nccl at 2 has one GPU: only 1 runs (2 is a skip of its own)
+], ids=["largest", "thorough", "one-size", "torchrun-job", "auto-backend", "nccl-one-gpu"])
 def test_the_largest_world_size_is_the_largest_the_run_can_run(sizes: tuple[int, ...], backend: str, gpus: int, ranks: int | None,
-                                                              runs_at: set[int]) -> None:
+                                                              profile: str, runs_at: set[int]) -> None:
+    from hypothesis import settings as profiles
+
+    from conformance.generated import register_profiles
+
+    before = profiles.get_current_profile_name()
+    register_profiles()  # the suite's profiles, where this run has not collected conformance/
     settings = HarnessConfig(world_sizes=sizes, backend=backend, cuda_devices=gpus, impls=("reference",), rank_timeout_s=60.0,
                              rerun_crashes=frozenset(), run_known_hangs=False, launcher="pool", shared_tmp=None, ranks=ranks)
-    assert {size for size in sizes if below_the_largest_world_size(_marked_case(size, settings)) is None} == runs_at
+    profiles.load_profile(profile)
+    try:
+        runs = {size for size in sizes if below_the_largest_world_size(_marked_case(size, settings)) is None}
+    finally:
+        profiles.load_profile(before)
+    assert runs == runs_at
 
 
 @pytest.mark.req("HX-8")
