@@ -422,8 +422,11 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    status = Path(f"/proc/{pid}/status")
-    return not (status.exists() and "State:\tZ" in status.read_text())
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:  # reaped between the signal and the read
+        return False
+    return "State:\tZ" not in status
 
 
 def _wait_gone(pids: list[int], seconds: float) -> list[int]:

@@ -263,6 +263,8 @@ def _process_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:  # reaped since the signal
+        return False
     except (OSError, IndexError):
         return True
 
