@@ -97,12 +97,18 @@ class HarnessConfig:
         a hang first, and names it)."""
         return max(60.0, self.rank_timeout_s * 2)
 
-    def can_run(self, world_size: int) -> bool:
-        """Whether a rank test of ``world_size`` runs here rather than being a skip: the runner has the
-        ranks, and nccl (the backend ``world_size`` gets) a GPU for each."""
+    def why_not_run(self, world_size: int) -> str | None:
+        """Why a rank test of ``world_size`` is a skip here (the reason it reports), or None when it runs:
+        the runner has the ranks, and nccl (the backend ``world_size`` gets) a GPU for each."""
         if self.ranks is not None and world_size > self.ranks:
-            return False
-        return self.backend_for(world_size) != "nccl" or self.cuda_devices >= world_size
+            return f"world size {world_size} needs {world_size} ranks; the torchrun job has {self.ranks}"
+        if self.backend_for(world_size) == "nccl" and self.cuda_devices < world_size:
+            return f"nccl at world size {world_size} needs {world_size} CUDA devices; found {self.cuda_devices}"
+        return None
+
+    def can_run(self, world_size: int) -> bool:
+        """Whether a rank test of ``world_size`` runs here rather than being a skip."""
+        return self.why_not_run(world_size) is None
 
     def backend_for(self, world_size: int) -> str:
         """The backend of ``world_size``: ``auto`` is nccl where every rank has a GPU, else gloo."""

@@ -512,11 +512,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return
     settings = harness_config(item.config)
     spec = callspec.params.get("dist")
-    if isinstance(spec, DistSpec) and spec.backend == "nccl" and settings.cuda_devices < spec.world_size:
-        _skip(f"nccl at world size {spec.world_size} needs {spec.world_size} CUDA devices; found {settings.cuda_devices}")
-    pair = callspec.params.get("world_size_pair")
-    if pair and settings.backend == "nccl" and settings.cuda_devices < max(pair):
-        _skip(f"nccl at world size {max(pair)} needs {max(pair)} CUDA devices; found {settings.cuda_devices}")
+    sizes = [spec.world_size] if isinstance(spec, DistSpec) else []
+    sizes += list(callspec.params.get("world_size_pair") or ())
+    reason = settings.why_not_run(max(sizes)) if sizes else None
+    if reason is not None:
+        _skip(reason)
     impl = item_impl(item)
     if impl is not None:
         for capability in sorted({c for c in map(capability_of, _item_reqs(item)) if c}):
@@ -731,10 +731,10 @@ class Pools:
     def run(self, world_size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(ctx, *args, **kwargs)`` on every rank of the ``world_size`` pool; per-rank return values."""
         settings = harness_config(self._config)
-        backend = settings.backend_for(world_size)
-        if backend == "nccl" and settings.cuda_devices < world_size:
-            _skip(f"nccl at world size {world_size} needs {world_size} CUDA devices; found {settings.cuda_devices}")
-        return _run_on_ranks(self._config, world_size, backend, fn, (DIST_ARG, *args), kwargs, self._node)
+        reason = settings.why_not_run(world_size)
+        if reason is not None:
+            _skip(reason)
+        return _run_on_ranks(self._config, world_size, settings.backend_for(world_size), fn, (DIST_ARG, *args), kwargs, self._node)
 
 
 @pytest.fixture
