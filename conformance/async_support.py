@@ -107,7 +107,8 @@ def async_save(ops: AsyncCheckpointOps, state: dict[str, Any], path: Path, dist:
 def training_state(dist: RankContext, fill: float) -> dict[str, Any]:
     """What a training job hands an async save: a sharded parameter (a DTensor, every rank a part), a
     replicated one, optimizer state keyed by FQN with a tensor step and hyperparameters, a bfloat16 and
-    an int64 buffer, and non-tensor progress (an int step, nested lists and dicts). Every value derives
+    an int64 buffer, non-tensor progress (an int step, nested lists and dicts) and a tuple holding a
+    tensor (a data sampler's generator state, as trainers keep it). Every value derives
     from ``fill``: two fills differ everywhere."""
     mesh = dist.mesh()
     return full_training_state(dist.world_size, fill, shard=lambda full: dtensor_of(full, mesh, [Shard(0)]))
@@ -130,14 +131,16 @@ def full_training_state(world_size: int, fill: float, shard: Callable[[torch.Ten
             "param_groups": [{"lr": fill / 10, "betas": [0.9, 0.99 + fill / 1000], "params": ["w"]}],
         },
         "step": int(fill),
-        "progress": {"epoch": int(fill) % 7, "losses": [fill, fill / 2], "data": {"shard": f"part-{fill}"}},
+        "progress": {"epoch": int(fill) % 7, "losses": [fill, fill / 2], "data": {"shard": f"part-{fill}"},
+                     "sampler": (torch.arange(5, dtype=torch.int64) + int(fill), int(fill))},
     }
 
 
 def train_on(state: dict[str, Any]) -> None:
     """What training does to the state after staging: every tensor changed in place (DTensor shards
     through their local tensor), a value replaced in the state dict, hyperparameters changed, the step
-    counter advanced, nested non-tensor values changed, appended to and replaced."""
+    counter advanced, nested non-tensor values changed, appended to and replaced, the tensor in a tuple
+    changed in place."""
     def bump(value: torch.Tensor) -> None:
         local = value.to_local() if isinstance(value, DTensor) else value
         local.add_(1000 if local.dtype != torch.bool else 1)
@@ -147,6 +150,7 @@ def train_on(state: dict[str, Any]) -> None:
         bump(model[key])
     model["bias"] = torch.zeros_like(model["bias"])  # replaced, as `param.data = ...` does
     bump(optim["state"]["w"]["exp_avg"])
+    bump(progress["sampler"][0])
     optim["state"]["w"]["step"].add_(1)
     optim["param_groups"][0]["lr"] = 123.0
     optim["param_groups"][0]["betas"][1] = 0.5
