@@ -4,7 +4,9 @@ checked against every adapter by ``conformance/test_async_save.py``."""
 
 from __future__ import annotations
 
+import importlib
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,9 @@ import torch
 from reference import checkpoint
 from reference.checkpoint.staging import ARENA_ALIGNMENT, Stager
 from reference.checkpoint.writer_process import _reference, _resolve
+
+#: The module, which the package's ``async_save`` function shadows.
+async_save_module = importlib.import_module("reference.checkpoint.async_save")
 
 
 def _state(fill: float) -> dict:
@@ -104,6 +109,25 @@ def test_shutdown_closes_the_arena_descriptor(tmp_path: Path) -> None:
     left = {fd for fd in set(os.listdir("/proc/self/fd")) - before if os.path.exists(f"/proc/self/fd/{fd}")}
     memfds = [os.readlink(f"/proc/self/fd/{fd}") for fd in left if "memfd" in os.readlink(f"/proc/self/fd/{fd}")]
     assert not memfds, memfds
+
+
+def test_the_writer_process_leaves_ctrl_c_to_the_rank(tmp_path: Path) -> None:
+    """Ctrl-C reaches every process of the terminal's process group. The writer process ignores it, so
+    what an interrupted save does is the rank's to decide: the writer stays alive and writes the next
+    save (a writer that died of it would fail that save, or be replaced by a fresh one)."""
+    process = checkpoint.AsyncCheckpointerType.PROCESS
+    checkpoint.async_save({"w": torch.ones(8)}, checkpoint_id=tmp_path / "one", async_checkpointer_type=process).result()
+    writer = async_save_module._SAVER.writer
+    assert writer is not None and writer.alive
+    os.kill(writer.process.pid, signal.SIGINT)
+    writer.process.join(0.5)  # returns at once where the signal ended it
+    assert writer.alive, f"the writer process ended on SIGINT (exit status {writer.process.exitcode})"
+    checkpoint.async_save({"w": torch.full((8,), 2.0)}, checkpoint_id=tmp_path / "two", async_checkpointer_type=process).result()
+    assert async_save_module._SAVER.writer is writer
+    loaded = {"w": torch.zeros(8)}
+    checkpoint.load(loaded, checkpoint_id=tmp_path / "two")
+    assert torch.equal(loaded["w"], torch.full((8,), 2.0))
+    checkpoint.async_shutdown()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA staging needs a GPU; none is visible")
