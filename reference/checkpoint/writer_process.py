@@ -99,7 +99,8 @@ class WriterProcess:
         return results
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the process: asked to end, then terminated if it has not within ``timeout`` seconds."""
+        """Stop the process: asked to end, terminated if it has not within ``timeout`` seconds, and killed
+        if it has not ``timeout`` seconds after that (a stopped process acts on no other signal)."""
         try:
             self._connection.send(None)
         except OSError:
@@ -108,6 +109,9 @@ class WriterProcess:
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
         self._connection.close()
         self.process.close()
 

@@ -130,6 +130,22 @@ def test_the_writer_process_leaves_ctrl_c_to_the_rank(tmp_path: Path) -> None:
     checkpoint.async_shutdown()
 
 
+def test_shutdown_ends_a_writer_process_that_does_not_answer(tmp_path: Path) -> None:
+    """A writer process that neither ends when asked nor on SIGTERM (stopped, here) is killed: shutdown
+    returns, with no writer process left behind."""
+    process = checkpoint.AsyncCheckpointerType.PROCESS
+    checkpoint.async_save({"w": torch.ones(8)}, checkpoint_id=tmp_path, async_checkpointer_type=process).result()
+    writer = async_save_module._SAVER.writer
+    assert writer is not None
+    pid = writer.process.pid
+    os.kill(pid, signal.SIGSTOP)
+    writer.close(timeout=0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # ended and reaped
+    async_save_module._SAVER.writer = None
+    checkpoint.async_shutdown()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA staging needs a GPU; none is visible")
 def test_cuda_staging_copies_into_pinned_memory_on_the_current_stream() -> None:
     weight = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
