@@ -23,7 +23,10 @@ that a load leaves non-persistent buffers (BERT's ``position_ids``, Llama's rota
 Without ``transformers`` every test skips (``pip install statedict-conformance[models]``).
 
 Cost: the full strategy x ``use_orig_params`` grid runs for :data:`GRID_MODELS` (the ones that break
-things); the other models run one cell, unless the hypothesis profile is ``thorough``.
+things); the other models run one cell, unless the hypothesis profile is ``thorough``. OS-21 and ML-21
+run at the largest selected world size only (``largest_world_size``; every size under ``thorough``):
+the generated and zoo tests cover what is particular to one rank with small models, and the real
+models add their architectures, which every world size puts through the same code.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ from conformance.values import perturb_hyperparameters
 
 
 @pytest.mark.req("OS-21", "OS-23", "OS-24")
+@pytest.mark.largest_world_size
 @pytest.mark.parametrize("name, save, load", os_cells())
 def test_real_model_trains_saves_and_reloads(dist, impl, name: str, save: Side, load: Side) -> None:
     """A real architecture sharded by the adapter (its blocks as units) trains 2 steps with AdamW like
@@ -187,6 +191,7 @@ def test_real_model_state_dict_round_trip(impl, name: str, form: str) -> None:
 
 
 @pytest.mark.req("ML-21")
+@pytest.mark.largest_world_size
 @pytest.mark.parametrize("name", list(REAL_MODELS))
 def test_real_model_checkpoint_round_trip(dist, impl, name: str) -> None:
     """A real architecture sharded by the adapter (original parameters, its blocks as units) trains 2
