@@ -25,8 +25,8 @@ Without ``transformers`` every test skips (``pip install statedict-conformance[m
 Cost: the full strategy x ``use_orig_params`` grid runs for :data:`GRID_MODELS` (the ones that break
 things); the other models run one cell, unless the hypothesis profile is ``thorough``. OS-21 and ML-21
 run at the largest selected world size only (``largest_world_size``; every size under ``thorough``):
-the generated and zoo tests cover what is particular to one rank with small models, and the real
-models add their architectures, which every world size puts through the same code.
+the generated and zoo tests cover one rank with small models, and the world-size-1 runs of the real
+models kill no mutant of their section that the largest size misses (docs/power.md).
 """
 
 from __future__ import annotations
