@@ -26,7 +26,7 @@ from bench.ranks import RankGroup
 from bench.workloads import async_save as aw
 from bench.workloads import checkpoint as ck
 
-SIZES: list[int] = config.grid(config.CHECKPOINT_SIZES)
+SIZES: list[int] = config.checkpoint_sizes()
 SIZE_LABELS: list[str] = [config.size_label(n) for n in SIZES]
 WORLD_SIZES: list[int] = list(config.CHECKPOINT_WORLD_SIZES)
 SAVERS: list[str] = [s for s in aw.SAVERS if not s.endswith("/sync")]

@@ -24,7 +24,7 @@ from bench import impls as _impls
 from bench.ranks import RankGroup
 from bench.workloads import checkpoint as ck
 
-SIZES: list[int] = config.grid(config.CHECKPOINT_SIZES)
+SIZES: list[int] = config.checkpoint_sizes()
 SIZE_LABELS: list[str] = [config.size_label(n) for n in SIZES]
 DEVICE: str = config.DEVICE
 WORLD_SIZES: list[int] = config.checkpoint_world_sizes(DEVICE)

@@ -1,7 +1,8 @@
 """Sizes of the benchmark grids, the quick mode that CI uses, and the device of the state dicts.
 
 ``BENCH_QUICK=1`` (or pytest's ``--benchmark-disable``, see ``bench/conftest.py``) keeps only the
-smallest size of every grid, so each benchmark runs once and a broken one fails fast; it judges no speed.
+smallest size of every grid, and a smaller one still for the checkpoint workloads, so each benchmark
+runs once and a broken one fails fast; it judges no speed.
 
 ``BENCH_DEVICE=cuda`` puts the checkpoint workloads' state dicts on the GPUs (``cuda:<rank>``, nccl),
 and adds world size 4 where 4 GPUs are visible; without CUDA those benchmarks skip, saying why. The
@@ -26,6 +27,9 @@ def grid(values: list, quick: bool | None = None) -> list:
 
 #: Bytes of model + Adam state (parameters, exp_avg, exp_avg_sq) of the checkpoint workloads.
 CHECKPOINT_SIZES: list[int] = [64 * MiB, 512 * MiB, 2048 * MiB]
+#: The one size of the checkpoint workloads in quick mode: every code path of theirs, for less than
+#: starting their processes costs.
+QUICK_CHECKPOINT_SIZE: int = 4 * MiB
 CHECKPOINT_WORLD_SIZES: list[int] = [1, 2]
 #: Added to CHECKPOINT_WORLD_SIZES for CUDA state dicts when that many GPUs are visible.
 CUDA_EXTRA_WORLD_SIZE = 4
@@ -37,6 +41,12 @@ STATE_DICT_KEYS: list[int] = [100, 1_000, 10_000, 100_000]
 FLAT_PARAM_COUNTS: list[int] = [100, 1_000, 10_000]
 FLAT_PARAM_DEPTHS: list[int] = [1, 4, 16]
 OPTIM_STATE_PARAMS: list[int] = [100, 1_000, 10_000]
+
+
+def checkpoint_sizes(count: int | None = None) -> list[int]:
+    """The first ``count`` of :data:`CHECKPOINT_SIZES` (all of them: None), or in quick mode
+    :data:`QUICK_CHECKPOINT_SIZE` alone."""
+    return [QUICK_CHECKPOINT_SIZE] if QUICK else CHECKPOINT_SIZES[:count]
 
 
 def size_label(nbytes: int) -> str:

@@ -17,7 +17,7 @@ from bench import config
 from bench.workloads import async_save as aw
 from bench.workloads import checkpoint as ck
 
-SIZES = config.grid(config.CHECKPOINT_SIZES[:2])
+SIZES = config.checkpoint_sizes(2)
 CASES = [
     pytest.param(nbytes, world_size, saver, id=f"{config.size_label(nbytes)}-ws{world_size}-{saver.replace('/', '-')}")
     for world_size in config.CHECKPOINT_WORLD_SIZES

@@ -21,7 +21,7 @@ from bench.ranks import RankGroup
 from bench.workloads import checkpoint as ck
 
 # make bench stays in minutes: the 2 GB case is asv's (bench_checkpoint.py).
-SIZES = config.grid(config.CHECKPOINT_SIZES[:2])
+SIZES = config.checkpoint_sizes(2)
 DEVICE = config.DEVICE
 _SUFFIX = "" if DEVICE == "cpu" else f"-{DEVICE}"
 CASES = [
