@@ -38,8 +38,11 @@ def _value(length: int, tag: int) -> bytes:
     """A ``bytes`` value whose pickle (``comm``'s protocol) is ``length`` bytes long and whose content
     depends on ``tag`` and on each position, so that a truncated, shifted or misrouted payload cannot
     unpickle to an equal value."""
+    # Byte i is (7 i + 31 tag) mod 251, which repeats every 251 bytes: built from one period.
+    period = bytes((i * 7 + tag * 31) % 251 for i in range(251))
+    whole = period * (length // 251 + 1)
     for size in range(max(0, length - 32), length + 1):
-        value = bytes((i * 7 + tag * 31) % 251 for i in range(size))
+        value = whole[:size]
         if len(comm._pickled(value)) == length:
             return value
     raise AssertionError(f"no bytes value pickles to {length} bytes")
