@@ -23,8 +23,10 @@ from typing import Any
 __all__ = ["Child", "ChildTimeout", "adopt_environment", "process_context", "start_child", "run_child"]
 
 #: What the server imports before it forks: torch and the parts of it every adapter's checkpoint uses.
-#: A module missing here only costs time (the child imports it).
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor")
+#: A module missing here only costs time (the child imports it). ``torch._dynamo`` is private, but torch
+#: imports it lazily on a process's first ``distribute_tensor``, optimizer or ``fully_shard`` call (their
+#: ``_disable_dynamo`` wrappers): half a second of CPU in every rank and every child that makes one.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor", "torch._dynamo")
 
 
 class ChildTimeout(Exception):
