@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from conformance.adapters.sharding import ShardingOps
     from conformance.adapters.state_dict import StateDictOps
 
-__all__ = ["Adapter", "Unsupported", "CAPABILITIES", "SHIPPED", "load_adapter", "capability_of"]
+__all__ = ["Adapter", "Unsupported", "CAPABILITIES", "SHIPPED", "STACKS", "load_adapter", "capability_of"]
 
 #: Capability name -> the SPEC.md ID prefix of its requirements.
 CAPABILITIES: dict[str, str] = {
@@ -58,6 +58,14 @@ SHIPPED: dict[str, str] = {
     "torch": "conformance.adapters.impls:TorchAdapter",
     "torch-fsdp2": "conformance.adapters.impls:TorchFSDP2Adapter",
     "fairscale": "conformance.adapters.impls:FairscaleAdapter",
+}
+
+#: Adapters for stacks built on torch, shipped by name but not run by default: each needs its stack
+#: installed (``make stacks`` gives each a venv of its own; docs/stacks.md has the verdicts).
+STACKS: dict[str, str] = {
+    "megatron-core": "conformance.adapters.stacks.megatron:MegatronCoreAdapter",
+    "deepspeed": "conformance.adapters.stacks.deepspeed:DeepSpeedAdapter",
+    "torchtitan": "conformance.adapters.stacks.torchtitan:TorchtitanAdapter",
 }
 
 
@@ -81,6 +89,20 @@ class Adapter:
     #: adapter derived from this one gets these entries too (its own file comes first and may remove
     #: inherited entries with ``!pattern`` lines). A file that does not exist is a usage error.
     xfails_file: ClassVar[str | None] = None
+
+    # -- what the stack is: declared, so that the suite does not assume torch's ------------------------
+
+    #: The on-disk format its checkpoints are written in: ``"dcp"`` (torch.distributed.checkpoint's
+    #: ``.metadata`` and ``.distcp`` files, which upstream DCP reads and writes: the DCP-format
+    #: requirements apply, ML-2 and ML-25) or the name of the stack's own format (``"megatron"``,
+    #: ``"deepspeed"``): the semantic requirements still apply, the DCP-format ones are skips naming it.
+    checkpoint_format: ClassVar[str] = "dcp"
+    #: Whether its checkpoint ops need an initialized process group. True: a save or load asked of a
+    #: process without one (ML-12, a crash test's child without a group) is a skip naming the op.
+    needs_process_group: ClassVar[bool] = False
+    #: The device types its ops run on (``"cpu"`` for gloo ranks, ``"cuda"`` for nccl ranks): a rank test
+    #: on another is a skip naming the device.
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
 
     spec: str  # set by load_adapter: how to recreate this adapter on another process
 
@@ -144,6 +166,27 @@ class Adapter:
 
             pytest.skip(f"{self.name} does not provide {capability}: {exc}")
 
+    def require_format(self, fmt: str, requirement: str) -> None:
+        """Skip, naming ``requirement``, unless this stack writes checkpoints in ``fmt`` (``"dcp"``)."""
+        if self.checkpoint_format != fmt:
+            import pytest
+
+            pytest.skip(f"{self.name} writes its own checkpoint format ({self.checkpoint_format!r}); "
+                        f"{requirement} is about the {fmt} format")
+
+    def require_no_process_group(self, op: str) -> None:
+        """Skip, naming ``op``, when this stack declares that its ops need a process group."""
+        if self.needs_process_group:
+            import pytest
+
+            pytest.skip(f"{self.name} declares needs_process_group: {op} in a process without one is not provided")
+
+    def why_not_on(self, device_type: str) -> str | None:
+        """Why a rank test on ``device_type`` is a skip for this stack, or None when it runs there."""
+        if device_type in self.devices:
+            return None
+        return f"{self.name} runs on {', '.join(self.devices)} only (declared devices); this world size runs on {device_type}"
+
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         return load_adapter, (self.spec,)
 
@@ -158,10 +201,10 @@ def load_adapter(spec: str) -> Adapter:
     """The adapter named by ``spec``: a shipped name (``reference``, ``torch``, ...) or ``pkg.module:Class``."""
     if spec in _CACHE:
         return _CACHE[spec]
-    target = SHIPPED.get(spec, spec)
+    target = SHIPPED.get(spec) or STACKS.get(spec, spec)
     if ":" not in target:
         raise ValueError(
-            f"unknown implementation {spec!r}: expected one of {sorted(SHIPPED)} or 'package.module:AdapterClass'"
+            f"unknown implementation {spec!r}: expected one of {sorted(SHIPPED | STACKS)} or 'package.module:AdapterClass'"
         )
     module_name, _, class_name = target.partition(":")
     try:

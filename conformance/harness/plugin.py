@@ -518,6 +518,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if reason is not None:
         _skip(reason)
     impl = item_impl(item)
+    if impl is not None and sizes:
+        device_reason = impl.why_not_on("cuda" if settings.backend_for(max(sizes)) == "nccl" else "cpu")
+        if device_reason is not None:
+            _skip(device_reason)
     if impl is not None:
         for capability in sorted({c for c in map(capability_of, _item_reqs(item)) if c}):
             reason = impl.unsupported_reason(capability)
