@@ -52,6 +52,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conformance import fqn
+from conformance.adapters.unsupported import Unsupported
 from conformance.harness.failures import CLAUSE_ATTR, PropertiesFailed, clause_of
 
 __all__ = [
@@ -123,24 +124,30 @@ def check_each(checks: Mapping[str, Callable[[], Any]] | None = None, /, **named
     """Run every check (by clause ID, in order), each even when an earlier one failed, and fail with
     all that failed: one failure per clause, so that a known deviation pinned to one clause
     (``clauses=`` in an expected-failures file) does not hide a regression in another. A check's error
-    other than the suite's own ``fail`` counts as that clause's failure too.
+    other than the suite's own ``fail`` counts as that clause's failure too; ``Unsupported`` (an op the
+    adapter lacks) does not, and is raised again when no other check failed (the test is a skip).
 
     ``check_each({"ML-13.a": raises, "ML-13.b": names})``. Keywords (``check_each(raises=...)``) name
     properties that are not clauses of SPEC: their failures belong to the test's requirement."""
     __tracebackhide__ = True
     parts: list[tuple[str | None, str]] = []
+    lacking: list[Unsupported] = []
     keyed = {_checked_clause(key): check for key, check in (checks or {}).items()}
     for key, check in [*keyed.items(), *named.items()]:
         try:
             check()
         except pytest.skip.Exception:
             raise
+        except Unsupported as exc:  # an op the adapter lacks: this check cannot be made, the others still can
+            lacking.append(exc)
         except BaseException as exc:  # every clause is reported, whatever broke it
             text = getattr(exc, "msg", None) if isinstance(exc, pytest.fail.Exception) else f"{type(exc).__name__}: {exc}"
             # The innermost clause wins: a check may tag a part of itself as another clause.
             parts.append((clause_of(exc) or key, str(text)) if key in keyed else (clause_of(exc), f"[{key}] {text}"))
     if parts:
         raise PropertiesFailed(parts)
+    if lacking:  # nothing failed, but not everything was checked: a skip naming the op, never a pass
+        raise lacking[0]
 
 
 def _short(value: Any, limit: int = 300) -> str:
@@ -528,10 +535,11 @@ def reraise(exc: BaseException | None) -> None:
 
 def raised(fn: Callable[[], Any]) -> BaseException | None:
     """What ``fn()`` raises, of any type (DCP's ``CheckpointException`` is a ``BaseException``), or None.
-    pytest's own outcomes (skip, fail, xfail) and interrupts pass through."""
+    pytest's own outcomes (skip, fail, xfail) and interrupts pass through, and so does ``Unsupported``:
+    an op the adapter does not provide is a skip of the test, never the error a test asked for."""
     try:
         fn()
-    except (KeyboardInterrupt, SystemExit, pytest.skip.Exception, pytest.fail.Exception, pytest.xfail.Exception):
+    except (KeyboardInterrupt, SystemExit, Unsupported, pytest.skip.Exception, pytest.fail.Exception, pytest.xfail.Exception):
         raise
     except BaseException as exc:  # noqa: B036 - the point is to see what the implementation raises
         return exc

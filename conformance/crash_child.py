@@ -15,6 +15,7 @@ write, on whichever of the process's threads makes the op.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -27,8 +28,6 @@ ASYNC_ENV = "CONFORMANCE_CRASH_ASYNC"
 
 
 def _save(impl: str, state: dict[str, object], path: str, process_group: object = None) -> None:
-    import os
-
     from conformance.adapters.base import load_adapter
 
     executor = os.environ.get(ASYNC_ENV)
@@ -74,7 +73,13 @@ def _rank(rank: int, world: int, port: int, impl: str, path: str, fill: float, k
     state["a"] = distribute_tensor(whole, mesh, [Shard(0)])  # every rank writes its part
     if kill is not None and killed in ("all", str(rank)):
         kill_at(Path(path), *kill)
-    _save(impl, state, path, process_group=dist.group.WORLD)
+    from conformance.adapters.base import Unsupported
+
+    try:
+        _save(impl, state, path, process_group=dist.group.WORLD)
+    except Unsupported as exc:
+        print(exc, file=sys.stderr, flush=True)
+        os._exit(UNSUPPORTED)  # no teardown: the other rank may be waiting in a collective
     dist.destroy_process_group()
 
 
@@ -120,6 +125,8 @@ def main(argv: list[str]) -> int:
             proc.kill()
             proc.join()
     codes = [proc.exitcode for proc in procs]
+    if UNSUPPORTED in codes:
+        return UNSUPPORTED
     return KILLED if -9 in codes else (0 if all(c == 0 for c in codes) else 1)
 
 

@@ -7,7 +7,7 @@ imports neither, so ``conformance/adapters`` never reads the harness's internals
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +127,27 @@ class RankContext:
         box = [obj]
         dist.broadcast_object_list(box, src=src)
         return box[0]
+
+    def on_one_rank(self, fn: Callable[[], Any], src: int = 0) -> Any:
+        """``fn()`` run on rank ``src`` only (a test's set-up: damaging a file, say), its value on every
+        rank. What ``fn`` raises there ends the test alike on every rank: a skip is a skip everywhere,
+        an error fails every rank naming it; the others never wait for a broadcast that does not come."""
+        import pytest
+
+        outcome: tuple[str, Any] = ("ok", None)
+        if self.rank == src:
+            try:
+                outcome = ("ok", fn())
+            except pytest.skip.Exception as exc:
+                outcome = ("skip", str(exc.msg))
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                outcome = ("error", f"{type(exc).__name__}: {exc}")
+        kind, value = self.broadcast_object(outcome, src=src)
+        if kind == "skip":
+            pytest.skip(value)
+        if kind == "error":
+            pytest.fail(f"test set-up on rank {src} failed: {value}", pytrace=False)
+        return value
 
 
 #: The context of the body running in this process (:meth:`RankContext.running`), else None.

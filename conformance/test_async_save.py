@@ -136,6 +136,7 @@ def test_completion_means_the_checkpoint_loads_whole(dist, impl, executor: str) 
     assert_holds(dist, impl, path, 2.0, what=f"the checkpoint when the completion future resolved ({executor})")
 
 
+@pytest.mark.dcp_format("AS-2 loads the async checkpoint with upstream DCP and the reference")
 @pytest.mark.req("AS-2", "ML-25")
 @pytest.mark.parametrize("executor", EXECUTORS)
 @isolated

@@ -293,7 +293,7 @@ def test_optimizers_own_state_dict_that_does_not_fit_changes_nothing(impl: Any, 
     """An id-keyed dict whose groups do not fit the optimizer (one group for the target's two), or given
     with two optimizers (its ids name positions in one: the dict of the first, which would load into it,
     given with both) is refused with a ``ValueError`` or ``RuntimeError``, and neither optimizer nor the
-    model changes."""
+    model changes; the same dict given with an optimizer it fits loads."""
     ops: StateDictOps = impl.require("state_dict")
     target_model = build(1)
     trunk = [p for n, p in target_model.named_parameters() if "head" not in n.split(".")]
@@ -302,6 +302,7 @@ def test_optimizers_own_state_dict_that_does_not_fit_changes_nothing(impl: Any, 
         source = make_run(impl, None, "adamw", 0, use_orig_params=None)
         source.step(0, "cpu", use_aux=True)
         given = source.optim.state_dict()
+        fits = (source.model, source.optim)
         optims: list[torch.optim.Optimizer] = [OPTIMIZERS["adamw"]([{"params": trunk + head}])]
     else:
         # The first optimizer's own dict, from another seed's model: alone, that optimizer takes it.
@@ -310,10 +311,13 @@ def test_optimizers_own_state_dict_that_does_not_fit_changes_nothing(impl: Any, 
         twin(batch(3), use_aux=True).pow(2).mean().backward()
         twin_optim.step()
         given = twin_optim.state_dict()
+        fits = (twin, twin_optim)
         optims = [OPTIMIZERS["adamw"]([{"params": trunk}]), OPTIMIZERS["adamw"]([{"params": head}])]
     target_model(batch(7), use_aux=True).pow(2).mean().backward()
     for optim in optims:
         optim.step()
+    with clause("SD-32.a"):  # the same dict loads where it fits: a set that refuses everything does not pass
+        ops.set_optimizer_state_dict(*fits, copy.deepcopy(given))
     before = snapshot(model=target_model, optims=optims)
     exc = raised(lambda: ops.set_optimizer_state_dict(target_model, optims if len(optims) > 1 else optims[0], copy.deepcopy(given)))
     where = f"id-keyed dict, {misfit}"

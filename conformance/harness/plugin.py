@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 import pytest
 
 from conformance.adapters.base import SHIPPED, Adapter, capability_of, load_adapter
+from conformance.adapters.unsupported import Unsupported, skip_reason
 from conformance.harness.axes import (
     CONFORMANCE_DIR,
     DistSpec,
@@ -185,6 +186,12 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "case_families(*names): the families of generated cases this test draws, which an expected-failures entry "
         "may leave out for an adapter (exclude=NAME); the test reads them with the excluded_cases fixture",
+    )
+    config.addinivalue_line(
+        "markers",
+        "dcp_format(why): this test's check reads or writes DCP's on-disk files (upstream DCP loads them, their "
+        "metadata is read, a fault is placed by it): a skip, saying why, for an adapter whose checkpoint_format is "
+        "not 'dcp'",
     )
     _check_environment()
     settings, runner = _start(config)
@@ -522,6 +529,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         device_reason = impl.why_not_on("cuda" if settings.backend_for(max(sizes)) == "nccl" else "cpu")
         if device_reason is not None:
             _skip(device_reason)
+    if impl is not None and impl.checkpoint_format != "dcp":
+        for mark in item.iter_markers("dcp_format"):
+            _skip(f"{impl.name} writes its own checkpoint format ({impl.checkpoint_format!r}), not DCP's: {mark.args[0]}")
     if impl is not None:
         for capability in sorted({c for c in map(capability_of, _item_reqs(item)) if c}):
             reason = impl.unsupported_reason(capability)
@@ -658,6 +668,16 @@ def _run_on_ranks(
         return _judge(run, backend, timeout_s, runner)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """A test run on the controller (not on ranks) that meets an op its adapter lacks is a skip naming
+    the op, as a rank test's is (:func:`conformance.harness.worker.run_task`): never a pass, never a failure."""
+    try:
+        return (yield)
+    except Unsupported as exc:
+        _skip(skip_reason(exc))
 
 
 @pytest.hookimpl(tryfirst=True)
