@@ -41,7 +41,7 @@ IMPL_ARG := $(if $(IMPL),--impl $(IMPL),)
 RERUN_ARG := $(if $(RERUN_CRASHES),--rerun-crashes $(RERUN_CRASHES),)
 BENCH_ENV := $(if $(IMPL),BENCH_IMPL=$(IMPL),)
 
-.PHONY: setup conformance lint test test-bench stress bench asv asv-gate mutation matrix clean
+.PHONY: setup conformance lint test test-bench stress bench asv asv-gate mutation matrix stacks clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -82,6 +82,14 @@ MATRIX_WORLD_SIZE ?= 1,2
 matrix: setup
 	$(PY) -m tools.matrix run $(foreach r,$(subst $(comma), ,$(MATRIX_RELEASES)),--release $(r)) --world-size $(MATRIX_WORLD_SIZE) --jobs $(JOBS) $(IMPL_ARG) $(if $(PYTEST_ARGS),-- $(PYTEST_ARGS),)
 
+# The installed suite against the checkpoint stacks built on torch (megatron-core, DeepSpeed, torchtitan;
+# STACKS=deepspeed for one), each in a venv of its own under .stacks/ (1-2 GB each, kept for reruns), and
+# docs/stacks.md written from the results; fails where a stack has a failure no known deviation explains.
+STACKS ?=
+STACKS_WORLD_SIZE ?= 1,2
+stacks: setup
+	TORCH_SPEC="$(TORCH_SPEC)" $(PY) -m tools.stacks run $(foreach s,$(subst $(comma), ,$(STACKS)),--stack $(s)) --world-size $(STACKS_WORLD_SIZE) $(if $(PYTEST_ARGS),-- $(PYTEST_ARGS),)
+
 # The suite STRESS_RUNS times with fresh random examples under glibc's heap checks (MALLOC_CHECK_=3,
 # MALLOC_PERTURB_): reports every test that failed in any run; exits non-zero if one did.
 STRESS_RUNS ?= 5
@@ -119,4 +127,4 @@ mutation: setup
 	$(PY) -m tools.mutation --sample $(MUTATION_SAMPLE) --sections $(MUTATION_SECTIONS) --jobs $(MUTATION_JOBS) $(MUTATION_ARGS)
 
 clean:
-	rm -rf $(VENV) .asv .pytest_cache .benchmarks *.egg-info .mutation .stress .matrix
+	rm -rf $(VENV) .asv .pytest_cache .benchmarks *.egg-info .mutation .stress .matrix .stacks
