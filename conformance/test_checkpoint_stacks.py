@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from torch.distributed.tensor import Shard
 
 from conformance.adapters.base import Adapter
 from conformance.asserts import check_each, fail, raised, reraise
+from conformance.checkpoint_stacks_support import GRACE_S, live_children, mixed_lists
 from conformance.checkpoint_support import (
     assert_local_shards,
     assert_same_bits,
@@ -30,20 +30,6 @@ from conformance.checkpoint_support import (
 from conformance.error_cases import bad_input_here, parametrize_where
 from conformance.faults import failing_reads
 from conformance.rank_context import RankContext
-
-
-def mixed_lists(dist: RankContext, fill: float) -> tuple[dict[str, Any], dict[tuple[Any, ...], torch.Tensor]]:
-    """A state dict whose lists and tuples mix tensors, a DTensor and other values, as trainers leave
-    them (an LR scheduler's per-group lists, a sampler's ``(generator state, epoch)``, a metric's
-    history), every value derived from ``fill``; and the full value of the DTensor by its path."""
-    full = torch.arange(4.0 * dist.world_size * 2).reshape(-1, 2) + fill
-    state = {
-        "scheduler": {"last_lr": [fill, fill / 2], "base_lrs": [torch.tensor(fill), int(fill), "cosine", None]},
-        "history": [torch.arange(3, dtype=torch.int64) + int(fill), f"step {fill}", [torch.full((2,), fill), fill], {"best": torch.tensor([fill])}],
-        "sampler": (torch.arange(4, dtype=torch.uint8) + int(fill) % 7, int(fill)),
-        "sharded": [dtensor_of(full, dist.mesh(), [Shard(0)]), "w", fill],
-    }
-    return state, {("sharded", 0): full}
 
 
 @pytest.mark.req("ML-31")
@@ -62,33 +48,6 @@ def test_lists_mixing_tensors_and_values_round_trip(dist: RankContext, impl: Ada
     assert_same_bits(target, mixed_lists(dist, 3.0)[0], what=f"lists mixing tensors and values (rank {dist.rank})")
 
 
-def live_children() -> dict[int, str]:
-    """This process's child processes that have not ended (zombies excluded): pid -> command line."""
-    me = os.getpid()
-    children: dict[int, str] = {}
-    for task in os.listdir(f"/proc/{me}/task"):
-        try:
-            with open(f"/proc/{me}/task/{task}/children") as f:
-                pids = [int(p) for p in f.read().split()]
-        except OSError:  # the thread ended meanwhile
-            continue
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    state = f.read().rsplit(")", 1)[1].split()[0]
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            except OSError:  # reaped between the two reads: gone
-                continue
-            if state != "Z":
-                children[pid] = cmdline
-    return children
-
-
-#: How long a process a save or load started may take to end after the call returned.
-_GRACE_S = 5.0
-
-
 @pytest.mark.req("ML-32")
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc (Linux) to list child processes")
 def test_a_save_and_a_load_leave_no_process_behind(dist: RankContext, impl: Adapter) -> None:
@@ -104,13 +63,13 @@ def test_a_save_and_a_load_leave_no_process_behind(dist: RankContext, impl: Adap
         target = {"w": dtensor_of(torch.zeros(4 * dist.world_size, 2), dist.mesh(), [Shard(0)]), "step": -1}
         call_or_skip(lambda: ops.load(target, dist.tmp_dir / f"ckpt-{step}", process_group=group_of(dist)))  # noqa: B023
         assert_same_bits(target, {"w": dtensor_of(torch.full((4 * dist.world_size, 2), float(step)), dist.mesh(), [Shard(0)]), "step": step})
-    deadline = time.monotonic() + _GRACE_S
+    deadline = time.monotonic() + GRACE_S
     left = {pid: cmd for pid, cmd in live_children().items() if pid not in before}
     while left and time.monotonic() < deadline:
         time.sleep(0.1)
         left = {pid: cmd for pid, cmd in live_children().items() if pid not in before}
     if left:
-        fail("processes left running after three saves and three loads", left, "none", f"rank {dist.rank}, {_GRACE_S:.0f} s after the last call")
+        fail("processes left running after three saves and three loads", left, "none", f"rank {dist.rank}, {GRACE_S:.0f} s after the last call")
 
 
 @pytest.mark.req("ML-33")

@@ -76,7 +76,8 @@ def suite_commit() -> str:
     return commit + ("+dirty" if changed else "")
 
 
-def _pip(venv: Path, *args: str, log: Path) -> None:
+def pip_install(venv: Path, *args: str, log: Path) -> None:
+    """``pip install -q ARGS`` in ``venv``, its output appended to ``log``; raises on failure."""
     with log.open("a") as sink:
         sink.write(f"$ pip {' '.join(args)}\n")
         sink.flush()
@@ -134,8 +135,8 @@ def _install_and_run(release: str, wheel: Path, out: Path, log: Path, report: Pa
     try:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
         try:
-            _pip(venv, f"torch=={release}", log=log)
-            _pip(venv, str(wheel), log=log)
+            pip_install(venv, f"torch=={release}", log=log)
+            pip_install(venv, str(wheel), log=log)
         except subprocess.CalledProcessError:
             _log(f"torch {release}: install failed, see {log}")
             return 3
@@ -188,7 +189,7 @@ def load_runs(results: Path) -> list[ReleaseRun]:
     return sorted(runs, key=lambda r: _version_key(r.release))
 
 
-def _cell(outcomes: Counter[str]) -> str:
+def cell(outcomes: Counter[str]) -> str:
     """One requirement's outcomes on one release, for one adapter."""
     if not outcomes:
         return "-"
@@ -202,7 +203,8 @@ def _cell(outcomes: Counter[str]) -> str:
     return f"{known} known" if known else "pass"
 
 
-def _by_requirement(run: ReleaseRun, impl: str) -> dict[str, Counter[str]]:
+def by_requirement(run: ReleaseRun, impl: str) -> dict[str, Counter[str]]:
+    """Requirement ID -> the outcomes of ``impl``'s tests naming it in ``run`` (a strict pass counts as failed)."""
     table: dict[str, Counter[str]] = defaultdict(Counter)
     for test in run.tests.values():
         if test.get("impl") != impl:
@@ -214,7 +216,8 @@ def _by_requirement(run: ReleaseRun, impl: str) -> dict[str, Counter[str]]:
     return table
 
 
-def _requirement_ids(runs: Iterable[ReleaseRun]) -> list[str]:
+def requirement_ids(runs: Iterable[ReleaseRun]) -> list[str]:
+    """Every requirement ID the runs' SPEC lists, in SPEC's section order."""
     ids: set[str] = set()
     for run in runs:
         ids.update(run.data.get("spec", {}))
@@ -264,9 +267,9 @@ def render(runs: Sequence[ReleaseRun], expected: Sequence[str] = RELEASES, curre
                   + ",".join(run.release for run in stale) + "` measures them again."]
     for impl in impls:
         lines += ["", f"## {impl}", "", "| requirement | " + " | ".join(releases) + " |", "|---|" + "---|" * len(releases)]
-        per_release = [_by_requirement(run, impl) for run in runs]
-        for req in _requirement_ids(runs):
-            cells = [_cell(table.get(req, Counter())) for table in per_release]
+        per_release = [by_requirement(run, impl) for run in runs]
+        for req in requirement_ids(runs):
+            cells = [cell(table.get(req, Counter())) for table in per_release]
             if set(cells) == {"-"}:
                 continue
             lines.append(f"| {req} | " + " | ".join(cells) + " |")

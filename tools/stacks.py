@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tools.matrix import RED, ReleaseRun, _by_requirement, _cell, _pip, _requirement_ids, build_wheel, suite_commit
+from tools.matrix import RED, ReleaseRun, build_wheel, by_requirement, cell, pip_install, requirement_ids, suite_commit
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / ".stacks"
@@ -71,11 +71,11 @@ def install(name: str, venv: Path, wheel: Path, torch_spec: str, log: Path, *, f
     if not (venv / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
         if torch_spec:
-            _pip(venv, torch_spec, log=log)
+            pip_install(venv, torch_spec, log=log)
         for args in getattr(stack_module(name), "PIP_INSTALLS", ()):
-            _pip(venv, *args, log=log)
-    _pip(venv, "--force-reinstall", "--no-deps", str(wheel), log=log)
-    _pip(venv, str(wheel), log=log)  # its declared dependencies, where the stack did not bring them
+            pip_install(venv, *args, log=log)
+    pip_install(venv, "--force-reinstall", "--no-deps", str(wheel), log=log)
+    pip_install(venv, str(wheel), log=log)  # its declared dependencies, where the stack did not bring them
 
 
 def run_stack(name: str, wheel: Path, out: Path, *, torch_spec: str, world_sizes: str, pytest_args: Sequence[str], fresh: bool,
@@ -158,9 +158,9 @@ def render(runs: Sequence[ReleaseRun]) -> str:
         lines.append(f"| [{run.release}](stacks/{run.release}.md) | {_package_line(run)} | {run.commit} | {ws} | {counts['passed']} | "
                      f"{counts['xfailed']} | {counts['skipped']} | {counts['failed'] + counts['error']} |")
     lines += ["", "## Requirement x stack", "", "| requirement | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    per_stack = [_by_requirement(run, run.release) for run in runs]
-    for req in _requirement_ids(runs):
-        cells = [_cell(table.get(req, Counter())) for table in per_stack]
+    per_stack = [by_requirement(run, run.release) for run in runs]
+    for req in requirement_ids(runs):
+        cells = [cell(table.get(req, Counter())) for table in per_stack]
         if set(cells) <= {"-"}:
             continue
         lines.append(f"| {req} | " + " | ".join(cells) + " |")

@@ -235,12 +235,19 @@ class DeepSpeedOptimStateOps:
         return ds_model, optim
 
     @staticmethod
-    def _group_state(ds_optim: Any, index: int) -> tuple[dict[str, Any], torch.Tensor, dict[str, Any]]:
-        """(the inner torch optimizer's param group ``index``, its flat fp32 partition, that partition's
-        state): ZeRO hands its inner optimizer one flat partition per param group."""
-        group = ds_optim.optimizer.param_groups[index]
-        flat = group["params"][0]
-        return group, flat, ds_optim.optimizer.state.get(flat, {})
+    def _group_state(ds_optim: Any, index: int) -> tuple[dict[str, Any], torch.Tensor, dict[str, Any], list[dict[str, Any]]]:
+        """Param group ``index`` of ZeRO's inner torch optimizer, its first flat fp32 partition, that
+        partition's state, and the states of all its partitions. ZeRO hands its inner optimizer flat
+        partitions only: one per param group in stages 1-2 (``single_partition_of_fp32_groups``), one
+        per sub-group in stage 3 (``fp32_partitioned_groups_flat``, swapped into the group for each
+        step), so the group itself is no way to them. The state's names and scalar entries are read
+        here; positional values only through ``safe_get/set_full_optimizer_state``."""
+        if hasattr(ds_optim, "fp32_partitioned_groups_flat"):
+            flats = [f for s, f in enumerate(ds_optim.fp32_partitioned_groups_flat) if ds_optim.sub_group_to_group_id[s] == index]
+        else:
+            flats = [ds_optim.single_partition_of_fp32_groups[index]]
+        states = [ds_optim.optimizer.state[f] for f in flats]  # a defaultdict: a state for each
+        return ds_optim.optimizer.param_groups[index], flats[0], states[0], states
 
     def optim_state_dict(
         self, model: nn.Module, optim: Any, *, rank0_only: bool = False, cpu_offload: bool = False, sharded: bool = False
@@ -257,7 +264,7 @@ class DeepSpeedOptimStateOps:
         state: dict[str, dict[str, Any]] = {}
         groups: list[dict[str, Any]] = []
         for index, fqns in enumerate(ds_model.ds["group_fqns"]):
-            group, flat, flat_state = self._group_state(ds_optim, index)
+            group, flat, flat_state, _ = self._group_state(ds_optim, index)
             for fqn in fqns:
                 if not flat_state:
                     continue
@@ -310,7 +317,7 @@ class DeepSpeedOptimStateOps:
                                      "but in one group with it in the optimizer")
             homes.append(saved_group_of[fqns[0]])
         for index, fqns in enumerate(live_groups):
-            _, flat, flat_state = self._group_state(ds_optim, index)
+            _, flat, flat_state, _ = self._group_state(ds_optim, index)
             scalars: dict[str, Any] = {}
             for fqn in fqns:
                 for name, value in osd["state"].get(fqn, {}).items():
@@ -328,14 +335,15 @@ class DeepSpeedOptimStateOps:
                         scalars[name] = value
         # Every check passed: now change the optimizer.
         for index, fqns in enumerate(live_groups):
-            group, flat, flat_state = self._group_state(ds_optim, index)
+            group, flat, _, flat_states = self._group_state(ds_optim, index)
             group.update({k: copy.deepcopy(v) for k, v in osd["param_groups"][homes[index]].items() if k != "params"})
             for fqn in fqns:
                 for name, value in osd["state"].get(fqn, {}).items():
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
                         safe_set_full_optimizer_state(params[fqn], value.detach().to(flat.dtype), name)
-                    else:
-                        flat_state[name] = value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+                    else:  # one per param group (checked above), in each of its partitions' states
+                        for flat_state in flat_states:
+                            flat_state[name] = value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
     # -- model state ------------------------------------------------------------------------------------
 

@@ -63,7 +63,7 @@ import contextlib
 import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -132,16 +132,52 @@ def _check_group(process_group: Any, *, mode: str) -> None:
                       "not on a subgroup")
 
 
-def _split(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(states, components)``: the entries handed over as ``states=`` and those passed as the manager's
-    ``optimizers=``/``lr_schedulers=``/``dataloader=`` arguments; Unsupported for a top-level ``model``."""
-    if _MODEL in state_dict:
-        raise Unsupported("CheckpointManager reserves the top-level key 'model' for its ModelWrapper of model_parts, "
-                          "whose keys it saves flattened at the top level: a state dict with a top-level 'model' entry "
-                          "has no equivalent")
-    states = {k: v for k, v in state_dict.items() if k not in _COMPONENTS}
+class _ModelOf(nn.Module):
+    """A model whose state dict is a given mapping of tensors: each tensor registered as it is (the same
+    object), a Parameter as a parameter, any other tensor as a persistent buffer, a nested mapping as a
+    child module. Under a root with one child named ``model`` its state dict's keys are ``model.<key>``."""
+
+    def __init__(self, values: Mapping[str, Any], where: str) -> None:
+        super().__init__()
+        for key, value in values.items():
+            name = f"{where}.{key}"
+            if not isinstance(key, str) or not key or "." in key or hasattr(nn.Module, key):
+                raise Unsupported(f"a top-level 'model' entry is handed to CheckpointManager as a model part, and "
+                                  f"{name!r} cannot be a module attribute name")
+            if isinstance(value, nn.Parameter):
+                self.register_parameter(key, value)
+            elif isinstance(value, torch.Tensor):
+                self.register_buffer(key, value)
+            elif isinstance(value, Mapping):
+                self.add_module(key, _ModelOf(value, name))
+            else:
+                raise Unsupported(f"a top-level 'model' entry is handed to CheckpointManager as a model part, whose "
+                                  f"state dict holds tensors only: {name} is a {type(value).__name__}")
+
+
+def _model_parts(state_dict: Mapping[str, Any]) -> list[nn.Module]:
+    """The manager's ``model_parts`` for a state dict: none, or for a top-level ``model`` mapping of tensors
+    one model whose state dict holds exactly those tensors under ``model.<key>``."""
+    if _MODEL not in state_dict:
+        return []
+    entry = state_dict[_MODEL]
+    if not isinstance(entry, Mapping):
+        raise Unsupported("CheckpointManager reserves the top-level key 'model' for its ModelWrapper of model_parts: "
+                          f"a top-level 'model' entry that is a {type(entry).__name__}, not a mapping of tensors, has "
+                          "no equivalent")
+    root = nn.Module()
+    root.add_module(_MODEL, _ModelOf(entry, _MODEL))
+    return [root]
+
+
+def _split(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[nn.Module]]:
+    """``(states, components, model_parts)``: the entries handed over as ``states=``, those passed as the
+    manager's ``optimizers=``/``lr_schedulers=``/``dataloader=`` arguments, and the model of a top-level
+    ``model`` entry (:func:`_model_parts`)."""
+    model_parts = _model_parts(state_dict)
+    states = {k: v for k, v in state_dict.items() if k not in _COMPONENTS and k != _MODEL}
     components = {k: state_dict[k] for k in _COMPONENTS if k in state_dict}
-    return states, components
+    return states, components, model_parts
 
 
 def _local_last_step(folder: str) -> int:
@@ -170,7 +206,8 @@ def _next_step(folder: str, process_group: Any) -> int:
     return last + 1
 
 
-def _manager(checkpoint: Any, folder: str, states: dict[str, Any], components: dict[str, Any], mode: str) -> Any:
+def _manager(checkpoint: Any, folder: str, states: dict[str, Any], components: dict[str, Any],
+             model_parts: list[nn.Module], mode: str) -> Any:
     """A ``CheckpointManager`` over ``folder`` (``keep_latest_k=0``: no purge thread, every step kept;
     ``interval=1``: every step saves), the components the state dict lacks passed as None and excluded from
     loading."""
@@ -181,7 +218,7 @@ def _manager(checkpoint: Any, folder: str, states: dict[str, Any], components: d
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return checkpoint.CheckpointManager(
-            config, dataloader=components.get("dataloader"), model_parts=[],
+            config, dataloader=components.get("dataloader"), model_parts=model_parts,
             optimizers=components.get("optimizer"), lr_schedulers=components.get("lr_scheduler"),
             states=dict(states), sd_adapter=None, base_folder="",
         )
@@ -224,10 +261,10 @@ class TorchtitanCheckpointOps:
         """Save ``state_dict`` as the next step of the folder ``checkpoint_id``; collective."""
         checkpoint = _import_checkpoint()
         _check_group(process_group, mode="disabled")
-        states, components = _split(state_dict)
+        states, components, model_parts = _split(state_dict)
         folder = os.fspath(checkpoint_id)
         step = _next_step(folder, process_group)
-        manager = _manager(checkpoint, folder, states, components, "disabled")
+        manager = _manager(checkpoint, folder, states, components, model_parts, "disabled")
         try:
             with _quiet():
                 manager.save(step)
@@ -254,9 +291,9 @@ class TorchtitanCheckpointOps:
             raise Unsupported("CheckpointManager.load has no option to reject keys of the checkpoint the state dict "
                               "does not ask for (allow_unexpected=False)")
         _check_group(process_group, mode="disabled")
-        states, components = _split(state_dict)
+        states, components, model_parts = _split(state_dict)
         folder = os.fspath(checkpoint_id)
-        manager = _manager(checkpoint, folder, states, components, "disabled")
+        manager = _manager(checkpoint, folder, states, components, model_parts, "disabled")
         try:
             with _quiet():
                 loaded = manager.load(step=-1)
@@ -335,12 +372,12 @@ class TorchtitanAsyncCheckpointOps:
                               "(dist.new_group): they need an initialized default process group")
         mode = _MODES[executor]
         _check_group(process_group, mode=mode)
-        states, components = _split(state_dict)
+        states, components, model_parts = _split(state_dict)
         folder = os.fspath(checkpoint_id)
         step = _next_step(folder, process_group)
         manager = _ASYNC_MANAGERS.get(mode)
         if manager is None:
-            manager = _manager(checkpoint, folder, {}, {}, mode)
+            manager = _manager(checkpoint, folder, {}, {}, [], mode)
             _ASYNC_MANAGERS[mode] = manager
         # The job's manager saves what its states hold now: this call's entries replace the last call's.
         manager.folder = folder
@@ -349,6 +386,9 @@ class TorchtitanAsyncCheckpointOps:
         manager.states.update(states)
         for key in _COMPONENTS:
             manager.states[key] = components.get(key)
+        # A fresh ModelWrapper: one kept from the last call would copy this call's values into the last
+        # call's tensors (its state_dict() refreshes its cache in place).
+        manager.states[_MODEL] = checkpoint.ModelWrapper(model_parts)
         _ASYNC_KEYS[mode] = set(states)
         with _quiet():
             manager.save(step)
