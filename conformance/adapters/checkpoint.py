@@ -38,8 +38,13 @@ class CheckpointOps(Protocol):
     def save(
         self, state_dict: dict[str, Any], checkpoint_id: str | os.PathLike[str], *, process_group: Any = None
     ) -> None:
-        """Save ``state_dict`` (plain tensors, DTensors, non-tensor values) to the directory ``checkpoint_id``
-        in DCP's on-disk format. ``process_group=None`` with torch.distributed not initialized: one process."""
+        """Save ``state_dict`` to the directory ``checkpoint_id``, in DCP's on-disk format unless the adapter
+        declares another (``Adapter.checkpoint_format``). Its values: plain tensors, DTensors, non-tensor
+        values (numbers, strings, ``None``, nested dicts, and lists and tuples that mix tensors with other
+        values), and top-level ``Stateful`` objects (DCP's protocol: an object with ``state_dict()`` and
+        ``load_state_dict(sd)``; what its ``state_dict()`` returns is saved under its key, and either call
+        may be collective). ``process_group=None`` with torch.distributed not initialized: one process
+        (an adapter declaring ``needs_process_group`` is not asked for that)."""
 
     def load(
         self,
@@ -50,7 +55,8 @@ class CheckpointOps(Protocol):
         strict: bool = True,
         allow_unexpected: bool = True,
     ) -> None:
-        """Load into ``state_dict`` in place (meta values are replaced by built ones). ``strict=False``
+        """Load into ``state_dict`` in place (meta values are replaced by built ones; a top-level
+        ``Stateful`` gets its loaded state through ``load_state_dict``, on every rank). ``strict=False``
         skips keys missing from the checkpoint; ``allow_unexpected=False`` makes checkpoint keys the state
         dict does not ask for an error. Raise :class:`Unsupported` for an option not provided."""
 
