@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["is_data_file", "failing_writes", "failing_fsync", "failing_reads", "unreadable_bytes", "kill_at", "KILL_OPS", "slowed_publication"]
+__all__ = ["is_data_file", "failing_writes", "failing_fsync", "failing_reads", "before_first_read", "unreadable_bytes", "kill_at", "KILL_OPS",
+           "slowed_publication"]
 
 
 def is_data_file(name: str) -> bool:
@@ -184,6 +185,30 @@ def failing_reads(directory: Path, how: str, *, which: Callable[[str], bool] = i
         if how == "vanish":
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
         return _ShortFile(real(file, mode, *args, **kwargs), 16)
+
+    with _opening(hook):
+        yield
+
+
+@contextlib.contextmanager
+def before_first_read(directory: Path, action: Callable[[], Any], *, which: Callable[[str], bool] = is_data_file) -> Iterator[None]:
+    """Inside, the first open of a data file of ``directory`` for reading (on any thread of this process)
+    runs ``action`` first, once; opens for reading that come while it runs wait for it. A load has then
+    read its metadata and planned, and not yet read data, when ``action`` runs: the point where another
+    job's save publishing over the checkpoint overtakes it, made deterministic instead of a race."""
+    import threading
+
+    lock = threading.Lock()
+    done = [False]
+
+    def hook(real: Callable[..., Any], file: Any, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        path = _under(directory, file)
+        if path is not None and not _writing(mode) and which(path.name):
+            with lock:
+                if not done[0]:
+                    done[0] = True
+                    action()
+        return real(file, mode, *args, **kwargs)
 
     with _opening(hook):
         yield

@@ -117,7 +117,7 @@ from conformance.checkpoint_support import (
 )
 from conformance.dcp_files import read_metadata
 from conformance.error_cases import EVERY_RANK, ONE_RANK, WHERE, bad_input_here, parametrize_where
-from conformance.faults import failing_reads, failing_writes
+from conformance.faults import before_first_read, failing_reads, failing_writes
 from conformance.values import different_like, edge_tensors
 
 
@@ -584,6 +584,37 @@ def test_two_jobs_saving_to_one_directory_at_once_never_mix(impl: Adapter, tmp_p
         with clause("ML-13.f"):
             fail("the checkpoint after two concurrent saves", {k: (v.flatten()[:3].tolist() if isinstance(v, torch.Tensor) else v) for k, v in target.items()},
                  f"one save's values whole (one of fills {candidates})", where)
+
+
+@pytest.mark.req("ML-13")
+@pytest.mark.rank_timeout(90)
+def test_a_load_that_a_save_publishes_over_gets_one_whole_checkpoint(dist, impl) -> None:
+    """A checkpoint is loaded while another job saves over it: the other job's save runs to completion
+    (publication included) at the moment rank 0 first opens a data file to read, after every rank read
+    the metadata and planned from it. Every rank gets one save's values whole (the old or, starting
+    again from the new metadata, the new), never an error and never a mix. Deterministic: the publication
+    is placed by a hook on rank 0's first read, not by timing."""
+    from conformance.crash_child import crash_state
+
+    impl.require_no_process_group("the other job's save (one process, no group)")
+    proves_round_trip(dist, impl)
+    ops = checkpoint_ops(impl)
+    path = dist.tmp_dir / "ckpt"
+    ops.save(crash_state(1.0), path, process_group=group_of(dist))
+    dist.barrier()
+    other = lambda: child_save(impl, path, 2.0)  # noqa: E731
+    target = crash_state(-5.0)
+    with before_first_read(path, other) if dist.rank == 0 else contextlib.nullcontext():
+        exc = raised(lambda: call_or_skip(lambda: ops.load(target, path, process_group=group_of(dist))))
+    with clause("ML-13.g"):
+        if exc is not None:
+            fail("a load overtaken by another job's publication", f"{type(exc).__name__}: {exc}"[:600],
+                 "one save's checkpoint, whole (start again from the new metadata)", f"rank {dist.rank}")
+        got = [fill for fill in (1.0, 2.0) if is_same_bits(target, crash_state(fill))]
+        if not got:
+            fail("a load overtaken by another job's publication", {k: (v.flatten()[:3].tolist() if isinstance(v, torch.Tensor) else v)
+                                                                     for k, v in target.items()},
+                 "one save's values whole (fill 1.0 or 2.0), never a mix", f"rank {dist.rank}")
 
 
 _BAD_CHECKPOINTS = [

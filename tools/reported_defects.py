@@ -38,6 +38,12 @@ class Defect:
 
 DEFECTS: tuple[Defect, ...] = (
     Defect(
+        "load-not-restarted-after-a-publication", "the reference's own (4d5a9c4): SPEC ML-13.g",
+        "reference/checkpoint/api.py",
+        "_LOADS_AFTER_A_PUBLICATION = 2\n", "_LOADS_AFTER_A_PUBLICATION = 0\n",
+        "publishes_over", test_file="conformance/test_checkpoint.py",
+    ),
+    Defect(
         "buffer-reused-while-written", "Megatron-LM PR #2288",
         "reference/checkpoint/async_save.py",
         "    with saver.lock:\n        saver.wait_in_flight()\n", "    with saver.lock:\n",

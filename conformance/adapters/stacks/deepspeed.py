@@ -52,7 +52,8 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn as nn
@@ -64,6 +65,8 @@ if TYPE_CHECKING:
     from conformance.adapters.checkpoint import CheckpointOps
     from conformance.adapters.optim_state import OptimStateOps
     from conformance.adapters.sharding import ShardingOps, ShardingPlan
+
+_T = TypeVar("_T")
 
 __all__ = ["PIP_INSTALLS", "ENVIRONMENT", "DeepSpeedAdapter", "DeepSpeedModel", "DeepSpeedShardingOps", "DeepSpeedOptimStateOps"]
 
@@ -78,6 +81,12 @@ ENVIRONMENT: dict[str, str] = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": 
 #: ShardingPlan strategy -> ZeRO stage (module docstring: why NO_SHARD is stage 1).
 ZERO_STAGES: dict[str, int] = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 1}
 
+_NO_ATTACH_STEP = (
+    "DeepSpeed builds its engine around the optimizer (deepspeed.initialize(model=..., optimizer=...)) and "
+    "steps it through the ZeRO optimizer it returns; the suite's OptimStateOps protocol has no step that hands "
+    "the optimizer a test built over optimizer_params() to the stack (attach_optimizer), so a DeepSpeed "
+    "model cannot be trained by the suite"
+)
 _NOT_ATTACHED = (
     "DeepSpeed builds its engine around the optimizer (deepspeed.initialize(model=..., optimizer=...)) and "
     "the engine then steps it; the suite built a torch.optim optimizer after sharding and never handed it "
@@ -140,6 +149,10 @@ class DeepSpeedShardingOps:
     :meth:`DeepSpeedOptimStateOps.attach_optimizer`, when the optimizer exists."""
 
     def unsupported(self, plan: ShardingPlan) -> str | None:
+        from conformance.adapters.optim_state import OptimStateOps
+
+        if not hasattr(OptimStateOps, "attach_optimizer"):
+            return _NO_ATTACH_STEP
         if plan.strategy == "HYBRID_SHARD":
             return ("DeepSpeed's sharding within groups and replication across them is MiCS (mics_shard_size), "
                     "which needs deepspeed.zero.MiCS_Init around model construction; ZeRO++ hpZ "
@@ -285,9 +298,12 @@ class DeepSpeedOptimStateOps:
         return {"state": state, "param_groups": groups}
 
     def load_optim_state_dict(self, model: nn.Module, optim: Any, osd: dict[str, Any]) -> None:
-        """Load a full FQN-keyed optimizer state dict: every check first (unknown FQN, group mismatch,
-        shapes, one step per group), so that a bad dict changes nothing; then hyperparameters per group,
-        positional state by ``safe_set_full_optimizer_state``, scalar state into the group's flat state."""
+        """Load a full FQN-keyed optimizer state dict: every check first, agreed by every rank (unknown
+        FQN, group mismatch, shapes, one step per group), so that a bad dict changes nothing; then
+        hyperparameters per group, positional state by ``safe_set_full_optimizer_state``, scalar state
+        into the group's flat partitions' state. DeepSpeed has no FQN-keyed load and its per-parameter
+        ``safe_set_full_optimizer_state`` checks nothing (a value with enough elements loads whatever its
+        shape: docs/stacks/deepspeed.md), so the checks are this adapter's. Collective."""
         from torch.distributed.tensor import DTensor
 
         if any(isinstance(v, DTensor) for entry in osd.get("state", {}).values() for v in entry.values()):
@@ -297,6 +313,21 @@ class DeepSpeedOptimStateOps:
         ds_model, ds_optim = self._live(model, optim)
         params = _named_parameters(ds_model)
         live_groups: list[list[str]] = ds_model.ds["group_fqns"]
+        homes: list[int] = _agreed(lambda: self._check_osd(ds_optim, params, live_groups, osd))
+        for index, fqns in enumerate(live_groups):
+            group, flat, _, flat_states = self._group_state(ds_optim, index)
+            group.update({k: copy.deepcopy(v) for k, v in osd["param_groups"][homes[index]].items() if k != "params"})
+            for fqn in fqns:
+                for name, value in osd["state"].get(fqn, {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        safe_set_full_optimizer_state(params[fqn], value.detach().to(flat.dtype), name)
+                    else:  # one per param group (checked), in each of its partitions' states
+                        for flat_state in flat_states:
+                            flat_state[name] = value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+    def _check_osd(self, ds_optim: Any, params: dict[str, nn.Parameter], live_groups: list[list[str]], osd: dict[str, Any]) -> list[int]:
+        """ValueError naming the FQN for a dict that does not fit; else, per live param group, the index
+        of the saved group that lists its FQNs. Changes nothing."""
         known = {fqn for fqns in live_groups for fqn in fqns}
         for fqn in osd["state"]:
             if fqn not in known:
@@ -317,7 +348,7 @@ class DeepSpeedOptimStateOps:
                                      "but in one group with it in the optimizer")
             homes.append(saved_group_of[fqns[0]])
         for index, fqns in enumerate(live_groups):
-            _, flat, flat_state, _ = self._group_state(ds_optim, index)
+            _, _, flat_state, _ = self._group_state(ds_optim, index)
             scalars: dict[str, Any] = {}
             for fqn in fqns:
                 for name, value in osd["state"].get(fqn, {}).items():
@@ -333,17 +364,7 @@ class DeepSpeedOptimStateOps:
                                          "param group; DeepSpeed keeps one per param group")
                     if not positional:
                         scalars[name] = value
-        # Every check passed: now change the optimizer.
-        for index, fqns in enumerate(live_groups):
-            group, flat, _, flat_states = self._group_state(ds_optim, index)
-            group.update({k: copy.deepcopy(v) for k, v in osd["param_groups"][homes[index]].items() if k != "params"})
-            for fqn in fqns:
-                for name, value in osd["state"].get(fqn, {}).items():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        safe_set_full_optimizer_state(params[fqn], value.detach().to(flat.dtype), name)
-                    else:  # one per param group (checked above), in each of its partitions' states
-                        for flat_state in flat_states:
-                            flat_state[name] = value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+        return homes
 
     # -- model state ------------------------------------------------------------------------------------
 
@@ -361,14 +382,21 @@ class DeepSpeedOptimStateOps:
         ds_model = _deepspeed_model(model)
         engine = ds_model.engine()
         own = {canonical_fqn(k): v for k, v in ds_model.module.state_dict(keep_vars=True).items()}
-        for key in own:
-            if key not in state_dict:
-                raise ValueError(f"model state dict: missing key {key!r}")
-        for key, value in state_dict.items():
-            if key not in own:
-                raise ValueError(f"model state dict: unexpected key {key!r}")
-            if tuple(value.shape) != tuple(_full_shape(own[key])):
-                raise ValueError(f"model state dict: {key!r} has shape {tuple(value.shape)}, the model {tuple(_full_shape(own[key]))}")
+
+        def check() -> None:
+            # Before DeepSpeed's load, agreed by every rank: it loads inside GatheredParameters, whose
+            # collectives a rank raising alone would leave (docs/stacks/deepspeed.md), and torch's
+            # load_state_dict copies what fits before it raises.
+            for key in own:
+                if key not in state_dict:
+                    raise ValueError(f"model state dict: missing key {key!r}")
+            for key, value in state_dict.items():
+                if key not in own:
+                    raise ValueError(f"model state dict: unexpected key {key!r}")
+                if tuple(value.shape) != tuple(_full_shape(own[key])):
+                    raise ValueError(f"model state dict: {key!r} has shape {tuple(value.shape)}, the model {tuple(_full_shape(own[key]))}")
+
+        _agreed(check)
         engine.load_module_state_dict({"module": dict(state_dict)}, strict=True, fetch_z3_params=True)
         ds_model.ds["optimizer"].refresh_fp32_params()
 
@@ -381,6 +409,26 @@ class DeepSpeedOptimStateOps:
 
     def state_dict(self, model: nn.Module) -> dict[str, Any]:
         return model.state_dict()
+
+
+def _agreed(check: Callable[[], _T]) -> _T:
+    """Run ``check`` (the adapter's validation, which changes nothing) on every rank and raise its
+    ValueError on every rank when it failed on any (the first failing rank's): a dict bad on one rank
+    only must not leave the others going on into DeepSpeed's collectives. Collective."""
+    import torch.distributed as dist
+
+    result: Any = None
+    try:
+        result = check()
+        mine = None
+    except ValueError as exc:
+        mine = str(exc)
+    every: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    first = next((m for m in every if m is not None), None)
+    if first is not None:
+        raise ValueError(first)
+    return result
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -24,9 +24,12 @@ How the protocol maps onto torchtitan:
   A state dict's top-level ``optimizer``, ``lr_scheduler`` or ``dataloader`` entry is passed as that
   constructor argument (the manager stores it under the same key, unchanged); one it lacks is passed as
   None, which the manager saves as a ``None`` entry, and is excluded from loading
-  (``exclude_from_loading``), as a job without that component configures it. A top-level ``model`` entry
-  has no equivalent (the manager replaces it by its ``ModelWrapper`` and saves the model's keys at the top
-  level): :class:`Unsupported` names it. ``model_parts`` is empty.
+  (``exclude_from_loading``), as a job without that component configures it. A top-level ``model``
+  entry, a mapping of tensors, is the model: the adapter hands the manager one model part whose state
+  dict is exactly those tensors (the same objects; registered as parameters or buffers of a module tree
+  under a child named ``model``, so its keys are ``model.<key>``), which the manager saves through its
+  ``ModelWrapper`` and loads with ``model.load_state_dict(strict=False)``; a non-tensor value in it has no
+  equivalent (:class:`Unsupported`).
 - **Options without an equivalent** raise :class:`Unsupported` naming them: ``strict=False`` and
   ``allow_unexpected=False`` of ``load`` (the manager calls ``dcp.load`` with its default planner), a
   ``process_group`` other than the default group's ranks (the manager saves and loads on the default
