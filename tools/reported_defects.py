@@ -38,7 +38,7 @@ class Defect:
 
 DEFECTS: tuple[Defect, ...] = (
     Defect(
-        "load-not-restarted-after-a-publication", "the reference's own (4d5a9c4): SPEC ML-13.g",
+        "load-not-restarted-after-a-publication", "the reference's own, fixed at 4d5a9c4 (SPEC ML-13.g)",
         "reference/checkpoint/api.py",
         "_LOADS_AFTER_A_PUBLICATION = 2\n", "_LOADS_AFTER_A_PUBLICATION = 0\n",
         "publishes_over", test_file="conformance/test_checkpoint.py",
