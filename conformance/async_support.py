@@ -31,6 +31,7 @@ from conformance.checkpoint_support import (
     dtensor_of,
 )
 from conformance.harness.context import RankContext
+from conformance.processes import child_processes
 
 __all__ = [
     "settled_growth",
@@ -179,7 +180,7 @@ class Resources:
 
     def __init__(self) -> None:
         self.threads = len(os.listdir("/proc/self/task"))
-        self.children = _children()
+        self.children = child_processes(zombies=True)
         self.fds = len(os.listdir("/proc/self/fd"))
 
     def grown_since(self, before: Resources) -> list[str]:
@@ -205,34 +206,12 @@ def settled_growth(before: Resources, settle_s: float = 2.0) -> list[str]:
         time.sleep(0.1)
 
 
-def _children() -> dict[int, str]:
-    """This process's child processes (pid -> command line), leaving out Python's multiprocessing
-    resource tracker: one per process, started by the first ``spawn`` of anything and never stopped, it
-    belongs to the interpreter, not to the implementation under test."""
-    me = os.getpid()
-    found: dict[int, str] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            if parent != me:
-                continue
-            command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except (OSError, ValueError, IndexError):
-            continue  # ended meanwhile
-        if "resource_tracker" not in command:
-            found[int(entry)] = command
-    return found
-
-
 def signal_writer_processes(signum: int) -> list[int]:
     """Send ``signum`` to every child process of this one that multiprocessing spawned (an async save's
     writer process, whatever the implementation); the pids it reached. SIGSTOP first, then the save,
     then SIGKILL: the writer dies with the save's write surely not done."""
     reached = []
-    for pid, command in _children().items():
+    for pid, command in child_processes().items():
         if "multiprocessing" in command or "spawn_main" in command:
             error = raised(lambda pid=pid: os.kill(pid, signum))  # type: ignore[misc]
             if error is None:

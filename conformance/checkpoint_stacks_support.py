@@ -1,9 +1,8 @@
 """Helpers of ``test_checkpoint_stacks.py`` (ML-31 to ML-33): state dicts whose lists mix tensors and
-other values, and the child processes a rank has."""
+other values, and how long a process may outlive the call that started it."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -12,7 +11,7 @@ from torch.distributed.tensor import Shard
 from conformance.checkpoint_support import dtensor_of
 from conformance.rank_context import RankContext
 
-__all__ = ["GRACE_S", "live_children", "mixed_lists"]
+__all__ = ["GRACE_S", "mixed_lists"]
 
 
 def mixed_lists(dist: RankContext, fill: float) -> tuple[dict[str, Any], dict[tuple[Any, ...], torch.Tensor]]:
@@ -27,29 +26,6 @@ def mixed_lists(dist: RankContext, fill: float) -> tuple[dict[str, Any], dict[tu
         "sharded": [dtensor_of(full, dist.mesh(), [Shard(0)]), "w", fill],
     }
     return state, {("sharded", 0): full}
-
-
-def live_children() -> dict[int, str]:
-    """This process's child processes that have not ended (zombies excluded): pid -> command line."""
-    me = os.getpid()
-    children: dict[int, str] = {}
-    for task in os.listdir(f"/proc/{me}/task"):
-        try:
-            with open(f"/proc/{me}/task/{task}/children") as f:
-                pids = [int(p) for p in f.read().split()]
-        except OSError:  # the thread ended meanwhile
-            continue
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    state = f.read().rsplit(")", 1)[1].split()[0]
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            except OSError:  # reaped between the two reads: gone
-                continue
-            if state != "Z":
-                children[pid] = cmdline
-    return children
 
 
 #: How long a process a save or load started may take to end after the call returned.

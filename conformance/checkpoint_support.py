@@ -47,7 +47,7 @@ from conformance.asserts import (
     snapshot,
 )
 from conformance.compare import fqn_keyed_optim, full_on_cpu
-from conformance.dcp_files import read_metadata, storage_bytes_range
+from conformance.dcp_files import dcp_directory, read_metadata, storage_bytes_range
 from conformance.error_cases import EVERY_RANK, ONE_RANK
 from conformance.faults import failing_fsync, failing_writes, unreadable_bytes
 from conformance.harness.context import RankContext, per_group_cache
@@ -64,6 +64,7 @@ __all__ = [
     "checkpoint_ops",
     "group_of",
     "record_location",
+    "in_checkpoint",
     "file_read_by_one_rank",
     "damage",
     "injected_fault",
@@ -278,11 +279,17 @@ def no_record(path: Path, fqn: str, offset: tuple[int, ...] | None = None) -> No
                 + " to place the fault in (the stack keeps it outside DCP's records)")
 
 
+def in_checkpoint(path: Path, name: str) -> str:
+    """The data file ``name`` of DCP's metadata as a path relative to the checkpoint directory ``path``
+    (the two differ where the stack keeps each save in a folder of its own: :func:`dcp_directory`)."""
+    return str((dcp_directory(path) / name).relative_to(path))
+
+
 def record_location(path: Path, fqn: str, offset: tuple[int, ...] | None = None) -> tuple[str, int, int]:
-    """(file, byte offset, length) of the stored record of ``fqn`` (the chunk at ``offset``)."""
+    """(file relative to ``path``, byte offset, length) of the stored record of ``fqn`` (the chunk at ``offset``)."""
     for index, info in read_metadata(path).storage_data.items():
         if index.fqn == fqn and (offset is None or tuple(index.offset) == offset):
-            return info.relative_path, info.offset, info.length
+            return in_checkpoint(path, info.relative_path), info.offset, info.length
     no_record(path, fqn, offset)
 
 
@@ -294,7 +301,7 @@ def file_read_by_one_rank(dist: RankContext, path: Path) -> tuple[str, int, int]
     records = read_metadata(path).storage_data
     for rank in reversed(range(dist.world_size)):
         name, offset, length = record_location(path, "w", (4 * rank, 0))
-        if [(i.fqn, tuple(i.offset or ())) for i, info in records.items() if info.relative_path == name] == [("w", (4 * rank, 0))]:
+        if [(i.fqn, tuple(i.offset or ())) for i, info in records.items() if in_checkpoint(path, info.relative_path) == name] == [("w", (4 * rank, 0))]:
             return name, offset, length
     listing = sorted((info.relative_path, i.fqn, tuple(i.offset or ())) for i, info in records.items())
     fail("test set-up: no data file holds one rank's shard alone", listing, "a file holding only one shard of 'w'", str(path))
@@ -307,7 +314,7 @@ def damage(dist: RankContext, path: Path, case: str, where: str) -> str:
     Data files: for ``every-rank`` the file holding ``b``, which every rank reads; for ``one-rank`` a
     file holding one rank's shard of ``w`` and nothing else, which only that rank reads.
     A truncation cuts that record in half."""
-    meta = path / ".metadata"
+    meta = dcp_directory(path) / ".metadata"
     if case in ("missing-data-file", "truncated-data-file"):
         if where == EVERY_RANK:
             name, offset, length = record_location(path, "b")
@@ -529,21 +536,21 @@ def crafted_record(route: str, code: str) -> bytes:
 def replace_record(path: Path, fqn: str, data: bytes, offset: tuple[int, ...] | None = None) -> str:
     """Make the checkpoint at ``path`` store ``data`` as the record of ``fqn`` (the chunk at
     ``offset``): appended to the data file that holds it, and the metadata (our own file, written a
-    moment ago) pointed at it. Returns the data file's name."""
+    moment ago) pointed at it. Returns the data file's path relative to ``path``."""
     import dataclasses
 
-    meta = path / ".metadata"
+    meta = dcp_directory(path) / ".metadata"
     with open(meta, "rb") as f:
         metadata = pickle.load(f)  # our own file, written by the save a moment ago
     for index, info in metadata.storage_data.items():
         if index.fqn == fqn and (offset is None or tuple(index.offset) == offset):
-            with open(path / info.relative_path, "ab") as f:
+            with open(meta.parent / info.relative_path, "ab") as f:
                 start = f.tell()
                 f.write(data)
             metadata.storage_data[index] = dataclasses.replace(info, offset=start, length=len(data))
             with open(meta, "wb") as f:
                 pickle.dump(metadata, f)
-            return str(info.relative_path)
+            return in_checkpoint(path, info.relative_path)
     no_record(path, fqn, offset)
 
 
@@ -798,7 +805,7 @@ def _upstream_load(dist: RankContext, state: dict[str, Any], path: str) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group_of(dist))
+        dcp.load(state, storage_reader=dcp.FileSystemReader(dcp_directory(path)), process_group=group_of(dist))
 
 
 def _optimizer_state(dist: RankContext, role: str, seed: int) -> State:
@@ -868,7 +875,7 @@ def _metadata_layout(path: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = dcp.FileSystemReader(path).read_metadata()
+    md = dcp.FileSystemReader(dcp_directory(path)).read_metadata()
     keys: dict[str, tuple[Any, ...]] = {}
     for key, entry in md.state_dict_metadata.items():
         if isinstance(entry, TensorStorageMetadata):
@@ -914,7 +921,7 @@ def format_load(dist: RankContext, impl: Adapter, route: str, path: str, seed: i
         if route == "impl-saves" and dist.rank == 0:
             from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-            dcp_to_torch_save(path, out)  # upstream rebuilds the nested state dict from the metadata alone
+            dcp_to_torch_save(dcp_directory(path), out)  # upstream rebuilds the nested state dict from the metadata alone
             assert_same_bits(torch.load(out, weights_only=False), _full_values(saved.values, saved.fulls), check_order=False,
                               what="upstream's dcp_to_torch_save of the checkpoint (nesting from planner_data)")
 
@@ -1469,7 +1476,7 @@ def _unreadable_records(path: Path, fqn: str) -> dict[str, list[tuple[int, int]]
     for index, info in read_metadata(path).storage_data.items():
         if index.fqn != fqn:
             continue
-        with open(path / info.relative_path, "rb", buffering=0) as file:
+        with open(dcp_directory(path) / info.relative_path, "rb", buffering=0) as file:
             start, end = storage_bytes_range(file, info.offset, info.length)
         nbytes = end - start
         middle = start + max(0, nbytes - _UNREADABLE_BYTES) // 2

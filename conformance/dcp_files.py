@@ -14,20 +14,35 @@ import io
 import struct
 import zipfile
 from os import PathLike
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-__all__ = ["read_metadata", "storage_bytes_range"]
+__all__ = ["dcp_directory", "read_metadata", "storage_bytes_range"]
 
 #: Size of a zip local file header before its name and extra field (APPNOTE 4.3.7).
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 
 
+def dcp_directory(path: str | PathLike[str]) -> Path:
+    """The directory that holds the DCP files (``.metadata`` and data files) of the checkpoint saved to
+    ``path``: ``path`` itself, or, for a stack that keeps each save in a folder of its own under the
+    checkpoint directory (torchtitan's ``step-<N>``), the folder below ``path`` with a ``.metadata``
+    written last. ``path`` itself when none holds one (the caller's read then fails naming it)."""
+    root = Path(path)
+    if (root / ".metadata").exists() or not root.is_dir():
+        return root
+    found = [meta.parent for meta in root.rglob(".metadata") if meta.is_file()]
+    if not found:
+        return root
+    return max(found, key=lambda folder: ((folder / ".metadata").stat().st_mtime_ns, str(folder)))
+
+
 def read_metadata(path: str | PathLike[str]) -> Metadata:
-    """The checkpoint's metadata, as upstream's ``FileSystemReader`` reads it."""
-    return FileSystemReader(path).read_metadata()
+    """The checkpoint's metadata, as upstream's ``FileSystemReader`` reads it (from :func:`dcp_directory`)."""
+    return FileSystemReader(dcp_directory(path)).read_metadata()
 
 
 def storage_bytes_range(file: Any, offset: int, length: int) -> tuple[int, int]:

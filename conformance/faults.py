@@ -30,14 +30,15 @@ def is_data_file(name: str) -> bool:
 
 
 def _under(directory: Path, file: Any) -> Path | None:
-    """``file`` (what ``open`` was given) as a path if it lies in ``directory``, else None."""
+    """``file`` (what ``open`` was given) as a path if it lies in ``directory`` or a folder below it (a
+    stack may keep each save in a folder of the checkpoint directory: torchtitan's ``step-<N>``), else None."""
     if isinstance(file, int):
         return None
     try:
         path = Path(os.fsdecode(file)).resolve()
     except (TypeError, ValueError):
         return None
-    return path if path.parent == directory.resolve() else None
+    return path if directory.resolve() in path.parents else None
 
 
 def _writing(mode: str) -> bool:

@@ -12,7 +12,10 @@ save that never ends fails its test instead of stopping the run.
 from __future__ import annotations
 
 import multiprocessing.resource_tracker
+import os
 import signal
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +53,10 @@ from conformance.checkpoint_support import (
     is_same_bits,
     peak_bytes_during,
 )
+from conformance.dcp_files import dcp_directory
 from conformance.error_cases import WHERE, bad_input_here
 from conformance.faults import slowed_publication
+from conformance.processes import child_processes, process_state
 
 # A save that never ends is cut here, not at the suite's default of 120 s (see async_support.outcome).
 pytestmark = pytest.mark.rank_timeout(60)
@@ -149,6 +154,7 @@ def test_async_checkpoint_loads_with_upstream_and_the_reference(dist, impl, refe
     save_and_wait(dist, impl, executor, path, 3.0)
     dist.barrier()
     upstream = training_state(dist, -7.0)
+    path = dcp_directory(path)  # where the stack wrote DCP's files (a folder of the checkpoint, for some)
     dcp.load(upstream, checkpoint_id=path, process_group=dist.group)
     assert_same_bits(upstream, training_state(dist, 3.0), what="an async checkpoint loaded by upstream's dcp.load")
     reference = training_state(dist, -7.0)
@@ -424,6 +430,55 @@ def test_training_collectives_during_the_background_write(dist, impl, executor: 
 
 
 # -- AS-7 resources ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.req("AS-7")
+@pytest.mark.rank_timeout(90)
+@pytest.mark.largest_world_size
+@isolated
+def test_shutdown_ends_a_writer_process_that_does_not_answer(dist, impl) -> None:
+    """An async save on the process executor, then every writer process it left is stopped (SIGSTOP, as
+    Ctrl-Z or a debugger leaves it) and the implementation shut down: ``shutdown`` returns within seconds
+    and no stopped process is left behind; the next async save starts afresh and loads. (The reference's
+    own defect, fixed at db3507c: ``shutdown`` raised on a writer that a stop signal had frozen.)"""
+    ops = async_ops(impl, "process")
+    save_and_wait(dist, impl, "process", dist.tmp_dir / "first", 1.0)
+    spawned = child_processes()  # a writer kept from an earlier test's saves counts: it is this save's writer now
+    writers = {pid: spawned[pid] for pid in signal_writer_processes(signal.SIGSTOP) if pid in spawned}
+    if not any(dist.all_gather_object(bool(writers))):
+        pytest.skip(f"{impl.name}'s process executor keeps no writer process after a save: none to stop")
+    returned = threading.Event()
+    errors: list[BaseException] = []
+
+    def shut_down() -> None:
+        try:
+            ops.shutdown()
+        except BaseException as exc:  # noqa: B036 - reported below
+            errors.append(exc)
+        finally:
+            returned.set()
+
+    threading.Thread(target=shut_down, daemon=True).start()
+    in_time = returned.wait(SHUTDOWN_TIMEOUT_S)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and any(process_state(pid) not in (None, "Z") for pid in writers):
+        time.sleep(0.1)
+    left = {pid: f"{writers[pid]} (state {process_state(pid)})" for pid in writers if process_state(pid) not in (None, "Z")}
+    for pid in left:  # leave no frozen process to the tests after this one
+        os.kill(pid, signal.SIGKILL)
+    if not in_time:
+        fail("shutdown with a stopped writer process", f"still running after {SHUTDOWN_TIMEOUT_S:.0f} s", "returns within seconds", f"rank {dist.rank}")
+    if errors:
+        fail("shutdown with a stopped writer process", f"{type(errors[0]).__name__}: {errors[0]}"[:600], "a normal return", f"rank {dist.rank}")
+    if left:
+        fail("processes left after shutdown", left, "none: the stopped writer ended", f"rank {dist.rank}")
+    dist.barrier()
+    save_and_wait(dist, impl, "process", dist.tmp_dir / "second", 2.0)
+    assert_same_bits(loaded_state(dist, impl, dist.tmp_dir / "second"), training_state(dist, 2.0), what="the save after the shutdown")
+
+
+#: Seconds ``shutdown`` gets with a stopped writer process (the reference: SIGTERM, then SIGKILL, 5 s each).
+SHUTDOWN_TIMEOUT_S = 30.0
 
 
 @pytest.mark.req("AS-7")

@@ -115,7 +115,7 @@ from conformance.checkpoint_support import (
     two_rank_kills,
     zoo_model,
 )
-from conformance.dcp_files import read_metadata
+from conformance.dcp_files import dcp_directory, read_metadata
 from conformance.error_cases import EVERY_RANK, ONE_RANK, WHERE, bad_input_here, parametrize_where
 from conformance.faults import before_first_read, failing_reads, failing_writes
 from conformance.values import different_like, edge_tensors
@@ -154,7 +154,9 @@ def test_checkpoint_loads_across_implementations(dist, impl, reference_impl, sav
     saved = mixed_state(dist, "saved", seed=2)
     writer.save(saved.values, path, process_group=group_of(dist))
     target = mixed_state(dist, "target", seed=2)
-    call_or_skip(lambda: reader.load(target.values, path, process_group=group_of(dist)))
+    # The implementation loads the path it is given; the reference reads the DCP files the stack wrote there.
+    read_at = path if reader is ops else dcp_directory(path)
+    call_or_skip(lambda: reader.load(target.values, read_at, process_group=group_of(dist)))
     assert_local_shards(dist, target.values, saved.fulls, what="loaded")
     assert_same_bits(target.values, mixed_state(dist, "saved", seed=2).values)
 
@@ -174,7 +176,8 @@ def test_reshard_tensor_parallel_model(pools, world_size_pair, impl, reference_i
     saver, loader = (reference_impl if part == "reference" else impl for part in route.split("-to-"))
     saved_at, loaded_at = world_size_pair
     pools.run(saved_at, save_tp, saver, str(tmp_path / "ckpt"))
-    pools.run(loaded_at, load_tp, loader, str(tmp_path / "ckpt"))
+    # The implementation loads the path it saved to; the reference reads the DCP files the stack wrote there.
+    pools.run(loaded_at, load_tp, loader, str(tmp_path / "ckpt" if loader is impl else dcp_directory(tmp_path / "ckpt")))
 
 
 @pytest.mark.dcp_format("ML-3 is checked in DCP's metadata (the chunks and records per key)")
@@ -1100,7 +1103,7 @@ def test_a_crafted_checkpoint_runs_no_code(dist, impl, target: str, route: str, 
     key = {"object": "note", "metadata": None, "tensor": "b" if where == EVERY_RANK else "w"}[target]
     def craft() -> str:
         if target == "metadata":
-            (path / ".metadata").write_bytes(crafted_pickle(route, code))
+            (dcp_directory(path) / ".metadata").write_bytes(crafted_pickle(route, code))
             return ".metadata"
         offset = (4 * (dist.world_size - 1), 0) if key == "w" else None
         return replace_record(path, str(key), crafted_record(route, code), offset)

@@ -16,7 +16,7 @@ from torch.distributed.tensor import Shard
 
 from conformance.adapters.base import Adapter
 from conformance.asserts import check_each, fail, raised, reraise
-from conformance.checkpoint_stacks_support import GRACE_S, live_children, mixed_lists
+from conformance.checkpoint_stacks_support import GRACE_S, mixed_lists
 from conformance.checkpoint_support import (
     assert_local_shards,
     assert_same_bits,
@@ -29,6 +29,7 @@ from conformance.checkpoint_support import (
 )
 from conformance.error_cases import bad_input_here, parametrize_where
 from conformance.faults import failing_reads
+from conformance.processes import child_processes
 from conformance.rank_context import RankContext
 
 
@@ -56,7 +57,7 @@ def test_a_save_and_a_load_leave_no_process_behind(dist: RankContext, impl: Adap
     ``multiprocessing`` manager, a pool left running, piles up over a job's thousands of saves). Writer
     processes of async saves are AS's (AS-6: ``shutdown``); a synchronous call owns none."""
     ops = checkpoint_ops(impl)
-    before = live_children()
+    before = child_processes()
     for step in range(3):
         state = {"w": dtensor_of(torch.full((4 * dist.world_size, 2), float(step)), dist.mesh(), [Shard(0)]), "step": step}
         ops.save(state, dist.tmp_dir / f"ckpt-{step}", process_group=group_of(dist))
@@ -64,10 +65,10 @@ def test_a_save_and_a_load_leave_no_process_behind(dist: RankContext, impl: Adap
         call_or_skip(lambda: ops.load(target, dist.tmp_dir / f"ckpt-{step}", process_group=group_of(dist)))  # noqa: B023
         assert_same_bits(target, {"w": dtensor_of(torch.full((4 * dist.world_size, 2), float(step)), dist.mesh(), [Shard(0)]), "step": step})
     deadline = time.monotonic() + GRACE_S
-    left = {pid: cmd for pid, cmd in live_children().items() if pid not in before}
+    left = {pid: cmd for pid, cmd in child_processes().items() if pid not in before}
     while left and time.monotonic() < deadline:
         time.sleep(0.1)
-        left = {pid: cmd for pid, cmd in live_children().items() if pid not in before}
+        left = {pid: cmd for pid, cmd in child_processes().items() if pid not in before}
     if left:
         fail("processes left running after three saves and three loads", left, "none", f"rank {dist.rank}, {GRACE_S:.0f} s after the last call")
 

@@ -38,6 +38,12 @@ class Defect:
 
 DEFECTS: tuple[Defect, ...] = (
     Defect(
+        "stopped-writer-never-killed", "the reference's own, fixed at db3507c (SPEC AS-7)",
+        "reference/checkpoint/writer_process.py",
+        "        if self.process.is_alive():\n            self.process.kill()\n            self.process.join()\n", "",
+        "does_not_answer", world_size="2",
+    ),
+    Defect(
         "load-not-restarted-after-a-publication", "the reference's own, fixed at 4d5a9c4 (SPEC ML-13.g)",
         "reference/checkpoint/api.py",
         "_LOADS_AFTER_A_PUBLICATION = 2\n", "_LOADS_AFTER_A_PUBLICATION = 0\n",

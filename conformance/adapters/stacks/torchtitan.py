@@ -13,8 +13,12 @@ How the protocol maps onto torchtitan:
   past the highest ``step-<N>`` folder already there (agreed by every rank with an all-reduce before
   any rank writes: a trainer passes its training step, which its ranks agree on by construction). A
   load is ``CheckpointManager.load(step=-1)``, what a resumed job calls: the highest step whose folder
-  holds a ``.metadata``. The DCP files are therefore one level below ``checkpoint_id``, in the step
-  folder; ``CheckpointManager.load`` returning False (no step folder with a ``.metadata``: torchtitan's
+  holds a ``.metadata``, or, where ``checkpoint_id`` holds no step folder but DCP's files of its own
+  (another implementation's checkpoint), that checkpoint through ``initial_load_path`` (every state,
+  ``initial_load_model_only=False``), as a job starting from another tool's checkpoint does. The DCP
+  files torchtitan writes are therefore one level below ``checkpoint_id``, in the step folder (the
+  suite's file-level checks find them there: ``conformance.dcp_files.dcp_directory``);
+  ``CheckpointManager.load`` returning False (no step folder with a ``.metadata``: torchtitan's
   "fresh start") is raised here as ``FileNotFoundError``, since the protocol's ``load`` has no "nothing
   loaded" answer.
 - **The state dict is the manager's ``states``**: its top-level entries are handed to the manager as
@@ -210,13 +214,14 @@ def _next_step(folder: str, process_group: Any) -> int:
 
 
 def _manager(checkpoint: Any, folder: str, states: dict[str, Any], components: dict[str, Any],
-             model_parts: list[nn.Module], mode: str) -> Any:
+             model_parts: list[nn.Module], mode: str, initial_load_path: str | None = None) -> Any:
     """A ``CheckpointManager`` over ``folder`` (``keep_latest_k=0``: no purge thread, every step kept;
     ``interval=1``: every step saves), the components the state dict lacks passed as None and excluded from
-    loading."""
+    loading; ``initial_load_path``: the DCP checkpoint a load without a step folder reads (every state,
+    not the model only), as a job starting from another tool's checkpoint configures it."""
     config = checkpoint.CheckpointManager.Config(
         enable=True, folder=folder, interval=1, async_mode=mode, keep_latest_k=0, initial_load_model_only=False,
-        exclude_from_loading=[k for k in _COMPONENTS if k not in components],
+        exclude_from_loading=[k for k in _COMPONENTS if k not in components], initial_load_path=initial_load_path,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -284,8 +289,8 @@ class TorchtitanCheckpointOps:
         allow_unexpected: bool = True,
     ) -> None:
         """Load the latest step of the folder ``checkpoint_id`` into ``state_dict`` (tensors in place; the
-        manager's ``states`` are a copy of its top level); FileNotFoundError when the folder holds no step
-        with a ``.metadata``."""
+        manager's ``states`` are a copy of its top level), or, with no step folder, the DCP checkpoint at
+        ``checkpoint_id`` itself (``initial_load_path``); FileNotFoundError when there is neither."""
         checkpoint = _import_checkpoint()
         if not strict:
             raise Unsupported("CheckpointManager.load has no non-strict option (strict=False): it calls dcp.load with "
@@ -296,7 +301,10 @@ class TorchtitanCheckpointOps:
         _check_group(process_group, mode="disabled")
         states, components, model_parts = _split(state_dict)
         folder = os.fspath(checkpoint_id)
-        manager = _manager(checkpoint, folder, states, components, model_parts, "disabled")
+        # A checkpoint another implementation wrote at checkpoint_id (DCP's files there, no step folder) is
+        # what a torchtitan job starts from with initial_load_path; a step folder, when there is one, wins.
+        initial = os.path.abspath(folder) if os.path.exists(os.path.join(folder, ".metadata")) else None
+        manager = _manager(checkpoint, folder, states, components, model_parts, "disabled", initial)
         try:
             with _quiet():
                 loaded = manager.load(step=-1)

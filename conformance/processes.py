@@ -1,0 +1,42 @@
+"""The child processes of the calling process, read from ``/proc`` (Linux): what the checks that an
+implementation leaves no process behind (ML-32, AS-7) and the faults that stop or kill a writer process
+(AS-4, AS-7) look at."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["child_processes", "process_state"]
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state of process ``pid`` (``R``, ``S``, ``T`` stopped, ``Z`` ended but not
+    reaped, ...), or None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def child_processes(*, zombies: bool = False) -> dict[int, str]:
+    """This process's child processes (pid -> command line), leaving out Python's multiprocessing
+    resource tracker (one per process, started by the first ``spawn`` of anything and never stopped, it
+    belongs to the interpreter, not to the implementation under test) and, unless ``zombies``, those that
+    ended and are not yet reaped (a process that outlives its call; an unreaped one is a leak of another
+    kind, which AS-7 counts)."""
+    me = os.getpid()
+    found: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) != me or (fields[0] == "Z" and not zombies):
+                continue
+            command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile
+        if "resource_tracker" not in command:
+            found[int(entry)] = command
+    return found
