@@ -206,16 +206,23 @@ def settled_growth(before: Resources, settle_s: float = 2.0) -> list[str]:
         time.sleep(0.1)
 
 
-def signal_writer_processes(signum: int) -> list[int]:
-    """Send ``signum`` to every child process of this one that multiprocessing spawned (an async save's
-    writer process, whatever the implementation); the pids it reached. SIGSTOP first, then the save,
-    then SIGKILL: the writer dies with the save's write surely not done."""
+def signal_writer_processes(signum: int, ops: Any = None) -> list[int]:
+    """Send ``signum`` to the processes writing this process's async saves in the background; the pids it
+    reached. They are what ``ops.writer_processes()`` names where the adapter's ops declare it (a stack
+    whose other helper processes, megatron-core's ``multiprocessing`` manager, are not writers), else
+    every child process of this one that multiprocessing started (an async save's writer process,
+    whatever the implementation). SIGSTOP first, then the save, then SIGKILL: the writer dies with the
+    save's write surely not done."""
+    declared = getattr(ops, "writer_processes", None)
+    if declared is not None:
+        targets = list(declared())
+    else:
+        targets = [pid for pid, command in child_processes().items() if "multiprocessing" in command or "spawn_main" in command]
     reached = []
-    for pid, command in child_processes().items():
-        if "multiprocessing" in command or "spawn_main" in command:
-            error = raised(lambda pid=pid: os.kill(pid, signum))  # type: ignore[misc]
-            if error is None:
-                reached.append(pid)
+    for pid in targets:
+        error = raised(lambda pid=pid: os.kill(pid, signum))  # type: ignore[misc]
+        if error is None:
+            reached.append(pid)
     return reached
 
 

@@ -49,7 +49,7 @@ from conformance.asserts import (
 from conformance.compare import fqn_keyed_optim, full_on_cpu
 from conformance.dcp_files import dcp_directory, read_metadata, storage_bytes_range
 from conformance.error_cases import EVERY_RANK, ONE_RANK
-from conformance.faults import failing_fsync, failing_writes, unreadable_bytes
+from conformance.faults import failing_fsync, failing_writes, is_data_file, unreadable_bytes
 from conformance.harness.context import RankContext, per_group_cache
 from conformance.values import EDGE_DTYPES, different_like, edge_tensors, lazy_views, perturb_hyperparameters
 
@@ -65,6 +65,7 @@ __all__ = [
     "group_of",
     "record_location",
     "in_checkpoint",
+    "data_files_of",
     "file_read_by_one_rank",
     "damage",
     "injected_fault",
@@ -283,6 +284,17 @@ def in_checkpoint(path: Path, name: str) -> str:
     """The data file ``name`` of DCP's metadata as a path relative to the checkpoint directory ``path``
     (the two differ where the stack keeps each save in a folder of its own: :func:`dcp_directory`)."""
     return str((dcp_directory(path) / name).relative_to(path))
+
+
+def data_files_of(path: Path) -> Callable[[str], bool]:
+    """Which file names of the checkpoint at ``path`` are its data files: those DCP's metadata points
+    records at, where it has DCP's files (a stack's own metadata, megatron-core's ``metadata.json``, is
+    not data), else every file but DCP's metadata and lock (:func:`conformance.faults.is_data_file`)."""
+    try:
+        names = {Path(info.relative_path).name for info in read_metadata(path).storage_data.values()}
+    except Exception:  # noqa: BLE001 - no DCP metadata to read: the stack's own format
+        return is_data_file
+    return names.__contains__
 
 
 def record_location(path: Path, fqn: str, offset: tuple[int, ...] | None = None) -> tuple[str, int, int]:

@@ -213,6 +213,7 @@ def test_an_evaluation_job_loading_during_the_write_gets_one_whole_checkpoint(di
     from conformance import eval_child
     from conformance.child_process import start_child
 
+    impl.require_no_process_group("the evaluation job's loads (one process, no group)")
     path = dist.tmp_dir / "ckpt"
     save_and_wait(dist, impl, executor, path, 1.0)
     ops = async_ops(impl, executor)
@@ -313,12 +314,12 @@ def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, faul
             if fault == "writer-dies" and here:
                 # A writer kept from the save before is frozen first, so that it dies with this save's
                 # write surely not done (a fresh writer of this save is killed once staging completed).
-                signal_writer_processes(signal.SIGSTOP)
+                signal_writer_processes(signal.SIGSTOP, ops)
             response = async_save(ops, state, path, dist, executor)
             issued.append(response)
             if fault == "writer-dies" and here:
                 outcome(response.staging_completion, "the staging future", f"rank {dist.rank}")
-                if not signal_writer_processes(signal.SIGKILL):
+                if not signal_writer_processes(signal.SIGKILL, ops):
                     fail("a writer process to kill", "none: no child process of this rank was spawned by multiprocessing",
                          "the executor's writer process", f"rank {dist.rank}")
         else:
@@ -444,7 +445,7 @@ def test_shutdown_ends_a_writer_process_that_does_not_answer(dist, impl) -> None
     ops = async_ops(impl, "process")
     save_and_wait(dist, impl, "process", dist.tmp_dir / "first", 1.0)
     spawned = child_processes()  # a writer kept from an earlier test's saves counts: it is this save's writer now
-    writers = {pid: spawned[pid] for pid in signal_writer_processes(signal.SIGSTOP) if pid in spawned}
+    writers = {pid: spawned[pid] for pid in signal_writer_processes(signal.SIGSTOP, ops) if pid in spawned}
     if not any(dist.all_gather_object(bool(writers))):
         pytest.skip(f"{impl.name}'s process executor keeps no writer process after a save: none to stop")
     returned = threading.Event()

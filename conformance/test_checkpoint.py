@@ -71,6 +71,7 @@ from conformance.checkpoint_support import (
     crafted_pickle,
     crafted_record,
     damage,
+    data_files_of,
     described_by_states,
     dtensor_of,
     error_checkpoint,
@@ -180,7 +181,7 @@ def test_reshard_tensor_parallel_model(pools, world_size_pair, impl, reference_i
     pools.run(loaded_at, load_tp, loader, str(tmp_path / "ckpt" if loader is impl else dcp_directory(tmp_path / "ckpt")))
 
 
-@pytest.mark.dcp_format("ML-3 is checked in DCP's metadata (the chunks and records per key)")
+@pytest.mark.dcp_files("ML-3 is checked in DCP's metadata (the chunks and records per key)")
 @pytest.mark.req("ML-3")
 def test_replicated_data_is_written_once(dist, impl) -> None:
     """Checked in the metadata, on rank 0: the chunks each key lists, the records stored per key, and that
@@ -626,7 +627,7 @@ _BAD_CHECKPOINTS = [
 ]
 
 
-@pytest.mark.dcp_format("the damage is placed by DCP's metadata (which file holds which record)")
+@pytest.mark.dcp_files("the damage is placed by DCP's metadata (which file holds which record)")
 @pytest.mark.req("ML-14")
 @pytest.mark.rank_timeout(30)
 @pytest.mark.parametrize("case, where", _BAD_CHECKPOINTS, ids=[f"{c}-{w}" for c, w in _BAD_CHECKPOINTS])
@@ -668,9 +669,10 @@ def test_files_that_vanish_or_shrink_during_a_load_fail_it_cleanly(dist, impl, h
     target = sharded_values(dist, -7.0)
     entries = dict(target)
     faulty = where == EVERY_RANK or dist.rank == dist.world_size - 1
+    data_files = data_files_of(path)
 
     def load() -> None:
-        with failing_reads(path, how) if faulty else contextlib.nullcontext():
+        with failing_reads(path, how, which=data_files) if faulty else contextlib.nullcontext():
             ops.load(target, path, process_group=group_of(dist))
 
     exc = raised(load)
@@ -760,7 +762,7 @@ def test_load_fills_tensors_in_place(dist, impl) -> None:
     assert_same_bits(target, saved)
 
 
-@pytest.mark.dcp_format("ML-19 reads each record's length from DCP's metadata")
+@pytest.mark.dcp_files("ML-19 reads each record's length from DCP's metadata")
 @pytest.mark.req("ML-19")
 def test_views_are_saved_as_their_own_elements(dist, impl) -> None:
     """Views of a 1 MiB storage (a slice at an offset, a strided slice, a DTensor whose local shard is
@@ -797,7 +799,7 @@ def test_views_are_saved_as_their_own_elements(dist, impl) -> None:
     assert_same_bits({k: target[k] for k in ("slice", "strided")}, {k: sd[k] for k in ("slice", "strided")})
 
 
-@pytest.mark.dcp_format("the unreadable record is found in DCP's metadata")
+@pytest.mark.dcp_files("the unreadable record is found in DCP's metadata")
 @pytest.mark.req("ML-20")
 @pytest.mark.rank_timeout(30)
 @parametrize_where
@@ -858,7 +860,7 @@ def test_values_held_by_some_ranks_only_are_saved(dist, impl) -> None:
 _STEP_CASES = [StepCase(first, last) for first in (None, *STEPS) for last in (None, *STEPS) if (first, last) != (None, None)]
 
 
-@pytest.mark.dcp_format("the failing reads are placed by DCP's metadata")
+@pytest.mark.dcp_files("the failing reads are placed by DCP's metadata")
 @pytest.mark.req("ML-23", "ML-24")
 @pytest.mark.rank_timeout(30)
 @pytest.mark.parametrize("case", _STEP_CASES, ids=[c.id for c in _STEP_CASES])
@@ -993,7 +995,7 @@ def test_successive_saves_each_hold_their_own_state(dist, impl) -> None:
     def check(directory: str, *, after: str) -> None:
         build, step, paths = last_saved[directory]
         path = dist.tmp_dir / directory
-        if impl.checkpoint_format == "dcp":  # the metadata part; the load below holds for every format
+        if impl.has_dcp_files:  # the metadata part; the load below holds for every format
             metadata = read_metadata(path)
             # Keys of any save of this test (a stale plan's) count; the stack's own records do not.
             known = {key for _, _, held in last_saved.values() for key in held} | set(paths)
@@ -1052,7 +1054,7 @@ def test_a_save_that_changes_one_property_of_its_layout_holds_its_own(dist, impl
         path = dist.tmp_dir / directory
         described = described_by_states(dist, one_property_state(dist, prop, second, step))
         keys = set(described_by_states(dist, one_property_state(dist, prop, not second, step))) | set(described)
-        listed = listed_in_metadata(path, keys) if impl.checkpoint_format == "dcp" else described  # the metadata part: DCP's
+        listed = listed_in_metadata(path, keys) if impl.has_dcp_files else described  # the metadata part: DCP's
         if listed != described:
             differ = sorted(k for k in described.keys() | listed.keys() if described.get(k) != listed.get(k))
             fail(f"the metadata of {directory} after {after}", {k: listed.get(k) for k in differ},
@@ -1080,7 +1082,7 @@ _CRAFTED = (
 )
 
 
-@pytest.mark.dcp_format("the crafted records are DCP's pickled records and metadata")
+@pytest.mark.dcp_files("the crafted records are DCP's pickled records and metadata")
 @pytest.mark.req("ML-27", "ML-28")
 @pytest.mark.rank_timeout(30)
 @pytest.mark.parametrize("target, route, where", _CRAFTED, ids=[f"{t}-{r}-{w}" for t, r, w in _CRAFTED])

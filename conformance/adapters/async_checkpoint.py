@@ -55,6 +55,11 @@ class AsyncCheckpointOps(Protocol):
         """Wait for the save in flight and release what async saves hold in this process (threads,
         writer processes, staging buffers); a later ``async_save`` starts afresh."""
 
+    # Optional: ``writer_processes(self) -> list[int]``, the pids of the processes that write this
+    # process's async saves in the background now. The AS tests that stop or kill a writer (AS-4's
+    # writer-dies, AS-7's stopped writer) signal those; without it, every child process that
+    # multiprocessing started, which is wrong for a stack with helper processes that are not writers.
+
 
 @dataclass(frozen=True)
 class _Response:

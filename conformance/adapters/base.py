@@ -97,6 +97,11 @@ class Adapter:
     #: requirements apply, ML-2 and ML-25) or the name of the stack's own format (``"megatron"``,
     #: ``"deepspeed"``): the semantic requirements still apply, the DCP-format ones are skips naming it.
     checkpoint_format: ClassVar[str] = "dcp"
+    #: Whether its checkpoint directory holds DCP's ``.metadata`` and data files (in it, or in a folder
+    #: of it), even where the checkpoint as a whole is not DCP's (megatron-core writes DCP's files beside
+    #: a ``metadata.json`` of its own): the tests that read DCP's metadata or place a fault by it (ML-3,
+    #: ML-14, ML-19, ML-20, ML-23, ML-27) then apply. None: as ``checkpoint_format == "dcp"`` says.
+    dcp_files: ClassVar[bool | None] = None
     #: Whether its checkpoint ops need an initialized process group. True: a save or load asked of a
     #: process without one (ML-12, a crash test's child without a group) is a skip naming the op.
     needs_process_group: ClassVar[bool] = False
@@ -173,6 +178,11 @@ class Adapter:
 
             pytest.skip(f"{self.name} writes its own checkpoint format ({self.checkpoint_format!r}); "
                         f"{requirement} is about the {fmt} format")
+
+    @property
+    def has_dcp_files(self) -> bool:
+        """Whether DCP's files can be read and damaged in this stack's checkpoints (:attr:`dcp_files`)."""
+        return self.checkpoint_format == "dcp" if self.dcp_files is None else self.dcp_files
 
     def require_no_process_group(self, op: str) -> None:
         """Skip, naming ``op``, when this stack declares that its ops need a process group."""

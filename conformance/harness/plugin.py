@@ -189,9 +189,13 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
-        "dcp_format(why): this test's check reads or writes DCP's on-disk files (upstream DCP loads them, their "
-        "metadata is read, a fault is placed by it): a skip, saying why, for an adapter whose checkpoint_format is "
-        "not 'dcp'",
+        "dcp_format(why): this test loads a checkpoint of one implementation with another (upstream DCP, the "
+        "reference): a skip, saying why, for an adapter whose checkpoint_format is not 'dcp'",
+    )
+    config.addinivalue_line(
+        "markers",
+        "dcp_files(why): this test reads DCP's metadata of the checkpoint or places a fault by it: a skip, saying "
+        "why, for an adapter whose checkpoints hold no DCP files (Adapter.dcp_files)",
     )
     _check_environment()
     settings, runner = _start(config)
@@ -532,6 +536,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if impl is not None and impl.checkpoint_format != "dcp":
         for mark in item.iter_markers("dcp_format"):
             _skip(f"{impl.name} writes its own checkpoint format ({impl.checkpoint_format!r}), not DCP's: {mark.args[0]}")
+    if impl is not None and not impl.has_dcp_files:
+        for mark in item.iter_markers("dcp_files"):
+            _skip(f"{impl.name}'s checkpoints ({impl.checkpoint_format!r}) hold no DCP files: {mark.args[0]}")
     if impl is not None:
         for capability in sorted({c for c in map(capability_of, _item_reqs(item)) if c}):
             reason = impl.unsupported_reason(capability)

@@ -316,6 +316,20 @@ def rank_main(
         dist.destroy_process_group()
     except Exception:  # exiting anyway
         pass
+    _end_children()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _end_children() -> None:
+    """Kill what the implementations under test left running in this rank (a writer process, a
+    ``multiprocessing`` manager): ``os._exit`` skips the interpreter's exit handlers that would have
+    stopped some of them, and nothing else would (ML-32 reports them while the test runs)."""
+    from conformance.processes import child_processes
+
+    for pid in child_processes():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # ended meanwhile
+            pass

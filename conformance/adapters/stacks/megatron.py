@@ -466,6 +466,13 @@ class MegatronAsyncCheckpointOps:
         self._pending[call_idx] = completion
         return _Response(staged, completion)
 
+    def writer_processes(self) -> list[int]:
+        """The forked writer processes of the saves in flight: megatron's results-queue ``Manager``, a
+        child process too, writes nothing and is not one."""
+        calls = self._queue.async_calls if self._queue is not None else ()
+        processes = [getattr(call.async_caller, "process", None) for call in calls]
+        return [p.pid for p in processes if p is not None and p.pid is not None and p.is_alive()]
+
     def shutdown(self) -> None:
         """Finalize the save in flight and drop the queue (its writer processes are joined by then)."""
         if self._queue is not None:
@@ -481,6 +488,9 @@ class MegatronCoreAdapter(Adapter):
     name = "megatron-core"
     xfails_file = "../../xfails/megatron-core.txt"
     checkpoint_format = "megatron"
+    # Its directory holds DCP's .metadata and .distcp files (read by megatron through DCP's reader), beside
+    # its metadata.json: the tests that read DCP's metadata or place a fault by it apply.
+    dcp_files = True
     needs_process_group = True
     devices = ("cpu", "cuda")
 
