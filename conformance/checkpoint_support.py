@@ -1244,15 +1244,22 @@ def one_property_state(dist: RankContext, prop: str, second: bool, step: float) 
     bias of 5 elements instead of 3 (same dtype); ``nesting``, the scale out of ``layers`` under a
     top-level key of the same flat name (same tensors); ``rank``, a counter held by the last rank
     instead of rank 0 (same key, shape and dtype); ``chunking``, the weight sharded along columns
-    instead of rows (same global shape and dtype)."""
+    instead of rows (same global shape and dtype); ``every-dtype``, every tensor cast alike to bfloat16
+    (``model.to(torch.bfloat16)`` between two saves: a key of dtype *changes* sees none if it compares
+    the tensors with each other); ``every-shape``, every tensor grown alike along its last dimension;
+    ``renamed``, the bias under another name in the same place (same shapes, dtypes and order)."""
     changed = second
-    rows, cols = 4 * dist.world_size, 2 * dist.world_size
-    weight = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) * 0.5 + step
+    rows, cols = 4 * dist.world_size, 2 * dist.world_size + (2 if prop == "every-shape" and changed else 0)
+    every = torch.bfloat16 if prop == "every-dtype" and changed else torch.float32
+    weight = (torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) * 0.5 + step).to(every)
     placements = [Shard(1)] if prop == "chunking" and changed else [Shard(0)]
-    bias = torch.arange(5 if prop == "shape" and changed else 3, dtype=torch.float64 if prop == "dtype" and changed else torch.float32) + step
-    layer: dict[str, Any] = {"weight": dtensor_of(weight, dist.mesh(), placements), "bias": bias}
+    bias_size = 5 if prop in ("shape", "every-shape") and changed else 3
+    bias = (torch.arange(bias_size, dtype=torch.float64 if prop == "dtype" and changed else torch.float32) + step).to(
+        torch.float64 if prop == "dtype" and changed else every)
+    bias_key = "shift" if prop == "renamed" and changed else "bias"
+    layer: dict[str, Any] = {"weight": dtensor_of(weight, dist.mesh(), placements), bias_key: bias}
     sd: dict[str, Any] = {"layers": {"0": layer}, "note": f"step {step}"}
-    scale = torch.tensor([step, -step])
+    scale = torch.tensor([step, -step, step, -step] if prop == "every-shape" and changed else [step, -step]).to(every)
     if prop == "nesting" and changed:
         sd["layers.0.scale"] = scale
     else:

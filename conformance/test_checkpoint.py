@@ -1031,7 +1031,7 @@ def test_successive_saves_each_hold_their_own_state(dist, impl) -> None:
 
 
 #: The layout properties ML-30 changes one at a time between two saves of a job.
-_ONE_PROPERTY = ("dtype", "shape", "nesting", "rank", "chunking")
+_ONE_PROPERTY = ("dtype", "shape", "nesting", "rank", "chunking", "every-dtype", "every-shape", "renamed")
 
 
 @pytest.mark.req("ML-26", "ML-30")

@@ -38,6 +38,12 @@ class Defect:
 
 DEFECTS: tuple[Defect, ...] = (
     Defect(
+        "uniform-cast-misses-the-plan-cache-key", "pytorch/pytorch PR #147343, PR #148577 (SPEC ML-30)",
+        "reference/checkpoint/plan_cache.py",
+        "    return _digest((packed, list(paths.items())))\n", "    return _digest((packed[0], list(paths.items())))\n",
+        "changes_one_property", test_file="conformance/test_checkpoint.py",
+    ),
+    Defect(
         "stopped-writer-never-killed", "the reference's own, fixed at db3507c (SPEC AS-7)",
         "reference/checkpoint/writer_process.py",
         "        if self.process.is_alive():\n            self.process.kill()\n            self.process.join()\n", "",
