@@ -286,6 +286,13 @@ def check_after_a_failure(dist: RankContext, impl: Adapter, executor: str, path:
         if staging is not None and not wait_for_futures([staging], timeout=STAGING_AFTER_COMPLETION_S).done:
             fail(f"the staging future of an async save with {fault} ({executor})", "still pending after the completion future resolved",
                  "resolved (with the staging error where staging failed)", f"rank {dist.rank}")
+        # A refusing Stateful's state_dict is part of what staging copies (AS-1: the checkpoint is the
+        # state when staging completed, so it cannot be asked for later): where it refused, staging failed,
+        # and a staging future that resolved as a success tells the trainer it may go on.
+        refused_here = fault == "refusing-stateful" and (where == "every-rank" or dist.rank == dist.world_size - 1)
+        if staging is not None and refused_here and staging.done() and staging.exception() is None:
+            fail(f"the staging future of an async save whose Stateful refused its state_dict on this rank ({executor})",
+                 "a success", "the staging error (this rank's snapshot was never taken)", f"rank {dist.rank}")
 
     def names() -> None:
         if error is not None and str(path) not in str(error) and path.name not in str(error):
