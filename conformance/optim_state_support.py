@@ -29,6 +29,8 @@ from conformance.values import EDGE_DTYPES, edge_values, perturb_hyperparameters
 
 __all__ = [
     "GLOBAL_BATCH",
+    "attach_optimizer",
+    "require_per_parameter_state",
     "ATOL",
     "RTOL",
     "OPTIMIZERS",
@@ -182,7 +184,7 @@ class Run:
     Built on every rank; ``train`` steps both (the oracle on the whole batch, the model on this rank's
     slice). Skips when the implementation cannot run ``setup``."""
 
-    def __init__(self, dist: RankContext, impl: Adapter, setup: Setup) -> None:
+    def __init__(self, dist: RankContext, impl: Adapter, setup: Setup, *, reversed_params: bool = False) -> None:
         if GLOBAL_BATCH % dist.world_size:
             pytest.skip(f"the global batch of {GLOBAL_BATCH} does not split evenly over {dist.world_size} ranks")
         ops, sharding = impl.require("optim_state"), impl.require("sharding")
@@ -199,7 +201,13 @@ class Run:
         assert len(unit_ids) == len(unit_names), f"test layout error: units {unit_names} of {setup.model}"
         plan = ShardingPlan(setup.strategy, setup.use_orig_params, units=lambda m: id(m) in unit_ids, device=dist.device)
         self.model = sharding.shard(model, plan)
-        self.optim = make_optimizer(setup, groups, ops.optimizer_params(self.model))
+        named = ops.optimizer_params(self.model)
+        #: the ``torch.optim`` optimizer built over the model's parameters (``reversed_params``: listing
+        #: them in reverse order, as some ranks of a job do)
+        self.built_optim = make_optimizer(setup, groups, list(reversed(named)) if reversed_params else named)
+        #: what is stepped and whose state is checked: the built optimizer, or the stack's own optimizer
+        #: around it where the stack must own it (``attach_optimizer``: DeepSpeed's ZeRO optimizer)
+        self.optim = attach_optimizer(ops, self.model, self.built_optim)
 
     def train(self, steps: int) -> None:
         for _ in range(steps):
@@ -515,10 +523,28 @@ def _piece_offset(local: torch.Tensor, full: torch.Tensor, where: str) -> int:
     return int(rows[0])
 
 
+def attach_optimizer(ops: Any, model: nn.Module, optim: torch.optim.Optimizer) -> Any:
+    """The optimizer a test steps and checks for ``optim`` built over ``model``'s parameters: the stack's
+    own around it where its ops declare ``attach_optimizer`` (an engine that must own the optimizer:
+    DeepSpeed's ``deepspeed.initialize``), else ``optim`` itself."""
+    attach = getattr(ops, "attach_optimizer", None)
+    return optim if attach is None else attach(model, optim)
+
+
+def require_per_parameter_state(run: Run, what: str) -> None:
+    """Skip, naming ``what``, where the stack steps an optimizer of its own (:func:`attach_optimizer`):
+    its state is kept by its own partitions, not per parameter of the model, so ``what`` (state written
+    into, or read from, ``torch.optim``'s per-parameter state) cannot be done to it."""
+    if run.optim is not run.built_optim:
+        pytest.skip(f"the stack steps an optimizer of its own ({type(run.optim).__name__}, attach_optimizer), whose state "
+                    f"is not kept per parameter of the model: {what} is not possible")
+
+
 def write_state(run: Run, values: dict[str, dict[str, torch.Tensor]]) -> None:
     """Put ``values`` into both optimizers: the oracle's full, the sharded run's as this rank's part
     (a flat parameter's chunk of the documented layout, an original parameter's part where it lies,
     a DTensor's ``torch.chunk`` piece)."""
+    require_per_parameter_state(run, "writing edge values into the optimizer's per-parameter state")
     params = dict(run.oracle.named_parameters())
     for fqn, entry in values.items():
         run.oracle_optim.state[params[fqn]] = {n: v.clone() for n, v in entry.items()}
@@ -564,7 +590,7 @@ def optimizer_fqn_order(ops: Any, run: Run) -> list[str]:
     """The FQNs in the order this rank's optimizer lists its parameters (a flat parameter standing for
     its FQNs in flat order)."""
     fqns_of = {id(param): fqns for fqns, param in ops.optimizer_params(run.model)}
-    return [fqn for group in run.optim.param_groups for param in group["params"] for fqn in fqns_of[id(param)]]
+    return [fqn for group in run.built_optim.param_groups for param in group["params"] for fqn in fqns_of[id(param)]]
 
 
 def same_partition(info: dict[str, tuple[int, int]]) -> bool:

@@ -995,7 +995,7 @@ def test_successive_saves_each_hold_their_own_state(dist, impl) -> None:
     def check(directory: str, *, after: str) -> None:
         build, step, paths = last_saved[directory]
         path = dist.tmp_dir / directory
-        if impl.has_dcp_files:  # the metadata part; the load below holds for every format
+        if impl.checkpoint_format == "dcp":  # the metadata part (DCP's keys and nesting paths); the load below holds for every format
             metadata = read_metadata(path)
             # Keys of any save of this test (a stale plan's) count; the stack's own records do not.
             known = {key for _, _, held in last_saved.values() for key in held} | set(paths)
@@ -1054,7 +1054,7 @@ def test_a_save_that_changes_one_property_of_its_layout_holds_its_own(dist, impl
         path = dist.tmp_dir / directory
         described = described_by_states(dist, one_property_state(dist, prop, second, step))
         keys = set(described_by_states(dist, one_property_state(dist, prop, not second, step))) | set(described)
-        listed = listed_in_metadata(path, keys) if impl.has_dcp_files else described  # the metadata part: DCP's
+        listed = listed_in_metadata(path, keys) if impl.checkpoint_format == "dcp" else described  # the metadata part: DCP's format
         if listed != described:
             differ = sorted(k for k in described.keys() | listed.keys() if described.get(k) != listed.get(k))
             fail(f"the metadata of {directory} after {after}", {k: listed.get(k) for k in differ},

@@ -57,10 +57,8 @@ from conformance.optim_state_support import (
     bad_osd,
     check_error,
     edge_state,
-    fqn_groups,
     load_phase,
     load_target,
-    make_optimizer,
     optimizer_fqn_order,
     same_partition,
     save_phase,
@@ -248,10 +246,7 @@ def test_ranks_agree_on_key_order(dist, impl, use_orig_params: bool) -> None:
     """Odd ranks build their optimizer over the parameters in reverse order: every rank still returns
     the same state dict, in rank 0's order, and it loads back."""
     ops = impl.require("optim_state")
-    run = Run(dist, impl, Setup(model="nested", use_orig_params=use_orig_params))
-    if dist.rank % 2:
-        named = list(reversed(ops.optimizer_params(run.model)))
-        run.optim = make_optimizer(run.setup, fqn_groups(run.setup, run.oracle), named)
+    run = Run(dist, impl, Setup(model="nested", use_orig_params=use_orig_params), reversed_params=bool(dist.rank % 2))
     run.train(2)
     osd = ops.optim_state_dict(run.model, run.optim)
     assert_osd_matches(osd, run.oracle_osd(), f"{run.setup} on rank {dist.rank}")
@@ -300,10 +295,7 @@ def test_differently_ordered_optimizers_hold_one_state(dist, impl, use_orig_para
     other rank's; it loads back on every rank, and one more step matches the unwrapped model, model
     and optimizer state."""
     ops = impl.require("optim_state")
-    run = Run(dist, impl, Setup(model="nested", use_orig_params=use_orig_params))
-    if dist.rank % 2:
-        named = list(reversed(ops.optimizer_params(run.model)))
-        run.optim = make_optimizer(run.setup, fqn_groups(run.setup, run.oracle), named)
+    run = Run(dist, impl, Setup(model="nested", use_orig_params=use_orig_params), reversed_params=bool(dist.rank % 2))
     run.train(2)
     osd = ops.optim_state_dict(run.model, run.optim)
     where = f"{run.setup} on rank {dist.rank}, odd ranks' optimizers reversed"

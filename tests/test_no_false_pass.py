@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from conformance.adapters.base import Adapter
 from tests.conftest import REPO_ROOT
 from tests.null_adapters import FailingEverywhere, UnsupportedEverywhere
 
 
-def outcomes_of(adapter: type, tmp_path: Path) -> dict[str, list[str]]:
+def outcomes_of(adapter: type[Adapter], tmp_path: Path) -> dict[str, list[str]]:
     """outcome -> the ids of ``adapter``'s tests with that outcome, from a run of the whole suite against it
     at world sizes 1 and 2. Tests of no implementation (the zoo's own checks) are left out."""
     report = tmp_path / "report.json"

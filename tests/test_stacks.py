@@ -39,18 +39,19 @@ def test_a_stack_not_installed_is_a_skip_naming_it(name: str) -> None:
             pytest.fail(f"{name}.{capability} raised ImportError instead of Unsupported: {exc}")
 
 
-def _result(tests: dict[str, dict]) -> dict:
+def _result(tests: dict[str, dict[str, object]]) -> dict[str, object]:
     return {"world_sizes": [1, 2], "impls": ["torchtitan"], "spec": {"ML-1": "", "ML-13": "", "AS-2": ""}, "tests": tests}
 
 
 def test_the_verdict_page_lists_requirements_deviations_and_skips(tmp_path: Path) -> None:
     results = tmp_path / "results"
     results.mkdir()
-    tests = {
+    tests: dict[str, dict[str, object]] = {
         "conformance/test_checkpoint.py::test_round_trip[ws1-torchtitan-plain]": {"outcome": "passed", "impl": "torchtitan", "reqs": ["ML-1"]},
         "conformance/test_checkpoint.py::test_kill[torchtitan-open-1]": {
             "outcome": "xfailed", "impl": "torchtitan", "reqs": ["ML-13"],
-            "entry": {"pattern": "conformance/test_checkpoint.py::test_kill*", "clauses": ["ML-13.f"], "reason": "DCP removes the old metadata first (pytorch/pytorch#1)"},
+            "entry": {"pattern": "conformance/test_checkpoint.py::test_kill*", "clauses": ["ML-13.f"],
+                      "reason": "DCP removes the old metadata first (pytorch/pytorch#1)"},
         },
         "conformance/test_async_save.py::test_published[ws1-torchtitan-process]": {
             "outcome": "skipped", "impl": "torchtitan", "reqs": ["AS-2"], "reason": "no process executor on a CPU machine"},
@@ -68,7 +69,7 @@ def test_the_verdict_page_lists_requirements_deviations_and_skips(tmp_path: Path
 def test_an_unexplained_failure_makes_the_run_red(tmp_path: Path) -> None:
     results = tmp_path / "results"
     results.mkdir()
-    tests = {"conformance/test_checkpoint.py::test_round_trip[ws1-torchtitan-plain]": {
+    tests: dict[str, dict[str, object]] = {"conformance/test_checkpoint.py::test_round_trip[ws1-torchtitan-plain]": {
         "outcome": "failed", "impl": "torchtitan", "reqs": ["ML-1"], "reason": "rank 0: values differ"}}
     (results / "torchtitan.json").write_text(json.dumps(_result(tests)))
     doc = tmp_path / "stacks.md"

@@ -26,6 +26,12 @@ class OptimStateOps(Protocol):
     """What the OS tests need of an implementation of sharded data parallel, for a model sharded by the
     adapter's ``sharding()``."""
 
+    # Optional: ``attach_optimizer(self, model, optimizer) -> optimizer``, for a stack whose engine must
+    # own the optimizer (DeepSpeed's ``deepspeed.initialize``): given the ``torch.optim`` optimizer the test
+    # built over :meth:`optimizer_params`, return what the test steps (``zero_grad``, ``step``; the loss's
+    # ``backward`` runs on the model's output) and hands to the methods below as ``optim``. Without it
+    # the built optimizer is stepped as it is.
+
     def optimizer_params(self, model: nn.Module) -> list[tuple[tuple[str, ...], nn.Parameter]]:
         """Every parameter an optimizer of the wrapped model holds, with the clean FQNs it stands for."""
 

@@ -36,6 +36,7 @@ from conformance.generated.oracles import (
 )
 from conformance.generated.specs import Case, OptimPlan, Sharding
 from conformance.harness.context import RankContext
+from conformance.optim_state_support import attach_optimizer
 
 __all__ = ["SavedRun", "optim_state_save", "optim_state_load", "optim_state_both"]
 
@@ -65,7 +66,7 @@ def _os_run(ctx: RankContext, impl: Adapter, case: Case, sharding: Sharding, see
     sharder: ShardingOps = impl.require("sharding")
     wrapped = sharder.shard(model, sharding_plan)
     optim = make_optimizer(case.optimizer, plan, [(tuple(canonical_fqn(f) for f in fqns), p) for fqns, p in ops.optimizer_params(wrapped)], perturb=perturb)
-    return ShardedRun(ops, wrapped, optim)
+    return ShardedRun(ops, wrapped, attach_optimizer(ops, wrapped, optim))
 
 
 def _full_state(run: ShardedRun) -> TrainingState:

@@ -32,9 +32,10 @@ How the protocol maps onto DeepSpeed:
   does); :meth:`DeepSpeedOptimStateOps.attach_optimizer` then calls ``deepspeed.initialize`` with the
   optimizer the test built over :meth:`~DeepSpeedOptimStateOps.optimizer_params` and returns DeepSpeed's
   ZeRO optimizer, which the test must step from then on. The suite's protocol has no such step yet (it
-  builds a ``torch.optim`` optimizer after sharding and steps it itself); until it calls
-  ``attach_optimizer``, the model's forward and every state-dict op raise :class:`Unsupported` saying so,
-  so those tests are skips, never passes of a model DeepSpeed never touched.
+  builds a ``torch.optim`` optimizer after sharding and steps it itself): while ``OptimStateOps`` has no
+  ``attach_optimizer``, :meth:`DeepSpeedShardingOps.unsupported` says so and every test that shards is a
+  skip; and a model whose optimizer was never attached raises :class:`Unsupported` from its forward and
+  from every state-dict op, so nothing passes on a model DeepSpeed never touched.
 - **Optimizer state dicts are full only.** ZeRO's partitions are slices of each param group's flat fp32
   buffer, not ``torch.chunk`` pieces of each parameter: there is no DTensor-valued (sharded) optimizer or
   model state dict, and no per-unit flat parameter to map FQNs to (``fqn_to_param_info``). DeepSpeed

@@ -156,8 +156,8 @@ def _install_cpu_shim() -> None:
     """Point the name ``torch`` of :data:`_SHIMMED_MODULES` at :class:`_TorchOnCpuRanks` (idempotent)."""
     for name in _SHIMMED_MODULES:
         module = importlib.import_module(name)
-        if not isinstance(module.torch, _TorchOnCpuRanks):
-            module.torch = _TorchOnCpuRanks()
+        if not isinstance(getattr(module, "torch", None), _TorchOnCpuRanks):
+            setattr(module, "torch", _TorchOnCpuRanks())  # noqa: B010 - the module's global, not an attribute of ours
 
 
 # -- state dict <-> megatron's sharded state dict --------------------------------------------------
@@ -261,10 +261,10 @@ def _sharded_tensor(key: str, tensor: torch.Tensor, main_rank: int, *, loading: 
             key, None if plain_meta else local, tensor.dtype, tuple(local_shape), global_shape, tuple(global_offset),
             tuple(fragments) if regular else None, replica_id=replica or 0,
         )
-    replica = 0 if dist.get_rank() == main_rank else dist.get_rank() + 1
+    plain_replica = 0 if dist.get_rank() == main_rank else dist.get_rank() + 1
     shape = tuple(tensor.shape)
     return ShardedTensor(key, None if plain_meta else tensor, tensor.dtype, shape, shape, (0,) * len(shape),
-                         (1,) * len(shape), replica_id=replica)
+                         (1,) * len(shape), replica_id=plain_replica)
 
 
 def _to_sharded(state_dict: dict[str, Any], *, loading: bool) -> dict[str, Any]:
