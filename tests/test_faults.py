@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.faults import unreadable_bytes
+from conformance.faults import before_first_read, unreadable_bytes
 
 
 def _data(tmp_path: Path) -> Path:
@@ -93,3 +93,21 @@ def test_a_kill_at_a_step_of_publication_leaves_what_that_step_left(op: str, lef
     done = subprocess.run([sys.executable, "-c", _PUBLICATION, str(tmp_path), op], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == -9, done.stderr
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == left
+
+
+def test_the_action_runs_once_before_the_first_data_read_only(tmp_path: Path) -> None:
+    """Writes, the metadata and files elsewhere pass; the first data file read (in a folder below too)
+    runs the action first, once; later reads do not."""
+    (tmp_path / "step-1").mkdir()
+    for name in (".metadata", "step-1/__0_0.distcp", "__1_0.distcp"):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path.parent / "elsewhere").write_bytes(b"y")
+    ran: list[str] = []
+    real_open = builtins.open
+    with before_first_read(tmp_path, lambda: ran.append("action")):
+        (tmp_path / "__0_0.new").write_bytes(b"w")
+        assert (tmp_path / ".metadata").read_bytes() == b"x" and not ran
+        assert (tmp_path.parent / "elsewhere").read_bytes() == b"y" and not ran
+        assert (tmp_path / "step-1" / "__0_0.distcp").read_bytes() == b"x" and ran == ["action"]
+        assert (tmp_path / "__1_0.distcp").read_bytes() == b"x" and ran == ["action"]
+    assert builtins.open is real_open
