@@ -205,6 +205,10 @@ class Run:
         #: the ``torch.optim`` optimizer built over the model's parameters (``reversed_params``: listing
         #: them in reverse order, as some ranks of a job do)
         self.built_optim = make_optimizer(setup, groups, list(reversed(named)) if reversed_params else named)
+        fqns_of = {id(param): fqns for fqns, param in named}
+        #: the FQNs in the order the built optimizer lists its parameters (a flat parameter standing for
+        #: its FQNs in flat order), taken before a stack's engine could rearrange its groups
+        self.optimizer_order = [fqn for group in self.built_optim.param_groups for param in group["params"] for fqn in fqns_of[id(param)]]
         #: what is stepped and whose state is checked: the built optimizer, or the stack's own optimizer
         #: around it where the stack must own it (``attach_optimizer``: DeepSpeed's ZeRO optimizer)
         self.optim = attach_optimizer(ops, self.model, self.built_optim)
@@ -589,8 +593,7 @@ def load_phase(ctx: RankContext, impl: Adapter, setup: Setup, steps: int, saved:
 def optimizer_fqn_order(ops: Any, run: Run) -> list[str]:
     """The FQNs in the order this rank's optimizer lists its parameters (a flat parameter standing for
     its FQNs in flat order)."""
-    fqns_of = {id(param): fqns for fqns, param in ops.optimizer_params(run.model)}
-    return [fqn for group in run.built_optim.param_groups for param in group["params"] for fqn in fqns_of[id(param)]]
+    return list(run.optimizer_order)
 
 
 def same_partition(info: dict[str, tuple[int, int]]) -> bool:

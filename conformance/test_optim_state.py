@@ -53,6 +53,7 @@ from conformance.optim_state_support import (
     assert_continues,
     assert_model_matches,
     assert_osd_matches,
+    attach_optimizer,
     bad_layout,
     bad_osd,
     check_error,
@@ -465,7 +466,6 @@ def test_bad_layout_is_a_clear_error(dist, impl, kind: str, where: str, strategy
     two units (also units whose names end alike): every rank raises the same ValueError naming the
     parameters whole, and every rank's module is as it was. HYBRID_SHARD's 2-D mesh spans the world
     too: the ranks agree on the error over all of it."""
-    impl.require("optim_state")
     model, units, names, orig = bad_layout(kind, bad_input_here(dist, where), dist.device)
     sharding = impl.require("sharding")
     ids = {id(m) for n, m in model.named_modules() if n in units}
@@ -474,7 +474,15 @@ def test_bad_layout_is_a_clear_error(dist, impl, kind: str, where: str, strategy
     if reason:
         pytest.skip(reason)
     before = snapshot(model=model)
-    exc = raised(lambda: sharding.shard(model, plan))
+    ops = impl.require("optim_state")
+
+    def shard_and_attach() -> None:
+        # A stack whose engine takes the optimizer (attach_optimizer) may see the layout only then: the
+        # error may come from either step, as it would in a training script.
+        wrapped = sharding.shard(model, plan)
+        attach_optimizer(ops, wrapped, torch.optim.SGD([p for _, p in ops.optimizer_params(wrapped)], lr=0.1))
+
+    exc = raised(shard_and_attach)
 
     def unwrapped() -> None:
         assert_unchanged(before, where=f"{kind} on {where}: rank {dist.rank}", model=model)

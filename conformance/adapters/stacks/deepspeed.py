@@ -31,11 +31,10 @@ How the protocol maps onto DeepSpeed:
   :class:`DeepSpeedModel`, a module holding the user's model under ``module`` (as DeepSpeed's engine
   does); :meth:`DeepSpeedOptimStateOps.attach_optimizer` then calls ``deepspeed.initialize`` with the
   optimizer the test built over :meth:`~DeepSpeedOptimStateOps.optimizer_params` and returns DeepSpeed's
-  ZeRO optimizer, which the test must step from then on. The suite's protocol has no such step yet (it
-  builds a ``torch.optim`` optimizer after sharding and steps it itself): while ``OptimStateOps`` has no
-  ``attach_optimizer``, :meth:`DeepSpeedShardingOps.unsupported` says so and every test that shards is a
-  skip; and a model whose optimizer was never attached raises :class:`Unsupported` from its forward and
-  from every state-dict op, so nothing passes on a model DeepSpeed never touched.
+  ZeRO optimizer, which the test steps from then on (the protocol's optional ``attach_optimizer``: the
+  suite attaches every optimizer it builds over a sharded model). A model whose optimizer was never
+  attached raises :class:`Unsupported` from its forward and from every state-dict op, so nothing passes
+  on a model DeepSpeed never touched.
 - **Optimizer state dicts are full only.** ZeRO's partitions are slices of each param group's flat fp32
   buffer, not ``torch.chunk`` pieces of each parameter: there is no DTensor-valued (sharded) optimizer or
   model state dict, and no per-unit flat parameter to map FQNs to (``fqn_to_param_info``). DeepSpeed
@@ -82,12 +81,6 @@ ENVIRONMENT: dict[str, str] = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": 
 #: ShardingPlan strategy -> ZeRO stage (module docstring: why NO_SHARD is stage 1).
 ZERO_STAGES: dict[str, int] = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 1}
 
-_NO_ATTACH_STEP = (
-    "DeepSpeed builds its engine around the optimizer (deepspeed.initialize(model=..., optimizer=...)) and "
-    "steps it through the ZeRO optimizer it returns; the suite's OptimStateOps protocol has no step that hands "
-    "the optimizer a test built over optimizer_params() to the stack (attach_optimizer), so a DeepSpeed "
-    "model cannot be trained by the suite"
-)
 _NOT_ATTACHED = (
     "DeepSpeed builds its engine around the optimizer (deepspeed.initialize(model=..., optimizer=...)) and "
     "the engine then steps it; the suite built a torch.optim optimizer after sharding and never handed it "
@@ -150,10 +143,6 @@ class DeepSpeedShardingOps:
     :meth:`DeepSpeedOptimStateOps.attach_optimizer`, when the optimizer exists."""
 
     def unsupported(self, plan: ShardingPlan) -> str | None:
-        from conformance.adapters.optim_state import OptimStateOps
-
-        if not hasattr(OptimStateOps, "attach_optimizer"):
-            return _NO_ATTACH_STEP
         if plan.strategy == "HYBRID_SHARD":
             return ("DeepSpeed's sharding within groups and replication across them is MiCS (mics_shard_size), "
                     "which needs deepspeed.zero.MiCS_Init around model construction; ZeRO++ hpZ "
