@@ -5,9 +5,10 @@ implementation leaves no process behind (ML-32, AS-7) and the faults that stop o
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
-__all__ = ["child_processes", "process_state"]
+__all__ = ["child_processes", "kill_with_children", "process_state"]
 
 
 def process_state(pid: int) -> str | None:
@@ -19,13 +20,27 @@ def process_state(pid: int) -> str | None:
         return None
 
 
-def child_processes(*, zombies: bool = False) -> dict[int, str]:
-    """This process's child processes (pid -> command line), leaving out Python's multiprocessing
+def kill_with_children(pid: int) -> None:
+    """SIGKILL process ``pid`` and, first, its children (an implementation's writer or server processes a
+    killed rank would leave orphaned: they get no signal when their parent dies)."""
+    for child in child_processes(zombies=True, parent=pid):
+        try:
+            os.kill(child, signal.SIGKILL)
+        except OSError:  # ended meanwhile
+            pass
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def child_processes(*, zombies: bool = False, parent: int | None = None) -> dict[int, str]:
+    """This process's (or ``parent``'s) child processes (pid -> command line), leaving out Python's multiprocessing
     resource tracker (one per process, started by the first ``spawn`` of anything and never stopped, it
     belongs to the interpreter, not to the implementation under test) and, unless ``zombies``, those that
     ended and are not yet reaped (a process that outlives its call; an unreaped one is a leak of another
     kind, which AS-7 counts)."""
-    me = os.getpid()
+    me = os.getpid() if parent is None else parent
     found: dict[int, str] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

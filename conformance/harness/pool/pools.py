@@ -22,6 +22,7 @@ from typing import Any
 from conformance.child_process import process_context
 from conformance.harness.runner import FAILURE_GRACE_S, RankRun, RanksNotStarted
 from conformance.harness.worker import RankOutcome, Task, make_task, rank_main, recv_message, send_message
+from conformance.processes import kill_with_children
 
 __all__ = ["RankPool", "PoolRunner"]
 
@@ -105,8 +106,8 @@ class RankPool:
         ranks (their stacks already read) are killed at once: a rank stuck in a test body never reads
         the request, and waiting for it would only delay the next test."""
         for rank, (proc, conn) in enumerate(zip(self._procs, self._conns)):
-            if rank in hung and proc.is_alive():
-                proc.kill()
+            if rank in hung and proc.is_alive() and proc.pid is not None:
+                kill_with_children(proc.pid)
             elif proc.is_alive():
                 try:
                     send_message(conn, None)
@@ -115,8 +116,8 @@ class RankPool:
         deadline = time.monotonic() + 3.0
         for proc in self._procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
+            if proc.is_alive() and proc.pid is not None:
+                kill_with_children(proc.pid)
                 proc.join(timeout=5.0)
         for conn in self._conns:
             conn.close()
