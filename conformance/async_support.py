@@ -34,6 +34,7 @@ from conformance.harness.context import RankContext
 from conformance.processes import child_processes
 
 __all__ = [
+    "SHUTDOWN_TIMEOUT_S",
     "settled_growth",
     "EXECUTORS",
     "OUTCOME_TIMEOUT_S",
@@ -64,6 +65,8 @@ EXECUTORS = ("thread", pytest.param("process", marks=pytest.mark.largest_world_s
 #: Seconds a future gets to resolve once its save should have ended (AS-4's "within seconds"); a
 #: future still pending then is a hang, reported as such instead of stopping the run.
 OUTCOME_TIMEOUT_S = 30.0
+#: Seconds ``shutdown`` gets with a stopped writer process (the reference: SIGTERM, then SIGKILL, 5 s each).
+SHUTDOWN_TIMEOUT_S = 30.0
 #: Seconds a staging future gets to resolve once the completion future of its save has.
 STAGING_AFTER_COMPLETION_S = 5.0
 #: Columns of the sharded matrix: 4 rows per rank of float32, 1 MiB per rank, so that the background

@@ -29,6 +29,7 @@ from conformance.async_support import (
     EXECUTORS,
     MAX_LOADS_DURING_WRITE,
     PUBLICATION_DELAY_S,
+    SHUTDOWN_TIMEOUT_S,
     RefusingStateful,
     Resources,
     assert_holds,
@@ -476,10 +477,6 @@ def test_shutdown_ends_a_writer_process_that_does_not_answer(dist, impl) -> None
     dist.barrier()
     save_and_wait(dist, impl, "process", dist.tmp_dir / "second", 2.0)
     assert_same_bits(loaded_state(dist, impl, dist.tmp_dir / "second"), training_state(dist, 2.0), what="the save after the shutdown")
-
-
-#: Seconds ``shutdown`` gets with a stopped writer process (the reference: SIGTERM, then SIGKILL, 5 s each).
-SHUTDOWN_TIMEOUT_S = 30.0
 
 
 @pytest.mark.req("AS-7")
