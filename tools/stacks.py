@@ -5,7 +5,8 @@
 
 ``run`` builds this checkout's wheel once; then, per stack of :data:`conformance.adapters.base.STACKS`,
 it makes a new venv, installs the pinned torch (``--torch``, default the Makefile's ``TORCH_SPEC``), the
-wheel with its declared dependencies, and the stack as its adapter module says (``PIP_INSTALLS``: pip
+wheel with its declared dependencies and its ``models`` extra (transformers, for the real architectures),
+and the stack as its adapter module says (``PIP_INSTALLS``: pip
 argument lists, run in order), and runs the installed suite from a directory that is not a checkout
 against that adapter alone, under the adapter module's ``ENVIRONMENT`` (``{venv}`` in a value is the
 venv's path), writing ``<out>/results/<stack>.json`` and the log beside it. The venv is kept for
@@ -75,7 +76,9 @@ def install(name: str, venv: Path, wheel: Path, torch_spec: str, log: Path, *, f
         for args in getattr(stack_module(name), "PIP_INSTALLS", ()):
             pip_install(venv, *args, log=log)
     pip_install(venv, "--force-reinstall", "--no-deps", str(wheel), log=log)
-    pip_install(venv, str(wheel), log=log)  # its declared dependencies, where the stack did not bring them
+    # Its declared dependencies where the stack did not bring them, and the real architectures' configs
+    # (the models extra: transformers), at the versions this checkout pins.
+    pip_install(venv, "-c", str(REPO_ROOT / "constraints.txt"), f"{wheel}[models]", log=log)
 
 
 def run_stack(name: str, wheel: Path, out: Path, *, torch_spec: str, world_sizes: str, pytest_args: Sequence[str], fresh: bool,
