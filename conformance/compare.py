@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from conformance.fqn import canonical_fqn
 
-__all__ = ["fqn_keyed_optim", "on_cpu", "full_on_cpu", "full_tensor", "local_tensor"]
+__all__ = ["fqn_keyed_optim", "nested_optimizer_state", "on_cpu", "full_on_cpu", "full_tensor", "local_tensor"]
 
 
 
@@ -70,3 +70,32 @@ def full_on_cpu(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(full_on_cpu(v) for v in value)
     return value
+
+
+def nested_optimizer_state(osd: dict[str, Any]) -> dict[str, Any]:
+    """An FQN-keyed optimizer state dict in the nested form (``{"state": {fqn: {name: value}},
+    "param_groups": [{..., "params": [fqn, ...]}]}``), whether given so or flattened as DCP's
+    ``flatten_optimizer_state_dict`` and torchtitan save it (``state.<fqn>.<name>``,
+    ``param_groups.<fqn>.<hyperparameter>``): the flat form's groups are rebuilt from the FQNs whose
+    hyperparameters are equal, in the order they come."""
+    if "state" in osd or "param_groups" in osd:
+        return osd
+    state: dict[str, dict[str, Any]] = {}
+    hyper: dict[str, dict[str, Any]] = {}
+    for key, value in osd.items():
+        section, _, rest = key.partition(".")
+        fqn, _, name = rest.rpartition(".")
+        if section == "state":
+            state.setdefault(fqn, {})[name] = value
+        elif section == "param_groups":
+            hyper.setdefault(fqn, {})[name] = value
+        else:
+            raise ValueError(f"{key!r} is neither a state.<fqn>.<name> nor a param_groups.<fqn>.<key> entry")
+    groups: list[dict[str, Any]] = []
+    for fqn, values in hyper.items():
+        same = next((g for g in groups if {k: v for k, v in g.items() if k != "params"} == values), None)
+        if same is None:
+            groups.append({**values, "params": [fqn]})
+        else:
+            same["params"].append(fqn)
+    return {"state": state, "param_groups": groups}
