@@ -245,7 +245,9 @@ def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator
     """Lend each param group of ``optimizer`` the ``param_names`` torchtitan's flat optimizer state dicts key
     by (an optimizer built from ``(name, parameter)`` pairs has them; the suite's are built from parameters),
     and take them back after. A group that already has names keeps them."""
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)  # a tied parameter by its first name, as torchtitan's named_parameters() lists it
     lent = [i for i, group in enumerate(optimizer.param_groups) if "param_names" not in group]
     for i in lent:
         group = optimizer.param_groups[i]
