@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from reference.checkpoint import fast_paths
 from reference.checkpoint.collective import Collective, process_group_device
 from reference.checkpoint.errors import CheckpointError, StateDictError
-from reference.checkpoint.plan_cache import GlobalItems
+from reference.checkpoint.plan_cache import GlobalItems, SendWholePlan
 from reference.checkpoint.planner import LoadResult, ReferenceLoadPlanner, ReferenceSavePlanner
 from reference.checkpoint.storage import FileSystemReader, FileSystemWriter
 from reference.checkpoint.wire import Compact, unwrap
@@ -125,7 +125,10 @@ def run_save(
         return Compact(writer.prepare_local_plan(planner.create_local_plan()))
 
     def global_plan(plans: list[Compact[SavePlan]]) -> list[Compact[SavePlan]]:
-        new_plans, metadata = planner.create_global_plan([unwrap(plan) for plan in plans])
+        all_plans = [unwrap(plan) for plan in plans]
+        if planner.needs_whole_plans(all_plans):  # a rank sent a layout key this coordinator lacks
+            return [Compact(SavePlan([], planner_data=SendWholePlan()))] * len(all_plans)
+        new_plans, metadata = planner.create_global_plan(all_plans)
         metadata_box.append(metadata)
         new_plans = writer.prepare_global_plan(new_plans)
         if fast_paths.enabled() and _writer_keeps_items(writer):
@@ -135,6 +138,12 @@ def run_save(
 
     try:
         plan = unwrap(collective.gather_decide_scatter("planning", local_plan, global_plan))
+        if isinstance(plan.planner_data, SendWholePlan):  # every rank got it: a second round, items sent
+
+            def whole_plan() -> Compact[SavePlan]:
+                return Compact(writer.prepare_local_plan(planner.whole_local_plan()))
+
+            plan = unwrap(collective.gather_decide_scatter("planning", whole_plan, global_plan))
     except BaseException:
         close = getattr(writer, "close", None)
         if callable(close):

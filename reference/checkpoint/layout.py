@@ -114,9 +114,12 @@ def check_tiling(key: str, shape: tuple[int, ...], chunks: list[Chunk]) -> str |
     """None if ``chunks`` cover the tensor of ``shape`` exactly once, else what is wrong (naming ``key``).
 
     Chunks inside the tensor whose elements add up to the tensor's tile it exactly when no two
-    intersect. Pairs are found by a sweep along tensor dim 0: sorted by first row, a chunk can only
-    intersect those still open at its first row, so row shards (one open at a time) cost n log n
-    rather than the n**2 of comparing every pair, which at thousands of ranks a key was seconds."""
+    intersect. Any two are never compared: that is n**2 in the chunks, which at thousands of ranks was
+    seconds per key. A DTensor's chunks form a grid (each sharded dim cut at the same places in every
+    chunk), where two chunks intersect exactly when they are the same cell: :func:`_grid_overlap`
+    checks that in n log n whatever dims are cut (a sweep along one dim alone is still n**2 when the
+    chunks are cut along another, as column shards are along dim 1, issue 47). Other tilings go to
+    :func:`_sweep_overlap`."""
     for chunk in chunks:
         if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape):
             return (
@@ -130,18 +133,49 @@ def check_tiling(key: str, shape: tuple[int, ...], chunks: list[Chunk]) -> str |
         if len(nonempty) > 1:
             return f"key {key!r}: {len(nonempty)} chunks hold the one element of a 0-d tensor"
     else:
-        open_chunks: list[Chunk] = []
-        for chunk in sorted(nonempty, key=lambda c: c.offsets[0]):
-            first_row = chunk.offsets[0]
-            open_chunks = [c for c in open_chunks if c.offsets[0] + c.sizes[0] > first_row]
-            for other in open_chunks:  # these share rows with chunk: compare the other dims
-                if all(
-                    max(a, b) < min(a + al, b + bl)
-                    for a, al, b, bl in zip(chunk.offsets[1:], chunk.sizes[1:], other.offsets[1:], other.sizes[1:])
-                ):
-                    return f"key {key!r}: chunks at {list(other.offsets)} and {list(chunk.offsets)} overlap"
-            open_chunks.append(chunk)
+        is_grid, overlap = _grid_overlap(nonempty, len(shape))
+        if not is_grid:
+            overlap = _sweep_overlap(nonempty, len(shape))
+        if overlap is not None:
+            first, second = overlap
+            return f"key {key!r}: chunks at {list(first.offsets)} and {list(second.offsets)} overlap"
     covered = sum(c.numel for c in nonempty)
     if covered != math.prod(shape):
         return f"key {key!r}: chunks cover {covered} of {math.prod(shape)} elements of shape {list(shape)}"
+    return None
+
+
+def _grid_overlap(chunks: list[Chunk], ndim: int) -> tuple[bool, tuple[Chunk, Chunk] | None]:
+    """``(True, two intersecting chunks or None)`` for ``chunks`` (non-empty, inside the tensor) that
+    form a grid; ``(False, None)`` when some chunk spans more than one cell of the grid cut by every
+    chunk's boundaries (then the cells say nothing about overlap).
+
+    Along each dim the boundaries are every chunk's first and end index; a chunk that starts and ends
+    at consecutive boundaries in every dim is one cell of the grid, and distinct cells are disjoint.
+    So chunks that are all single cells intersect exactly when two are the same cell."""
+    cuts = [sorted({c.offsets[d] for c in chunks} | {c.offsets[d] + c.sizes[d] for c in chunks}) for d in range(ndim)]
+    where = [{x: i for i, x in enumerate(dim_cuts)} for dim_cuts in cuts]
+    cells: dict[tuple[int, ...], Chunk] = {}
+    for chunk in chunks:
+        cell = tuple(where[d][chunk.offsets[d]] for d in range(ndim))
+        if any(where[d][chunk.offsets[d] + chunk.sizes[d]] != cell[d] + 1 for d in range(ndim)):
+            return False, None
+        other = cells.setdefault(cell, chunk)
+        if other is not chunk:
+            return True, (other, chunk)
+    return True, None
+
+
+def _sweep_overlap(chunks: list[Chunk], ndim: int) -> tuple[Chunk, Chunk] | None:
+    """Two intersecting ``chunks``, or None: a sweep along the dim cut at the most places (sorted by
+    first index there, a chunk can only intersect those still open at its first index)."""
+    dim = max(range(ndim), key=lambda d: len({c.offsets[d] for c in chunks}))
+    open_chunks: list[Chunk] = []
+    for chunk in sorted(chunks, key=lambda c: c.offsets[dim]):
+        first = chunk.offsets[dim]
+        open_chunks = [c for c in open_chunks if c.offsets[dim] + c.sizes[dim] > first]
+        for other in open_chunks:  # these share indices along dim with chunk: compare every dim
+            if all(max(a, b) < min(a + al, b + bl) for a, al, b, bl in zip(chunk.offsets, chunk.sizes, other.offsets, other.sizes)):
+                return other, chunk
+        open_chunks.append(chunk)
     return None

@@ -60,6 +60,7 @@ __all__ = [
     "CAPACITY",
     "GLOBAL_PLANS",
     "RANK_ITEMS",
+    "SendWholePlan",
     "GlobalEntry",
     "GlobalItems",
     "LRU",
@@ -152,6 +153,13 @@ class GlobalItems:
 
     digest: str | None
     held: bool
+
+
+@dataclass(frozen=True)
+class SendWholePlan:
+    """A global plan's ``planner_data`` asking every rank to send its whole local plan: a rank sent
+    its layout key alone and this coordinator does not hold that layout's global step
+    (:meth:`~reference.checkpoint.planner.ReferenceSavePlanner.needs_whole_plans`)."""
 
 
 #: The coordinator's store: every rank's layout key, in rank order -> the global step's result.

@@ -25,12 +25,14 @@ agrees on the outcome of planning without sending the plans, unless another plan
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import hashlib
+import heapq
 import io
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -60,7 +62,7 @@ from torch.distributed.tensor import DTensor
 from reference.checkpoint import fast_paths, plan_cache
 from reference.checkpoint.errors import CheckpointError, CheckpointFormatError, StateDictError
 from reference.checkpoint.flatten import FlatStateDict, ObjPath, flatten_state_dict, get_value, set_value
-from reference.checkpoint.layout import Chunk, check_tiling, local_chunk, overlaps
+from reference.checkpoint.layout import Chunk, Overlap, check_tiling, local_chunk, overlaps
 from reference.checkpoint.metadata_io import CURRENT_VERSION
 from reference.checkpoint.records import read_object_record
 
@@ -93,6 +95,10 @@ class RankSaveData:
     layout_key: str | None = None
     #: the digest of the global items this rank holds for that layout, from an earlier save
     held_items: str | None = None
+    #: False: the plan was sent as its layout key alone (no items, no paths), since this rank was sent
+    #: a global plan for that layout before (the coordinator kept it); see :meth:`ReferenceSavePlanner.
+    #: needs_whole_plans`
+    whole: bool = True
 
 
 class ReferenceSavePlanner(SavePlanner):
@@ -116,7 +122,9 @@ class ReferenceSavePlanner(SavePlanner):
         self._tensors: dict[str, torch.Tensor] = {}
         self._objects: dict[str, bytes] = {}
         self._paths: dict[str, ObjPath] = {}
+        self._offsets: dict[str, tuple[int, ...]] = {}  # key -> offsets of this rank's chunk
         self._layout_key: str | None = None
+        self._whole_plan: SavePlan | None = None
         self.plan: SavePlan | None = None
 
     @torch.no_grad()
@@ -148,10 +156,12 @@ class ReferenceSavePlanner(SavePlanner):
     @torch.no_grad()
     def create_local_plan(self) -> SavePlan:
         items: list[WriteItem] = []
+        self._offsets = {}
         for key, value in self._tensors.items():
             chunk = local_chunk(key, value)
             if chunk is None:  # a DTensor on a mesh without this rank: other ranks write it
                 continue
+            self._offsets[key] = chunk.offsets
             local = value.to_local() if isinstance(value, DTensor) else value
             items.append(
                 WriteItem(
@@ -175,7 +185,29 @@ class ReferenceSavePlanner(SavePlanner):
         self._layout_key = None
         if self._caching():
             rank_data = self._with_layout_key(items, rank_data)
-        return SavePlan(items, planner_data=rank_data)
+        self._whole_plan = SavePlan(items, planner_data=rank_data)
+        if rank_data.held_items is not None:
+            # A layout this rank was sent a global plan for: the key stands for its items and paths
+            # (the non-tensor values' digests still travel: they change between saves, ML-9), so a
+            # later save gathers a constant size per rank, not every rank's items (ML-35).
+            return SavePlan([], planner_data=dataclasses.replace(rank_data, paths={}, whole=False))
+        return self._whole_plan
+
+    def whole_local_plan(self) -> SavePlan:
+        """This rank's last local plan with its items and paths, for a coordinator that does not hold
+        the layout its key named (:meth:`needs_whole_plans`)."""
+        if self._whole_plan is None:
+            raise RuntimeError("whole_local_plan() before create_local_plan()")
+        return self._whole_plan
+
+    def needs_whole_plans(self, all_plans: list[SavePlan]) -> bool:
+        """Coordinator: whether a rank sent its plan as its layout key alone and the global step of these
+        layouts is not kept here (another coordinator planned it, or it was dropped): then every rank
+        sends :meth:`whole_local_plan` and the global step is computed from those."""
+        if all(getattr(plan.planner_data, "whole", True) for plan in all_plans):
+            return False
+        keys = tuple(getattr(plan.planner_data, "layout_key", None) for plan in all_plans)
+        return None in keys or plan_cache.GLOBAL_PLANS.get(cast(tuple[str, ...], keys)) is None
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """Every rank's part of the global plan and the metadata without storage data, computed by
@@ -197,25 +229,40 @@ class ReferenceSavePlanner(SavePlanner):
             raise _problems_error("the ranks' state dicts disagree", problems)
         plans = _dedup(all_plans)
         state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-        new_plans = []
-        for plan in plans:
-            items = []
-            for item in plan.items:
+        chunks: dict[str, list[tuple[tuple[int, ...], int, int]]] = {}  # key -> (offsets, rank, position)
+        for rank, plan in enumerate(plans):
+            for position, item in enumerate(plan.items):
                 key = item.index.fqn
                 if item.type == WriteItemType.BYTE_IO:
                     state_dict_metadata[key] = BytesStorageMetadata()
-                    items.append(item)
                     continue
                 assert item.tensor_data is not None  # internal invariant: tensor items carry tensor_data
-                md = state_dict_metadata.setdefault(
+                state_dict_metadata.setdefault(
                     key,
                     TensorStorageMetadata(properties=item.tensor_data.properties, size=item.tensor_data.size, chunks=[]),
                 )
-                assert isinstance(md, TensorStorageMetadata)
-                # The index hint lets a reader find the chunk without a linear search.
-                items.append(dataclasses.replace(item, index=MetadataIndex(key, item.index.offset, len(md.chunks))))
-                md.chunks.append(item.tensor_data.chunk)
-            new_plans.append(dataclasses.replace(plan, items=items))
+                chunks.setdefault(key, []).append((tuple(item.tensor_data.chunk.offsets), rank, position))
+        # Each key's chunks are listed in offset order, whichever rank writes each (after deduplication
+        # HSDP's pieces are written by ranks of every replica), so that a rank's load finds its own by
+        # binary search (ML-37). The index hint lets a reader find the chunk without a search at all.
+        hints: dict[tuple[int, int], int] = {}
+        for key, entries in chunks.items():
+            entries.sort()
+            md = state_dict_metadata[key]
+            assert isinstance(md, TensorStorageMetadata)
+            for hint, (_, rank, position) in enumerate(entries):
+                tensor_data = plans[rank].items[position].tensor_data
+                assert tensor_data is not None
+                md.chunks.append(tensor_data.chunk)
+                hints[rank, position] = hint
+        new_plans = [
+            dataclasses.replace(plan, items=[
+                item if item.type == WriteItemType.BYTE_IO
+                else dataclasses.replace(item, index=MetadataIndex(item.index.fqn, item.index.offset, hints[rank, position]))
+                for position, item in enumerate(plan.items)
+            ])
+            for rank, plan in enumerate(plans)
+        ]
         tiling = [
             check_tiling(key, md.size, [Chunk(c.offsets, c.sizes) for c in md.chunks])  # torch.Size is a tuple
             for key, md in state_dict_metadata.items()
@@ -246,6 +293,11 @@ class ReferenceSavePlanner(SavePlanner):
             return io.BytesIO(self._objects[key])
         value = self._tensors[key]
         local = (value.to_local() if isinstance(value, DTensor) else value).detach()
+        assert write_item.tensor_data is not None  # internal invariant: tensor items carry tensor_data
+        piece = write_item.tensor_data.chunk
+        if tuple(piece.sizes) != tuple(local.shape):  # a piece of a replicated chunk (_pieces)
+            for dim, (start, base, length) in enumerate(zip(piece.offsets, self._offsets[key], piece.sizes)):
+                local = local.narrow(dim, start - base, length)
         if local.device.type != "cpu":
             return local
         if local.untyped_storage().nbytes() != local.numel() * local.element_size():
@@ -277,6 +329,8 @@ class ReferenceSavePlanner(SavePlanner):
         cache_key = cast(tuple[str, ...], keys) if self.cache_plans and None not in keys else None
         entry = plan_cache.GLOBAL_PLANS.get(cache_key) if cache_key is not None else None
         if entry is None:
+            if self.needs_whole_plans(all_plans):  # the caller skipped the round that asks for them
+                raise CheckpointError("save planning: a rank sent its plan as a layout key this coordinator does not hold")
             plans, state_dict_metadata, paths = self._plan_globally(all_plans)
             rank_items = tuple(tuple(plan.items) for plan in plans)
             digests = tuple(plan_cache.items_digest(list(items)) for items in rank_items)
@@ -387,10 +441,57 @@ def _item_cost(item: WriteItem) -> int:
     return _item_bytes(item) + RECORD_COST_BYTES
 
 
+#: A replicated chunk of at least twice this many bytes is cut along its first dim into pieces of about
+#: this size, each written by another of its holders (replica-parallel writes): whole, one large
+#: replicated tensor (an embedding) kept one rank writing while the others waited in the commit
+#: (marin-community/marin PR #8140, issue 47). A piece this large costs 1% more than its bytes (RECORD_COST_BYTES).
+REPLICA_PIECE_BYTES = 4 << 20
+
+
+def _pieces(item: WriteItem, holders: int) -> list[WriteItem]:
+    """``item`` cut along the first dim of its chunk into at most ``holders`` pieces of at least
+    :data:`REPLICA_PIECE_BYTES` (``torch.chunk``'s rule), each its own item at its own offsets; the item
+    itself when it is not worth cutting."""
+    data = item.tensor_data
+    if data is None or holders < 2 or not data.chunk.sizes or data.chunk.sizes[0] < 2:
+        return [item]
+    count = min(holders, _item_bytes(item) // REPLICA_PIECE_BYTES, data.chunk.sizes[0])
+    if count < 2:
+        return [item]
+    rows, offsets, sizes = data.chunk.sizes[0], list(data.chunk.offsets), list(data.chunk.sizes)
+    step = -(-rows // count)
+    pieces = []
+    for start in range(0, rows, step):
+        piece_offsets = torch.Size([offsets[0] + start, *offsets[1:]])
+        piece_sizes = torch.Size([min(step, rows - start), *sizes[1:]])
+        chunk = ChunkStorageMetadata(piece_offsets, piece_sizes)
+        pieces.append(dataclasses.replace(item, index=MetadataIndex(item.index.fqn, piece_offsets),
+                                          tensor_data=dataclasses.replace(data, chunk=chunk)))
+    return pieces
+
+
+def _least_planned(ranks: tuple[int, ...], planned: list[int], heaps: dict[tuple[int, ...], list[tuple[int, int]]]) -> int:
+    """The rank of ``ranks`` with the least work planned (the lowest rank among equals), as
+    ``min(ranks, key=lambda r: (planned[r], r))`` but in log(ranks): a heap per set of holders, whose
+    entries may lag ``planned`` (work only grows), refreshed when they come to the top. Scanning every
+    holder for every replicated item was ranks x items at the coordinator (issue 47: DDP's tensors
+    are held by every rank)."""
+    heap = heaps.get(ranks)
+    if heap is None:
+        heap = heaps[ranks] = [(planned[r], r) for r in ranks]
+        heapq.heapify(heap)
+    while True:
+        work, rank = heap[0]
+        if work == planned[rank]:  # every other entry is at most its rank's work: this is the least
+            return rank
+        heapq.heapreplace(heap, (planned[rank], rank))
+
+
 def _dedup(all_plans: list[SavePlan]) -> list[SavePlan]:
     """Each write item (same key, same offsets) is kept on one rank only: replicated data is written
     once. Among the ranks holding it, the one with the least work planned so far keeps it (work
-    counted by :func:`_item_cost`: bytes, and a fixed cost per record)."""
+    counted by :func:`_item_cost`: bytes, and a fixed cost per record); a large one is cut into
+    pieces (:func:`_pieces`), each kept so."""
     holders: dict[MetadataIndex, list[int]] = {}
     items: dict[MetadataIndex, WriteItem] = {}
     for rank, plan in enumerate(all_plans):
@@ -399,16 +500,28 @@ def _dedup(all_plans: list[SavePlan]) -> list[SavePlan]:
             items.setdefault(item.index, item)
     planned = [0] * len(all_plans)
     keep: list[set[MetadataIndex]] = [set() for _ in all_plans]
+    cut: dict[MetadataIndex, list[WriteItem]] = {}  # a replicated item -> its pieces
+    heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # holders -> their (planned, rank) heap
     # Items held by one rank first (no choice to make), then the costliest shared ones first, so that
     # balancing works on the items that matter.
     costs = {index: _item_cost(item) for index, item in items.items()}
     for index in sorted(holders, key=lambda i: (len(holders[i]) > 1, -costs[i])):
         ranks = holders[index]
-        rank = ranks[0] if len(ranks) == 1 else min(ranks, key=lambda r: (planned[r], r))
-        planned[rank] += costs[index]
-        keep[rank].add(index)
+        if len(ranks) == 1:
+            planned[ranks[0]] += costs[index]
+            keep[ranks[0]].add(index)
+            continue
+        pieces = _pieces(items[index], len(ranks))
+        if len(pieces) > 1:
+            cut[index] = pieces
+        for piece in pieces:
+            rank = _least_planned(tuple(ranks), planned, heaps)
+            planned[rank] += _item_cost(piece)
+            keep[rank].add(piece.index)
     return [
-        dataclasses.replace(plan, items=[item for item in plan.items if item.index in keep[rank]])
+        dataclasses.replace(plan, items=[
+            piece for item in plan.items for piece in cut.get(item.index, (item,)) if piece.index in keep[rank]
+        ])
         for rank, plan in enumerate(all_plans)
     ]
 
@@ -574,17 +687,23 @@ class ReferenceLoadPlanner(LoadPlanner):
         for key, chunk in self._chunks.items():
             md = saved[key]
             assert isinstance(md, TensorStorageMetadata)  # checked in set_up_planner
+            if not chunk.numel:
+                continue  # nothing to read (and no saved chunk to look for among all ranks' chunks)
             if fast_paths.enabled() and (same := _same_chunk(md.chunks, chunk)) is not None:
                 # A fast path. The common cases, a tensor saved whole and wanted whole, or a shard
                 # wanted as it was saved (a resume at the same world size and sharding): one read of all
                 # of the saved chunk, the item the plain path below makes from overlaps(), without its
                 # arithmetic (figures: docs/benchmark-results.md, "Why the fast paths").
-                if chunk.numel:
-                    zeros = _zero_offsets(len(chunk.sizes))
-                    items.append(_tensor_read(key, chunk.offsets, same, chunk.offsets, zeros, zeros, torch.Size(chunk.sizes)))
+                zeros = _zero_offsets(len(chunk.sizes))
+                items.append(_tensor_read(key, chunk.offsets, same, chunk.offsets, zeros, zeros, torch.Size(chunk.sizes)))
                 continue
-            saved_chunks = [Chunk(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
-            matches = overlaps(chunk, saved_chunks)
+            # The saved chunks that overlap the wanted one, looked for by binary search among those that
+            # can reach it (a save lists a DTensor's chunks in offset order); among every chunk when
+            # those do not cover it (a list in another order). Chunks tile, so the found ones cover the
+            # wanted chunk exactly when no other chunk overlaps it.
+            matches, saved_chunks = _overlapping(chunk, md.chunks, _candidates(md.chunks, chunk))
+            if sum(math.prod(o.lengths) for _, o in matches) != chunk.numel:
+                matches, saved_chunks = _overlapping(chunk, md.chunks, range(len(md.chunks)))
             covered = 0
             for i, overlap in matches:
                 covered += math.prod(overlap.lengths)
@@ -667,11 +786,61 @@ class ReferenceLoadPlanner(LoadPlanner):
 
 
 def _same_chunk(saved: list[ChunkStorageMetadata], wanted: Chunk) -> int | None:
-    """The index of the saved chunk that is exactly ``wanted`` (same offsets and sizes), if any."""
-    for index, chunk in enumerate(saved):
-        if tuple(chunk.offsets) == wanted.offsets and tuple(chunk.sizes) == wanted.sizes:
+    """The index of the saved chunk that is exactly ``wanted`` (same offsets and sizes), if any.
+
+    A save lists a tensor's chunks in rank order, which for every DTensor layout is the order of their
+    offsets: a binary search finds the chunk in log(chunks), where a scan made each rank's load
+    planning grow with the world size that saved (every rank scanning every rank's chunks, issue 47).
+    A list in another order (a foreign writer's) may hide the chunk from the search: the caller then
+    finds it as an overlap like any other (:func:`_candidates`, and every chunk when those miss)."""
+    lo = bisect.bisect_left(saved, wanted.offsets, key=_chunk_offsets)
+    for index in range(lo, len(saved)):
+        chunk = saved[index]
+        if tuple(chunk.offsets) != wanted.offsets:
+            break
+        if tuple(chunk.sizes) == wanted.sizes:
             return index
     return None
+
+
+def _chunk_offsets(chunk: ChunkStorageMetadata) -> tuple[int, ...]:
+    return tuple(chunk.offsets)
+
+
+def _candidates(saved: list[ChunkStorageMetadata], wanted: Chunk, lo: int = 0, hi: int | None = None, dim: int = 0) -> list[int]:
+    """Indices of the chunks of ``saved[lo:hi]`` that can overlap ``wanted`` if ``saved`` is in offset
+    order (as a save lists a DTensor's chunks: a grid, row-major): along ``dim``, the run whose first
+    index lies from the last one at or before ``wanted``'s to before its end, and within each value
+    there, the same along the next dim. Binary searches: the rows and columns it crosses times
+    log(chunks), not chunks. In another order the indices may miss chunks (the caller checks)."""
+    hi = len(saved) if hi is None else hi
+    if dim == len(wanted.offsets):
+        return list(range(lo, hi))
+
+    def key(chunk: ChunkStorageMetadata) -> int:
+        return chunk.offsets[dim] if len(chunk.offsets) > dim else 0
+
+    first, end = wanted.offsets[dim], wanted.offsets[dim] + wanted.sizes[dim]
+    below = bisect.bisect_right(saved, first, lo, hi, key=key)
+    start = bisect.bisect_left(saved, key(saved[below - 1]) if below > lo else first, lo, hi, key=key)
+    stop = max(start, bisect.bisect_left(saved, end, lo, hi, key=key))
+    found: list[int] = []
+    while start < stop:
+        run_end = bisect.bisect_right(saved, key(saved[start]), start, stop, key=key)
+        found += _candidates(saved, wanted, start, run_end, dim + 1)
+        start = run_end
+    return found
+
+
+def _overlapping(
+    wanted: Chunk, saved: list[ChunkStorageMetadata], indices: Iterable[int]
+) -> tuple[list[tuple[int, Overlap]], dict[int, Chunk]]:
+    """:func:`overlaps` of ``wanted`` with the chunks ``saved[i]`` of ``indices``, indexed into ``saved``;
+    and those chunks by index."""
+    chunks = {i: Chunk(tuple(saved[i].offsets), tuple(saved[i].sizes)) for i in indices}
+    indices = list(chunks)
+    found = overlaps(wanted, [chunks[i] for i in indices])
+    return [(indices[j], overlap) for j, overlap in found], chunks
 
 
 def _tensor_read(
