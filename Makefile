@@ -68,6 +68,8 @@ test: setup lint
 	@$(MAKE) --no-print-directory -j$(words $(SHARDS) $(BENCH_JOB)) -Otarget $(addprefix test-shard-,$(SHARDS)) $(BENCH_JOB)
 	$(if $(BENCH_JOB),,@$(MAKE) --no-print-directory test-bench)
 
+# Every pytest benchmark once at its smallest size, and every asv benchmark once as `asv run --quick`
+# calls it (bench/test_asv_suite.py, through asv's runner library): a benchmark broken under either fails.
 test-bench: setup
 	$(PY) -m pytest bench --benchmark-disable -q -p no:cacheprovider
 
@@ -101,7 +103,8 @@ lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
-# Side-by-side pytest-benchmark tables (reference, IMPL if given, torch, raw), a few minutes.
+# Side-by-side pytest-benchmark tables (reference, IMPL if given, torch, raw), a few minutes; the scale
+# simulation (bench/scale) up to 1,024 ranks here, `python -m bench.scale` for up to 16,384.
 bench: setup
 	@mkdir -p .benchmarks
 	$(BENCH_ENV) $(PY) -m pytest bench --benchmark-only --benchmark-group-by=group --benchmark-columns=min,median,max \

@@ -39,6 +39,9 @@ Key = tuple[str, str, int, str]  # (impl, size label, world size, layout)
 def _repeats(nbytes: int) -> int:
     # Best of several: on a shared machine one sample of a save can be far off the others
     # (docs/benchmark-results.md, "Why the benchmarks are shaped so").
+    # Quick mode (make test) runs each benchmark once to catch a broken one, not to measure it.
+    if config.QUICK:
+        return 1
     return 3 if nbytes <= 512 * config.MiB else 2
 
 

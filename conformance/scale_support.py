@@ -1,0 +1,61 @@
+"""What conformance/test_scale.py's tests use (ML-34 to ML-37 at the world sizes the suite runs): who
+wrote which record of a checkpoint, and how often a rank opened a file.
+
+Growth with the world size is measured on the reference's internals by simulation (tests/reference/
+test_scale.py, bench.scale); these checks are the parts any implementation shows through its adapter."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+__all__ = ["bytes_by_writer", "counting_opens"]
+
+#: DCP's filesystem writers (torch's and the reference's) name a rank's data files ``__<rank>_...``.
+_WRITER = re.compile(r"^__(\d+)_")
+
+
+def bytes_by_writer(metadata: Metadata, keys: set[str]) -> dict[int, int] | None:
+    """Bytes of ``keys``' records per writing rank, from the data files' names in ``metadata``; None when
+    a record's file is not named as DCP's filesystem writers name them (the writer is then unknown)."""
+    written: dict[int, int] = {}
+    for index, info in metadata.storage_data.items():
+        if index.fqn not in keys:
+            continue
+        match = _WRITER.match(os.path.basename(str(getattr(info, "relative_path", ""))))
+        if match is None:
+            return None
+        rank = int(match.group(1))
+        written[rank] = written.get(rank, 0) + int(info.length)
+    return written
+
+
+_OPENS: list[list[str]] = []  # the paths opened while counting_opens() runs (a stack: one list per call)
+_HOOKED: list[bool] = []
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if event == "open" and _OPENS and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        _OPENS[-1].append(os.fsdecode(args[0]))
+
+
+@contextmanager
+def counting_opens() -> Iterator[Callable[[str], int]]:
+    """Within the block, every file this process opens (Python's ``open`` audit event) is recorded;
+    yields ``count(name)``: how many opened paths end in ``name``. An audit hook cannot be removed:
+    it is added once per process and records only inside this block."""
+    if not _HOOKED:
+        sys.addaudithook(_audit)
+        _HOOKED.append(True)
+    opened: list[str] = []
+    _OPENS.append(opened)
+    try:
+        yield lambda name: sum(1 for path in opened if os.path.basename(path) == name)
+    finally:
+        _OPENS.pop()

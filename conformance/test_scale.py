@@ -1,0 +1,58 @@
+"""ML-34 to ML-37 through the adapter: what a save and a load at scale costs, in the parts that show at
+the world sizes the suite runs. Growth with the world size (ML-34, ML-35, ML-36's tensor larger than
+the mean, the planning half of ML-37) is checked by simulating thousands of ranks on the reference's planners (tests/reference/
+test_scale.py; figures: bench.scale, docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance.asserts import fail
+from conformance.checkpoint_support import checkpoint_ops, group_of
+from conformance.dcp_files import read_metadata
+from conformance.scale_support import bytes_by_writer, counting_opens
+
+
+@pytest.mark.dcp_files("ML-36 is read from which rank's data file holds each record")
+@pytest.mark.req("ML-36")
+@pytest.mark.world_size(min=2)
+def test_replicated_tensors_are_written_by_every_holder_in_turn(dist, impl) -> None:
+    """Four equal plain tensors per rank, held by every rank: each rank writes some of them and none
+    more than 10% over the mean. A writer that leaves replicated data to the lowest rank (or
+    any one rank) writes all of it there. The writer of a record is read from its data file's name
+    (``__<rank>_``, as DCP's filesystem writers name them)."""
+    ops = checkpoint_ops(impl)
+    path = dist.tmp_dir / "ckpt"
+    sd = {f"replicated.{i}": torch.full((128, 64), float(i)) for i in range(4 * dist.world_size)}
+    ops.save(sd, path, process_group=group_of(dist))
+    if dist.rank != 0:
+        return
+    written = bytes_by_writer(read_metadata(path), set(sd))
+    if written is None:
+        pytest.skip("the data files are not named __<rank>_...: which rank wrote a record is unknown")
+    writers = {rank: written.get(rank, 0) for rank in range(dist.world_size)}
+    mean = sum(writers.values()) / dist.world_size
+    if min(writers.values()) == 0 or max(writers.values()) > 1.1 * mean:
+        fail("bytes of replicated records each rank wrote", writers,
+             f"every rank some, none over 1.1 x the mean {mean:.0f}", str(path))
+
+
+@pytest.mark.req("ML-37")
+def test_a_load_reads_the_metadata_once_per_rank(dist, impl) -> None:
+    """Each rank's load opens the checkpoint's ``.metadata`` exactly once (counted by Python's ``open``
+    audit event on that rank): a load that reads it again per step or per key pays its size again, which
+    grows with the world that saved."""
+    ops = checkpoint_ops(impl)
+    path = dist.tmp_dir / "ckpt"
+    saved = torch.arange(64.0).reshape(8, 8)
+    ops.save({"w": saved, "b": torch.ones(8), "step": 3}, path, process_group=group_of(dist))
+    target: dict[str, object] = {"w": torch.zeros(8, 8), "b": torch.zeros(8), "step": 0}
+    with counting_opens() as opened:
+        ops.load(target, path, process_group=group_of(dist))
+        count = opened(".metadata")
+    if count != 1:
+        fail(f"times rank {dist.rank} opened .metadata during one load", count, 1, str(path))
+    loaded = target["w"]
+    if not isinstance(loaded, torch.Tensor) or not torch.equal(loaded, saved):
+        fail("the loaded value", loaded, saved, "w")
