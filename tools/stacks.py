@@ -162,11 +162,18 @@ def render(runs: Sequence[ReleaseRun]) -> str:
                      f"{counts['xfailed']} | {counts['skipped']} | {counts['failed'] + counts['error']} |")
     lines += ["", "## Requirement x stack", "", "| requirement | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     per_stack = [by_requirement(run, run.release) for run in runs]
+    skipped_by_all = []
     for req in requirement_ids(runs):
         cells = [cell(table.get(req, Counter())) for table in per_stack]
         if set(cells) <= {"-"}:
             continue
+        if set(cells) <= {"-", "skip"}:
+            skipped_by_all.append(req)
+            continue
         lines.append(f"| {req} | " + " | ".join(cells) + " |")
+    if skipped_by_all:
+        lines += ["", "Skipped by every stack (a capability none of them has, e.g. FlatParameter wrapping): "
+                  + ", ".join(skipped_by_all) + "."]
     for run in runs:
         lines += ["", f"## {run.release}: known deviations", "",
                   "Each entry of its known-deviations file that marked a failing test, the clauses it fails, and the",
