@@ -444,9 +444,16 @@ def test_shutdown_ends_a_writer_process_that_does_not_answer(dist, impl) -> None
     and no stopped process is left behind; the next async save starts afresh and loads. (The reference's
     own defect, fixed at db3507c: ``shutdown`` raised on a writer that a stop signal had frozen.)"""
     ops = async_ops(impl, "process")
+    # What this implementation kept from earlier tests ends here, so that the processes that appear with
+    # the save below are its own (another adapter's writer left in this rank is not its to end).
+    ops.shutdown()
+    before = set(child_processes())
     save_and_wait(dist, impl, "process", dist.tmp_dir / "first", 1.0)
-    spawned = child_processes()  # a writer kept from an earlier test's saves counts: it is this save's writer now
-    writers = {pid: spawned[pid] for pid in signal_writer_processes(signal.SIGSTOP, ops) if pid in spawned}
+    spawned = {pid: command for pid, command in child_processes().items() if pid not in before}
+    declared = getattr(ops, "writer_processes", None)
+    writers = {pid: spawned.get(pid, "") for pid in declared()} if declared is not None else spawned
+    for pid in writers:
+        os.kill(pid, signal.SIGSTOP)
     if not any(dist.all_gather_object(bool(writers))):
         pytest.skip(f"{impl.name}'s process executor keeps no writer process after a save: none to stop")
     returned = threading.Event()
