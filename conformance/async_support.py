@@ -10,7 +10,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_for_futures
@@ -209,18 +209,20 @@ def settled_growth(before: Resources, settle_s: float = 2.0) -> list[str]:
         time.sleep(0.1)
 
 
-def signal_writer_processes(signum: int, ops: Any = None) -> list[int]:
+def signal_writer_processes(signum: int, ops: Any = None, *, among: Collection[int] | None = None) -> list[int]:
     """Send ``signum`` to the processes writing this process's async saves in the background; the pids it
     reached. They are what ``ops.writer_processes()`` names where the adapter's ops declare it (a stack
     whose other helper processes, megatron-core's ``multiprocessing`` manager, are not writers), else
     every child process of this one that multiprocessing started (an async save's writer process,
-    whatever the implementation). SIGSTOP first, then the save, then SIGKILL: the writer dies with the
-    save's write surely not done."""
+    whatever the implementation), of ``among`` only where given (the processes a save started: another
+    adapter's writer kept in this rank is not this one's). SIGSTOP first, then the save, then SIGKILL:
+    the writer dies with the save's write surely not done."""
     declared = getattr(ops, "writer_processes", None)
     if declared is not None:
         targets = list(declared())
     else:
-        targets = [pid for pid, command in child_processes().items() if "multiprocessing" in command or "spawn_main" in command]
+        targets = [pid for pid, command in child_processes().items()
+                   if ("multiprocessing" in command or "spawn_main" in command) and (among is None or pid in among)]
     reached = []
     for pid in targets:
         error = raised(lambda pid=pid: os.kill(pid, signum))  # type: ignore[misc]

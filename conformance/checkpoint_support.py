@@ -280,10 +280,11 @@ def no_record(path: Path, fqn: str, offset: tuple[int, ...] | None = None) -> No
                 + " to place the fault in (the stack keeps it outside DCP's records)")
 
 
-def in_checkpoint(path: Path, name: str) -> str:
+def in_checkpoint(path: Path, name: str, base: Path | None = None) -> str:
     """The data file ``name`` of DCP's metadata as a path relative to the checkpoint directory ``path``
-    (the two differ where the stack keeps each save in a folder of its own: :func:`dcp_directory`)."""
-    return str((dcp_directory(path) / name).relative_to(path))
+    (the two differ where the stack keeps each save in a folder of its own); ``base``: the
+    :func:`dcp_directory` of ``path``, when the caller has it already (finding it may walk the directory)."""
+    return str(((base or dcp_directory(path)) / name).relative_to(path))
 
 
 def data_files_of(path: Path) -> Callable[[str], bool]:
@@ -310,10 +311,11 @@ def file_read_by_one_rank(dist: RankContext, path: Path) -> tuple[str, int, int]
     nothing else: with ``w`` loaded into the same layout, only that rank reads the file. The last
     such rank's (where replicated ``b`` went depends on the implementation's deduplication)."""
 
-    records = read_metadata(path).storage_data
+    records, base = read_metadata(path).storage_data, dcp_directory(path)
+    files = {index: in_checkpoint(path, info.relative_path, base) for index, info in records.items()}
     for rank in reversed(range(dist.world_size)):
         name, offset, length = record_location(path, "w", (4 * rank, 0))
-        if [(i.fqn, tuple(i.offset or ())) for i, info in records.items() if in_checkpoint(path, info.relative_path) == name] == [("w", (4 * rank, 0))]:
+        if [(i.fqn, tuple(i.offset or ())) for i in records if files[i] == name] == [("w", (4 * rank, 0))]:
             return name, offset, length
     listing = sorted((info.relative_path, i.fqn, tuple(i.offset or ())) for i, info in records.items())
     fail("test set-up: no data file holds one rank's shard alone", listing, "a file holding only one shard of 'w'", str(path))
@@ -1492,10 +1494,11 @@ def _unreadable_records(path: Path, fqn: str) -> dict[str, list[tuple[int, int]]
     successfully, and fails when it reads the data."""
 
     regions: dict[str, list[tuple[int, int]]] = {}
+    base = dcp_directory(path)
     for index, info in read_metadata(path).storage_data.items():
         if index.fqn != fqn:
             continue
-        with open(dcp_directory(path) / info.relative_path, "rb", buffering=0) as file:
+        with open(base / info.relative_path, "rb", buffering=0) as file:
             start, end = storage_bytes_range(file, info.offset, info.length)
         nbytes = end - start
         middle = start + max(0, nbytes - _UNREADABLE_BYTES) // 2

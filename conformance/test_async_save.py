@@ -450,10 +450,7 @@ def test_shutdown_ends_a_writer_process_that_does_not_answer(dist, impl) -> None
     before = set(child_processes())
     save_and_wait(dist, impl, "process", dist.tmp_dir / "first", 1.0)
     spawned = {pid: command for pid, command in child_processes().items() if pid not in before}
-    declared = getattr(ops, "writer_processes", None)
-    writers = {pid: spawned.get(pid, "") for pid in declared()} if declared is not None else spawned
-    for pid in writers:
-        os.kill(pid, signal.SIGSTOP)
+    writers = {pid: spawned.get(pid, "") for pid in signal_writer_processes(signal.SIGSTOP, ops, among=spawned)}
     if not any(dist.all_gather_object(bool(writers))):
         pytest.skip(f"{impl.name}'s process executor keeps no writer process after a save: none to stop")
     returned = threading.Event()
