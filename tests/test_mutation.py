@@ -27,6 +27,7 @@ from tools.mutation import (
     render_table,
     sample,
 )
+from tools.mutation_order import ordered
 
 
 def edits(source: str) -> set[tuple[str, str, str]]:
@@ -209,7 +210,8 @@ def test_equivalents_file(tmp_path: Path) -> None:
 
 
 def test_report_table_and_survivors() -> None:
-    fp = SectionSummary("FP", total=600, counts=Counter(killed=30, survived=3, timeout=1, equivalent=2))
+    fp = SectionSummary("FP", total=600, counts=Counter(killed=30, survived=3, timeout=1, equivalent=2),
+                        with_self_tests=Counter(killed=32, survived=1, timeout=1, equivalent=2))  # fmt: skip
     ml = SectionSummary("ML", total=900, counts=Counter(equivalent=1))
     assert render_table([fp, ml]) == "\n".join(
         [
@@ -220,12 +222,18 @@ def test_report_table_and_survivors() -> None:
             "| **all** | 37 | 30 | 3 | 1 | 3 | 91.2% |",
         ]
     )
-    survivor = Result("reference/f.py::cmp:1:0", "FP", "reference/f.py", 7, "cmp", "`==` -> `!=`", "if a == b:", "if a != b:", "survived")
+    assert render_table([fp], "self-tests").splitlines()[-1] == "| FP | 36 | 32 | 1 | 1 | 2 | 97.1% |"
+    survivor = Result("reference/f.py::cmp:1:0", "FP", "reference/f.py", 7, "cmp", "`==` -> `!=`", "if a == b:", "if a != b:", "survived",
+                      with_self_tests="survived")  # fmt: skip
+    caught = Result("reference/f.py::cmp:3:0", "FP", "reference/f.py", 8, "cmp", "`>` -> `>=`", "a > b", "a >= b", "survived",
+                    with_self_tests="killed", self_killed_by="FAILED tests/reference/test_f.py::test_gt")  # fmt: skip
     killed = Result("reference/f.py::cmp:2:0", "FP", "reference/f.py", 9, "cmp", "`<` -> `<=`", "a < b", "a <= b", "killed")
-    report = render_report([fp, ml], [survivor, killed], "# title", ["a note"])
+    report = render_report([fp, ml], [survivor, caught, killed], "# title", ["a note"])
     assert "- a note" in report
-    assert "## Survivors (1)" in report
-    assert "- `reference/f.py:7` cmp: `==` -> `!=`  \n  key `reference/f.py::cmp:1:0`" in report
+    assert report.index("## Judged by conformance/ alone") < report.index("## With the self-tests") < report.index("## Survivors")
+    assert "## Survivors of the conformance tests (2)" in report
+    assert "- `reference/f.py:7` cmp: `==` -> `!=`; the self-tests miss it too  \n  key `reference/f.py::cmp:1:0`" in report
+    assert "`>` -> `>=`; a self-test kills it: FAILED tests/reference/test_f.py::test_gt" in report
     assert "  - if a == b:\n  + if a != b:" in report
     assert "a <= b" not in report
 
@@ -287,6 +295,63 @@ def test_end_to_end_on_a_tiny_checkout(tmp_path: Path, monkeypatch: pytest.Monke
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
     scratch = out / "work" / "job0" / "reference" / "calc.py"
     assert scratch.read_bytes() == before[root / "reference" / "calc.py"]  # restored after the last mutant
+
+
+def test_a_mutant_is_judged_by_conformance_alone_then_with_the_self_tests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conformance verdict is the suite's power; the self-tests run only for its survivors, and a
+    resumed run after a self-test changed re-judges only those."""
+    root = tmp_path / "checkout"
+    tiny_checkout(root)
+    (root / "tests" / "test_self.py").write_text("from reference.calc import unused\n\n\ndef test_unused():\n    assert unused(3) == 2\n")
+    section = Section("XX", ("reference/calc.py",), ("tests/test_calc.py",), ("tests/test_self.py",))
+    monkeypatch.setattr(mutation, "SECTIONS", {"XX": section})
+    mutants = {(m.original, m.description): m.key for m in mutants_of_file(root, "reference/calc.py")}
+    wanted = [("return x * 2", "`*` -> `/`"), ("return x - 1", "return None")]
+    out = tmp_path / "out"
+    argv = ["--root", str(root), "--out", str(out), "--sections", "XX", "--equivalents", str(tmp_path / "none.txt"),
+            "--rank-timeout", "5", *(arg for w in wanted for arg in ("--mutant", mutants[w]))]  # fmt: skip
+
+    def verdicts() -> dict[str, tuple[str, str, float, float]]:
+        report = json.loads((out / "report.json").read_text())
+        return {m["original"]: (m["status"], m["with_self_tests"], m["seconds"], m["self_seconds"]) for m in report["mutants"]}
+
+    assert mutation.main(argv) == 0
+    first = verdicts()
+    assert first["return x * 2"][:2] == ("killed", "killed") and first["return x * 2"][3] == 0.0  # no self-test run
+    assert first["return x - 1"][:2] == ("survived", "killed")
+    report = json.loads((out / "report.json").read_text())["sections"]["XX"]
+    assert (report["kill_rate"], report["kill_rate_with_self_tests"]) == (50.0, 100.0)
+    assert "a self-test kills it: FAILED tests/test_self.py::test_unused" in (out / "report.md").read_text()
+
+    (root / "tests" / "test_self.py").write_text("def test_nothing():\n    pass\n")  # only a self-test changed
+    assert mutation.main([*argv, "--resume"]) == 0
+    again = verdicts()
+    assert again["return x * 2"] == first["return x * 2"]  # reused as it was
+    assert again["return x - 1"][:3] == ("survived", "survived", first["return x - 1"][2])  # conformance verdict reused
+    (root / "reference" / "calc.py").write_text((root / "reference" / "calc.py").read_text() + "\n")
+    assert mutation.main([*argv, "--resume"]) == 0  # the code changed: everything is judged again
+    assert verdicts()["return x * 2"][2] != first["return x * 2"][2]
+
+
+def test_the_tests_that_killed_mutants_run_first(tmp_path: Path) -> None:
+    assert ordered(["a", "b", "c", "d"], ["c", "gone", "a"]) == [2, 0, 1, 3]
+    assert ordered(["a", "b"], []) == [0, 1]
+    runner = Runner(["-vv"])  # with the suite's -q: one line per test
+    section = Section("XX", ("reference/calc.py",), ("tests/test_calc.py",))
+    for test in ("tests/test_calc.py::test_spin", "tests/test_calc.py::test_double", "tests/test_calc.py::test_spin"):
+        runner.learn(Result("k", "XX", "reference/calc.py", 1, "cmp", "", "", "", "killed", killed_by=f"FAILED {test}"))
+    runner.learn(Result("k", "XX", "reference/calc.py", 1, "cmp", "", "", "", "survived"))
+    runner.learn(Result("k", "XX", "reference/calc.py", 1, "cmp", "", "", "", "killed", killed_by="no result in 3s"))
+    root = tmp_path / "checkout"
+    tiny_checkout(root)
+    scratch = tmp_path / "scratch"
+    make_scratch(REPO_ROOT, scratch, checkout_files(REPO_ROOT))  # with tools/: the order plugin is used
+    for rel in ("tests/conftest.py", "tests/test_calc.py", "reference/calc.py"):
+        (scratch / rel).write_text((root / rel).read_text())
+    rc, output, _ = runner.pytest(section, scratch, timeout=120)
+    assert rc == 0, output
+    ran = [line.split()[0] for line in output.splitlines() if line.startswith("tests/test_calc.py::")]
+    assert ran == ["tests/test_calc.py::test_spin", "tests/test_calc.py::test_double"], output
 
 
 def test_an_interrupted_mutant_leaves_the_scratch_restored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

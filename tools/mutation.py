@@ -6,19 +6,30 @@
 
 Each mutant (see :mod:`tools.mutants`) is written into a scratch copy of the checkout under
 ``.mutation/work/job<i>/`` (one per parallel job; the working tree itself is never written, so an
-interrupted run leaves nothing mutated), and the tests of its SPEC section (:data:`SECTIONS`) run on
-that copy in a fresh pytest process (``--impl reference --world-size 1,2 -x``). The rank processes that
-pytest spawns import ``reference`` from the same copy, so mutants reach the ranks. A mutant is *killed*
-when the run fails, *survived* when it passes, *timed out* when the run outlives its limit (counted as
-detected in the kill rate), *equivalent* when ``tools/mutation_equivalent.txt`` lists it with a reason
-(it is then not run). Each section's unmutated run comes first and must pass: a suite that already
-fails cannot judge a mutant.
+interrupted run leaves nothing mutated) and judged twice:
+
+1. by its SPEC section's ``conformance/`` tests alone (:data:`SECTIONS`; ``--impl reference
+   --world-size 1,2 -x``), in a fresh pytest process: what a fork running the suite would see. This is
+   the suite's power, the figure the report leads with;
+2. when those pass, by the section's self-tests under ``tests/reference/`` too: what the project's own
+   tests add. A mutant the conformance tests catch needs no second run.
+
+The rank processes that pytest spawns import ``reference`` from the same copy, so mutants reach the
+ranks. A mutant is *killed* when a run fails, *survived* when it passes, *timed out* when the run
+outlives its limit (counted as detected in the kill rate), *equivalent* when
+``tools/mutation_equivalent.txt`` lists it with a reason (it is then not run). Each section's unmutated
+runs come first and must pass: a suite that already fails cannot judge a mutant.
+
+The conformance tests that killed earlier mutants of a section (in this run or a journal kept by
+``--resume``) run first (:mod:`tools.mutation_order`): with ``-x`` a mutant like one seen before is
+killed in seconds, while a survivor still runs every test.
 
 By default a deterministic sample of ``--sample`` mutants per section is run: the ones whose keys hash
 lowest with the seed, so the sample of a section changes only where its mutants change. The report
-(markdown table, survivors with their original and mutated line) goes to stdout and
+(markdown tables, survivors with their original and mutated line) goes to stdout and
 ``.mutation/report.md``, everything per mutant to ``.mutation/report.json``. The exit status is 0
-(this measures, it does not gate) unless ``--fail-under`` is given and a section's kill rate is lower.
+(this measures, it does not gate) unless ``--fail-under`` is given and a section's conformance-only
+kill rate is lower.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tools.mutants import Mutant, mutants_of_file
+from tools.mutation_order import FIRST_ENV
 
 __all__ = [
     "SECTIONS",
@@ -59,7 +71,7 @@ __all__ = [
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / ".mutation"
 DEFAULT_EQUIVALENTS = REPO_ROOT / "tools" / "mutation_equivalent.txt"
-DEFAULT_SAMPLE = 40
+DEFAULT_SAMPLE = 150
 #: Every mutant run: the reference only, both world sizes, stop at the first failure.
 PYTEST_ARGS = ("--impl", "reference", "--world-size", "1,2", "-x", "-q", "-p", "no:cacheprovider")
 #: A hung rank fails its test after this many seconds (the suite's default is 120); a mutant that makes
@@ -69,14 +81,16 @@ DEFAULT_RANK_TIMEOUT = 60.0
 
 @dataclass(frozen=True)
 class Section:
-    """One SPEC section: the files whose mutants it owns and the tests that must kill them.
+    """One SPEC section: the files whose mutants it owns, the conformance tests that must kill them,
+    and the project's self-tests that may kill what those miss.
 
-    Both are globs relative to the checkout; ``tests`` starts with the section's conformance file
+    All are globs relative to the checkout; ``conformance`` starts with the section's conformance file
     (its directory's conftest registers ``--impl``)."""
 
     name: str
     sources: tuple[str, ...]
-    tests: tuple[str, ...]
+    conformance: tuple[str, ...]
+    self_tests: tuple[str, ...] = ()
     #: Files the source globs match that another section owns.
     excludes: tuple[str, ...] = ()
 
@@ -84,35 +98,36 @@ class Section:
         excluded = set(_expand(root, self.excludes))
         return [path for path in _expand(root, self.sources) if path not in excluded]
 
-    def test_files(self, root: Path) -> list[str]:
-        return _expand(root, self.tests)
+    def test_files(self, root: Path, stage: str = "conformance") -> list[str]:
+        """The test files of one stage of judging: ``"conformance"`` or ``"self-tests"``."""
+        return _expand(root, self.conformance if stage == "conformance" else self.self_tests)
 
 
 #: The async save's modules: the AS section's, not ML's (whose tests never start an async save).
 _ASYNC_SOURCES = ("reference/checkpoint/async_save.py", "reference/checkpoint/staging.py", "reference/checkpoint/writer_process.py")
 
-#: SPEC section -> what it mutates and what runs against it. Reference-only tests live in
-#: tests/reference/ (the globs take the files the section's engineers add there).
+#: SPEC section -> what it mutates, the conformance tests that judge it, and the self-tests (under
+#: tests/reference/; the globs take the files the section's engineers add there).
 SECTIONS: dict[str, Section] = {
     s.name: s
     for s in (
         Section(
             "FP",
             ("reference/flat_param/*.py",),
-            ("conformance/test_flat_param.py", "tests/reference/test_flat_param*.py", "tests/reference/test_prefix_hooks*.py"),
+            ("conformance/test_flat_param.py",),
+            ("tests/reference/test_flat_param*.py", "tests/reference/test_prefix_hooks*.py"),
         ),
         Section(
             "SD",
             ("reference/state_dict/*.py", "reference/fqn.py"),
-            ("conformance/test_state_dict.py", "conformance/test_state_dict_options.py", "conformance/test_training_states.py",
-             "tests/reference/test_state_dict*.py", "tests/reference/test_fqn*.py"),
+            ("conformance/test_state_dict.py", "conformance/test_state_dict_options.py", "conformance/test_training_states.py"),
+            ("tests/reference/test_state_dict*.py", "tests/reference/test_fqn*.py"),
         ),
         Section(
             "OS",
             ("reference/fsdp/*.py", "reference/comm.py"),
+            ("conformance/test_optim_state.py", "conformance/test_real_models.py"),
             (
-                "conformance/test_optim_state.py",
-                "conformance/test_real_models.py",
                 "tests/reference/test_optim_state*.py",
                 "tests/reference/test_sharding*.py",
                 "tests/reference/test_fsdp*.py",
@@ -123,12 +138,16 @@ SECTIONS: dict[str, Section] = {
         Section(
             "ML",
             ("reference/checkpoint/*.py",),
-            ("conformance/test_checkpoint.py", "tests/reference/test_checkpoint*.py"),
+            ("conformance/test_checkpoint.py",),
+            ("tests/reference/test_checkpoint*.py",),
             excludes=_ASYNC_SOURCES,
         ),
-        Section("AS", _ASYNC_SOURCES, ("conformance/test_async_save.py", "tests/reference/test_async*.py")),
+        Section("AS", _ASYNC_SOURCES, ("conformance/test_async_save.py",), ("tests/reference/test_async*.py",)),
     )
 }
+
+#: The two stages of judging a mutant, in order.
+STAGES = ("conformance", "self-tests")
 
 STATUSES = ("killed", "survived", "timeout", "equivalent", "error")
 
@@ -211,11 +230,22 @@ class Result:
     description: str
     original: str
     mutated: str
-    status: str  # one of STATUSES
+    status: str  # one of STATUSES: judged by the section's conformance tests alone
     seconds: float = 0.0
     killed_by: str = ""  # the first failing test, or why the run failed
     reason: str = ""  # for an equivalent mutant
-    fingerprint: str = ""  # of the tree it ran against (--resume reuses only identical ones)
+    fingerprint: str = ""  # of the tree the conformance run judged (--resume reuses only identical ones)
+    #: Judged with the self-tests added: ``status`` where the conformance tests detected the mutant,
+    #: else the self-tests' verdict ("" until they ran).
+    with_self_tests: str = ""
+    self_killed_by: str = ""
+    self_seconds: float = 0.0
+    self_fingerprint: str = ""  # of the tree the self-tests judged
+
+    @property
+    def detected(self) -> bool:
+        """Whether the conformance tests alone caught it (a time-out counts)."""
+        return self.status in ("killed", "timeout")
 
     @classmethod
     def of(cls, mutant: Mutant, section: str, status: str, **kw: object) -> Result:
@@ -264,13 +294,42 @@ def make_scratch(root: Path, dest: Path, files: Sequence[str]) -> None:
         shutil.copy2(root / rel, target)
 
 
-def tree_fingerprint(root: Path, files: Sequence[str], extra: Sequence[str]) -> str:
+def tree_fingerprint(root: Path, files: Sequence[str], extra: Sequence[str], *, tops: tuple[str, ...]) -> str:
+    """A hash of the files under ``tops`` (and pyproject.toml) and of ``extra``: two runs with one
+    fingerprint judged the same code with the same tests."""
     digest = hashlib.sha256()
     for rel in files:
-        if rel.startswith(("reference/", "conformance/", "tests/")) or rel == "pyproject.toml":
+        if rel.startswith(tops) or rel == "pyproject.toml":
             digest.update(rel.encode() + b"\0" + (root / rel).read_bytes() + b"\0")
     digest.update("\0".join(extra).encode())
     return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Fingerprints:
+    """What each stage's verdict depends on: the conformance verdict on ``reference/`` and
+    ``conformance/``; the self-tests' on ``tests/`` too. Editing a self-test re-judges only the
+    conformance survivors (``--resume``)."""
+
+    conformance: str
+    self_tests: str
+
+    @classmethod
+    def of(cls, root: Path, files: Sequence[str], extra: Sequence[str]) -> Fingerprints:
+        return cls(
+            tree_fingerprint(root, files, extra, tops=("reference/", "conformance/")),
+            tree_fingerprint(root, files, extra, tops=("reference/", "conformance/", "tests/")),
+        )
+
+
+#: A run's exit status -> its verdict (pytest: 0 passed; 1 tests failed, 2 interrupted or collection
+#: failed, 3 internal error: the suite noticed; anything else is an error of the run, not a verdict).
+def _verdict(rc: int | None) -> str:
+    if rc is None:
+        return "timeout"
+    if rc == 0:
+        return "survived"
+    return "killed" if rc in (1, 2, 3) else "error"
 
 
 class Runner:
@@ -281,20 +340,40 @@ class Runner:
         self._procs: set[subprocess.Popen[bytes]] = set()
         self._lock = threading.Lock()
         self.stopping = threading.Event()
+        #: Section -> its conformance tests that killed mutants, with how many (tools.mutation_order).
+        self.killers: dict[str, Counter[str]] = {}
 
-    def command(self, section: Section, scratch: Path) -> list[str]:
-        return [sys.executable, "-m", "pytest", *section.test_files(scratch), *PYTEST_ARGS, *self.pytest_args]
+    def command(self, section: Section, scratch: Path, stage: str = "conformance") -> list[str]:
+        # The ordering plugin comes from the scratch copy, like everything the run imports (a checkout
+        # without it runs its tests in collection order).
+        order = ["-p", "tools.mutation_order"] if (scratch / "tools" / "mutation_order.py").is_file() else []
+        return [sys.executable, "-m", "pytest", *section.test_files(scratch, stage), *PYTEST_ARGS, *order, *self.pytest_args]
 
-    def pytest(self, section: Section, scratch: Path, timeout: float | None) -> tuple[int | None, str, float]:
-        """(exit status or None on timeout, output, seconds) of the section's tests on ``scratch``."""
+    def learn(self, result: Result) -> None:
+        """Remember the test that killed ``result`` (a ``FAILED <nodeid>`` line) so it runs first next time."""
+        if result.status == "killed" and result.killed_by.startswith(("FAILED ", "ERROR ")):
+            nodeid = result.killed_by.split(" ", 1)[1].strip()
+            with self._lock:
+                self.killers.setdefault(result.section, Counter())[nodeid] += 1
+
+    def _first_file(self, section: Section, scratch: Path) -> Path:
+        path = scratch / ".mutation-first.txt"
+        with self._lock:
+            known = self.killers.get(section.name, Counter())
+            path.write_text("".join(f"{nodeid}\n" for nodeid, _ in known.most_common()), encoding="utf-8")
+        return path
+
+    def pytest(self, section: Section, scratch: Path, timeout: float | None, stage: str = "conformance") -> tuple[int | None, str, float]:
+        """(exit status or None on timeout, output, seconds) of one stage of the section's tests on ``scratch``."""
         env = dict(os.environ)
         env["PYTHONDONTWRITEBYTECODE"] = "1"  # a mutant written in the same second must not hit a stale .pyc
         env["PYTHONPATH"] = os.pathsep.join([str(scratch), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env[FIRST_ENV] = str(self._first_file(section, scratch))
         start = time.monotonic()
         log = scratch / ".mutation-run.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                self.command(section, scratch),
+                self.command(section, scratch, stage),
                 cwd=scratch,
                 env=env,
                 stdout=out,
@@ -323,25 +402,56 @@ class Runner:
         for proc in procs:
             _kill_group(proc)
 
-    def run_mutant(self, mutant: Mutant, section: Section, scratch: Path, timeout: float, fingerprint: str) -> Result:
+    def run_mutant(
+        self,
+        mutant: Mutant,
+        section: Section,
+        scratch: Path,
+        limits: dict[str, float] | float,
+        fingerprints: Fingerprints | str,
+        known: Result | None = None,
+    ) -> Result:
+        """Judge ``mutant`` by the section's conformance tests (unless ``known`` is that verdict already),
+        then, if they pass, by its self-tests. ``limits``: seconds per stage (one number: both)."""
+        if not isinstance(limits, dict):
+            limits = {stage: limits for stage in STAGES}
+        if not isinstance(fingerprints, Fingerprints):
+            fingerprints = Fingerprints(fingerprints, fingerprints)
         target = (scratch / mutant.path).resolve()
         if scratch.resolve() not in target.parents:
             raise RuntimeError(f"refusing to write {target}: outside the scratch copy {scratch}")
         original = target.read_bytes()
         try:
             target.write_bytes(mutant.apply(original))
-            rc, output, seconds = self.pytest(section, scratch, timeout)
+            if known is None:
+                rc, output, seconds = self.pytest(section, scratch, limits["conformance"])
+                result = Result.of(mutant, section.name, _verdict(rc), seconds=seconds, fingerprint=fingerprints.conformance,
+                                   killed_by=_why(rc, output, limits["conformance"]))  # fmt: skip
+            else:
+                result = Result(**{**asdict(known), "with_self_tests": "", "self_killed_by": "", "self_seconds": 0.0})
+            if result.detected or not section.test_files(scratch, "self-tests"):
+                result.with_self_tests = result.status
+            else:
+                rc, output, seconds = self.pytest(section, scratch, limits["self-tests"], "self-tests")
+                result.with_self_tests = _verdict(rc)
+                result.self_killed_by = _why(rc, output, limits["self-tests"])
+                result.self_seconds = seconds
+            result.self_fingerprint = fingerprints.self_tests
         finally:
             target.write_bytes(original)
-        if rc is None:
-            return Result.of(mutant, section.name, "timeout", seconds=seconds, killed_by=f"no result in {timeout:.0f}s", fingerprint=fingerprint)
-        if rc == 0:
-            return Result.of(mutant, section.name, "survived", seconds=seconds, fingerprint=fingerprint)
-        if rc in (1, 2, 3):  # tests failed, collection/import failed, internal error: the suite noticed
-            return Result.of(mutant, section.name, "killed", seconds=seconds, killed_by=_first_failure(output), fingerprint=fingerprint)
-        return Result.of(
-            mutant, section.name, "error", seconds=seconds, killed_by=f"pytest exit {rc}: {output[-500:]}", fingerprint=fingerprint
-        )
+        self.learn(result)
+        return result
+
+
+def _why(rc: int | None, output: str, limit: float) -> str:
+    """What a run's verdict rests on: the first failing test, the time limit, or the run's error."""
+    if rc is None:
+        return f"no result in {limit:.0f}s"
+    if rc == 0:
+        return ""
+    if rc in (1, 2, 3):
+        return _first_failure(output)
+    return f"pytest exit {rc}: {output[-500:]}"
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -370,13 +480,21 @@ def _first_failure(output: str) -> str:
 
 @dataclass
 class SectionSummary:
-    """The counts of one section's mutants (by status) and the time they took."""
+    """The counts of one section's mutants by status, judged by the conformance tests alone
+    (``counts``) and with the self-tests added (``with_self_tests``), and the time they took."""
 
     name: str
     total: int  # every mutant of the section (the sample is drawn from these)
-    counts: Counter = field(default_factory=Counter)
-    baseline_s: float | None = None
-    seconds: float = 0.0  # spent running its mutants
+    counts: Counter[str] = field(default_factory=Counter)
+    with_self_tests: Counter[str] = field(default_factory=Counter)
+    baseline_s: float | None = None  # the unmutated conformance run
+    self_baseline_s: float | None = None  # the unmutated self-tests run
+    seconds: float = 0.0  # spent running its mutants, both stages
+
+    def add(self, result: Result) -> None:
+        self.counts[result.status] += 1
+        self.with_self_tests[result.with_self_tests or result.status] += 1
+        self.seconds += result.seconds + result.self_seconds
 
     @property
     def mutants(self) -> int:
@@ -384,40 +502,55 @@ class SectionSummary:
 
     @property
     def kill_rate(self) -> float | None:
-        judged = self.counts["killed"] + self.counts["timeout"] + self.counts["survived"] + self.counts["error"]
-        return None if judged == 0 else 100.0 * (self.counts["killed"] + self.counts["timeout"]) / judged
+        """The conformance tests' kill rate: the suite's power as a fork sees it."""
+        return _rate(self.counts)
+
+    @property
+    def kill_rate_with_self_tests(self) -> float | None:
+        return _rate(self.with_self_tests)
+
+
+def _rate(counts: Counter[str]) -> float | None:
+    judged = counts["killed"] + counts["timeout"] + counts["survived"] + counts["error"]
+    return None if judged == 0 else 100.0 * (counts["killed"] + counts["timeout"]) / judged
 
 
 def _pct(rate: float | None) -> str:
     return "n/a" if rate is None else f"{rate:.1f}%"
 
 
-def render_table(summaries: Sequence[SectionSummary]) -> str:
-    """section | mutants | killed | survived | timed out | equivalent | kill rate, plus a total row."""
+def render_table(summaries: Sequence[SectionSummary], stage: str = "conformance") -> str:
+    """section | mutants | killed | survived | timed out | equivalent | kill rate, plus a total row, for
+    the verdicts of one stage (``"conformance"``: the conformance tests alone; ``"self-tests"``: with
+    the self-tests added)."""
     rows = ["| section | mutants | killed | survived | timed out | equivalent | kill rate |", "|---|---|---|---|---|---|---|"]
-    total = SectionSummary("all", sum(s.total for s in summaries))
+    total: Counter[str] = Counter()
     for s in summaries:
-        total.counts.update(s.counts)
-        rows.append(_row(s.name, s))
+        counts = s.counts if stage == "conformance" else s.with_self_tests
+        total.update(counts)
+        rows.append(_row(s.name, counts))
     if len(summaries) > 1:
         rows.append(_row("**all**", total))
     return "\n".join(rows)
 
 
-def _row(name: str, s: SectionSummary) -> str:
-    c = s.counts
+def _row(name: str, c: Counter[str]) -> str:
+    mutants = sum(c[s] for s in STATUSES)
     survived = c["survived"] + c["error"]
-    return f"| {name} | {s.mutants} | {c['killed']} | {survived} | {c['timeout']} | {c['equivalent']} | {_pct(s.kill_rate)} |"
+    return f"| {name} | {mutants} | {c['killed']} | {survived} | {c['timeout']} | {c['equivalent']} | {_pct(_rate(c))} |"
 
 
 def render_report(summaries: Sequence[SectionSummary], results: Sequence[Result], header: str, notes: Sequence[str] = ()) -> str:
-    """The markdown report: header, table, notes, and every survivor with its original and mutated line."""
-    parts = [header, "", render_table(summaries), ""]
+    """The markdown report: header, the conformance-only table (the suite's power), the table with the
+    self-tests added, notes, and every conformance survivor with its original and mutated line and
+    whether a self-test kills it."""
+    parts = [header, "", "## Judged by conformance/ alone", "", render_table(summaries), "",
+             "## With the self-tests (tests/reference/) added", "", render_table(summaries, "self-tests"), ""]  # fmt: skip
     parts += [f"- {n}" for n in notes]
     if notes:
         parts.append("")
     survivors = [r for r in results if r.status in ("survived", "error")]
-    parts.append(f"## Survivors ({len(survivors)})")
+    parts.append(f"## Survivors of the conformance tests ({len(survivors)})")
     if not survivors:
         parts.append("\nNone.")
     for section in summaries:
@@ -428,6 +561,10 @@ def render_report(summaries: Sequence[SectionSummary], results: Sequence[Result]
         for r in mine:
             first = (r.killed_by.splitlines() or [""])[0]
             what = f" (pytest error, not a test failure: {first})" if r.status == "error" else ""
+            if r.with_self_tests in ("killed", "timeout"):
+                what += f"; a self-test kills it: {(r.self_killed_by.splitlines() or [''])[0]}"
+            elif r.with_self_tests:
+                what += "; the self-tests miss it too"
             parts.append(f"- `{r.path}:{r.line}` {r.operator}: {r.description}{what}  \n  key `{r.key}`")
             parts.append(f"  ```diff\n  - {r.original}\n  + {r.mutated}\n  ```")
     return "\n".join(parts) + "\n"
@@ -464,8 +601,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mutant", action="append", default=[], metavar="KEY", help="run only these mutants (repeatable)")
     p.add_argument("--list", action="store_true", help="list the selected mutants, run nothing")
     p.add_argument("--show", metavar="KEY", help="print one mutant's edit as a diff, run nothing")
-    p.add_argument("--resume", action="store_true", help="reuse results of an earlier run against an identical tree")
-    p.add_argument("--fail-under", type=float, default=None, metavar="PCT", help="exit 1 if a section's kill rate is lower")
+    p.add_argument("--resume", action="store_true", help="reuse verdicts of an earlier run that judged the same tree (see Fingerprints)")
+    p.add_argument("--fail-under", type=float, default=None, metavar="PCT", help="exit 1 if a section's conformance-only kill rate is lower")
     p.add_argument(
         "--pytest-args", default=_env("MUTATION_PYTEST_ARGS", ""), help="extra pytest arguments, e.g. \"-k 'not slow'\""
     )
@@ -524,9 +661,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _run(args, root, sections, everything, chosen, equivalents)
 
 
-def _previous_results(journal: Path, fingerprint: str, *, resume: bool) -> dict[str, Result]:
-    """Mutant key -> its result from an earlier run of the same tree and arguments (``--resume``); the
-    journal is removed otherwise, so a fresh run starts from nothing."""
+def _previous_results(journal: Path, fingerprints: Fingerprints, *, resume: bool) -> dict[str, Result]:
+    """Mutant key -> its result from an earlier run whose conformance tests judged the same tree with
+    the same arguments (``--resume``); the journal is removed otherwise, so a fresh run starts from
+    nothing. The last line of a key wins."""
     previous: dict[str, Result] = {}
     if resume and journal.exists():
         for line in journal.read_text().splitlines():
@@ -534,7 +672,7 @@ def _previous_results(journal: Path, fingerprint: str, *, resume: bool) -> dict[
                 r = Result(**json.loads(line))
             except (TypeError, ValueError):
                 continue
-            if r.fingerprint == fingerprint and r.status != "error":
+            if r.fingerprint == fingerprints.conformance and r.status != "error":
                 previous[r.key] = r
     elif journal.exists():
         journal.unlink()
@@ -543,10 +681,11 @@ def _previous_results(journal: Path, fingerprint: str, *, resume: bool) -> dict[
 
 @dataclass
 class _Plan:
-    """What the unmutated runs decided: the mutants to run with their time limits, and the results
-    already known (equivalent, or from the journal)."""
+    """What the unmutated runs decided: the mutants to run with their time limits (and the conformance
+    verdict already known, when only the self-tests are to run), and the results already known
+    (equivalent, or from the journal)."""
 
-    todo: list[tuple[Mutant, Section, float]] = field(default_factory=list)
+    todo: list[tuple[Mutant, Section, dict[str, float], Result | None]] = field(default_factory=list)
     results: list[Result] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     broken: list[str] = field(default_factory=list)  # sections whose unmutated run failed
@@ -560,38 +699,54 @@ def _plan(
     chosen: dict[str, list[Mutant]],
     equivalents: Equivalents,
     previous: dict[str, Result],
+    fingerprints: Fingerprints,
     summaries: dict[str, SectionSummary],
 ) -> _Plan:
-    """Run the unmutated suite once per section with mutants to run: it must pass, and its time sets
-    the mutants' limit."""
+    """Run each stage of the unmutated suite once per section with mutants to run: it must pass, and its
+    time sets the mutants' limit for that stage."""
     plan = _Plan()
+    extra = args.rank_timeout + 30 if args.timeout_extra is None else args.timeout_extra
     for s in sections:
-        pending = [m for m in chosen[s.name] if m.key not in equivalents.reasons and m.key not in previous]
+        pending: list[tuple[Mutant, Result | None]] = []
         for m in chosen[s.name]:
+            known = previous.get(m.key)
             if m.key in equivalents.reasons:
-                plan.results.append(Result.of(m, s.name, "equivalent", reason=equivalents.reasons[m.key]))
-            elif m.key in previous:
-                plan.results.append(previous[m.key])
+                plan.results.append(Result.of(m, s.name, "equivalent", reason=equivalents.reasons[m.key], with_self_tests="equivalent"))
+            elif known is not None and (known.detected or known.self_fingerprint == fingerprints.self_tests):
+                plan.results.append(known)
+                runner.learn(known)
+            else:
+                pending.append((m, known))
         if not pending:
             continue
-        _log(f"[{s.name}] unmutated run: {' '.join(s.test_files(scratch))}")
-        rc, output, seconds = runner.pytest(s, scratch, timeout=1800)
-        summaries[s.name].baseline_s = seconds
-        if rc != 0:
-            tail = "\n".join(output.strip().splitlines()[-25:])
-            _log(f"[{s.name}] the unmutated suite does not pass (exit {rc}); its mutants are not run:\n{tail}")
-            plan.notes.append(f"{s.name}: the unmutated suite failed (exit {rc}); its {len(pending)} mutants were not run")
-            plan.broken.append(s.name)
-            continue
-        extra = args.rank_timeout + 30 if args.timeout_extra is None else args.timeout_extra
-        limit = args.timeout_factor * seconds + extra
-        _log(f"[{s.name}] unmutated run passed in {seconds:.1f}s; {len(pending)} mutants, limit {limit:.0f}s each")
-        plan.todo += [(m, s, limit) for m in pending]
+        limits: dict[str, float] = {}
+        for stage in STAGES:
+            files = s.test_files(scratch, stage)
+            if not files:
+                continue
+            _log(f"[{s.name}] unmutated run of the {stage}: {' '.join(files)}")
+            rc, output, seconds = runner.pytest(s, scratch, timeout=1800, stage=stage)
+            if stage == "conformance":
+                summaries[s.name].baseline_s = seconds
+            else:
+                summaries[s.name].self_baseline_s = seconds
+            if rc != 0:
+                tail = "\n".join(output.strip().splitlines()[-25:])
+                _log(f"[{s.name}] the unmutated {stage} do not pass (exit {rc}); its mutants are not run:\n{tail}")
+                plan.notes.append(f"{s.name}: the unmutated {stage} failed (exit {rc}); its {len(pending)} mutants were not run")
+                plan.broken.append(s.name)
+                break
+            limits[stage] = args.timeout_factor * seconds + extra
+        else:
+            shown = ", ".join(f"{stage} {limit:.0f}s" for stage, limit in limits.items())
+            _log(f"[{s.name}] unmutated runs passed; {len(pending)} mutants, limits: {shown}")
+            plan.todo += [(m, s, limits, known) for m, known in pending]
     return plan
 
 
 def _run_mutants(
-    runner: Runner, todo: list[tuple[Mutant, Section, float]], scratches: list[Path], journal: Path, fingerprint: str
+    runner: Runner, todo: list[tuple[Mutant, Section, dict[str, float], Result | None]], scratches: list[Path], journal: Path,
+    fingerprints: Fingerprints,
 ) -> Iterator[Result]:
     """Run ``todo``, one job per scratch copy at a time, yielding each result as it finishes (and
     appending it to ``journal``). A KeyboardInterrupt stops the running mutants before it propagates."""
@@ -602,9 +757,9 @@ def _run_mutants(
         try:
             while queue or running:
                 while queue and free:
-                    mutant, section, limit = queue.pop(0)
+                    mutant, section, limits, known = queue.pop(0)
                     scratch = free.pop(0)
-                    running[pool.submit(runner.run_mutant, mutant, section, scratch, limit, fingerprint)] = scratch
+                    running[pool.submit(runner.run_mutant, mutant, section, scratch, limits, fingerprints, known)] = scratch
                 finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
                 for fut in finished:
                     free.append(running.pop(fut))
@@ -635,8 +790,7 @@ def _write_reports(
     """Count ``results`` into ``summaries``, write ``report.md`` and ``report.json`` under ``out``, print
     the report, and return the summaries in section order."""
     for r in results:
-        summaries[r.section].counts[r.status] += 1
-        summaries[r.section].seconds += r.seconds
+        summaries[r.section].add(r)
     ordered = [summaries[s.name] for s in sections]
     if args.mutant:
         scope = "the mutants asked for"
@@ -646,12 +800,16 @@ def _write_reports(
         scope = f"a sample of up to {args.sample} mutants per section (seed {args.seed})"
     header = (
         f"# Mutation testing of reference/\n\n{scope}; {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
-        f"{jobs} job(s), {seconds:.0f}s. Kill rate = (killed + timed out) / (mutants - equivalent)."
+        f"{jobs} job(s), {seconds:.0f}s. Kill rate = (killed + timed out) / (mutants - equivalent). Each mutant is "
+        "judged by its section's conformance tests alone (what a fork running the suite sees), then, if it survives "
+        "them, with the section's self-tests added."
     )
     for summary in ordered:
         ran = sum(summary.counts[k] for k in ("killed", "survived", "timeout", "error"))
         if ran:
-            baseline = f"unmutated run {summary.baseline_s:.1f}s, " if summary.baseline_s is not None else ""
+            baseline = f"unmutated conformance run {summary.baseline_s:.1f}s, " if summary.baseline_s is not None else ""
+            if summary.self_baseline_s is not None:
+                baseline += f"self-tests {summary.self_baseline_s:.1f}s, "
             notes.append(f"{summary.name}: {summary.total} mutants in all; {baseline}{summary.seconds / ran:.1f}s per mutant run")
     stale = equivalents.stale(m.key for ms in everything.values() for m in ms)
     in_scope = [k for k in stale if any(k.startswith(p + "::") for s in sections for p in s.source_files(root))]
@@ -665,7 +823,10 @@ def _write_reports(
             "mutants": s.mutants,
             **{k: s.counts[k] for k in STATUSES},
             "kill_rate": s.kill_rate,
+            "with_self_tests": {k: s.with_self_tests[k] for k in STATUSES},
+            "kill_rate_with_self_tests": s.kill_rate_with_self_tests,
             "baseline_s": s.baseline_s,
+            "self_baseline_s": s.self_baseline_s,
             "mutant_seconds": s.seconds,
         }
         for s in ordered
@@ -697,13 +858,13 @@ def _run(
     (out / ".gitignore").write_text("*\n")  # ignored even in a checkout whose .gitignore lacks it
     pytest_args = [*shlex.split(args.pytest_args), "--rank-timeout", f"{args.rank_timeout:g}"]
     files = checkout_files(root)
-    fingerprint = tree_fingerprint(root, files, pytest_args)
+    fingerprints = Fingerprints.of(root, files, pytest_args)
     jobs = max(1, args.jobs)
     scratches = [out / "work" / f"job{i}" for i in range(jobs)]
     for scratch in scratches:
         make_scratch(root, scratch, files)
     journal = out / "results.jsonl"
-    previous = _previous_results(journal, fingerprint, resume=args.resume)
+    previous = _previous_results(journal, fingerprints, resume=args.resume)
     summaries = {s.name: SectionSummary(s.name, len(everything[s.name])) for s in sections}
     runner = Runner(pytest_args)
     interrupted = False
@@ -715,10 +876,12 @@ def _run(
 
     old_term = signal.signal(signal.SIGTERM, on_signal)
     try:
-        plan = _plan(args, runner, scratches[0], sections, chosen, equivalents, previous, summaries)
-        for done, r in enumerate(_run_mutants(runner, plan.todo, scratches, journal, fingerprint), start=1):
+        plan = _plan(args, runner, scratches[0], sections, chosen, equivalents, previous, fingerprints, summaries)
+        for done, r in enumerate(_run_mutants(runner, plan.todo, scratches, journal, fingerprints), start=1):
             plan.results.append(r)
-            _log(f"[{done}/{len(plan.todo)}] {r.section} {r.status:8} {r.seconds:5.1f}s {r.path}:{r.line} {r.operator}: {r.description}")
+            also = "" if r.detected else f" (with self-tests: {r.with_self_tests})"
+            _log(f"[{done}/{len(plan.todo)}] {r.section} {r.status:8} {r.seconds + r.self_seconds:5.1f}s {r.path}:{r.line} "
+                 f"{r.operator}: {r.description}{also}")
     except KeyboardInterrupt:
         interrupted = True
         runner.kill_all()
