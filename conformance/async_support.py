@@ -25,11 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 from conformance.adapters.async_checkpoint import AsyncCheckpointOps, AsyncSave
 from conformance.adapters.base import Adapter, Unsupported
 from conformance.asserts import assert_same_error_on_every_rank, check_each, fail, raised
-from conformance.checkpoint_support import (
-    assert_same_bits,
-    checkpoint_ops,
-    dtensor_of,
-)
+from conformance.checkpoint_support import assert_same_bits, checkpoint_ops, dtensor_of
 from conformance.harness.context import RankContext
 from conformance.processes import child_processes
 

@@ -46,14 +46,8 @@ from conformance.async_support import (
     train_on,
     training_state,
 )
-from conformance.checkpoint_support import (
-    assert_same_bits,
-    check_after_kill,
-    checkpoint_ops,
-    injected_fault,
-    is_same_bits,
-    peak_bytes_during,
-)
+from conformance.checkpoint_kill_support import check_after_kill
+from conformance.checkpoint_support import assert_same_bits, checkpoint_ops, injected_fault, is_same_bits, peak_bytes_during
 from conformance.dcp_files import dcp_directory
 from conformance.error_cases import WHERE, bad_input_here
 from conformance.faults import slowed_publication

@@ -42,32 +42,34 @@ from conformance.asserts import (
     snapshot,
 )
 from conformance.error_cases import EVERY_RANK, ONE_RANK, bad_input_here, parametrize_where
-from conformance.optim_state_support import (
-    ATOL,
+from conformance.optim_state_inputs_support import (
     FAILING_CALLS,
-    OPTIMIZERS,
     InjectedFault,
     Layout,
+    bad_layout,
+    bad_osd,
+    check_error,
+    edge_state,
+    state_dict_calls,
+    write_state,
+)
+from conformance.optim_state_support import (
+    ATOL,
+    OPTIMIZERS,
     Run,
     Setup,
     assert_continues,
     assert_model_matches,
     assert_osd_matches,
     attach_optimizer,
-    bad_layout,
-    bad_osd,
-    check_error,
-    edge_state,
     load_phase,
     load_target,
     optimizer_fqn_order,
     same_partition,
     save_phase,
     sharded_positional,
-    state_dict_calls,
     structure_of,
     trip_id,
-    write_state,
 )
 
 

@@ -1,4 +1,5 @@
-"""Self-tests of the checkpoint sections' shared helpers (conformance/checkpoint_support.py) and of
+"""Self-tests of the checkpoint sections' shared helpers (conformance/checkpoint_support.py, and the
+crafted checkpoints of conformance/checkpoint_crafted_support.py) and of
 the suite's own reader of checkpoint files (conformance/dcp_files.py): each fails when it should."""
 
 from __future__ import annotations
@@ -13,19 +14,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conformance.adapters.base import Unsupported
-from conformance.checkpoint_support import (
-    CODE_ROUTES,
-    EXT_CODES,
-    NAME_LIES,
-    assert_same_bits,
-    call_or_skip,
-    crafted_pickle,
-    crafted_record,
-    data_files_of,
-    exact,
-    record_location,
-    replace_record,
-)
+from conformance.checkpoint_crafted_support import CODE_ROUTES, EXT_CODES, NAME_LIES, crafted_pickle, crafted_record, replace_record
+from conformance.checkpoint_support import assert_same_bits, call_or_skip, data_files_of, exact, record_location
 from conformance.dcp_files import dcp_directory, read_metadata, storage_bytes_range
 from conformance.faults import is_data_file
 

@@ -215,19 +215,19 @@ def test_a_bare_environment_is_a_usage_error_naming_what_is_missing(installed: P
 def test_the_package_declares_what_the_harness_needs() -> None:
     """Every module the harness refuses to start without is a dependency of the package (not an
     extra): ``pip install statedict-conformance`` into a venv with only torch brings it."""
-    from conformance.harness.plugin import _NEEDED_MODULES
+    from conformance.harness.options import NEEDED_MODULES
 
     block = re.search(r"^dependencies = \[(.*?)^\]", (REPO_ROOT / "pyproject.toml").read_text(), re.S | re.M)
     assert block is not None, "pyproject.toml has no [project] dependencies list"
     names = {m.lower() for m in re.findall(r'^\s*"([A-Za-z0-9_.-]+)', block.group(1), re.M)}
-    for module, _ in _NEEDED_MODULES:
+    for module, _ in NEEDED_MODULES:
         assert module in names, f"{module} is needed by the harness but not a dependency in pyproject.toml: {sorted(names)}"
 
 
 @pytest.mark.req("HX-34")
 def test_the_harness_lower_bound_is_the_packages() -> None:
     """The release the plugin refuses to start below is the lower bound ``pip`` enforces."""
-    from conformance.harness.plugin import MIN_TORCH
+    from conformance.harness.options import MIN_TORCH
 
     bound = re.search(r'"torch>=([0-9]+)\.([0-9]+)"', (REPO_ROOT / "pyproject.toml").read_text())
     assert bound is not None, "pyproject.toml names no torch lower bound"
@@ -241,7 +241,7 @@ def test_a_torch_below_the_lower_bound_is_a_usage_error(monkeypatch: pytest.Monk
     import torch
 
     monkeypatch.setattr(torch, "__version__", "2.7.1+cu126")
-    from conformance.harness.plugin import _check_environment
+    from conformance.harness.options import check_environment
 
     with pytest.raises(pytest.UsageError, match=r"torch 2\.7\.1\+cu126 is older than the lowest release the suite runs on \(2\.9"):
-        _check_environment()
+        check_environment()

@@ -112,3 +112,19 @@ def test_exempt_test_files_still_define_helpers() -> None:
     names = {p.name for p in CONFORMANCE_TEST_FILES}
     stale = [name for name in HELPERS_NOT_YET_MOVED if name not in names or not non_test_definitions(ROOT / "conformance" / name)]
     assert not stale, f"HELPERS_NOT_YET_MOVED lists files that hold only tests now (or are gone): {stale}"
+
+
+#: A support module is read top to bottom by whoever adds a requirement (docs/design.md, "Adding a
+#: requirement"); past this it holds more than one concern and is split by section or concern (issue 48).
+MAX_SUPPORT_LINES = 600
+
+
+def test_no_conformance_support_module_outgrows_one_concern() -> None:
+    """Every module of ``conformance/`` but the test files (support modules, the harness, adapters) stays
+    within :data:`MAX_SUPPORT_LINES` lines."""
+    long = {
+        path.relative_to(ROOT).as_posix(): lines
+        for path in sorted((ROOT / "conformance").rglob("*.py"))
+        if not path.name.startswith("test_") and (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_SUPPORT_LINES
+    }
+    assert not long, f"support modules over {MAX_SUPPORT_LINES} lines (split by section or concern): {long}"

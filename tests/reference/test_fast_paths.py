@@ -45,15 +45,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conformance.asserts import raised
-from conformance.checkpoint_support import (
-    CODE_ROUTES,
-    NAME_LIES,
-    assert_same_bits,
-    crafted_record,
-    dtensor_of,
-    extension_for_exec,
-    replace_record,
-)
+from conformance.checkpoint_crafted_support import CODE_ROUTES, NAME_LIES, crafted_record, extension_for_exec, replace_record
+from conformance.checkpoint_support import assert_same_bits, dtensor_of
 from conformance.child_process import run_child
 from conformance.values import EDGE_DTYPES, edge_tensors
 from reference.checkpoint import (

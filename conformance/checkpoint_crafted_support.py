@@ -1,0 +1,140 @@
+"""ML-27 and ML-28, crafted checkpoints: pickles written opcode by opcode that run code by each route an
+unpickler may let through (:data:`CODE_ROUTES`, :func:`crafted_pickle`), zip records whose member
+names lie (:data:`NAME_LIES`, :func:`crafted_record`), a checkpoint's record replaced by one of them
+(:func:`replace_record`), and the ``copyreg`` extension codes the ``ext`` routes need
+(:func:`extension_for_exec`). Self-tests: ``tests/test_checkpoint_support.py``; also used by
+``tests/reference/test_fast_paths.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from conformance.checkpoint_support import in_checkpoint, no_record
+from conformance.dcp_files import dcp_directory
+
+__all__ = [
+    "extension_for_exec",
+    "CODE_ROUTES",
+    "NAME_LIES",
+    "EXT_CODES",
+    "crafted_pickle",
+    "crafted_record",
+    "replace_record",
+    "RAN_ENV",
+]
+
+
+#: The pickle opcode routes by which a record reaches code, each asking for ``builtins.exec``:
+#: ``global`` (GLOBAL then REDUCE), ``stack-global`` (STACK_GLOBAL, protocol 4), ``build`` (BUILD sets
+#: ``__setstate__`` of an ``OrderedDict``, an allow-listed class, and a second BUILD calls it),
+#: ``persistent-id`` (the persistent id's tuple is built by a call), ``ext1``/``ext2``/``ext4`` (an
+#: extension code that the loading process's ``copyreg`` registry resolves: :data:`EXT_CODES`).
+CODE_ROUTES = ("global", "stack-global", "build", "persistent-id", "ext1", "ext2", "ext4")
+#: Zip containers whose member names lie: a second ``data.pkl`` (the first a harmless value), a
+#: ``data.pkl`` of another archive folder, a ``..`` name; the extra member holds the ``global`` route.
+NAME_LIES = ("duplicate-data-pkl", "other-folder", "dot-dot")
+#: The extension code each ``ext`` route uses, registered as ``builtins.exec`` around the load.
+EXT_CODES = {"ext1": 0xF1, "ext2": 0x1F2, "ext4": 0x10003}
+#: The environment variable the crafted code sets (besides creating its marker file) where it runs.
+RAN_ENV = "CONFORMANCE_CRAFTED_CODE_RAN"
+
+
+@contextlib.contextmanager
+def extension_for_exec(route: str) -> Iterator[None]:
+    """Inside, this process's ``copyreg`` registry resolves the ``route``'s extension code (an ``ext``
+    route) to ``builtins.exec``, as a library that registers extension codes would leave it."""
+    import copyreg
+
+    code = EXT_CODES.get(route)
+    if code is None:
+        yield
+        return
+    copyreg.add_extension("builtins", "exec", code)
+    try:
+        yield
+    finally:
+        copyreg.remove_extension("builtins", "exec", code)
+
+
+def _unicode(text: str) -> bytes:
+    data = text.encode()
+    return b"X" + struct.pack("<I", len(data)) + data  # BINUNICODE
+
+
+def _short(text: str) -> bytes:
+    data = text.encode()
+    return b"\x8c" + bytes([len(data)]) + data  # SHORT_BINUNICODE
+
+
+def crafted_pickle(route: str, code: str) -> bytes:
+    """A pickle that runs ``exec(code)`` when loaded by an unpickler that lets ``route`` through (see
+    :data:`CODE_ROUTES`); written opcode by opcode, as an attacker would."""
+    call = _unicode(code) + b"\x85R"  # (code,) then REDUCE
+    if route == "global":
+        return b"\x80\x02cbuiltins\nexec\n" + call + b"."
+    if route == "stack-global":
+        return b"\x80\x04" + _short("builtins") + _short("exec") + b"\x93" + call + b"."
+    if route == "build":
+        return (b"\x80\x02ccollections\nOrderedDict\n)R" + b"N}" + _unicode("__setstate__") + b"cbuiltins\nexec\ns\x86b"
+                + _unicode(code) + b"b.")
+    if route == "persistent-id":
+        return b"\x80\x02(" + _unicode("storage") + b"cbuiltins\nexec\n" + call + b"tQ."
+    if route in EXT_CODES:
+        size = {"ext1": 1, "ext2": 2, "ext4": 4}[route]
+        opcode = {"ext1": b"\x82", "ext2": b"\x83", "ext4": b"\x84"}[route]
+        return b"\x80\x02" + opcode + EXT_CODES[route].to_bytes(size, "little") + call + b"."
+    raise ValueError(f"unknown route {route!r}")
+
+
+def crafted_record(route: str, code: str) -> bytes:
+    """A record (a ``torch.save`` archive, as DCP stores a value) whose ``data.pkl`` is
+    :func:`crafted_pickle` of ``route``, or, for a route of :data:`NAME_LIES`, a harmless ``data.pkl``
+    beside a lying member that holds the ``global`` route."""
+    import io
+    import warnings
+    import zipfile
+
+    buffer = io.BytesIO()
+    torch.save("harmless", buffer)
+    source = zipfile.ZipFile(io.BytesIO(buffer.getvalue()))
+    lies = route in NAME_LIES
+    payload = crafted_pickle("global" if lies else route, code)
+    out = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile warns of the duplicate name, which is the point
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
+            folder = source.namelist()[0].split("/", 1)[0]
+            for info in source.infolist():
+                archive.writestr(info.filename, source.read(info) if lies or not info.filename.endswith("/data.pkl") else payload)
+            if lies:
+                name = {"duplicate-data-pkl": f"{folder}/data.pkl", "other-folder": "other/data.pkl",
+                        "dot-dot": f"{folder}/../data.pkl"}[route]
+                archive.writestr(name, payload)
+    return out.getvalue()
+
+
+def replace_record(path: Path, fqn: str, data: bytes, offset: tuple[int, ...] | None = None) -> str:
+    """Make the checkpoint at ``path`` store ``data`` as the record of ``fqn`` (the chunk at
+    ``offset``): appended to the data file that holds it, and the metadata (our own file, written a
+    moment ago) pointed at it. Returns the data file's path relative to ``path``."""
+    import dataclasses
+
+    meta = dcp_directory(path) / ".metadata"
+    with open(meta, "rb") as f:
+        metadata = pickle.load(f)  # our own file, written by the save a moment ago
+    for index, info in metadata.storage_data.items():
+        if index.fqn == fqn and (offset is None or tuple(index.offset) == offset):
+            with open(meta.parent / info.relative_path, "ab") as f:
+                start = f.tell()
+                f.write(data)
+            metadata.storage_data[index] = dataclasses.replace(info, offset=start, length=len(data))
+            with open(meta, "wb") as f:
+                pickle.dump(metadata, f)
+            return in_checkpoint(path, info.relative_path)
+    no_record(path, fqn, offset)
