@@ -15,6 +15,7 @@ on the GPUs (world size 4 too where 4 are visible), and without CUDA every figur
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from typing import Any
@@ -53,14 +54,18 @@ def _measure_grid(self: Any) -> dict[Key, dict[str, Any]]:
         for world_size in WORLD_SIZES:
             if config.device_unavailable(DEVICE, world_size) is not None:
                 continue  # each figure's setup skips with the reason
-            with RankGroup(world_size, backend=config.backend(DEVICE)) as group:
+            with contextlib.ExitStack() as stack:
+                group = stack.enter_context(RankGroup(world_size, backend=config.backend(DEVICE)))
+                # Quick mode checks that every figure can be made, not the figures: its loads into meta
+                # share one group instead of fresh ranks per implementation and layout (a minute here).
+                meta_group = stack.enter_context(RankGroup(world_size, backend=config.backend(DEVICE))) if config.QUICK else None
                 for nbytes, label in zip(SIZES, SIZE_LABELS):
                     for layout in LAYOUTS:
                         for impl in impls:
                             key = (impl, label, world_size, layout)
                             try:
                                 fig = ck.measure(group, impl, nbytes, layout, os.path.join(tmp, "ckpt"),
-                                                 repeats=_repeats(nbytes), device=DEVICE)
+                                                 repeats=_repeats(nbytes), device=DEVICE, meta_group=meta_group)
                                 grid[key] = {"save_mbps": fig.save_mbps, "load_mbps": fig.load_mbps,
                                              "meta_load_s": fig.meta_load_s, "meta_peak": fig.meta_peak_ratio,
                                              "meta_error": fig.meta_error, "error": None}

@@ -537,10 +537,13 @@ class Figures:
 
 
 def measure(
-    group: RankGroup, impl: str, nbytes: int, layout: str, directory: str, *, repeats: int = 1, device: str = "cpu"
+    group: RankGroup, impl: str, nbytes: int, layout: str, directory: str, *, repeats: int = 1, device: str = "cpu",
+    meta_group: RankGroup | None = None,
 ) -> Figures:
     """Save and load with ``impl`` on ``group`` ``repeats`` times (best of), then load into meta once
-    on fresh ranks (so that their peak memory is the load's own).
+    on fresh ranks (so that their peak memory is the load's own), or on ``meta_group`` where given: a
+    quick run that checks the benchmark works, not its figure, loads every implementation on one group
+    instead of starting ranks for each.
 
     ``directory`` is emptied before each save and removed at the end."""
     from bench.ranks import RankError
@@ -554,8 +557,11 @@ def measure(
         meta_s = meta_ratio = meta_error = None
         if impl != "memcpy":
             try:
-                with RankGroup(group.world_size, backend=group.backend) as fresh:
-                    results = fresh.run(meta_load_once, impl, directory, nbytes, layout)
+                if meta_group is not None:
+                    results = meta_group.run(meta_load_once, impl, directory, nbytes, layout)
+                else:
+                    with RankGroup(group.world_size, backend=group.backend) as fresh:
+                        results = fresh.run(meta_load_once, impl, directory, nbytes, layout)
                 meta_s = results[0][0]
                 meta_ratio = max(peak / local for _, peak, local in results)
             except RankError as exc:  # an implementation that cannot load into meta is a figure too

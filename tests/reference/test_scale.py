@@ -9,6 +9,7 @@ world sizes 4x apart shows as 16x."""
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Callable, Iterator
@@ -70,6 +71,7 @@ def _local_plans(states: RankStateDicts) -> list[Any]:
     return plans
 
 
+@functools.cache  # three tests plan the same first saves; deterministic, and nothing mutates the metadata
 def _global_step(layout: str, world_size: int) -> tuple[Any, int, int]:
     """(metadata, calls of the coordinator's global plan, local items it was given)."""
     plans = _local_plans(RankStateDicts(LAYOUTS[layout], world_size, TENSORS))
