@@ -16,6 +16,7 @@ from tests.conftest import REPO_ROOT
 from tools import mutation
 from tools.mutants import OPERATORS, Mutant, mutants_of_file, mutants_of_source
 from tools.mutation import (
+    Fingerprints,
     Result,
     Runner,
     Section,
@@ -268,7 +269,10 @@ def tiny_checkout(root: Path) -> Section:
 def test_end_to_end_on_a_tiny_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Killed, survived, timed out and equivalent mutants; the checkout is never written."""
     root = tmp_path / "checkout"
-    section = tiny_checkout(root)
+    tiny_checkout(root)
+    # A self-test the conformance tests lack: it kills what they let survive in unused().
+    (root / "tests" / "test_self.py").write_text("from reference.calc import unused\n\n\ndef test_unused():\n    assert unused(3) == 2\n")
+    section = Section("XX", ("reference/calc.py",), ("tests/test_calc.py",), ("tests/test_self.py",))
     before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
     monkeypatch.setattr(mutation, "SECTIONS", {"XX": section})
     survivor = next(m for m in mutants_of_file(root, "reference/calc.py") if m.original == "return x - 1" and m.operator == "arith")
@@ -277,60 +281,57 @@ def test_end_to_end_on_a_tiny_checkout(tmp_path: Path, monkeypatch: pytest.Monke
     out = tmp_path / "out"
     mutants = {(m.original, m.description): m.key for m in mutants_of_file(root, "reference/calc.py")}
     wanted = [("return x * 2", "`*` -> `/`"), ("return x - 1", "`-` -> `+`"), ("return x - 1", "return None"), ("n -= 1", "`-=` -> `+=`")]
-    rc = mutation.main(
-        ["--root", str(root), "--out", str(out), "--sections", "XX", "--equivalents", str(equivalents),
-         "--rank-timeout", "1", "--timeout-factor", "2", "--timeout-extra", "3",
-         *(arg for w in wanted for arg in ("--mutant", mutants[w]))]
-    )  # fmt: skip
-    assert rc == 0
+    argv = ["--root", str(root), "--out", str(out), "--sections", "XX", "--equivalents", str(equivalents),
+            "--rank-timeout", "1", "--timeout-factor", "2", "--timeout-extra", "3",
+            *(arg for w in wanted for arg in ("--mutant", mutants[w]))]  # fmt: skip
+    assert mutation.main(argv) == 0
     report = json.loads((out / "report.json").read_text())
-    statuses = {(m["original"], m["description"]): m["status"] for m in report["mutants"]}
-    assert statuses[("return x * 2", "`*` -> `/`")] == "killed"
-    assert statuses[("return x - 1", "`-` -> `+`")] == "equivalent"
-    assert statuses[("return x - 1", "return None")] == "survived"
-    assert statuses[("n -= 1", "`-=` -> `+=`")] == "timeout"  # spin() never ends
-    assert report["sections"]["XX"]["equivalent"] == 1
+    # (conformance verdict, with the self-tests, seconds of the self-tests' run)
+    verdicts = {(m["original"], m["description"]): (m["status"], m["with_self_tests"], m["self_seconds"]) for m in report["mutants"]}
+    assert verdicts[("return x * 2", "`*` -> `/`")] == ("killed", "killed", 0.0)  # caught: no self-test run
+    assert verdicts[("return x - 1", "`-` -> `+`")][:2] == ("equivalent", "equivalent")
+    assert verdicts[("return x - 1", "return None")][:2] == ("survived", "killed")  # the self-test kills it
+    assert verdicts[("n -= 1", "`-=` -> `+=`")][:2] == ("timeout", "timeout")  # spin() never ends
+    sections = report["sections"]["XX"]
+    assert (sections["equivalent"], sections["kill_rate"], sections["kill_rate_with_self_tests"]) == (1, 200 / 3, 100.0)
     assert "| XX |" in capsys.readouterr().out
-    assert (out / "report.md").read_text().count("```diff") == report["sections"]["XX"]["survived"]
+    text = (out / "report.md").read_text()
+    assert text.count("```diff") == sections["survived"] and "a self-test kills it: FAILED tests/test_self.py::test_unused" in text
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
+
+    # Only a self-test changes: a resumed run reuses every conformance verdict and runs the self-tests
+    # (alone) again for the one survivor, which they now miss.
+    (root / "tests" / "test_self.py").write_text("def test_nothing():\n    pass\n")
+    assert mutation.main([*argv, "--resume"]) == 0
+    resumed = json.loads((out / "report.json").read_text())["mutants"]
+    again = {(m["original"], m["description"]): (m["status"], m["with_self_tests"], m["seconds"]) for m in resumed}
+    first = {(m["original"], m["description"]): m["seconds"] for m in report["mutants"]}
+    assert again[("return x - 1", "return None")] == ("survived", "survived", first[("return x - 1", "return None")])
+    assert again[("return x * 2", "`*` -> `/`")] == ("killed", "killed", first[("return x * 2", "`*` -> `/`")])
+    assert "unmutated run of the conformance" not in capsys.readouterr().err
     scratch = out / "work" / "job0" / "reference" / "calc.py"
     assert scratch.read_bytes() == before[root / "reference" / "calc.py"]  # restored after the last mutant
 
 
-def test_a_mutant_is_judged_by_conformance_alone_then_with_the_self_tests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The conformance verdict is the suite's power; the self-tests run only for its survivors, and a
-    resumed run after a self-test changed re-judges only those."""
+def test_a_verdict_is_reused_only_for_the_tree_it_judged(tmp_path: Path) -> None:
+    """The conformance verdict depends on reference/ and conformance/; the self-tests' on tests/ too."""
     root = tmp_path / "checkout"
     tiny_checkout(root)
-    (root / "tests" / "test_self.py").write_text("from reference.calc import unused\n\n\ndef test_unused():\n    assert unused(3) == 2\n")
-    section = Section("XX", ("reference/calc.py",), ("tests/test_calc.py",), ("tests/test_self.py",))
-    monkeypatch.setattr(mutation, "SECTIONS", {"XX": section})
-    mutants = {(m.original, m.description): m.key for m in mutants_of_file(root, "reference/calc.py")}
-    wanted = [("return x * 2", "`*` -> `/`"), ("return x - 1", "return None")]
-    out = tmp_path / "out"
-    argv = ["--root", str(root), "--out", str(out), "--sections", "XX", "--equivalents", str(tmp_path / "none.txt"),
-            "--rank-timeout", "5", *(arg for w in wanted for arg in ("--mutant", mutants[w]))]  # fmt: skip
+    (root / "conformance").mkdir()
+    (root / "conformance" / "support.py").write_text("X = 1\n")
 
-    def verdicts() -> dict[str, tuple[str, str, float, float]]:
-        report = json.loads((out / "report.json").read_text())
-        return {m["original"]: (m["status"], m["with_self_tests"], m["seconds"], m["self_seconds"]) for m in report["mutants"]}
+    def prints() -> Fingerprints:
+        return Fingerprints.of(root, checkout_files(root), ["--rank-timeout", "5"])
 
-    assert mutation.main(argv) == 0
-    first = verdicts()
-    assert first["return x * 2"][:2] == ("killed", "killed") and first["return x * 2"][3] == 0.0  # no self-test run
-    assert first["return x - 1"][:2] == ("survived", "killed")
-    report = json.loads((out / "report.json").read_text())["sections"]["XX"]
-    assert (report["kill_rate"], report["kill_rate_with_self_tests"]) == (50.0, 100.0)
-    assert "a self-test kills it: FAILED tests/test_self.py::test_unused" in (out / "report.md").read_text()
-
-    (root / "tests" / "test_self.py").write_text("def test_nothing():\n    pass\n")  # only a self-test changed
-    assert mutation.main([*argv, "--resume"]) == 0
-    again = verdicts()
-    assert again["return x * 2"] == first["return x * 2"]  # reused as it was
-    assert again["return x - 1"][:3] == ("survived", "survived", first["return x - 1"][2])  # conformance verdict reused
-    (root / "reference" / "calc.py").write_text((root / "reference" / "calc.py").read_text() + "\n")
-    assert mutation.main([*argv, "--resume"]) == 0  # the code changed: everything is judged again
-    assert verdicts()["return x * 2"][2] != first["return x * 2"][2]
+    first = prints()
+    (root / "tests" / "test_calc.py").write_text((root / "tests" / "test_calc.py").read_text() + "\n")
+    after_a_self_test = prints()
+    assert after_a_self_test.conformance == first.conformance and after_a_self_test.self_tests != first.self_tests
+    for changed in ("conformance/support.py", "reference/calc.py"):
+        (root / changed).write_text((root / changed).read_text() + "\n")
+        now = prints()
+        assert now.conformance != first.conformance and now.self_tests != after_a_self_test.self_tests, changed
+    assert Fingerprints.of(root, checkout_files(root), ["-k", "x"]) != prints()  # other pytest arguments
 
 
 def test_the_tests_that_killed_mutants_run_first(tmp_path: Path) -> None:

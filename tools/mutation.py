@@ -720,7 +720,10 @@ def _plan(
         if not pending:
             continue
         limits: dict[str, float] = {}
-        for stage in STAGES:
+        # The conformance tests' unmutated run only where a mutant still needs their verdict (a resumed
+        # run after a self-test changed needs the self-tests' alone).
+        stages = STAGES if any(known is None for _, known in pending) else STAGES[1:]
+        for stage in stages:
             files = s.test_files(scratch, stage)
             if not files:
                 continue

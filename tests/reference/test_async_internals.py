@@ -130,20 +130,50 @@ def test_the_writer_process_leaves_ctrl_c_to_the_rank(tmp_path: Path) -> None:
     checkpoint.async_shutdown()
 
 
-def test_shutdown_ends_a_writer_process_that_does_not_answer(tmp_path: Path) -> None:
-    """A writer process that neither ends when asked nor on SIGTERM (stopped, here) is killed: shutdown
-    returns, with no writer process left behind."""
+def _stopped_writer(tmp_path: Path) -> Any:
+    """The process executor's writer after a save, stopped with SIGSTOP."""
     process = checkpoint.AsyncCheckpointerType.PROCESS
     checkpoint.async_save({"w": torch.ones(8)}, checkpoint_id=tmp_path, async_checkpointer_type=process).result()
     writer = async_save_module._SAVER.writer
     assert writer is not None
-    pid = writer.process.pid
-    os.kill(pid, signal.SIGSTOP)
-    writer.close(timeout=0.2)
+    os.kill(writer.process.pid, signal.SIGSTOP)
+    return writer
+
+
+def _closed(writer: Any, timeout: float) -> int:
+    """Close ``writer``; its exit status, once it is reaped."""
+    process = writer.process
+    pid, release, exitcodes = process.pid, process.close, []
+
+    def close() -> None:  # the status, read before close() releases the Process object
+        exitcodes.append(process.exitcode)
+        release()
+
+    process.close = close
+    try:
+        writer.close(timeout=timeout)
+    finally:
+        async_save_module._SAVER.writer = None
+    [exitcode] = exitcodes
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # ended and reaped
-    async_save_module._SAVER.writer = None
     checkpoint.async_shutdown()
+    return exitcode
+
+
+def test_shutdown_continues_a_stopped_writer_process_and_lets_it_end(tmp_path: Path) -> None:
+    """A writer stopped as Ctrl-Z stops it is continued and ends when asked (exit status 0), without
+    waiting for the timeouts to terminate or kill it."""
+    assert _closed(_stopped_writer(tmp_path), timeout=60.0) == 0
+
+
+def test_shutdown_kills_a_writer_process_that_does_not_answer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer that neither ends when asked nor on SIGTERM (stopped, and not continued by SIGCONT, as a
+    debugger's stop is not) is killed: shutdown returns, with no writer process left behind."""
+    writer = _stopped_writer(tmp_path)
+    kill = os.kill
+    monkeypatch.setattr(os, "kill", lambda pid, signum: None if signum == signal.SIGCONT else kill(pid, signum))
+    assert _closed(writer, timeout=0.2) == -signal.SIGKILL
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA staging needs a GPU; none is visible")
