@@ -103,10 +103,11 @@ class WriterProcess:
         if it has not ``timeout`` seconds after that (a stopped process acts on no other signal)."""
         # A writer stopped by SIGSTOP or Ctrl-Z (not a debugger's stop) is continued first, so that it
         # reads the request to end now instead of waiting out both timeouts frozen.
-        try:
-            os.kill(self.process.pid, signal.SIGCONT)
-        except (ProcessLookupError, PermissionError, TypeError):  # gone already, or never started (pid None)
-            pass
+        if self.process.pid is not None:
+            try:
+                os.kill(self.process.pid, signal.SIGCONT)
+            except (ProcessLookupError, PermissionError):  # gone already
+                pass
         try:
             self._connection.send(None)
         except OSError:
