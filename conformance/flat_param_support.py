@@ -451,6 +451,16 @@ class SharedStorage(nn.Module):
         self.tail = nn.Parameter(storage[start:])
 
 
+class BufferTied(nn.Module):
+    """``weight`` is a parameter and ``running`` a buffer over part of its memory: a tie through a
+    buffer, which flattening ``weight`` alone would cut (the buffer left on the old memory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.arange(6.0))
+        self.register_buffer("running", self.weight.detach()[2:4])
+
+
 class EmptyViewOfUnlisted(nn.Module):
     """``empty`` is a 0-element view that starts inside ``weight``'s storage: it shares no memory."""
 

@@ -51,6 +51,7 @@ from conformance.flat_param_support import (
     SHARD_FLATS,
     WRAPPINGS,
     Boom,
+    BufferTied,
     EdgeParams,
     EmptyViewOfUnlisted,
     SharedStorage,
@@ -324,6 +325,10 @@ tied: 108 elements; param[first:last] inclusive
         pytest.param((0.0, 3, 0), TypeError, id="float-start"),
         pytest.param((0, 3.0, 0), TypeError, id="float-end"),
         pytest.param((0, 3, "0"), TypeError, id="str-padding"),
+        # Types the range arithmetic would accept without a check of its own.
+        pytest.param((0, 3, 0.0), TypeError, id="float-padding"),
+        pytest.param((0, 3, False), TypeError, id="bool-padding"),
+        pytest.param((True, 3, 0), TypeError, id="bool-start"),
     ],
 )
 def test_bad_shard_is_rejected_and_changes_nothing(ops: FlatParamOps, args: tuple, error: type) -> None:
@@ -793,6 +798,15 @@ def test_listed_param_tied_by_storage_to_unlisted_is_rejected(ops: FlatParamOps,
 
 
 @pytest.mark.req("FP-19")
+def test_listed_param_tied_by_storage_to_a_buffer_is_rejected(ops: FlatParamOps) -> None:
+    """The unlisted side of a tie may be a buffer: flattening the parameter would leave the buffer on
+    memory the module no longer reads (a running statistic that stops following its weight)."""
+    model = BufferTied()
+    with pytest.raises(ValueError, match=r"weight.*running|running.*weight"):
+        ops.wrap(model, [model.weight])
+
+
+@pytest.mark.req("FP-19")
 def test_params_tied_by_storage_may_be_listed_together(ops: FlatParamOps) -> None:
     model = StorageTied()
     wrapped = ops.wrap(model, [model.a.get_parameter("weight"), model.b.get_parameter("weight")])
@@ -801,8 +815,8 @@ def test_params_tied_by_storage_may_be_listed_together(ops: FlatParamOps) -> Non
 
 
 @pytest.mark.req("FP-19")
-@pytest.mark.parametrize("split, start, tied", [(10, 6, True), (7, 6, True), (6, 6, False), (3, 6, False)],
-                         ids=["tail-inside-head", "last-element-shared", "adjacent", "apart"])
+@pytest.mark.parametrize("split, start, tied", [(10, 6, True), (7, 6, True), (1, 0, True), (6, 6, False), (3, 6, False)],
+                         ids=["tail-inside-head", "last-element-shared", "one-element-unlisted", "adjacent", "apart"])
 def test_partial_overlap_with_unlisted_is_a_tie(ops: FlatParamOps, split: int, start: int, tied: bool) -> None:
     """Memory is compared byte range by byte range: a listed view that overlaps an unlisted one in
     its last element only is a tie, and views that merely touch or lie apart in one storage are not."""
