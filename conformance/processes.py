@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-__all__ = ["child_processes", "kill_with_children", "process_state"]
+__all__ = ["child_processes", "kill_with_children", "process_state", "still_running"]
 
 
 def process_state(pid: int) -> str | None:
@@ -55,3 +57,15 @@ def child_processes(*, zombies: bool = False, parent: int | None = None) -> dict
         if "resource_tracker" not in command:
             found[int(entry)] = command
     return found
+
+
+def still_running(pids: Callable[[], Iterable[int]], grace_s: float = 5.0) -> list[int]:
+    """The processes ``pids()`` names that still run (neither gone nor a zombie) once they have had up
+    to ``grace_s`` seconds to end: a process asked to end (SIGTERM, a request on its pipe) takes a
+    moment to go."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        running = [pid for pid in pids() if process_state(pid) not in (None, "Z")]
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.1)

@@ -15,7 +15,6 @@ import multiprocessing.resource_tracker
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +50,7 @@ from conformance.checkpoint_support import assert_same_bits, checkpoint_ops, inj
 from conformance.dcp_files import dcp_directory
 from conformance.error_cases import WHERE, bad_input_here
 from conformance.faults import slowed_publication
-from conformance.processes import child_processes, process_state
+from conformance.processes import child_processes, process_state, still_running
 
 # A save that never ends is cut here, not at the suite's default of 120 s (see async_support.outcome).
 pytestmark = pytest.mark.rank_timeout(60)
@@ -460,10 +459,7 @@ def test_shutdown_ends_a_writer_process_that_does_not_answer(dist, impl) -> None
 
     threading.Thread(target=shut_down, daemon=True).start()
     in_time = returned.wait(SHUTDOWN_TIMEOUT_S)
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and any(process_state(pid) not in (None, "Z") for pid in writers):
-        time.sleep(0.1)
-    left = {pid: f"{writers[pid]} (state {process_state(pid)})" for pid in writers if process_state(pid) not in (None, "Z")}
+    left = {pid: f"{writers[pid]} (state {process_state(pid)})" for pid in still_running(lambda: writers)}
     for pid in left:  # leave no frozen process to the tests after this one
         os.kill(pid, signal.SIGKILL)
     if not in_time:
@@ -507,15 +503,10 @@ def test_shutdown_releases_threads_processes_and_descriptors(dist, impl, executo
 
     children = set(child_processes())
     one_round(dist.tmp_dir / "first")
-    # What the round started is gone once shutdown returned (a moment for a process ending on SIGTERM):
-    # the no-growth check below alone would pass a shutdown that releases nothing, whose kept writer
-    # the next round reuses.
-    deadline = time.monotonic() + 5.0
-    while True:
-        left = {pid: command for pid, command in child_processes().items() if pid not in children and process_state(pid) not in (None, "Z")}
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    # What the round started is gone once shutdown returned: the no-growth check below alone would pass
+    # a shutdown that releases nothing, whose kept writer the next round reuses.
+    running = still_running(lambda: [pid for pid in child_processes() if pid not in children])
+    left = {pid: child_processes().get(pid, "?") for pid in running}
     if left:
         fail(f"processes a round of async saves ({executor}) started, after shutdown returned", left,
              "none: shutdown releases the writer processes async saves hold", f"rank {dist.rank}")
