@@ -100,6 +100,11 @@ class ReferenceAsyncCheckpointOps(_BothExecutors):
 
         checkpoint.async_shutdown()
 
+    def writer_processes(self) -> list[int]:
+        from reference import checkpoint
+
+        return checkpoint.async_writer_pids()
+
 
 class TorchAsyncCheckpointOps(_BothExecutors):
     """``torch.distributed.checkpoint.async_save`` with its default stager, thread or process executor.

@@ -34,7 +34,7 @@ Typical meta-device load (PyTorch PR #113319's flow, no ``to_empty`` needed)::
 from __future__ import annotations
 
 from reference.checkpoint.api import load, save
-from reference.checkpoint.async_save import AsyncCheckpointerType, AsyncSaveResponse, async_save, async_shutdown
+from reference.checkpoint.async_save import AsyncCheckpointerType, AsyncSaveResponse, async_save, async_shutdown, async_writer_pids
 from reference.checkpoint.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -50,6 +50,7 @@ __all__ = [
     "load",
     "async_save",
     "async_shutdown",
+    "async_writer_pids",
     "AsyncCheckpointerType",
     "AsyncSaveResponse",
     "LoadResult",

@@ -65,7 +65,7 @@ from reference.checkpoint.staging import Arena, StagedState, Stager
 from reference.checkpoint.storage import FileSystemWriter, background_write_threads
 from reference.checkpoint.writer_process import WriterProcess
 
-__all__ = ["AsyncCheckpointerType", "AsyncSaveResponse", "async_save", "async_shutdown", "ASYNC_GROUP_TIMEOUT"]
+__all__ = ["AsyncCheckpointerType", "AsyncSaveResponse", "async_save", "async_shutdown", "async_writer_pids", "ASYNC_GROUP_TIMEOUT"]
 
 #: How long a collective of the background write waits for the other ranks (a rank whose training
 #: process died never arrives).
@@ -248,6 +248,14 @@ def async_shutdown() -> None:
     module docstring). A later ``async_save`` makes them again."""
     with _SAVER.lock:
         _SAVER.shutdown()
+
+
+def async_writer_pids() -> list[int]:
+    """The pids of the processes writing this process's async saves now: its writer process, where a
+    process-executor save has started one and it has not been shut down (it may have died since). A
+    test or a supervisor that must signal the writer names it by this, not by guessing among children."""
+    writer = _SAVER.writer
+    return [writer.process.pid] if writer is not None and writer.process.pid is not None else []
 
 
 def _in_writer_process(saver: _AsyncSaver, writer: FileSystemWriter, arena: Arena | None) -> Any:
