@@ -35,11 +35,30 @@ class ChildTimeout(Exception):
 
 def process_context() -> Any:
     """The multiprocessing context whose processes are forked from the torch-preloaded server. A
-    process's environment is the server's, not its starter's: pass the starter's along and apply it."""
+    process's environment is the server's, not its starter's: pass the starter's along and apply it.
+
+    One server serves a whole tree of processes: a process forked from it (an inner pytest session of
+    the self-tests, a rank that starts a child) forks its own processes from the same server instead of
+    starting another, which would import torch again (seconds of CPU each, for every inner session)."""
     context = multiprocessing.get_context("forkserver")
     # Only the first call before the server starts counts; later ones change nothing.
     context.set_forkserver_preload(list(PRELOAD))
+    _share_server()
     return context
+
+
+def _share_server() -> None:
+    # multiprocessing has no public way to adopt a running server: a process the server forked knows
+    # the server's address (forkserver.main sets it before forking) and holds its "alive" pipe end and
+    # resource tracker (forkserver._serve_one sets them), but not its pid, so its ensure_running()
+    # starts a second server. The private attributes are multiprocessing.forkserver's client state
+    # (CPython 3.9-3.13). The server outlives this process: it ends once every holder of the "alive"
+    # pipe has, this one included.
+    from multiprocessing import forkserver
+
+    client = forkserver._forkserver  # type: ignore[attr-defined]
+    if client._forkserver_pid is None and client._forkserver_address is not None and client._forkserver_alive_fd is not None:
+        client.ensure_running = lambda: None  # the server that forked this process; its own parent reaps it
 
 
 def adopt_environment(env: Mapping[str, str]) -> None:
