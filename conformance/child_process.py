@@ -56,7 +56,7 @@ def _share_server() -> None:
     # pipe has, this one included.
     from multiprocessing import forkserver
 
-    client = forkserver._forkserver  # type: ignore[attr-defined]
+    client: Any = forkserver._forkserver
     if client._forkserver_pid is None and client._forkserver_address is not None and client._forkserver_alive_fd is not None:
         client.ensure_running = lambda: None  # the server that forked this process; its own parent reaps it
 
