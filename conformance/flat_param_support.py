@@ -65,6 +65,7 @@ __all__ = [
     "listed_flat_param",
     "StorageTied",
     "SharedStorage",
+    "ThreeViews",
     "EmptyViewOfUnlisted",
     "COPIES",
 ]
@@ -449,6 +450,18 @@ class SharedStorage(nn.Module):
         storage = torch.arange(10.0)
         self.head = nn.Parameter(storage[:split])
         self.tail = nn.Parameter(storage[start:])
+
+
+class ThreeViews(nn.Module):
+    """Views of one 30-element storage: ``first`` over ``[0, 10)``, ``second`` over ``[10, 20)``, and
+    ``listed`` over ``[15, 25)``, which overlaps ``second`` only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        storage = torch.arange(30.0)
+        self.first = nn.Parameter(storage[:10])
+        self.second = nn.Parameter(storage[10:20])
+        self.listed = nn.Parameter(storage[15:25])
 
 
 class BufferTied(nn.Module):

@@ -56,6 +56,7 @@ from conformance.flat_param_support import (
     EmptyViewOfUnlisted,
     SharedStorage,
     StorageTied,
+    ThreeViews,
     UnlistedFirst,
     assert_differs_everywhere,
     assert_same_flat_state,
@@ -392,6 +393,37 @@ def test_attributes_are_views_of_the_flat_param(ops: FlatParamOps) -> None:
     assert torch.equal(tensor_at(wrapped, "module.net.2.bias"), plain.get_parameter("net.2.bias"))
 
 
+@pytest.mark.req("FP-7", "FP-12")
+@pytest.mark.parametrize("change", ["data-replaced", "requires-grad-dropped"])
+def test_state_dict_follows_the_flat_param_after_an_earlier_state_dict(ops: FlatParamOps, change: str) -> None:
+    """``state_dict()`` reads the flat parameter as it is now, not as an earlier call saw it: after its
+    ``.data`` is replaced by other values (as a sharding or loading step does) or its ``requires_grad``
+    dropped, the next ``state_dict()`` (``keep_vars`` too) holds the new values and flag."""
+    plain, wrapped = pair(ops, "mlp")
+    # An implementation may keep what these calls built for the next one (the reference reuses the
+    # Parameters of a call whose result held no Parameter, so the plain call comes last).
+    wrapped.state_dict(keep_vars=True)
+    wrapped.state_dict()
+    flat = flat_of(ops, wrapped)
+    if change == "data-replaced":
+        new_values = torch.arange(flat.numel(), dtype=flat.dtype) / 7.0
+        flat.data = new_values.clone()
+        with torch.no_grad():
+            offset = 0
+            for p in plain.parameters():
+                p.copy_(new_values[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+    else:
+        flat.requires_grad_(False)
+        plain.requires_grad_(False)
+    assert_same_state(wrapped.state_dict(), plain.state_dict(), what=f"state_dict after the flat parameter's {change}")
+    kept = wrapped.state_dict(keep_vars=True)
+    flags = {key: value.requires_grad for key, value in kept.items()}
+    expected = {key: value.requires_grad for key, value in plain.state_dict(keep_vars=True).items()}
+    if flags != expected:
+        fail(f"requires_grad of state_dict(keep_vars=True) entries after the flat parameter's {change}", flags, expected)
+
+
 @pytest.mark.req("FP-7", "FP-12", "FP-13", "FP-16", "FP-24")
 @pytest.mark.parametrize("dtype", EDGE_DTYPES, ids=dtype_id)
 def test_wrapper_round_trips_every_bit(ops: FlatParamOps, dtype: torch.dtype) -> None:
@@ -681,20 +713,33 @@ def test_unflatten_params_restores_real_params(ops: FlatParamOps, name: str) -> 
 
 
 @pytest.mark.req("FP-16")
-@pytest.mark.parametrize("how", ["in-place", "assigned"])
+@pytest.mark.parametrize("how", ["in-place", "assigned", "converted"])
 def test_changes_inside_unflatten_params_are_kept(ops: FlatParamOps, how: str) -> None:
+    """A change made inside ``unflatten_params()`` is there after it: in place, by assigning a new
+    parameter, or by converting the whole model (``.double()`` inside the body: the flat parameter
+    that comes back is float64, holding the converted values)."""
     plain, wrapped = pair(ops, "mlp")
     with ops.unflatten_params(wrapped):
         layer = wrapped_module(wrapped).get_submodule("net.2")
         if how == "in-place":
             with torch.no_grad():
                 tensor_at(layer, "weight").mul_(3.0)
-        else:
+        elif how == "assigned":
             layer.weight = nn.Parameter(tensor_at(layer, "weight").detach() * 3.0)
-    with torch.no_grad():
-        plain.get_parameter("net.2.weight").mul_(3.0)
-    assert_same_state(wrapped.state_dict(), plain.state_dict(), what=f"after a change ({how}) inside unflatten_params")
+        else:
+            wrapped.double()
     x = models.batch("mlp")
+    if how == "converted":
+        plain.double()
+        x = x.double()
+        flat = flat_of(ops, wrapped)
+        if not (ops.is_flat_param(flat) and flat.dtype == torch.float64):
+            fail(".double() inside unflatten_params: the flat parameter after it", f"{type(flat).__name__} of {flat.dtype}",
+                 "a flat parameter of torch.float64")
+    else:
+        with torch.no_grad():
+            plain.get_parameter("net.2.weight").mul_(3.0)
+    assert_same_state(wrapped.state_dict(), plain.state_dict(), what=f"after a change ({how}) inside unflatten_params")
     assert torch.equal(wrapped(x), plain(x))
 
 
@@ -804,6 +849,19 @@ def test_listed_param_tied_by_storage_to_a_buffer_is_rejected(ops: FlatParamOps)
     model = BufferTied()
     with pytest.raises(ValueError, match=r"weight.*running|running.*weight"):
         ops.wrap(model, [model.weight])
+
+
+@pytest.mark.req("FP-19")
+def test_a_tie_names_the_unlisted_parameter_it_overlaps(ops: FlatParamOps) -> None:
+    """Among several unlisted parameters of one storage, the error names the one the listed parameter
+    overlaps, not a neighbour: the name is what a user fixes the listing by."""
+    model = ThreeViews()
+    with pytest.raises(ValueError) as info:
+        ops.wrap(model, [model.listed])
+    message = str(info.value)
+    if "'listed'" not in message or "'second'" not in message or "'first'" in message:
+        fail("the error of a listed parameter overlapping 'second' (not 'first')", message[:400],
+             "a message naming 'listed' and 'second' only")
 
 
 @pytest.mark.req("FP-19")
