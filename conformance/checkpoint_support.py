@@ -276,6 +276,11 @@ def damage(dist: RankContext, path: Path, case: str, where: str) -> str:
     if case == "corrupt-metadata":
         meta.write_bytes(meta.read_bytes()[:40] + b"\x00garbage")
         return ".metadata"
+    if case == "not-metadata":
+        # A readable pickle of something else (a file copied over it, another tool's index): only a
+        # check of what was unpickled tells it from the checkpoint's metadata.
+        meta.write_bytes(pickle.dumps({"version": "1.0.0", "state_dict_metadata": {}}))
+        return ".metadata"
     if case == "unknown-version":
         with open(meta, "rb") as f:
             metadata = pickle.load(f)  # our own file, written a moment ago
