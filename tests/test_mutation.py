@@ -313,6 +313,28 @@ def test_end_to_end_on_a_tiny_checkout(tmp_path: Path, monkeypatch: pytest.Monke
     assert scratch.read_bytes() == before[root / "reference" / "calc.py"]  # restored after the last mutant
 
 
+def test_a_section_with_a_plain_path_judges_its_survivors_on_it_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mutant of code that runs only with the reference's fast paths off survives the default run;
+    a section that declares the plain path runs its conformance tests once more with it and kills it."""
+    root = tmp_path / "checkout"
+    tiny_checkout(root)
+    (root / "reference" / "calc.py").write_text(
+        "import os\n\n\ndef double(x):\n    if os.environ.get('SDC_REFERENCE_FAST_PATHS') == '0':\n"
+        "        return x + x\n    return x * 2\n"
+    )
+    (root / "tests" / "test_calc.py").write_text("from reference.calc import double\n\n\ndef test_double():\n    assert double(3) == 6\n")
+    plain = next(m for m in mutants_of_file(root, "reference/calc.py") if m.original == "return x + x" and m.operator == "arith")
+    verdicts = {}
+    for declared in (False, True):
+        section = Section("XX", ("reference/calc.py",), ("tests/test_calc.py",), plain_path=declared)
+        monkeypatch.setattr(mutation, "SECTIONS", {"XX": section})
+        out = tmp_path / f"out-{declared}"
+        assert mutation.main(["--root", str(root), "--out", str(out), "--sections", "XX", "--mutant", plain.key, "--rank-timeout", "1"]) == 0
+        (mutant,) = json.loads((out / "report.json").read_text())["mutants"]
+        verdicts[declared] = (mutant["status"], mutant["killed_by"].split(":")[0])
+    assert verdicts == {False: ("survived", ""), True: ("killed", "plain path")}
+
+
 def test_a_verdict_is_reused_only_for_the_tree_it_judged(tmp_path: Path) -> None:
     """The conformance verdict depends on reference/ and conformance/; the self-tests' on tests/ too."""
     root = tmp_path / "checkout"

@@ -93,6 +93,11 @@ class Section:
     self_tests: tuple[str, ...] = ()
     #: Files the source globs match that another section owns.
     excludes: tuple[str, ...] = ()
+    #: The section's code has the reference's plain path beside its fast paths
+    #: (:mod:`reference.checkpoint.fast_paths`): a mutant the conformance tests let survive with the
+    #: fast paths on (the default) is judged by them once more with the plain path, which is also an
+    #: implementation of the spec, and the one a reviewer reads against it.
+    plain_path: bool = False
 
     def source_files(self, root: Path) -> list[str]:
         excluded = set(_expand(root, self.excludes))
@@ -141,13 +146,17 @@ SECTIONS: dict[str, Section] = {
             ("conformance/test_checkpoint.py",),
             ("tests/reference/test_checkpoint*.py",),
             excludes=_ASYNC_SOURCES,
+            plain_path=True,
         ),
-        Section("AS", _ASYNC_SOURCES, ("conformance/test_async_save.py",), ("tests/reference/test_async*.py",)),
+        Section("AS", _ASYNC_SOURCES, ("conformance/test_async_save.py",), ("tests/reference/test_async*.py",), plain_path=True),
     )
 }
 
 #: The two stages of judging a mutant, in order.
 STAGES = ("conformance", "self-tests")
+
+#: What :attr:`Section.plain_path` sets for the conformance tests' second run.
+PLAIN_PATH_ENV = {"SDC_REFERENCE_FAST_PATHS": "0"}
 
 STATUSES = ("killed", "survived", "timeout", "equivalent", "error")
 
@@ -363,9 +372,10 @@ class Runner:
             path.write_text("".join(f"{nodeid}\n" for nodeid, _ in known.most_common()), encoding="utf-8")
         return path
 
-    def pytest(self, section: Section, scratch: Path, timeout: float | None, stage: str = "conformance") -> tuple[int | None, str, float]:
+    def pytest(self, section: Section, scratch: Path, timeout: float | None, stage: str = "conformance",
+               extra_env: dict[str, str] | None = None) -> tuple[int | None, str, float]:
         """(exit status or None on timeout, output, seconds) of one stage of the section's tests on ``scratch``."""
-        env = dict(os.environ)
+        env = {**os.environ, **(extra_env or {})}
         env["PYTHONDONTWRITEBYTECODE"] = "1"  # a mutant written in the same second must not hit a stale .pyc
         env["PYTHONPATH"] = os.pathsep.join([str(scratch), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env[FIRST_ENV] = str(self._first_file(section, scratch))
@@ -425,8 +435,13 @@ class Runner:
             target.write_bytes(mutant.apply(original))
             if known is None:
                 rc, output, seconds = self.pytest(section, scratch, limits["conformance"])
+                killed_by = _why(rc, output, limits["conformance"])
+                if rc == 0 and section.plain_path:
+                    rc, output, plain_seconds = self.pytest(section, scratch, limits["conformance"], extra_env=PLAIN_PATH_ENV)
+                    seconds += plain_seconds
+                    killed_by = f"plain path: {_why(rc, output, limits['conformance'])}" if rc != 0 else ""
                 result = Result.of(mutant, section.name, _verdict(rc), seconds=seconds, fingerprint=fingerprints.conformance,
-                                   killed_by=_why(rc, output, limits["conformance"]))  # fmt: skip
+                                   killed_by=killed_by)  # fmt: skip
             else:
                 result = Result(**{**asdict(known), "with_self_tests": "", "self_killed_by": "", "self_seconds": 0.0})
             if result.detected or not section.test_files(scratch, "self-tests"):
@@ -729,6 +744,10 @@ def _plan(
                 continue
             _log(f"[{s.name}] unmutated run of the {stage}: {' '.join(files)}")
             rc, output, seconds = runner.pytest(s, scratch, timeout=1800, stage=stage)
+            if rc == 0 and stage == "conformance" and s.plain_path:
+                _log(f"[{s.name}] unmutated run of the {stage} on the plain path ({' '.join(f'{k}={v}' for k, v in PLAIN_PATH_ENV.items())})")
+                rc, output, plain_seconds = runner.pytest(s, scratch, timeout=1800, stage=stage, extra_env=PLAIN_PATH_ENV)
+                seconds = max(seconds, plain_seconds)
             if stage == "conformance":
                 summaries[s.name].baseline_s = seconds
             else:
