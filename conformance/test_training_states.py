@@ -216,6 +216,37 @@ def test_sharded_groups_without_parameters_pair_in_order_wherever_they_sit(dist:
     empty_groups_round_trip(impl, dist, use_orig_params)
 
 
+@pytest.mark.req("SD-25", "SD-8")
+@pytest.mark.parametrize("saved_has", ["an-empty-group", "none"], ids=("saved-empty-group", "target-empty-group"))
+def test_unequal_numbers_of_groups_without_parameters_under_strict_change_nothing(impl: Any, saved_has: str) -> None:
+    """The saved dict has a group without parameters and the target's optimizer none, or the other way
+    round: under ``strict`` the set raises (a ``RuntimeError`` or ``ValueError``: a group the other side
+    lacks is a missing or unexpected entry) and neither the model nor the optimizer changes; without
+    ``strict`` the same dict loads (the state of every parameter is the source's)."""
+    ops: StateDictOps = impl.require("state_dict")
+    source = make_run(impl, None, "adamw", 0, use_orig_params=None, empty_group_lr=0.125 if saved_has == "an-empty-group" else None)
+    source.step(0, "cpu", use_aux=True)
+    saved = ops.get_optimizer_state_dict(source.model, source.optim)
+    target = make_run(impl, None, "adamw", 1, use_orig_params=None, empty_group_lr=None if saved_has == "an-empty-group" else 0.5)
+    target.step(3, "cpu", use_aux=True)
+    before = snapshot(model=target.model, optim=target.optim)
+    exc = raised(lambda: ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(saved), options=ops.options(strict=True)))
+
+    def raises() -> None:
+        if not isinstance(exc, (RuntimeError, ValueError)):
+            fail(f"a strict set whose groups without parameters do not pair ({saved_has} saved)",
+                 "no error" if exc is None else f"{type(exc).__name__}: {exc}", "a RuntimeError or ValueError")
+
+    check_each({
+        "SD-8.a": raises,
+        "SD-8.b": lambda: assert_unchanged(before, where="after the refused strict set", model=target.model, optim=target.optim),
+    })
+    with clause("SD-25"):  # the refusal above is no pass: the same dict loads when not strict
+        ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(saved), options=ops.options(strict=False))
+        assert_same_state(fqn_keyed_optim(target.model, target.optim)["state"], fqn_keyed_optim(source.model, source.optim)["state"],
+                          what="optimizer state after the non-strict set", check_order=False)
+
+
 @pytest.mark.req("SD-26")
 def test_set_while_parameters_hold_gradients_loads_the_state(impl: Any) -> None:
     """The target's gradients come from a forward and backward before the set (as between micro-batches,
