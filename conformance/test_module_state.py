@@ -425,9 +425,21 @@ def test_dtype_change_after_sharding(dist: RankContext, impl: Adapter, form: str
         sharded = impl.require("sharding").shard(model, plan)
     except Unsupported as exc:
         pytest.skip(str(exc))
+    # Gradients left by a backward before the conversion (a dtype change between accumulation steps):
+    # nn.Module._apply converts each parameter's .grad with it, and the sharded model's must follow.
+    for m in (oracle, sharded):
+        m(zoo.batch("nested", seed=5, device=dist.device)).float().pow(2).mean().backward()
+    grads_before = {name: p.grad.detach().clone() for name, p in sharded.named_parameters() if p.grad is not None}
     convert(oracle)
     result = convert(sharded)
     where = f"rank {dist.rank}, {form}, use_orig_params={use_orig_params}"
+
+    def grads() -> None:
+        after = {name: p.grad for name, p in sharded.named_parameters() if p.grad is not None}
+        if sorted(after) != sorted(grads_before):
+            fail(f"parameters holding a gradient after {form} and a forward without grad", sorted(after), sorted(grads_before), where)
+        for name, grad in after.items():
+            assert_same_state(grad.detach(), grads_before[name].to(dtype), what=f"the gradient of {name!r} after {form}", where=where)
     if result is not sharded:
         fail(f"{form} returned another module", type(result).__name__, "the model itself", where)
     atol = DTYPE_ATOL[dtype]
@@ -458,6 +470,8 @@ def test_dtype_change_after_sharding(dist: RankContext, impl: Adapter, form: str
         assert_same_state(got, want, what=f"output after {form}", where=where, atol=atol)
 
     def train() -> None:
+        sharded.zero_grad(set_to_none=True)
+        oracle.zero_grad(set_to_none=True)
         optim = torch.optim.SGD(sharded.parameters(), lr=0.05, momentum=0.9)
         oracle_optim = torch.optim.SGD(oracle.parameters(), lr=0.05, momentum=0.9)
         for m, o in ((sharded, optim), (oracle, oracle_optim)):
@@ -471,4 +485,6 @@ def test_dtype_change_after_sharding(dist: RankContext, impl: Adapter, form: str
         if dtypes != [str(dtype)]:
             fail(f"optimizer state after {form}: dtypes of the momentum buffers", dtypes, [str(dtype)], where)
 
-    check_each({"OS-26.a": full, "OS-26.b": sharded_dicts, "OS-26.c": forward, "OS-26.d": train})
+    # .e after .c: the gradients are still there after a forward without grad (an evaluation between
+    # a backward and the optimizer's step), as in the unwrapped model.
+    check_each({"OS-26.a": full, "OS-26.b": sharded_dicts, "OS-26.c": forward, "OS-26.e": grads, "OS-26.d": train})

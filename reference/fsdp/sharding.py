@@ -205,6 +205,7 @@ class FlatParamHandle:
     orig_params: list[nn.Parameter] = field(default_factory=list)
     _is_unsharded: bool = False
     _saved_grad: torch.Tensor | None = None
+    _forward_without_grad: bool = False
     _used: set[int] = field(default_factory=set)
     #: slot name -> the param indices this rank's shard holds (from ``flat_param.shard_metadata()``)
     _parts: dict[str, ParamRange] | None = None
@@ -406,16 +407,20 @@ class FlatParamHandle:
 
     def pre_forward(self) -> None:
         """Unshard and expose unsharded views; set aside the sharded gradient so autograd can accumulate
-        an unsharded one."""
-        if self.flat_param.grad is not None and self.flat_param.grad.shape == self.local_shard.shape:
-            self._saved_grad = self.flat_param.grad
+        an unsharded one. A forward without grad (evaluation between a backward and the optimizer's
+        step) has no backward to accumulate: the gradient stays where the optimizer reads it, as in
+        the unwrapped model, and :meth:`post_forward` returns to the sharded form it belongs to."""
+        self._forward_without_grad = not torch.is_grad_enabled()
+        grad = self.flat_param.grad
+        if not self._forward_without_grad and grad is not None and grad.shape == self.local_shard.shape:
+            self._saved_grad = grad
             self.flat_param.grad = None
         self._reduced_this_backward = False
         self.unshard()
         self.use_unsharded_views()
 
     def post_forward(self) -> None:
-        if self.reshard_after_forward and not self.in_backward:
+        if (self.reshard_after_forward or self._forward_without_grad) and not self.in_backward:
             self.reshard()
 
     def pre_backward(self) -> None:
