@@ -125,13 +125,15 @@ SECTIONS: dict[str, Section] = {
         Section(
             "SD",
             ("reference/state_dict/*.py", "reference/fqn.py"),
-            ("conformance/test_state_dict.py", "conformance/test_state_dict_options.py", "conformance/test_training_states.py"),
+            ("conformance/test_state_dict.py", "conformance/test_state_dict_options.py", "conformance/test_training_states.py",
+             "conformance/test_module_state.py"),
             ("tests/reference/test_state_dict*.py", "tests/reference/test_fqn*.py"),
         ),
         Section(
             "OS",
             ("reference/fsdp/*.py", "reference/comm.py"),
-            ("conformance/test_optim_state.py", "conformance/test_real_models.py"),
+            # test_module_state.py holds OS-25 and OS-26 (extra state, dtype changes) beside SD's.
+            ("conformance/test_optim_state.py", "conformance/test_real_models.py", "conformance/test_module_state.py"),
             (
                 "tests/reference/test_optim_state*.py",
                 "tests/reference/test_sharding*.py",
