@@ -470,8 +470,6 @@ def test_dtype_change_after_sharding(dist: RankContext, impl: Adapter, form: str
         assert_same_state(got, want, what=f"output after {form}", where=where, atol=atol)
 
     def train() -> None:
-        sharded.zero_grad(set_to_none=True)
-        oracle.zero_grad(set_to_none=True)
         optim = torch.optim.SGD(sharded.parameters(), lr=0.05, momentum=0.9)
         oracle_optim = torch.optim.SGD(oracle.parameters(), lr=0.05, momentum=0.9)
         for m, o in ((sharded, optim), (oracle, oracle_optim)):
