@@ -14,6 +14,8 @@ interpreter (``pytester.runpytest_subprocess``).
 
 from __future__ import annotations
 
+import multiprocessing.forkserver  # noqa: F401  (see below)
+import multiprocessing.popen_forkserver  # noqa: F401
 import os
 import sys
 import tempfile
@@ -22,6 +24,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
+
+# multiprocessing.forkserver is imported above, before any test, on purpose: ``pytester`` removes the
+# modules a test imported when the test ends, and that module holds the client of the running server.
+# Imported first inside a test, the next test would import it afresh and start another server (a fresh
+# interpreter importing torch, seconds of CPU, for every test that runs an inner session), and the old
+# one would live on until this session ends.
 
 __all__ = ["python_c", "run_forked_pytest"]
 

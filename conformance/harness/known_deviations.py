@@ -128,9 +128,9 @@ def entry_for(item: pytest.Item, test_id: str, candidates: list[XfailEntry], tor
     impl = item_impl(item)
     backend = item_backend(item)
     for entry in candidates:
-        if entry.exclude is not None or not entry.when.holds(torch_version, backend):
+        if entry.exclude is not None or not entry.matches_test(test_id, impl.name if impl is not None else None):
             continue
-        if entry.matches_test(test_id, impl.name if impl is not None else None):
+        if entry.when.holds(torch_version, backend):
             return None if entry.removes else entry
     return None
 
@@ -145,9 +145,9 @@ def exclusions_for(item: pytest.Item, test_id: str, candidates: list[XfailEntry]
     cancelled: set[str | None] = set()
     found: dict[str, XfailEntry] = {}
     for entry in candidates:
-        if (entry.exclude is None and not entry.removes) or not entry.when.holds(torch_version, backend):
+        if (entry.exclude is None and not entry.removes) or not entry.matches_test(test_id, run_name):
             continue
-        if not entry.matches_test(test_id, run_name):
+        if not entry.when.holds(torch_version, backend):
             continue
         if entry.removes:
             cancelled.add(entry.exclude)

@@ -73,6 +73,7 @@ from ``torch.txt`` works in ``class MyFork(TorchAdapter)``'s file as it is).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 import shlex
 from collections.abc import Sequence
@@ -195,13 +196,7 @@ class Condition:
         return " ".join(parts)
 
     def holds_for_torch(self, torch_version: str) -> bool:
-        if self.torch is None:
-            return True
-        from packaging.specifiers import SpecifierSet
-        from packaging.version import Version
-
-        # A local build (2.13.0+cu130) and a pre-release (2.14.0a0) count as their release.
-        return Version(Version(torch_version).base_version) in SpecifierSet(self.torch)
+        return self.torch is None or _release_in(torch_version, self.torch)
 
     def holds(self, torch_version: str, backend: str | None) -> bool:
         """Whether the entry applies to a test run with ``backend`` (None: on the controller)."""
@@ -240,6 +235,11 @@ class XfailEntry:
         """Whether the entry applies to the test ``test_id`` run against the adapter named ``run_name``
         (None: a test of no adapter): the id is read as run by the entry's adapter, or by any adapter
         that one derives from (:attr:`aliases`)."""
+        # Every test of a run is tried against every entry: most are ruled out here, by the pattern's
+        # text before its first wildcard or bracket, which reading the id as run by another adapter
+        # (only the part inside the brackets changes) leaves as it is.
+        if not test_id.startswith(_literal_prefix(self.pattern)):
+            return False
         if self.impl is None or run_name is None:
             return self.matches(test_id)
         return any(self.matches(as_run_by(test_id, run_name, name)) for name in (self.impl, *self.aliases))
@@ -272,6 +272,22 @@ class XfailEntry:
 
 def matches(pattern: str, nodeid: str) -> bool:
     return nodeid == pattern or nodeid.startswith(pattern) or fnmatch.fnmatchcase(nodeid, pattern)
+
+
+@functools.cache
+def _literal_prefix(pattern: str) -> str:
+    """The text every id ``pattern`` matches (:func:`matches`) starts with: up to its first ``*``, ``?``
+    or ``[``."""
+    return re.split(r"[*?\[]", pattern, maxsplit=1)[0]
+
+
+@functools.cache
+def _release_in(torch_version: str, specifier: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    # A local build (2.13.0+cu130) and a pre-release (2.14.0a0) count as their release.
+    return Version(Version(torch_version).base_version) in SpecifierSet(specifier)
 
 
 def matches_at_any_world_size(pattern: str, nodeid: str) -> bool:
