@@ -50,7 +50,8 @@ def _measure_grid(self: Any) -> dict[Key, dict[str, Any]]:
                     runnable = [s for s in aw.SAVERS if aw.available(s) is None]
                     for saver in sorted(runnable, key=lambda s: not s.endswith("/sync")):
                         try:
-                            fig = aw.measure(group, saver, nbytes, "sharded", directory, repeats=1 if config.QUICK else 2)
+                            fig = aw.measure(group, saver, nbytes, "sharded", directory,
+                                             repeats=1 if config.QUICK else 2, warm_up=not config.QUICK)
                         except Exception as exc:  # reported by the figure's benchmark, not fatal to the grid
                             grid[(saver, label, world_size)] = {"error": f"{type(exc).__name__}: {exc}"}
                             continue

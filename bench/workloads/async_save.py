@@ -225,11 +225,14 @@ def release() -> None:
     ck.release()
 
 
-def measure(group: Any, saver: str, nbytes: int, layout: str, directory: str, *, repeats: int = 3) -> AsyncFigures:
-    """Best of ``repeats`` (the smallest stall; its write and step ratio) on the slowest rank. The first
-    save of each saver (a writer process's start, the staging buffers' allocation) is not counted."""
+def measure(group: Any, saver: str, nbytes: int, layout: str, directory: str, *, repeats: int = 3,
+            warm_up: bool = True) -> AsyncFigures:
+    """Best of ``repeats`` (the smallest stall; its write and step ratio) on the slowest rank. With
+    ``warm_up``, a first save of each saver (a writer process's start, the staging buffers' allocation)
+    is made and not counted; without, the figures include it (a run that checks the benchmark works)."""
     group.run(ck.prepare, nbytes, layout, os.environ.get("BENCH_DEVICE", "") or "cpu")
-    group.run(measure_once, saver, directory)  # warm-up
+    if warm_up:
+        group.run(measure_once, saver, directory)
     best: AsyncFigures | None = None
     for _ in range(repeats):
         ranks = group.run(measure_once, saver, directory)
