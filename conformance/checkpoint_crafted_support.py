@@ -31,11 +31,15 @@ __all__ = [
 
 
 #: The pickle opcode routes by which a record reaches code, each asking for ``builtins.exec``:
-#: ``global`` (GLOBAL then REDUCE), ``stack-global`` (STACK_GLOBAL, protocol 4), ``build`` (BUILD sets
-#: ``__setstate__`` of an ``OrderedDict``, an allow-listed class, and a second BUILD calls it),
-#: ``persistent-id`` (the persistent id's tuple is built by a call), ``ext1``/``ext2``/``ext4`` (an
-#: extension code that the loading process's ``copyreg`` registry resolves: :data:`EXT_CODES`).
-CODE_ROUTES = ("global", "stack-global", "build", "persistent-id", "ext1", "ext2", "ext4")
+#: ``global`` (GLOBAL then REDUCE), ``stack-global`` (STACK_GLOBAL, protocol 4), ``pickled`` (what
+#: ``pickle.dumps`` writes for a dict holding the object: STACK_GLOBAL after other strings, its module
+#: name fetched from the memo where a key put it), ``memo-put`` (STACK_GLOBAL of names stored and
+#: fetched by protocol 0's text ``PUT``/``GET``), ``build`` (BUILD sets ``__setstate__`` of an
+#: ``OrderedDict``, an allow-listed class, and a second BUILD calls it), ``persistent-id`` (the
+#: persistent id's tuple is built by a call), ``ext1``/``ext2``/``ext4`` (an extension code that the
+#: loading process's ``copyreg`` registry resolves: :data:`EXT_CODES`). An error must name the global
+#: asked for whichever opcodes pushed its names.
+CODE_ROUTES = ("global", "stack-global", "pickled", "memo-put", "build", "persistent-id", "ext1", "ext2", "ext4")
 #: Zip containers whose member names lie: a second ``data.pkl`` (the first a harmless value), a
 #: ``data.pkl`` of another archive folder, a ``..`` name; the extra member holds the ``global`` route.
 NAME_LIES = ("duplicate-data-pkl", "other-folder", "dot-dot")
@@ -62,6 +66,16 @@ def extension_for_exec(route: str) -> Iterator[None]:
         copyreg.remove_extension("builtins", "exec", code)
 
 
+class _Exec:
+    """Pickled as a call of ``exec(code)``, as ``pickle.dumps`` writes any object that reduces to a call."""
+
+    def __init__(self, code: str) -> None:
+        self.code = code
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return exec, (self.code,)
+
+
 def _unicode(text: str) -> bytes:
     data = text.encode()
     return b"X" + struct.pack("<I", len(data)) + data  # BINUNICODE
@@ -80,6 +94,13 @@ def crafted_pickle(route: str, code: str) -> bytes:
         return b"\x80\x02cbuiltins\nexec\n" + call + b"."
     if route == "stack-global":
         return b"\x80\x04" + _short("builtins") + _short("exec") + b"\x93" + call + b"."
+    if route == "pickled":
+        # The key is the very string the pickler takes the module name from: memoized as the key, it
+        # is fetched from the memo (BINGET) for the global.
+        return pickle.dumps({exec.__module__: "a key", "value": _Exec(code)}, protocol=4)
+    if route == "memo-put":
+        return (b"\x80\x02" + _unicode("builtins") + b"p0\n0" + _unicode("exec") + b"p1\n0" + _unicode("a string between")
+                + b"0g0\ng1\n\x93" + call + b".")
     if route == "build":
         return (b"\x80\x02ccollections\nOrderedDict\n)R" + b"N}" + _unicode("__setstate__") + b"cbuiltins\nexec\ns\x86b"
                 + _unicode(code) + b"b.")

@@ -990,7 +990,9 @@ def test_successive_saves_each_hold_their_own_state(dist, impl) -> None:
 
     save_and_check("model-a", "model", 1.0)
     save_and_check("optim-a", "optim", 1.0)
-    save_and_check("model-b", "model", 2.0)  # the same layout, other values, another directory
+    # The same layout, other values, another directory: one whose parents do not exist yet, as a job's
+    # first save into its run's folder finds it.
+    save_and_check("run/step-2/model", "model", 2.0)
     save_and_check("optim-b", "optim", 2.0)
     save_and_check("model-c", "model", 3.0, last_rank_key=True)  # one rank's layout changed
     save_and_check("model-d", "model", 4.0, changed=True)  # every rank's layout changed

@@ -22,7 +22,9 @@ How the tests are built:
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -146,9 +148,10 @@ def test_state_values_are_carried_bit_exactly(dist, impl, model: str, kind: str,
     oracle. ``torch.optim``'s own load casts every state but ``step`` to the parameter's dtype (and CPU
     kernels disagree on the NaN payloads such a cast produces), so the loaded dicts keep the entries of
     the parameter's dtype: float32 edge values for float32 parameters, float64 ones (beyond float32)
-    for float64 parameters, and 0-dim float32 NaN payloads and -0.0; entries of other dtypes are
-    checked gathered and sharded. A fork that routes state through float32 or a common dtype,
-    canonicalises NaNs or drops -0.0 fails here."""
+    for float64 parameters, and 0-dim float32 NaN payloads and -0.0; the entries of other dtypes load
+    with their NaNs made 0, and must be cast as ``torch.optim`` casts them (float64 beyond float32,
+    bf16, integers and bools into float32: a state of another run's dtypes). A fork that routes state through float32 or a common dtype,
+    canonicalises NaNs, drops -0.0, or keeps a loaded state's own dtype fails here."""
     ops = impl.require("optim_state")
     source = Run(dist, impl, Setup(model=model, use_orig_params=use_orig_params))
     write_state(source, edge_state(source, kind))
@@ -158,14 +161,20 @@ def test_state_values_are_carried_bit_exactly(dist, impl, model: str, kind: str,
     sharded = ops.optim_state_dict(source.model, source.optim, sharded=True)
     assert_osd_matches(sharded, expected, f"{source.setup} {kind}: sharded, rank {dist.rank}", atol=None, sharded=True)
     dtype = next(source.oracle.parameters()).dtype
-    # Loads keep the parameter's dtype (above): "other-dtypes" has nothing left to load that the other
-    # cases do not, and a sharded dict's 0-dim states are the full one's.
-    forms = {"param-dtype": ("full", "sharded"), "0-dim": ("full",), "other-dtypes": ()}[kind]
+    # A sharded dict's 0-dim states are the full one's. Entries of other dtypes load with their NaNs
+    # made 0 (every FQN keeps the same entries: a flat parameter holds one of each for all its FQNs).
+    forms = {"param-dtype": ("full", "sharded"), "0-dim": ("full",), "other-dtypes": ("full", "sharded")}[kind]
+
+    def loadable_entry(entry: dict[str, Any]) -> dict[str, Any]:
+        if kind == "other-dtypes":
+            return {n: torch.nan_to_num(v, nan=0.0, posinf=math.inf, neginf=-math.inf) if v.is_floating_point() and n != "step" else v
+                    for n, v in entry.items()}
+        return {n: v for n, v in entry.items() if n == "step" or v.dtype == dtype}
+
     for name, osd in (("full", full), ("sharded", sharded)):
         if name not in forms:
             continue
-        loadable = {"state": {f: {n: v for n, v in e.items() if n == "step" or v.dtype == dtype} for f, e in osd["state"].items()},
-                    "param_groups": osd["param_groups"]}
+        loadable = {"state": {f: loadable_entry(e) for f, e in osd["state"].items()}, "param_groups": osd["param_groups"]}
         assert_continues(load_target(dist, impl, source.setup), source, loadable, where=f"{source.setup} {kind}: {name} state dict loaded")
 
 
