@@ -165,16 +165,24 @@ def test_state_values_are_carried_bit_exactly(dist, impl, model: str, kind: str,
     # made 0 (every FQN keeps the same entries: a flat parameter holds one of each for all its FQNs).
     forms = {"param-dtype": ("full", "sharded"), "0-dim": ("full",), "other-dtypes": ("full", "sharded")}[kind]
 
-    def loadable_entry(entry: dict[str, Any]) -> dict[str, Any]:
-        if kind == "other-dtypes":
-            return {n: torch.nan_to_num(v, nan=0.0, posinf=math.inf, neginf=-math.inf) if v.is_floating_point() and n != "step" else v
-                    for n, v in entry.items()}
-        return {n: v for n, v in entry.items() if n == "step" or v.dtype == dtype}
+    def loadable_entry(index: int, entry: dict[str, Any]) -> dict[str, Any]:
+        if kind != "other-dtypes":
+            return {n: v for n, v in entry.items() if n == "step" or v.dtype == dtype}
+        loaded = {n: torch.nan_to_num(v, nan=0.0, posinf=math.inf, neginf=-math.inf) if v.is_floating_point() and n != "step" else v
+                  for n, v in entry.items()}
+        # States whose dtype differs between parameters, bf16 and float64 in turn, starting with
+        # either (a checkpoint that mixed them): each is cast to the parameter's dtype alone, never
+        # through another parameter's dtype (as a flat buffer of the first one's would).
+        values = loaded["exp_avg"] * 3  # float32 values: not all of them fit in bf16
+        bf16, f64 = values.to(torch.bfloat16), values.to(torch.float64)
+        loaded["mixed"], loaded["mixed_too"] = (bf16, f64) if index % 2 == 0 else (f64, bf16)
+        return loaded
 
     for name, osd in (("full", full), ("sharded", sharded)):
         if name not in forms:
             continue
-        loadable = {"state": {f: loadable_entry(e) for f, e in osd["state"].items()}, "param_groups": osd["param_groups"]}
+        loadable = {"state": {f: loadable_entry(i, e) for i, (f, e) in enumerate(sorted(osd["state"].items()))},
+                    "param_groups": osd["param_groups"]}
         assert_continues(load_target(dist, impl, source.setup), source, loadable, where=f"{source.setup} {kind}: {name} state dict loaded")
 
 

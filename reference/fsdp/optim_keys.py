@@ -27,6 +27,7 @@ over the model's groups (every rank, same order); :func:`get_fqn_to_fsdp_param_i
 from __future__ import annotations
 
 import copy
+import functools
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -668,7 +669,12 @@ def _flat_layout_shard(
     handle = info.handle
     # One torch.cat of the saved values and zeros for the gaps, not a slice and a copy per parameter
     # (at 10,000 parameters those were the cost).
-    device, dtype = handle.local_shard.device, values[0][1].dtype
+    # torch.optim casts a loaded state to its parameter's dtype: casting each value to it here rounds
+    # each value once, as loading the unwrapped model does. The first value's dtype would round the
+    # others through it first (a bf16 value before float64 ones: SPEC OS-6).
+    device, dtype = handle.local_shard.device, handle.local_shard.dtype
+    if not dtype.is_floating_point:
+        dtype = functools.reduce(torch.promote_types, (value.dtype for _, value in values))
     placed = sorted(((_slot_of(info, fqn), fqn, value) for fqn, value in values), key=lambda placed_value: placed_value[0].flat.start)
     pieces: list[torch.Tensor] = []
     at = 0
