@@ -5,6 +5,8 @@ test_scale.py; figures: bench.scale, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,13 +24,36 @@ def test_replicated_tensors_are_written_by_every_holder_in_turn(dist, impl) -> N
     more than 10% over the mean. A writer that leaves replicated data to the lowest rank (or
     any one rank) writes all of it there. The writer of a record is read from its data file's name
     (``__<rank>_``, as DCP's filesystem writers name them)."""
-    ops = checkpoint_ops(impl)
-    path = dist.tmp_dir / "ckpt"
     sd = {f"replicated.{i}": torch.full((128, 64), float(i)) for i in range(4 * dist.world_size)}
-    ops.save(sd, path, process_group=group_of(dist))
+    path = dist.tmp_dir / "ckpt"
+    checkpoint_ops(impl).save(sd, path, process_group=group_of(dist))
+    _check_written_in_turn(dist, path, set(sd))
+
+
+@pytest.mark.dcp_files("ML-36 is read from which rank's data file holds each record")
+@pytest.mark.req("ML-36")
+@pytest.mark.world_size(min=2)
+def test_a_replicated_tensor_larger_than_the_mean_is_cut_among_its_holders(dist, impl) -> None:
+    """One plain tensor of 16 MiB held by every rank, and nothing else: larger than the mean a rank
+    writes, so its holders write it in pieces, each rank some and none more than 10% over the mean,
+    and it loads back whole. A writer that cuts only tensors above a size of its own (or never) leaves
+    it to one rank."""
+    ops, path, rows = checkpoint_ops(impl), dist.tmp_dir / "ckpt", 4096
+    saved = torch.arange(rows * 1024, dtype=torch.float32).reshape(rows, 1024)
+    ops.save({"embedding": saved}, path, process_group=group_of(dist))
+    target = {"embedding": torch.zeros(rows, 1024)}
+    ops.load(target, path, process_group=group_of(dist))
+    if not torch.equal(target["embedding"], saved):
+        fail("the replicated tensor written in pieces, loaded back", "other values", "the saved values", f"rank {dist.rank}")
+    _check_written_in_turn(dist, path, {"embedding"})
+
+
+def _check_written_in_turn(dist, path: Path, keys: set[str]) -> None:
+    """On rank 0: fail unless every rank wrote some of the bytes of ``keys``' records in the checkpoint
+    at ``path`` and none more than 1.1 x the mean."""
     if dist.rank != 0:
         return
-    written = bytes_by_writer(read_metadata(path), set(sd))
+    written = bytes_by_writer(read_metadata(path), keys)
     if written is None:
         pytest.skip("the data files are not named __<rank>_...: which rank wrote a record is unknown")
     writers = {rank: written.get(rank, 0) for rank in range(dist.world_size)}
