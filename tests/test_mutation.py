@@ -435,3 +435,18 @@ def test_mutants_reach_the_rank_processes(tmp_path: Path) -> None:
     result = runner.run_mutant(mutant, section, scratch, 300, "")
     assert result.status == "killed", result
     assert "ws2" in result.killed_by
+
+
+def test_each_section_is_judged_by_every_conformance_file_that_names_its_ids() -> None:
+    """A fork runs all of ``conformance/``: a mutant any test of a section's IDs kills is killed for it.
+    A file left out of the section's list would make its mutants look like survivors."""
+    import re
+
+    named: dict[str, set[str]] = {}
+    for path in sorted((REPO_ROOT / "conformance").glob("test_*.py")):
+        for marker in re.findall(r"req\(([^)]*)\)", path.read_text()):
+            for section in re.findall(r'"([A-Z]+)-\d+', marker):
+                named.setdefault(section, set()).add(f"conformance/{path.name}")
+    for name, section in mutation.SECTIONS.items():
+        missing = named.get(name, set()) - set(section.conformance)
+        assert not missing, f"section {name} is not judged by {sorted(missing)}, whose tests name its IDs"

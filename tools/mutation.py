@@ -111,29 +111,31 @@ class Section:
 #: The async save's modules: the AS section's, not ML's (whose tests never start an async save).
 _ASYNC_SOURCES = ("reference/checkpoint/async_save.py", "reference/checkpoint/staging.py", "reference/checkpoint/writer_process.py")
 
-#: SPEC section -> what it mutates, the conformance tests that judge it, and the self-tests (under
-#: tests/reference/; the globs take the files the section's engineers add there).
+#: SPEC section -> what it mutates, the conformance tests that judge it (every file with a test that
+#: names one of the section's IDs: a fork runs them all; tests/test_mutation.py checks the list), and
+#: the self-tests (under tests/reference/; the globs take the files the section's engineers add there).
 SECTIONS: dict[str, Section] = {
     s.name: s
     for s in (
         Section(
             "FP",
             ("reference/flat_param/*.py",),
-            ("conformance/test_flat_param.py",),
+            ("conformance/test_flat_param.py", "conformance/test_generated.py", "conformance/test_module_state.py"),
             ("tests/reference/test_flat_param*.py", "tests/reference/test_prefix_hooks*.py"),
         ),
         Section(
             "SD",
             ("reference/state_dict/*.py", "reference/fqn.py"),
             ("conformance/test_state_dict.py", "conformance/test_state_dict_options.py", "conformance/test_training_states.py",
-             "conformance/test_module_state.py"),
+             "conformance/test_module_state.py", "conformance/test_generated.py", "conformance/test_real_models.py"),
             ("tests/reference/test_state_dict*.py", "tests/reference/test_fqn*.py"),
         ),
         Section(
             "OS",
             ("reference/fsdp/*.py", "reference/comm.py"),
             # test_module_state.py holds OS-25 and OS-26 (extra state, dtype changes) beside SD's.
-            ("conformance/test_optim_state.py", "conformance/test_real_models.py", "conformance/test_module_state.py"),
+            ("conformance/test_optim_state.py", "conformance/test_real_models.py", "conformance/test_module_state.py",
+             "conformance/test_generated.py"),
             (
                 "tests/reference/test_optim_state*.py",
                 "tests/reference/test_sharding*.py",
@@ -145,8 +147,10 @@ SECTIONS: dict[str, Section] = {
         Section(
             "ML",
             ("reference/checkpoint/*.py",),
-            ("conformance/test_checkpoint.py",),
-            ("tests/reference/test_checkpoint*.py",),
+            ("conformance/test_checkpoint.py", "conformance/test_checkpoint_stacks.py", "conformance/test_scale.py",
+             "conformance/test_generated.py", "conformance/test_module_state.py", "conformance/test_real_models.py",
+             "conformance/test_async_save.py"),
+            ("tests/reference/test_checkpoint*.py", "tests/reference/test_scale*.py"),
             excludes=_ASYNC_SOURCES,
             plain_path=True,
         ),
