@@ -300,7 +300,10 @@ def _load(stream: BinaryIO | FileWindow, archive: zipfile.ZipFile, **kwargs: Any
     refusal names the globals its ``data.pkl`` asks for (:func:`_refused`)."""
     stream.seek(0)
     try:
-        return torch.load(stream, weights_only=True, **kwargs)  # type: ignore[arg-type]  # a RawIOBase is a binary file; torch's stub lists IO[bytes] only
+        # io.BytesIO as the fast path's unpickler allows it (_PlainUnpickler): a module's extra state may
+        # be one (SD-29), and both paths must load the same records.
+        with torch.serialization.safe_globals([io.BytesIO]):
+            return torch.load(stream, weights_only=True, **kwargs)  # type: ignore[arg-type]  # a RawIOBase is a binary file; torch's stub lists IO[bytes] only
     except pickle.UnpicklingError as exc:
         refusal = _refused(exc, _data_pkl(archive))
         if refusal is exc:
