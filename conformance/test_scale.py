@@ -36,12 +36,14 @@ def test_replicated_tensors_are_written_by_every_holder_in_turn(dist, impl) -> N
 def test_a_replicated_tensor_larger_than_the_mean_is_cut_among_its_holders(dist, impl) -> None:
     """One plain tensor of 16 MiB held by every rank, and nothing else: larger than the mean a rank
     writes, so its holders write it in pieces, each rank some and none more than 10% over the mean,
-    and it loads back whole. A writer that cuts only tensors above a size of its own (or never) leaves
-    it to one rank."""
-    ops, path, rows = checkpoint_ops(impl), dist.tmp_dir / "ckpt", 4096
-    saved = torch.arange(rows * 1024, dtype=torch.float32).reshape(rows, 1024)
+    and it loads back whole. It has as many rows as holders, the fewest that a cut along its first
+    dim can share among them. A writer that cuts only tensors above a size or a row count of its own
+    (or never) leaves it to one rank."""
+    ops, path, rows = checkpoint_ops(impl), dist.tmp_dir / "ckpt", dist.world_size
+    columns = (4 << 20) // rows
+    saved = torch.arange(rows * columns, dtype=torch.float32).reshape(rows, columns)
     ops.save({"embedding": saved}, path, process_group=group_of(dist))
-    target = {"embedding": torch.zeros(rows, 1024)}
+    target = {"embedding": torch.zeros(rows, columns)}
     ops.load(target, path, process_group=group_of(dist))
     if not torch.equal(target["embedding"], saved):
         fail("the replicated tensor written in pieces, loaded back", "other values", "the saved values", f"rank {dist.rank}")
