@@ -11,11 +11,16 @@ import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+import pytest
 from torch.distributed.checkpoint.metadata import Metadata
 
-__all__ = ["bytes_by_writer", "counting_opens"]
+from conformance.asserts import fail
+from conformance.dcp_files import read_metadata
+
+__all__ = ["bytes_by_writer", "check_written_in_turn", "counting_opens"]
 
 #: DCP's filesystem writers (torch's and the reference's) name a rank's data files ``__<rank>_...``.
 _WRITER = re.compile(r"^__(\d+)_")
@@ -34,6 +39,21 @@ def bytes_by_writer(metadata: Metadata, keys: set[str]) -> dict[int, int] | None
         rank = int(match.group(1))
         written[rank] = written.get(rank, 0) + int(info.length)
     return written
+
+
+def check_written_in_turn(dist: Any, path: Path, keys: set[str]) -> None:
+    """On rank 0: fail unless every rank wrote some of the bytes of ``keys``' records in the checkpoint
+    at ``path`` and none more than 1.1 x the mean."""
+    if dist.rank != 0:
+        return
+    written = bytes_by_writer(read_metadata(path), keys)
+    if written is None:
+        pytest.skip("the data files are not named __<rank>_...: which rank wrote a record is unknown")
+    writers = {rank: written.get(rank, 0) for rank in range(dist.world_size)}
+    mean = sum(writers.values()) / dist.world_size
+    if min(writers.values()) == 0 or max(writers.values()) > 1.1 * mean:
+        fail("bytes of replicated records each rank wrote", writers,
+             f"every rank some, none over 1.1 x the mean {mean:.0f}", str(path))
 
 
 _OPENS: list[list[str]] = []  # the paths opened while counting_opens() runs (a stack: one list per call)

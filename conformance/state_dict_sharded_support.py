@@ -11,6 +11,7 @@ and the form of a get (:func:`form_of`: SD-18)."""
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from conformance.asserts import (
     assert_same_state,
     assert_unchanged,
     check_each,
+    expect_error,
     fail,
     raised,
     snapshot,
@@ -63,6 +65,7 @@ __all__ = [
     "assert_dtensor_params",
     "assert_planned_get",
     "dtensor_model",
+    "strict_load_into_dtensor_parameters_without",
     "oracle_state",
     "broadcast_target",
     "check_broadcast_result",
@@ -178,6 +181,25 @@ def dtensor_model(name: str, seed: int, dist: RankContext) -> nn.Module:
             sharded = distribute_tensor(param.detach(), mesh, [Shard(0)])
             module.register_parameter(attr, nn.Parameter(sharded, requires_grad=param.requires_grad))
     return model
+
+
+def strict_load_into_dtensor_parameters_without(dist: RankContext, impl: Adapter, bad_ranks: set[int]) -> None:
+    """SD-8/SD-19 on :func:`dtensor_model`: a full and a sharded dict without one key on ``bad_ranks``,
+    set with ``strict``: every rank raises the same ``RuntimeError`` naming the key, and nothing changes."""
+    ops = sd_ops(impl)
+    source, target = dtensor_model("nested", 0, dist), dtensor_model("nested", 1, dist)
+    key = "10.inner.0.weight"
+    for form in ("full", "sharded"):
+        options = ops.options(full_state_dict=form == "full")
+        given = ops.get_model_state_dict(source, options=options)
+        if dist.rank in bad_ranks:
+            del given[key]
+        before = snapshot(model=target)
+        strict_set = functools.partial(ops.set_model_state_dict, target, given, options=ops.options(full_state_dict=form == "full", strict=True))
+        exc = expect_error(strict_set,
+                           RuntimeError, keys=[key], what=f"strict load of a {form} dict without {key!r}", where=f"rank {dist.rank}")
+        assert_same_error_on_every_rank(dist, exc, what=f"strict load of a {form} dict without {key!r}")
+        assert_unchanged(before, model=target, where=f"rank {dist.rank}, after the refused {form} load")
 
 
 def oracle_state(name: str, device: Any) -> tuple[dict[str, Any], dict[str, Any]]:

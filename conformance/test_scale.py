@@ -5,15 +5,12 @@ test_scale.py; figures: bench.scale, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from conformance.asserts import fail
 from conformance.checkpoint_support import checkpoint_ops, group_of
-from conformance.dcp_files import read_metadata
-from conformance.scale_support import bytes_by_writer, counting_opens
+from conformance.scale_support import check_written_in_turn, counting_opens
 
 
 @pytest.mark.dcp_files("ML-36 is read from which rank's data file holds each record")
@@ -27,7 +24,7 @@ def test_replicated_tensors_are_written_by_every_holder_in_turn(dist, impl) -> N
     sd = {f"replicated.{i}": torch.full((128, 64), float(i)) for i in range(4 * dist.world_size)}
     path = dist.tmp_dir / "ckpt"
     checkpoint_ops(impl).save(sd, path, process_group=group_of(dist))
-    _check_written_in_turn(dist, path, set(sd))
+    check_written_in_turn(dist, path, set(sd))
 
 
 @pytest.mark.dcp_files("ML-36 is read from which rank's data file holds each record")
@@ -47,22 +44,7 @@ def test_a_replicated_tensor_larger_than_the_mean_is_cut_among_its_holders(dist,
     ops.load(target, path, process_group=group_of(dist))
     if not torch.equal(target["embedding"], saved):
         fail("the replicated tensor written in pieces, loaded back", "other values", "the saved values", f"rank {dist.rank}")
-    _check_written_in_turn(dist, path, {"embedding"})
-
-
-def _check_written_in_turn(dist, path: Path, keys: set[str]) -> None:
-    """On rank 0: fail unless every rank wrote some of the bytes of ``keys``' records in the checkpoint
-    at ``path`` and none more than 1.1 x the mean."""
-    if dist.rank != 0:
-        return
-    written = bytes_by_writer(read_metadata(path), keys)
-    if written is None:
-        pytest.skip("the data files are not named __<rank>_...: which rank wrote a record is unknown")
-    writers = {rank: written.get(rank, 0) for rank in range(dist.world_size)}
-    mean = sum(writers.values()) / dist.world_size
-    if min(writers.values()) == 0 or max(writers.values()) > 1.1 * mean:
-        fail("bytes of replicated records each rank wrote", writers,
-             f"every rank some, none over 1.1 x the mean {mean:.0f}", str(path))
+    check_written_in_turn(dist, path, {"embedding"})
 
 
 @pytest.mark.req("ML-37")

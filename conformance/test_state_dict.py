@@ -68,6 +68,7 @@ from conformance.state_dict_sharded_support import (
     sharded_pair,
     sharded_target,
     single_group_adam,
+    strict_load_into_dtensor_parameters_without,
 )
 from conformance.state_dict_support import (
     ATOL,
@@ -551,28 +552,12 @@ def test_strict_decides_whether_a_mismatch_is_an_error(impl: Adapter, kind: str,
         assert_same_state(pair.target.scale, torch.full((3,), 0.75), what="the non-persistent buffer after a non-strict set")
 
 
-def _strict_load_into_dtensor_parameters_without(dist: RankContext, impl: Adapter, bad_ranks: set[int]) -> None:
-    ops = sd_ops(impl)
-    source, target = dtensor_model("nested", 0, dist), dtensor_model("nested", 1, dist)
-    key = "10.inner.0.weight"
-    for form in ("full", "sharded"):
-        options = ops.options(full_state_dict=form == "full")
-        given = ops.get_model_state_dict(source, options=options)
-        if dist.rank in bad_ranks:
-            del given[key]
-        before = snapshot(model=target)
-        exc = expect_error(lambda: ops.set_model_state_dict(target, given, options=ops.options(full_state_dict=form == "full", strict=True)),
-                           RuntimeError, keys=[key], what=f"strict load of a {form} dict without {key!r}", where=f"rank {dist.rank}")
-        assert_same_error_on_every_rank(dist, exc, what=f"strict load of a {form} dict without {key!r}")
-        assert_unchanged(before, model=target, where=f"rank {dist.rank}, after the refused {form} load")
-
-
 @pytest.mark.req("SD-8", "SD-19")
 def test_strict_load_into_dtensor_parameters_names_the_missing_key(dist: RankContext, impl: Adapter) -> None:
     """A model whose parameters are DTensors (tensor parallel, no FSDP unit) honours ``strict``: a full or
     sharded dict without one key is a ``RuntimeError`` naming it, on every rank, and the model is left
     as it was (pytorch/pytorch#126285: the missing key loaded silently)."""
-    _strict_load_into_dtensor_parameters_without(dist, impl, set(range(dist.world_size)))
+    strict_load_into_dtensor_parameters_without(dist, impl, set(range(dist.world_size)))
 
 
 @pytest.mark.req("SD-8", "SD-19")
@@ -582,7 +567,7 @@ def test_strict_load_into_dtensor_parameters_missing_a_key_on_one_rank(dist: Ran
     """As above, with the key missing from the last rank's dict only: the model is collective over its
     mesh, so every rank raises the same error naming the key, promptly (a rank that raises alone leaves
     the others waiting in the load's collectives), and no rank changes anything."""
-    _strict_load_into_dtensor_parameters_without(dist, impl, {dist.world_size - 1})
+    strict_load_into_dtensor_parameters_without(dist, impl, {dist.world_size - 1})
 
 
 #: The error cases of sharded loads: the model and optimizer state are full dicts, except "shape-dtensor"
