@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from conformance.asserts import fail
 from conformance.dcp_files import read_metadata
+from conformance.harness.context import RankContext
 
 __all__ = ["bytes_by_writer", "check_written_in_turn", "counting_opens"]
 
@@ -41,7 +42,7 @@ def bytes_by_writer(metadata: Metadata, keys: set[str]) -> dict[int, int] | None
     return written
 
 
-def check_written_in_turn(dist: Any, path: Path, keys: set[str]) -> None:
+def check_written_in_turn(dist: RankContext, path: Path, keys: set[str]) -> None:
     """On rank 0: fail unless every rank wrote some of the bytes of ``keys``' records in the checkpoint
     at ``path`` and none more than 1.1 x the mean."""
     if dist.rank != 0:

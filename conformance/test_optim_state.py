@@ -150,8 +150,9 @@ def test_state_values_are_carried_bit_exactly(dist, impl, model: str, kind: str,
     the parameter's dtype: float32 edge values for float32 parameters, float64 ones (beyond float32)
     for float64 parameters, and 0-dim float32 NaN payloads and -0.0; the entries of other dtypes load
     with their NaNs made 0, and must be cast as ``torch.optim`` casts them (float64 beyond float32,
-    bf16, integers and bools into float32: a state of another run's dtypes). A fork that routes state through float32 or a common dtype,
-    canonicalises NaNs, drops -0.0, or keeps a loaded state's own dtype fails here."""
+    bf16, integers and bools into float32: a state of another run's dtypes). A fork that routes state
+    through float32 or a common dtype, canonicalises NaNs, drops -0.0, or keeps a loaded state's own
+    dtype fails here."""
     ops = impl.require("optim_state")
     source = Run(dist, impl, Setup(model=model, use_orig_params=use_orig_params))
     write_state(source, edge_state(source, kind))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import re
 import textwrap
 from collections import Counter
 from pathlib import Path
@@ -440,8 +441,6 @@ def test_mutants_reach_the_rank_processes(tmp_path: Path) -> None:
 def test_each_section_is_judged_by_every_conformance_file_that_names_its_ids() -> None:
     """A fork runs all of ``conformance/``: a mutant any test of a section's IDs kills is killed for it.
     A file left out of the section's list would make its mutants look like survivors."""
-    import re
-
     named: dict[str, set[str]] = {}
     for path in sorted((REPO_ROOT / "conformance").glob("test_*.py")):
         for marker in re.findall(r"req\(([^)]*)\)", path.read_text()):
