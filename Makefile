@@ -44,7 +44,7 @@ IMPL_ARG := $(if $(IMPL),--impl $(IMPL),)
 RERUN_ARG := $(if $(RERUN_CRASHES),--rerun-crashes $(RERUN_CRASHES),)
 BENCH_ENV := $(if $(IMPL),BENCH_IMPL=$(IMPL),)
 
-.PHONY: setup conformance lint test test-bench stress bench asv asv-gate mutation matrix stacks clean
+.PHONY: setup bytecode conformance lint test test-bench stress bench asv asv-gate mutation matrix stacks clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,7 +55,13 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install -q -c constraints.txt -e ".[bench,fairscale,dev,models]"
 	@touch $@
 
-setup: $(STAMP)
+# The checkout's own bytecode, before the ~200 interpreters a run starts import it: where
+# PYTHONDONTWRITEBYTECODE is set (as here) each would compile the sources again (a second per pytest
+# session that collects the suite). Only what changed is compiled; a stale file is never read.
+bytecode: $(STAMP)
+	@$(PY) -m compileall -qq -j0 conformance reference tools bench tests || true
+
+setup: $(STAMP) bytecode
 
 # The main job: run the suite and print the table of requirement ID x implementation.
 conformance: setup

@@ -240,6 +240,10 @@ def test_report_table_and_survivors() -> None:
     assert "a <= b" not in report
 
 
+#: The tiny checkout's runs do without the suite's plugin (installed in this environment, it would import
+#: torch into each of them): its tests need none, and its conftest declares the options the runner passes.
+WITHOUT_THE_SUITE = ("--pytest-args", "-p no:conformance.harness.plugin")
+
 TINY_CONFTEST = """
 def pytest_addoption(parser):
     for name in ("--impl", "--world-size", "--rank-timeout"):
@@ -283,7 +287,7 @@ def test_end_to_end_on_a_tiny_checkout(tmp_path: Path, monkeypatch: pytest.Monke
     mutants = {(m.original, m.description): m.key for m in mutants_of_file(root, "reference/calc.py")}
     wanted = [("return x * 2", "`*` -> `/`"), ("return x - 1", "`-` -> `+`"), ("return x - 1", "return None"), ("n -= 1", "`-=` -> `+=`")]
     argv = ["--root", str(root), "--out", str(out), "--sections", "XX", "--equivalents", str(equivalents),
-            "--rank-timeout", "1", "--timeout-factor", "2", "--timeout-extra", "3",
+            "--rank-timeout", "1", "--timeout-factor", "2", "--timeout-extra", "3", *WITHOUT_THE_SUITE,
             *(arg for w in wanted for arg in ("--mutant", mutants[w]))]  # fmt: skip
     assert mutation.main(argv) == 0
     report = json.loads((out / "report.json").read_text())
@@ -330,7 +334,8 @@ def test_a_section_with_a_plain_path_judges_its_survivors_on_it_too(tmp_path: Pa
         section = Section("XX", ("reference/calc.py",), ("tests/test_calc.py",), plain_path=declared)
         monkeypatch.setattr(mutation, "SECTIONS", {"XX": section})
         out = tmp_path / f"out-{declared}"
-        assert mutation.main(["--root", str(root), "--out", str(out), "--sections", "XX", "--mutant", plain.key, "--rank-timeout", "1"]) == 0
+        assert mutation.main(["--root", str(root), "--out", str(out), "--sections", "XX", "--mutant", plain.key, "--rank-timeout", "1",
+                              *WITHOUT_THE_SUITE]) == 0
         (mutant,) = json.loads((out / "report.json").read_text())["mutants"]
         verdicts[declared] = (mutant["status"], mutant["killed_by"].split(":")[0])
     assert verdicts == {False: ("survived", ""), True: ("killed", "plain path")}
