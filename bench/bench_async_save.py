@@ -23,7 +23,7 @@ import tempfile
 from typing import Any
 
 from bench import config
-from bench.ranks import RankGroup
+from bench.ranks import measuring_group
 from bench.workloads import async_save as aw
 from bench.workloads import checkpoint as ck
 
@@ -40,7 +40,7 @@ def _measure_grid(self: Any) -> dict[Key, dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
         directory = os.path.join(tmp, "ckpt")
         for world_size in WORLD_SIZES:
-            with RankGroup(world_size, backend="gloo") as group:
+            with measuring_group(world_size, backend="gloo") as group:
                 for nbytes, label in zip(SIZES, SIZE_LABELS):
                     group.run(ck.prepare, nbytes, "sharded", "cpu")
                     raw = min(max(group.run(ck.save_once, "raw", directory)) for _ in range(2))

@@ -15,14 +15,13 @@ on the GPUs (world size 4 too where 4 are visible), and without CUDA every figur
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
 from typing import Any
 
 from bench import config
 from bench import impls as _impls
-from bench.ranks import RankGroup
+from bench.ranks import measuring_group
 from bench.workloads import checkpoint as ck
 
 SIZES: list[int] = config.checkpoint_sizes()
@@ -54,11 +53,10 @@ def _measure_grid(self: Any) -> dict[Key, dict[str, Any]]:
         for world_size in WORLD_SIZES:
             if config.device_unavailable(DEVICE, world_size) is not None:
                 continue  # each figure's setup skips with the reason
-            with contextlib.ExitStack() as stack:
-                group = stack.enter_context(RankGroup(world_size, backend=config.backend(DEVICE)))
+            with measuring_group(world_size, backend=config.backend(DEVICE)) as group:
                 # Quick mode checks that every figure can be made, not the figures: its loads into meta
-                # share one group instead of fresh ranks per implementation and layout (a minute here).
-                meta_group = stack.enter_context(RankGroup(world_size, backend=config.backend(DEVICE))) if config.QUICK else None
+                # run on the same ranks instead of fresh ones per implementation and layout (a minute here).
+                meta_group = group if config.QUICK else None
                 for nbytes, label in zip(SIZES, SIZE_LABELS):
                     for layout in LAYOUTS:
                         for impl in impls:

@@ -12,7 +12,7 @@ from typing import Any
 
 from bench import config
 from bench import impls as _impls
-from bench.ranks import RankGroup
+from bench.ranks import measuring_group
 from bench.workloads import optim_state as osw
 
 PARAMS: list[int] = config.grid(config.OPTIM_STATE_PARAMS)
@@ -24,7 +24,7 @@ WORLD_SIZE = 2
 
 def _measure_grid(self: Any) -> dict[tuple[str, int], dict[str, Any]]:
     grid: dict[tuple[str, int], dict[str, Any]] = {}
-    with RankGroup(WORLD_SIZE) as group:
+    with measuring_group(WORLD_SIZE) as group:
         for params in PARAMS:
             for impl in IMPLS:
                 if osw.available(impl) is not None:

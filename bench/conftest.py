@@ -30,17 +30,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def rank_group() -> Iterator[Callable[[int], object]]:
-    """``rank_group(world_size, backend="gloo")``: that world size's :class:`bench.ranks.RankGroup`,
-    started on first use."""
-    from bench.ranks import RankGroup
-
-    groups: dict[tuple[int, str], RankGroup] = {}
+    """``rank_group(world_size, backend="gloo")``: that world size's :func:`bench.ranks.shared_group`,
+    started on first use (in quick mode the asv grids of ``bench/test_asv_suite.py`` use it too); closed
+    when the session ends."""
+    from bench.ranks import RankGroup, close_shared_groups, shared_group
 
     def get(world_size: int, backend: str = "gloo") -> RankGroup:
-        if (world_size, backend) not in groups:
-            groups[world_size, backend] = RankGroup(world_size, backend=backend)
-        return groups[world_size, backend]
+        return shared_group(world_size, backend=backend)
 
     yield get
-    for group in groups.values():
-        group.close()
+    close_shared_groups()

@@ -22,6 +22,8 @@ include the controller's messaging.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib
 import os
 import pickle
@@ -32,12 +34,13 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Client, Connection, Listener
 from types import TracebackType
 from typing import Any
 
-__all__ = ["RankGroup", "RankError", "timed", "peak_rss_reset", "peak_rss_bytes", "rss_bytes"]
+__all__ = ["RankGroup", "RankError", "close_shared_groups", "measuring_group", "shared_group", "timed", "peak_rss_reset",
+           "peak_rss_bytes", "rss_bytes"]
 
 _BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -113,6 +116,11 @@ class RankGroup:
         finally:
             listener.close()
 
+    @property
+    def closed(self) -> bool:
+        """Whether the ranks are gone: closed, or killed after one did not answer or died."""
+        return not self._conns
+
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 1800.0, **kwargs: Any) -> list[Any]:
         """Run the module-level ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
 
@@ -172,6 +180,45 @@ class RankGroup:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+#: This process's shared groups (:func:`shared_group`): (world size, backend) -> group.
+_SHARED: dict[tuple[int, str], RankGroup] = {}
+
+
+def shared_group(world_size: int, *, backend: str = "gloo") -> RankGroup:
+    """This process's group of ``world_size`` ranks on ``backend``: started on first use and reused by
+    every later caller until :func:`close_shared_groups` (or the process's exit) closes it. A group whose
+    ranks are gone (one did not answer or died) is replaced by a fresh one."""
+    group = _SHARED.get((world_size, backend))
+    if group is None or group.closed:
+        group = _SHARED[world_size, backend] = RankGroup(world_size, backend=backend)
+    return group
+
+
+def close_shared_groups() -> None:
+    """Close every shared group (idempotent)."""
+    while _SHARED:
+        _SHARED.popitem()[1].close()
+
+
+atexit.register(close_shared_groups)
+
+
+@contextlib.contextmanager
+def measuring_group(world_size: int, *, backend: str = "gloo") -> Iterator[RankGroup]:
+    """The ranks an asv grid is measured on: ranks of its own, closed at the end, so that what another
+    grid left on them (memory, writer processes, warm caches) is in none of its figures. In quick mode
+    (``BENCH_QUICK``: a run that checks each benchmark works, not its figures) the process's shared group
+    instead: in ``make test`` every grid and the pytest benchmarks then share one group per world size,
+    where each would start its own ranks (an interpreter importing torch apiece)."""
+    from bench import config
+
+    if config.QUICK:
+        yield shared_group(world_size, backend=backend)
+        return
+    with RankGroup(world_size, backend=backend) as group:
+        yield group
 
 
 def _worker_main(argv: list[str]) -> None:
