@@ -319,3 +319,39 @@ def check_after_a_failure(dist: RankContext, impl: Adapter, executor: str, path:
         "AS-4.d": next_save,
         "AS-4.e": staging_resolved,
     })
+
+
+def subgroup_save(dist: RankContext, impl: Adapter, executor: str, group: Any, savers: list[int], path: Path,
+                  fill: float) -> dict[int, str]:
+    """On the ranks ``savers`` only, an async save of a state of their own (replicated among them) over
+    ``group`` (those ranks), waited for; the other ranks call nothing of the implementation, and every
+    rank then meets the others in a collective of the job. Returns each failed saver's error by rank, on
+    every rank (so that every rank fails, none waiting for one that did). An implementation that cannot
+    save over a group it is given is a skip on every rank."""
+    ops = async_ops(impl, executor)
+    error: BaseException | None = None
+    unsupported: str | None = None
+    if dist.rank in savers:
+        try:
+            response = ops.async_save(full_training_state(len(savers), fill), path, process_group=group, executor=executor)  # type: ignore[arg-type]
+        except Unsupported as exc:
+            unsupported = f"{ops.name}: {exc}"
+        except Exception as exc:  # the call's error is the save's
+            error = exc
+        else:
+            error = outcome(response.upload_completion, "the completion future of a subgroup's save", f"rank {dist.rank}")
+    every = dist.all_gather_object((unsupported, None if error is None else f"{type(error).__name__}: {error}"[:600]))
+    reasons = [reason for reason, _ in every if reason]
+    if reasons:
+        pytest.skip(reasons[0])
+    return {rank: failed for rank, (_, failed) in enumerate(every) if failed}
+
+
+def check_next_group_of_the_job(dist: RankContext, when: str) -> None:
+    """A group every rank of the job makes now works: an all-reduce over it sums every rank's value."""
+    group = torch_dist.new_group(list(range(dist.world_size)))
+    value = torch.tensor([float(dist.rank + 1)], device=dist.device)
+    torch_dist.all_reduce(value, group=group)
+    expected = dist.world_size * (dist.world_size + 1) / 2
+    if value.item() != expected:
+        fail(f"an all-reduce over a group of the whole job made {when}", value.item(), expected, f"rank {dist.rank}")

@@ -35,6 +35,8 @@ from conformance.async_support import (
     async_ops,
     async_save,
     check_after_a_failure,
+    check_next_group_of_the_job,
+    full_training_state,
     isolated,
     loaded_state,
     on_every_rank,
@@ -42,6 +44,7 @@ from conformance.async_support import (
     save_and_wait,
     settled_growth,
     signal_writer_processes,
+    subgroup_save,
     train_on,
     training_state,
 )
@@ -521,3 +524,37 @@ def test_shutdown_releases_threads_processes_and_descriptors(dist, impl, executo
         grown = settled_growth(before)
     if grown:
         fail(f"what a round of async saves ({executor}) and a shutdown left", grown, "nothing more than the round before left", f"rank {dist.rank}")
+
+
+# -- AS-8 a save over a subgroup of the job ----------------------------------------------------------------------------
+
+
+@pytest.mark.req("AS-8")
+@pytest.mark.rank_timeout(60)  # a save that waits for ranks outside its group waits until it is cut
+@pytest.mark.largest_world_size
+@pytest.mark.parametrize("executor", EXECUTORS)
+@isolated
+def test_an_async_save_over_a_subgroup_involves_its_ranks_alone(dist, impl, executor: str) -> None:
+    """The first half of the ranks (one pipeline stage, one replica) async-saves over a group of its own,
+    twice, while the other ranks call nothing of the implementation: each save completes, and the
+    checkpoint loads back over that group with the second save's values. An implementation whose
+    background machinery is made collectively by every rank of the job (``new_group`` without local
+    synchronization) waits for ranks that never come."""
+    if dist.world_size < 2:
+        pytest.skip("a subgroup of the job needs two ranks or more")
+    savers = list(range(dist.world_size // 2))
+    group = torch_dist.new_group(savers)  # made by every rank of the job, as new_group asks
+    path = dist.tmp_dir / "stage-0"
+    for fill in (2.0, 3.0):  # the second save reuses what the first made for the group
+        failed = subgroup_save(dist, impl, executor, group, savers, path, fill)
+        if failed:
+            fail(f"an async save over ranks {savers} of {dist.world_size} ({executor}, fill {fill})", failed,
+                 "success on each of them", f"rank {dist.rank}")
+    if dist.rank in savers:
+        target = full_training_state(len(savers), -7.0)
+        checkpoint_ops(impl).load(target, path, process_group=group)
+        assert_same_bits(target, full_training_state(len(savers), 3.0), what=f"the checkpoint ranks {savers} saved over their group")
+    # The job goes on: a group every rank makes next joins them all. (A group the savers made without
+    # local synchronization put their count of groups ahead of the others': the names differ, and the
+    # next group every rank makes meets no one.)
+    check_next_group_of_the_job(dist, "after an async save over a subgroup")
