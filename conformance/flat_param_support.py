@@ -20,7 +20,7 @@ import torch.nn as nn
 from conformance import models
 from conformance.adapters.base import Unsupported
 from conformance.adapters.flat_param import FlatParamInfo, FlatParamOps, ShardInfo
-from conformance.asserts import WRAPPER_SEGMENTS, bits, fail
+from conformance.asserts import WRAPPER_SEGMENTS, assert_bitwise_equal, bits, fail
 from conformance.values import different_like, edge_tensors
 
 __all__ = [
@@ -489,3 +489,18 @@ COPIES: dict[str, Callable[[nn.Module], nn.Module]] = {
     "pickle": lambda model: pickle.loads(pickle.dumps(model)),
     "to-float64": lambda model: model.to(torch.float64),
 }
+
+
+def check_views_after_unflatten(ops: FlatParamOps, wrapped: nn.Module, plain: nn.Module, *, when: str) -> None:
+    """Every parameter of ``plain`` is, at its path in ``wrapped``'s module, a tensor with ``plain``'s
+    values in the memory of the wrapper's flat parameter (FP-16: on exit the views are back)."""
+    flat = flat_of(ops, wrapped)
+    inner = wrapped_module(wrapped)
+    for path, expected in plain.named_parameters():
+        try:
+            value = tensor_at(inner, path)
+        except (AttributeError, AssertionError) as exc:
+            fail(f"{path} {when}", f"{type(exc).__name__}: {exc}", "a view of the flat parameter")
+        if value.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+            fail(f"{path} {when}", "a tensor outside the flat parameter's memory", "a view of the flat parameter")
+        assert_bitwise_equal(value.detach(), expected.detach(), what=when, where=path)

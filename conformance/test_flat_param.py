@@ -62,6 +62,7 @@ from conformance.flat_param_support import (
     assert_same_flat_state,
     bad_flat_inputs,
     bad_keys,
+    check_views_after_unflatten,
     dtype_id,
     even_shards,
     expected_shard,
@@ -694,6 +695,7 @@ def test_failed_direct_load_changes_nothing(ops: FlatParamOps, name: str, proble
 def test_unflatten_params_restores_real_params(ops: FlatParamOps, name: str) -> None:
     plain, wrapped = pair(ops, name)
     before = snapshot(model=wrapped)
+    registered = [(key, id(param)) for key, param in wrapped.named_parameters()]
     with ops.unflatten_params(wrapped):
         inner_flats = flat_params(ops, wrapped_module(wrapped))
         assert bool(inner_flats) == (name == "nested"), "only the wrappers nested inside stay flattened"
@@ -707,6 +709,12 @@ def test_unflatten_params_restores_real_params(ops: FlatParamOps, name: str) -> 
         if name == "mlp":
             assert [k for k, _ in wrapped_module(wrapped).named_parameters()] == [k for k, _ in plain.named_parameters()]
     assert flat_params(ops, wrapped)
+    # The Parameters the body saw are gone again: left registered, an optimizer built after the context
+    # would step them as well as the flat parameter, and the key order of named_parameters() changes.
+    after = [(key, id(param)) for key, param in wrapped.named_parameters()]
+    if after != registered:
+        fail("named_parameters() after leaving unflatten_params() untouched", [key for key, _ in after],
+             f"as before it, the same objects: {[key for key, _ in registered]}")
     assert_unchanged(before, model=wrapped, where="after leaving unflatten_params() untouched")
     x = models.batch(name)
     assert torch.equal(wrapped(x), plain(x))
@@ -731,14 +739,22 @@ def test_changes_inside_unflatten_params_are_kept(ops: FlatParamOps, how: str) -
     x = models.batch("mlp")
     if how == "converted":
         plain.double()
+    else:
+        with torch.no_grad():
+            plain.get_parameter("net.2.weight").mul_(3.0)
+    # Before any forward: every listed name is again a view of the flat parameter, with the change.
+    check_views_after_unflatten(ops, wrapped, plain, when=f"after a change ({how}) inside unflatten_params, before a forward")
+    # A second context sees the change too (an implementation that caches the Parameters it made for
+    # the first would hand back the ones the body replaced).
+    with ops.unflatten_params(wrapped):
+        inside = {name: p.detach().clone() for name, p in wrapped_module(wrapped).named_parameters()}
+    assert_same_state(inside, {n: p.detach() for n, p in plain.named_parameters()}, what=f"a second unflatten_params() after a change ({how})")
+    if how == "converted":
         x = x.double()
         flat = flat_of(ops, wrapped)
         if not (ops.is_flat_param(flat) and flat.dtype == torch.float64):
             fail(".double() inside unflatten_params: the flat parameter after it", f"{type(flat).__name__} of {flat.dtype}",
                  "a flat parameter of torch.float64")
-    else:
-        with torch.no_grad():
-            plain.get_parameter("net.2.weight").mul_(3.0)
     assert_same_state(wrapped.state_dict(), plain.state_dict(), what=f"after a change ({how}) inside unflatten_params")
     assert torch.equal(wrapped(x), plain(x))
 
