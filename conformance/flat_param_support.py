@@ -504,3 +504,17 @@ def check_views_after_unflatten(ops: FlatParamOps, wrapped: nn.Module, plain: nn
         if value.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
             fail(f"{path} {when}", "a tensor outside the flat parameter's memory", "a view of the flat parameter")
         assert_bitwise_equal(value.detach(), expected.detach(), what=when, where=path)
+
+
+def assert_same_versions(got: dict[str, Any], expected: dict[str, Any], *, what: str) -> None:
+    """``got``'s ``_metadata`` (each module's entry, with its ``version``, by path) is ``expected``'s:
+    ``load_state_dict`` hands a module the entry at its path, and modules whose saved format changed
+    (``BatchNorm``'s ``num_batches_tracked``, ``MultiheadAttention``) read their version there to
+    convert an older checkpoint. An entry left under a wrapper's internal path reaches no module."""
+    have, want = getattr(got, "_metadata", None), getattr(expected, "_metadata", None)
+    if have is None or want is None:
+        if (have is None) != (want is None):
+            fail(f"{what}: the state_dict's _metadata", "absent" if have is None else "present", "present" if want is not None else "absent")
+        return
+    if dict(have) != dict(want):
+        fail(f"{what}: the state_dict's _metadata (version entries by module path)", sorted(have), sorted(want))

@@ -60,6 +60,7 @@ from conformance.flat_param_support import (
     UnlistedFirst,
     assert_differs_everywhere,
     assert_same_flat_state,
+    assert_same_versions,
     bad_flat_inputs,
     bad_keys,
     check_views_after_unflatten,
@@ -549,6 +550,7 @@ def test_attributes_and_indexing_fall_through(ops: FlatParamOps) -> None:
 def test_state_dict_has_unwrapped_keys_and_values(ops: FlatParamOps, name: str) -> None:
     plain, wrapped = pair(ops, name)
     assert_same_state(wrapped.state_dict(), plain.state_dict(), what=f"{name} state_dict")
+    assert_same_versions(wrapped.state_dict(), plain.state_dict(), what=f"{name} state_dict")
 
 
 @pytest.mark.req("FP-12")
@@ -559,6 +561,7 @@ def test_state_dict_of_model_containing_wrappers(ops: FlatParamOps, name: str) -
     outer_plain = nn.ModuleDict({"stem": stem, "body": plain})
     outer_wrapped = nn.ModuleDict({"stem": copy.deepcopy(stem), "body": wrapped})
     assert_same_state(outer_wrapped.state_dict(), outer_plain.state_dict(), what=f"{name} inside a ModuleDict")
+    assert_same_versions(outer_wrapped.state_dict(), outer_plain.state_dict(), what=f"{name} inside a ModuleDict")
 
 
 @pytest.mark.req("FP-13", "FP-25")
