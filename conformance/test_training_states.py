@@ -491,3 +491,40 @@ def test_scheduler_state_with_a_counter_round_trips_through_a_checkpoint(impl: A
         for optim, scheduler in ((source_optim, source), (target_optim, target)):
             optim.step()
             scheduler.step()
+
+
+@pytest.mark.req("SD-37")
+@pytest.mark.parametrize("api", ("get", "set"))
+def test_a_parameter_held_by_two_optimizers_is_an_error_naming_it(impl: Any, api: str) -> None:
+    """Two optimizers given together both hold the head (a head trained by a second optimizer too, as
+    an auxiliary loss's optimizer may): a state dict keyed by FQN has one slot per parameter, so a get
+    would keep one optimizer's state of the head and drop the other's, and a set would load one state
+    into both. A get raises ``ValueError`` naming the head's parameters; a set raises it too, or the
+    ``RuntimeError`` of a dict that does not fit (SD-8), naming them, and changes nothing. The same calls
+    with optimizers that do not overlap succeed."""
+    ops: StateDictOps = impl.require("state_dict")
+    model = build(1)
+    trunk = [p for n, p in model.named_parameters() if n.split(".")[0] != "head"]
+    head = [p for n, p in model.named_parameters() if n.split(".")[0] == "head"]
+    apart = [OPTIMIZERS["adamw"]([{"params": trunk}]), OPTIMIZERS["adamw"]([{"params": head}])]
+    overlapping = [OPTIMIZERS["adamw"]([{"params": trunk + head}]), OPTIMIZERS["adamw"]([{"params": head}])]
+    model(batch(7), use_aux=True).pow(2).mean().backward()
+    for optim in (*apart, *overlapping):
+        optim.step()
+    saved = ops.get_optimizer_state_dict(model, apart)  # optimizers that do not overlap: the call works
+    if api == "get":
+        call: Any = lambda: ops.get_optimizer_state_dict(model, overlapping)  # noqa: E731
+    else:
+        ops.set_optimizer_state_dict(model, apart, copy.deepcopy(saved))
+        call = lambda: ops.set_optimizer_state_dict(model, overlapping, copy.deepcopy(saved))  # noqa: E731
+    before = snapshot(model=model, optims=overlapping)
+    error = raised(call)
+    # A set may also find first that the saved groups cannot fit optimizers that overlap (SD-8's error).
+    allowed = (ValueError,) if api == "get" else (ValueError, RuntimeError)
+    if not isinstance(error, allowed):
+        fail(f"{api} with two optimizers that both hold head.weight and head.bias",
+             "a normal return" if error is None else f"{type(error).__name__}: {error}"[:400],
+             f"{' or '.join(t.__name__ for t in allowed)} naming them")
+    if "head.weight" not in str(error) and "head.bias" not in str(error):
+        fail(f"{api} with two optimizers that both hold the head: the error", str(error)[:400], "names head.weight or head.bias")
+    assert_unchanged(before, model=model, optims=overlapping, where=f"after a refused {api}")
