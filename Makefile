@@ -12,11 +12,11 @@ WORLD_SIZE ?= $(if $(TORCHRUN),,$(POOL_WORLD_SIZE))
 POOL_WORLD_SIZE := 1,2
 IMPL       ?=
 PYTEST_ARGS ?=
-# Parts of the tests run at once (--shard K/N, SPEC HX-35). A part spends much of its time waiting: on
-# its ranks, on a rank timeout a test provokes, on a child process. On this 2-core machine three parts
-# keep the cores 94% busy where two left them 86% busy (make test: 563 s where two took 635 s); one
-# part leaves a core idle. JOBS=1 runs one. Under torchrun (TORCHRUN=...) always one.
-JOBS       ?= 3
+# Parts of the tests run at once (--shard K/N, SPEC HX-35): on this 2-core machine two pytest processes
+# keep both cores busy where one leaves one idle (the controller waits on its ranks, a one-rank test
+# uses one core); three were no faster (the longest part 528 s against 522 s). JOBS=1 runs one. Under
+# torchrun (TORCHRUN=...) always one.
+JOBS       ?= 2
 # Adapters whose rank tests are run once more after a segfault (--rerun-crashes, SPEC HX-33): upstream
 # torch's CPU/gloo build segfaults now and then in a gloo thread while DTensor gathers optimizer state.
 # A fork's adapter is not among them (not even one derived from torch's): its crashes fail the run.
