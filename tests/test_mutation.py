@@ -30,6 +30,7 @@ from tools.mutation import (
     sample,
 )
 from tools.mutation_order import ordered
+from tools.mutation_reach import import_graph, module_of, reaches
 
 
 def edits(source: str) -> set[tuple[str, str, str]]:
@@ -341,6 +342,55 @@ def test_a_section_with_a_plain_path_judges_its_survivors_on_it_too(tmp_path: Pa
         (mutant,) = json.loads((out / "report.json").read_text())["mutants"]
         verdicts[declared] = (mutant["status"], mutant["killed_by"].split(":")[0])
     assert verdicts == {False: ("survived", ""), True: ("killed", "plain path")}
+
+
+def test_the_import_graph_follows_absolute_relative_and_package_imports(tmp_path: Path) -> None:
+    files = {
+        "reference/__init__.py": "",
+        "reference/a/__init__.py": "from .core import helper\n",
+        "reference/a/core.py": "import os\n",
+        "reference/b/__init__.py": "",
+        "reference/b/user.py": "from reference.a import helper\nfrom ..c import leaf\n",
+        "reference/c.py": "import reference.a.core as core\n",
+        "reference/d.py": "from . import c\n",
+        "reference/lone.py": "import json\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    graph = import_graph(tmp_path)
+    assert module_of("reference/a/__init__.py") == "reference.a" and module_of("reference/b/user.py") == "reference.b.user"
+    assert graph["reference.a"] == {"reference", "reference.a.core"}
+    assert graph["reference.b.user"] == {"reference", "reference.a", "reference.c"}
+    assert graph["reference.d"] == {"reference", "reference.c"}
+    assert graph["reference.lone"] == set()
+    # user -> a (the package) -> core; d -> c -> core; nothing reaches user; a module does not reach itself.
+    assert reaches(graph, ["reference.b.user"], "reference.a.core") and reaches(graph, ["reference.d"], "reference.a.core")
+    assert not reaches(graph, ["reference.a.core", "reference.lone"], "reference.b.user")
+    assert not reaches(graph, ["reference.c"], "reference.c")
+
+
+def test_a_survivor_is_judged_by_the_other_sections_tests_that_run_its_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A helper of one section that only another section's code calls: its own tests let the mutant
+    survive, the other section's conformance tests kill it, and that is the conformance verdict."""
+    root = tmp_path / "checkout"
+    tiny_checkout(root)
+    (root / "reference" / "user.py").write_text("from reference.calc import unused\n\n\ndef pred(x):\n    return unused(x)\n")
+    (root / "reference" / "other.py").write_text("def same(x):\n    return x\n")
+    (root / "tests" / "test_user.py").write_text("from reference.user import pred\n\n\ndef test_pred():\n    assert pred(3) == 2\n")
+    (root / "tests" / "test_other.py").write_text("def test_nothing():\n    pass\n")
+    own = Section("XX", ("reference/calc.py",), ("tests/test_calc.py",))
+    user = Section("YY", ("reference/user.py",), ("tests/test_user.py",))
+    unrelated = Section("ZZ", ("reference/other.py",), ("tests/test_other.py",))
+    monkeypatch.setattr(mutation, "SECTIONS", {s.name: s for s in (own, user, unrelated)})
+    assert mutation.reaching_tests(root, own, "reference/calc.py") == ["tests/test_user.py"]
+    assert mutation.reaching_tests(root, user, "reference/user.py") == []
+    mutant = next(m for m in mutants_of_file(root, "reference/calc.py") if m.original == "return x - 1" and m.operator == "arith")
+    out = tmp_path / "out"
+    assert mutation.main(["--root", str(root), "--out", str(out), "--sections", "XX", "--mutant", mutant.key, "--rank-timeout", "1",
+                          "--timeout-extra", "8", *WITHOUT_THE_SUITE]) == 0  # fmt: skip
+    (result,) = json.loads((out / "report.json").read_text())["mutants"]
+    assert (result["status"], result["killed_by"]) == ("killed", "other sections' tests: FAILED tests/test_user.py::test_pred")
 
 
 def test_a_verdict_is_reused_only_for_the_tree_it_judged(tmp_path: Path) -> None:

@@ -11,6 +11,9 @@ interrupted run leaves nothing mutated) and judged twice:
 1. by its SPEC section's ``conformance/`` tests alone (:data:`SECTIONS`; ``--impl reference
    --world-size 1,2 -x``), in a fresh pytest process: what a fork running the suite would see. This is
    the suite's power, the figure the report leads with;
+   When they pass, the conformance tests of every other section whose code imports the mutated module
+   (:mod:`tools.mutation_reach`) run too: a fork runs all of ``conformance/``, and FP's
+   ``even_shard_range`` is exercised by OS's sharding, not by FP's tests;
 2. when those pass, by the section's self-tests under ``tests/reference/`` too: what the project's own
    tests add. A mutant the conformance tests catch needs no second run.
 
@@ -55,6 +58,7 @@ from pathlib import Path
 
 from tools.mutants import Mutant, mutants_of_file
 from tools.mutation_order import FIRST_ENV
+from tools.mutation_reach import import_graph, module_of, reaches
 
 __all__ = [
     "SECTIONS",
@@ -165,6 +169,19 @@ STAGES = ("conformance", "self-tests")
 PLAIN_PATH_ENV = {"SDC_REFERENCE_FAST_PATHS": "0"}
 
 STATUSES = ("killed", "survived", "timeout", "equivalent", "error")
+
+
+def reaching_tests(root: Path, section: Section, path: str, sections: Iterable[Section] | None = None) -> list[str]:
+    """The conformance files of the other sections whose code imports ``path`` (directly or not), less
+    ``section``'s own: the rest of ``conformance/`` that can run a mutant of ``path``."""
+    graph = import_graph(root)
+    target = module_of(path)
+    own = set(section.test_files(root))
+    out: list[str] = []
+    for other in SECTIONS.values() if sections is None else sections:
+        if other.name != section.name and reaches(graph, (module_of(p) for p in other.source_files(root)), target):
+            out += [f for f in other.test_files(root) if f not in own and f not in out]
+    return out
 
 
 def _expand(root: Path, patterns: Iterable[str]) -> list[str]:
@@ -358,11 +375,13 @@ class Runner:
         #: Section -> its conformance tests that killed mutants, with how many (tools.mutation_order).
         self.killers: dict[str, Counter[str]] = {}
 
-    def command(self, section: Section, scratch: Path, stage: str = "conformance") -> list[str]:
+    def command(self, section: Section, scratch: Path, stage: str = "conformance", files: Sequence[str] | None = None) -> list[str]:
+        """The pytest command of one stage of ``section`` (or of ``files``, run as that section's)."""
         # The ordering plugin comes from the scratch copy, like everything the run imports (a checkout
         # without it runs its tests in collection order).
         order = ["-p", "tools.mutation_order"] if (scratch / "tools" / "mutation_order.py").is_file() else []
-        return [sys.executable, "-m", "pytest", *section.test_files(scratch, stage), *PYTEST_ARGS, *order, *self.pytest_args]
+        tests = section.test_files(scratch, stage) if files is None else list(files)
+        return [sys.executable, "-m", "pytest", *tests, *PYTEST_ARGS, *order, *self.pytest_args]
 
     def learn(self, result: Result) -> None:
         """Remember the test that killed ``result`` (a ``FAILED <nodeid>`` line) so it runs first next time."""
@@ -378,9 +397,17 @@ class Runner:
             path.write_text("".join(f"{nodeid}\n" for nodeid, _ in known.most_common()), encoding="utf-8")
         return path
 
-    def pytest(self, section: Section, scratch: Path, timeout: float | None, stage: str = "conformance",
-               extra_env: dict[str, str] | None = None) -> tuple[int | None, str, float]:
-        """(exit status or None on timeout, output, seconds) of one stage of the section's tests on ``scratch``."""
+    def pytest(
+        self,
+        section: Section,
+        scratch: Path,
+        timeout: float | None,
+        stage: str = "conformance",
+        extra_env: dict[str, str] | None = None,
+        files: Sequence[str] | None = None,
+    ) -> tuple[int | None, str, float]:
+        """(exit status or None on timeout, output, seconds) of one stage of the section's tests (or of
+        ``files``) on ``scratch``."""
         env = {**os.environ, **(extra_env or {})}
         env["PYTHONDONTWRITEBYTECODE"] = "1"  # a mutant written in the same second must not hit a stale .pyc
         env["PYTHONPATH"] = os.pathsep.join([str(scratch), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -389,7 +416,7 @@ class Runner:
         log = scratch / ".mutation-run.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                self.command(section, scratch, stage),
+                self.command(section, scratch, stage, files),
                 cwd=scratch,
                 env=env,
                 stdout=out,
@@ -426,11 +453,14 @@ class Runner:
         limits: dict[str, float] | float,
         fingerprints: Fingerprints | str,
         known: Result | None = None,
+        reaching: Sequence[str] = (),
     ) -> Result:
-        """Judge ``mutant`` by the section's conformance tests (unless ``known`` is that verdict already),
-        then, if they pass, by its self-tests. ``limits``: seconds per stage (one number: both)."""
+        """Judge ``mutant`` by the section's conformance tests (unless ``known`` is that verdict already)
+        and, if they pass, by ``reaching`` (other sections' conformance files that run its code, limited
+        by ``limits["reaching"]``), then, if those pass too, by its self-tests. ``limits``: seconds per
+        stage (one number: every stage)."""
         if not isinstance(limits, dict):
-            limits = {stage: limits for stage in STAGES}
+            limits = {stage: limits for stage in (*STAGES, "reaching")}
         if not isinstance(fingerprints, Fingerprints):
             fingerprints = Fingerprints(fingerprints, fingerprints)
         target = (scratch / mutant.path).resolve()
@@ -446,6 +476,10 @@ class Runner:
                     rc, output, plain_seconds = self.pytest(section, scratch, limits["conformance"], extra_env=PLAIN_PATH_ENV)
                     seconds += plain_seconds
                     killed_by = f"plain path: {_why(rc, output, limits['conformance'])}" if rc != 0 else ""
+                if rc == 0 and reaching:
+                    rc, output, reach_seconds = self.pytest(section, scratch, limits["reaching"], files=reaching)
+                    seconds += reach_seconds
+                    killed_by = f"other sections' tests: {_why(rc, output, limits['reaching'])}" if rc != 0 else ""
                 result = Result.of(mutant, section.name, _verdict(rc), seconds=seconds, fingerprint=fingerprints.conformance,
                                    killed_by=killed_by)  # fmt: skip
             else:
@@ -706,7 +740,8 @@ class _Plan:
     verdict already known, when only the self-tests are to run), and the results already known
     (equivalent, or from the journal)."""
 
-    todo: list[tuple[Mutant, Section, dict[str, float], Result | None]] = field(default_factory=list)
+    #: (mutant, its section, seconds per stage, its conformance verdict if known, other sections' files)
+    todo: list[tuple[Mutant, Section, dict[str, float], Result | None, tuple[str, ...]]] = field(default_factory=list)
     results: list[Result] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     broken: list[str] = field(default_factory=list)  # sections whose unmutated run failed
@@ -766,14 +801,30 @@ def _plan(
                 break
             limits[stage] = args.timeout_factor * seconds + extra
         else:
+            reaching = {m.path: tuple(reaching_tests(scratch, s, m.path)) for m, known in pending if known is None}
+            union = sorted({f for files in reaching.values() for f in files})
+            if union:
+                _log(f"[{s.name}] unmutated run of the other sections' conformance tests that reach its code: {' '.join(union)}")
+                rc, output, seconds = runner.pytest(s, scratch, timeout=1800, files=union)
+                if rc == 0:
+                    limits["reaching"] = args.timeout_factor * seconds + extra
+                else:
+                    tail = "\n".join(output.strip().splitlines()[-25:])
+                    _log(f"[{s.name}] the other sections' conformance tests do not pass unmutated (exit {rc}):\n{tail}")
+                    plan.notes.append(f"{s.name}: the other sections' conformance tests failed unmutated (exit {rc}); "
+                                      "its mutants were judged by its own alone")  # fmt: skip
+                    reaching = {}
             shown = ", ".join(f"{stage} {limit:.0f}s" for stage, limit in limits.items())
             _log(f"[{s.name}] unmutated runs passed; {len(pending)} mutants, limits: {shown}")
-            plan.todo += [(m, s, limits, known) for m, known in pending]
+            plan.todo += [(m, s, limits, known, reaching.get(m.path, ())) for m, known in pending]
     return plan
 
 
 def _run_mutants(
-    runner: Runner, todo: list[tuple[Mutant, Section, dict[str, float], Result | None]], scratches: list[Path], journal: Path,
+    runner: Runner,
+    todo: list[tuple[Mutant, Section, dict[str, float], Result | None, tuple[str, ...]]],
+    scratches: list[Path],
+    journal: Path,
     fingerprints: Fingerprints,
 ) -> Iterator[Result]:
     """Run ``todo``, one job per scratch copy at a time, yielding each result as it finishes (and
@@ -785,9 +836,10 @@ def _run_mutants(
         try:
             while queue or running:
                 while queue and free:
-                    mutant, section, limits, known = queue.pop(0)
+                    mutant, section, limits, known, reaching = queue.pop(0)
                     scratch = free.pop(0)
-                    running[pool.submit(runner.run_mutant, mutant, section, scratch, limits, fingerprints, known)] = scratch
+                    job = pool.submit(runner.run_mutant, mutant, section, scratch, limits, fingerprints, known, reaching)
+                    running[job] = scratch
                 finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
                 for fut in finished:
                     free.append(running.pop(fut))
@@ -932,6 +984,7 @@ def _run(
             _log("kill rate under " + f"{args.fail_under:g}%: " + ", ".join(f"{s.name} {_pct(s.kill_rate)}" for s in low))
             return 1
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
