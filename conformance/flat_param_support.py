@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conformance import models
+from conformance import fqn, models
 from conformance.adapters.base import Unsupported
 from conformance.adapters.flat_param import FlatParamInfo, FlatParamOps, ShardInfo
 from conformance.asserts import WRAPPER_SEGMENTS, assert_bitwise_equal, bits, fail
@@ -58,6 +58,9 @@ __all__ = [
     "inside_container",
     "bad_keys",
     "reshaped",
+    "ReadsItsChild",
+    "under_wrapper_segments",
+    "wrap_across_a_wrapper",
     "FAILED_LOAD_KEYS",
     "UnlistedFirst",
     "Boom",
@@ -100,6 +103,16 @@ def _wrap_nested(ops: FlatParamOps, model: nn.Module) -> nn.Module:
     block.inner = ops.wrap(block.inner, list(block.inner.parameters()))
     model.add_module("1", ops.wrap(block, list(block.proj.parameters())))
     return ops.wrap(model, list(getattr(model, "10").parameters()))
+
+
+def wrap_across_a_wrapper(ops: FlatParamOps, model: nn.Module) -> nn.Module:
+    """The "nested" zoo model with block "1" wrapped around its ``proj`` alone, and the root wrapper
+    listing ``1.inner``'s parameters, which then sit inside block "1"'s wrapper (under its wrapped
+    module's path segment), beside block "10"'s."""
+    block = getattr(model, "1")
+    across = list(block.inner.parameters())
+    model.add_module("1", ops.wrap(block, list(block.proj.parameters())))
+    return ops.wrap(model, across + list(getattr(model, "10").parameters()))
 
 
 def _wrap_by_requires_grad(ops: FlatParamOps, model: nn.Module) -> nn.Module:
@@ -380,6 +393,15 @@ def bad_keys(ops: FlatParamOps, model: nn.Module, prefix: str) -> tuple[list[str
     return dropped, list(dict.fromkeys([prefix + "surplus", *beside]))
 
 
+def under_wrapper_segments(key: str) -> list[str]:
+    """``key`` with a wrapper's path segment (each one the suite knows) put in at every depth:
+    ``1.proj.w`` -> ``_fpw_module.1.proj.w``, ``1._fpw_module.proj.w``, ``1.proj._fpw_module.w``. The
+    unwrapped model has no such key, so a wrapped one must report it unexpected too, not load it into
+    the module it wraps."""
+    parts = key.split(".")
+    return [".".join([*parts[:i], segment, *parts[i:]]) for segment in fqn.WRAPPER_SEGMENTS for i in range(len(parts))]
+
+
 def reshaped(value: torch.Tensor) -> torch.Tensor:
     """``value`` with its elements in another shape: a loader that writes by element count (straight
     into the flat parameter) accepts it, one that checks shapes does not."""
@@ -414,6 +436,54 @@ class UnlistedFirst(nn.Module):
 
 class Boom(Exception):
     pass
+
+
+class _RaisesWhenArmed(nn.Module):
+    """A module whose extra state raises :class:`Boom` while ``armed`` (once), counting the raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.arange(2.0) - 5)
+        self.armed, self.raised = False, 0
+
+    def get_extra_state(self) -> str:
+        if self.armed:
+            self.armed, self.raised = False, self.raised + 1
+            raise Boom("extra state not ready")
+        return "ready"
+
+    def set_extra_state(self, state: Any) -> None:
+        pass
+
+
+class ReadsItsChild(nn.Module):
+    """A module whose extra state tries its child's ``state_dict()`` first and falls back when that
+    raises (the child's extra state is not ready), as an export that tries a submodule does: a
+    ``state_dict`` call that raises and is caught inside another's walk.
+
+    ``ReadsItsChild(wrap)`` wraps the child around its linear layer with ``wrap``; the root model is
+    ``nn.Sequential(ReadsItsChild, nn.Linear)``, whose linear layer the root wrapper lists."""
+
+    def __init__(self, wrap: Callable[[nn.Module, list[nn.Parameter]], nn.Module] | None = None) -> None:
+        super().__init__()
+        child = nn.Sequential(nn.Linear(2, 3), _RaisesWhenArmed())
+        flaky = child[1]
+        assert isinstance(flaky, _RaisesWhenArmed)
+        self.__dict__["flaky"] = flaky  # reached directly, not through the wrapper; not registered twice
+        self.sub = child if wrap is None else wrap(child, list(child[0].parameters()))
+
+    flaky: _RaisesWhenArmed
+
+    def get_extra_state(self) -> str:
+        self.flaky.armed = True
+        try:
+            self.sub.state_dict()
+        except Boom:
+            return "fallback"
+        return "read"
+
+    def set_extra_state(self, state: Any) -> None:
+        pass
 
 
 # -- FP-18, FP-19: bad wrapper input ------------------------------------------------------------------

@@ -54,6 +54,7 @@ from conformance.flat_param_support import (
     BufferTied,
     EdgeParams,
     EmptyViewOfUnlisted,
+    ReadsItsChild,
     SharedStorage,
     StorageTied,
     ThreeViews,
@@ -88,7 +89,9 @@ from conformance.flat_param_support import (
     shard_or_skip,
     target_unlike,
     tensor_at,
+    under_wrapper_segments,
     unlike,
+    wrap_across_a_wrapper,
     wrapped_module,
     zoo_flat,
 )
@@ -112,6 +115,22 @@ def test_flat_param_concatenates_params_in_order(ops: FlatParamOps, requires_gra
     info = ops.info(flat)
     assert info.shapes == (torch.Size([3, 4]), torch.Size([5]), torch.Size([2, 1, 3]))
     assert info.numels == (12, 5, 6)
+
+
+@pytest.mark.req("FP-1", "FP-6", "FP-12")
+def test_parameters_inside_a_nested_wrapper_are_named_as_unwrapped(ops: FlatParamOps) -> None:
+    """A wrapper that lists parameters inside another wrapper names them as the unwrapped model does,
+    without the inner wrapper's path segment, each name the parameter its view holds."""
+    plain, wrapped = models.build("nested", seed=0), wrap_across_a_wrapper(ops, models.build("nested", seed=0))
+    flat = flat_of(ops, wrapped)
+    names = ops.info(flat).names
+    expected = {n for n, _ in plain.named_parameters() if n.startswith(("1.inner.", "10."))}
+    assert set(names) == expected and len(names) == len(expected), f"flat parameter names {names}, expected {sorted(expected)}"
+    for name, view in zip(names, ops.param_views(flat)):
+        assert_bitwise_equal(view.detach(), plain.get_parameter(name).detach(), what=f"the view named {name}")
+    assert_same_state(wrapped.state_dict(), plain.state_dict(), what="state_dict of a wrapper listing parameters inside another")
+    x = models.batch("nested")
+    assert_bitwise_equal(wrapped(x), plain(x), what="output")
 
 
 @pytest.mark.req("FP-1", "FP-2", "FP-24")
@@ -609,14 +628,39 @@ def test_load_round_trips_with_unwrapped(ops: FlatParamOps, name: str, where: st
         assert_same_state(back.state_dict(), unwrapped_source.state_dict(), what=f"unwrapped {what} loaded from wrapped")
 
 
+@pytest.mark.req("FP-12")
+def test_a_state_dict_that_raised_inside_another_leaves_its_keys_unwrapped(ops: FlatParamOps) -> None:
+    """A module's extra state tries a wrapped child's ``state_dict()``, which raises and is caught:
+    the enclosing call, and the next ones, still have exactly the unwrapped model's keys and values.
+    An implementation that tracks the running calls (to rename each key once) must not take the
+    failed call's leftovers for an enclosing wrapper."""
+
+    def build(wrap: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(ReadsItsChild(ops.wrap if wrap else None), nn.Linear(3, 2))
+        return ops.wrap(model, list(model[1].parameters())) if wrap else model
+
+    plain, wrapped = build(False), build(True)
+    want = plain.state_dict()
+    for call in range(2):
+        reader = next(m for m in wrapped.modules() if isinstance(m, ReadsItsChild))
+        got = wrapped.state_dict()
+        assert reader.flaky.raised == call + 1, "the child's state_dict did not raise inside the call"
+        assert_same_state(got, want, what=f"state_dict call {call + 1} after a state_dict inside it raised")
+
+
 @pytest.mark.req("FP-13")
 @pytest.mark.parametrize("name", ["mlp", "nested", "buffers", "dtypes"])
 def test_non_strict_load_reports_like_unwrapped(ops: FlatParamOps, name: str) -> None:
     """A partial, over-full non-strict load into targets unlike the source: the entries given are
-    loaded, the others keep the target's values, exactly as in the unwrapped model."""
+    loaded, the others keep the target's values, exactly as in the unwrapped model. The surplus
+    includes each left-out entry under a wrapper's internal path (``1._fpw_module.proj.weight``):
+    unexpected for the unwrapped model, so for the wrapped one too, and loaded nowhere."""
     source = models.build(name, seed=1).state_dict()
     partial = {k: v for i, (k, v) in enumerate(source.items()) if i % 2 == 0}
     partial["extra.weight"] = torch.zeros(1)
+    for key in list(source)[1::2]:
+        partial.update(dict.fromkeys(under_wrapper_segments(key), source[key]))
     plain = target_unlike(name, source, seed=0)
     wrapped = WRAPPINGS[name](ops, target_unlike(name, source, seed=0))
     want = plain.load_state_dict(dict(partial), strict=False)

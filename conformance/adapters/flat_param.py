@@ -141,9 +141,9 @@ class FairscaleFlatParamOps:
 
     Differences in API only (not behaviour) are bridged here: fairscale keeps a list ``flat_params``
     (one per parameter group; we always pass one group) registered as ``flat_param_0``, and its
-    metadata names start with the wrapper's own ``_fpw_module.`` segment. It has no shard metadata
-    at all, which is a missing feature (skip), not a deviation. Behavioural deviations are in
-    ``conformance/xfails/fairscale.txt``.
+    metadata names carry the ``_fpw_module`` segment of the wrapper and of every wrapper inside it.
+    It has no shard metadata at all, which is a missing feature (skip), not a deviation. Behavioural
+    deviations are in ``conformance/xfails/fairscale.txt``.
     """
 
     def make_flat_param(self, params: Sequence[Tensor], requires_grad: bool = True) -> nn.Parameter:
@@ -163,9 +163,11 @@ class FairscaleFlatParamOps:
         names, shapes, numels = flat_param.metadata()  # type: ignore[attr-defined]
         if not names:  # a FlatParameter made outside a wrapper has no names in fairscale
             names = [""] * len(shapes)
-        # fairscale names parameters from the wrapper (`_fpw_module.net.0.weight`); the protocol
-        # names them from the wrapped module, as the state_dict does.
-        names = [n[len(_FPW_SEGMENT):] if n.startswith(_FPW_SEGMENT) else n for n in names]
+        # fairscale names parameters by their module path from the wrapper (`_fpw_module.net.0.weight`,
+        # with the segment of every wrapper nested inside too); the protocol names them as the
+        # state_dict does. fairscale's own FSDP drops those segments the same way where it uses the
+        # names (`_clean_path`, for the metadata of consolidated checkpoints).
+        names = [".".join(part for part in n.split(".") if part != _FPW_SEGMENT.rstrip(".")) for n in names]
         return FlatParamInfo(tuple(names), tuple(torch.Size(s) for s in shapes), tuple(numels))
 
     def shard(self, flat_param: nn.Parameter, start: int, end: int, num_padded: int) -> ShardInfo:

@@ -61,7 +61,10 @@ class _LoadFrame(NamedTuple):
 class _SaveFrame:
     """A wrapper whose ``state_dict`` is running, as its post-hook needs to know (see _post_state_dict)."""
 
-    module_id: int  # id() of the wrapper (an id, so that a frame left by an error holds no module)
+    # A weak reference: a frame left by an error holds no module, and a wrapper created later at the
+    # same address (an id() reused) is never taken for the one that left it.
+    wrapper: weakref.ref[nn.Module]
+    prefix: str  # the wrapper's prefix in this call, e.g. "encoder."
     inner: str  # the prefix of its hidden child in this call, e.g. "encoder._fpw_module."
     hidden: list[str] = field(default_factory=list)  # hidden-child prefixes of wrappers inside, left to it
 
@@ -157,7 +160,7 @@ def register_prefix_hooks(wrapper: nn.Module, child_name: str) -> PrefixHookHand
 
 
 def _pre_state_dict(child_name: str, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    _save_frames().append(_SaveFrame(id(module), prefix + child_name + "."))
+    _save_frames().append(_SaveFrame(weakref.ref(module), prefix, prefix + child_name + "."))
 
 
 def _post_state_dict(
@@ -168,14 +171,14 @@ def _post_state_dict(
     # Invariant (nn.Module.state_dict): pre-hook, subtree, post-hook, so this wrapper's frame is the
     # top one, unless a state_dict call inside the subtree raised and was caught (its frames are
     # above ours: drop them). No frame of ours: the hook was called by hand; rename alone.
-    mine = next((i for i in range(len(frames) - 1, -1, -1) if frames[i].module_id == id(module)), None)
+    mine = next((i for i in range(len(frames) - 1, -1, -1) if frames[i].wrapper() is module), None)
     hidden = [inner]
     if mine is not None and frames[mine].inner == inner:
         hidden += frames[mine].hidden
         del frames[mine:]
-    # Inside an enclosing wrapper's hidden child (our prefix starts with its hidden prefix) in the
-    # same call: leave the renaming to it, so that every key is renamed once, not once per level.
-    if frames and prefix.startswith(frames[-1].inner):
+    # Inside an enclosing wrapper's hidden child in the same call: leave the renaming to it, so that
+    # every key is renamed once, not once per level.
+    if frames and _encloses(frames[-1], module, prefix):
         frames[-1].hidden.extend(hidden)
         return
     if len(hidden) == 1:
@@ -197,6 +200,28 @@ def _post_state_dict(
             return own_path if path + "." == inner else rename(path + ".")[:-1]
 
         _rename_tail(metadata, prefix, rename_path, first=own_path, collisions_ok=True)
+
+
+def _encloses(frame: _SaveFrame, module: nn.Module, prefix: str) -> bool:
+    """Whether ``frame`` is a wrapper whose running ``state_dict`` holds ``module`` at ``prefix``, inside
+    its hidden child.
+
+    A prefix alone cannot tell: prefixes are relative to the module a ``state_dict`` call started at,
+    and a frame may be left by a call that raised and was caught (a module's ``get_extra_state`` that
+    reads a wrapped child's ``state_dict``). That frame's hidden prefix may well start ``prefix``, yet
+    its wrapper's post-hook never runs: keys left to it would keep their hidden segments. So the
+    module must also be the frame's wrapper's submodule at the path between them; the path is the
+    distance to the nearest enclosing wrapper, so the check costs that path's length.
+    """
+    if not prefix.startswith(frame.inner):
+        return False
+    owner = frame.wrapper()
+    if owner is None:
+        return False
+    try:
+        return owner.get_submodule(prefix[len(frame.prefix) : -1]) is module
+    except AttributeError:
+        return False
 
 
 def _clean_prefixes(hidden: list[str]) -> dict[str, str]:
