@@ -12,11 +12,12 @@ import pickle
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from conformance.checkpoint_support import in_checkpoint, no_record
-from conformance.dcp_files import dcp_directory
+from conformance.dcp_files import dcp_directory, read_metadata
 
 __all__ = [
     "extension_for_exec",
@@ -26,6 +27,7 @@ __all__ = [
     "crafted_pickle",
     "crafted_record",
     "replace_record",
+    "repacked_record",
     "RAN_ENV",
 ]
 
@@ -138,6 +140,41 @@ def crafted_record(route: str, code: str) -> bytes:
                         "dot-dot": f"{folder}/../data.pkl"}[route]
                 archive.writestr(name, payload)
     return out.getvalue()
+
+
+def repacked_record(path: Path, fqn: str, offset: tuple[int, ...] | None = None) -> bytes:
+    """The record of ``fqn`` (the chunk at ``offset``) in the checkpoint at ``path``, written again as
+    zip tools write an archive: every entry with an extra field (Info-ZIP's extended timestamp, which
+    ``zip`` adds; a zip64 record of 4 GiB and more carries one too) in its local header and in the
+    central directory, and a comment. The same members and bytes: ``torch.load`` reads it alike."""
+    import io
+    import zipfile
+
+    for index, info in read_metadata(path).storage_data.items():
+        if index.fqn == fqn and (offset is None or tuple(index.offset) == offset):
+            with open(dcp_directory(path) / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                record = f.read(info.length)
+            break
+    else:
+        no_record(path, fqn, offset)
+    source = zipfile.ZipFile(io.BytesIO(record))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
+        for number, info in enumerate(source.infolist()):
+            entry = zipfile.ZipInfo(info.filename, date_time=(2026, 1, 1, 0, 0, 0))
+            entry.extra = struct.pack("<HHBI", 0x5455, 5, 1, 1767225600 + number)  # "UT": flags, mtime
+            entry.comment = f"entry {number}".encode()
+            archive.writestr(entry, _member_bytes(record, info))
+    return out.getvalue()
+
+
+def _member_bytes(record: bytes, info: Any) -> bytes:
+    """The stored bytes of zip member ``info`` of ``record``, read from its local header on: records
+    may carry no CRC-32 (``zipfile``'s reader would refuse them), and every record member is stored."""
+    name_len, extra_len = struct.unpack_from("<HH", record, info.header_offset + 26)
+    start = info.header_offset + 30 + name_len + extra_len
+    return record[start : start + info.compress_size]
 
 
 def replace_record(path: Path, fqn: str, data: bytes, offset: tuple[int, ...] | None = None) -> str:
