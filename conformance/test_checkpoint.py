@@ -1063,36 +1063,6 @@ def test_a_save_that_changes_one_property_of_its_layout_holds_its_own(dist, impl
         check(directory, second, step, after="every save")
 
 
-@pytest.mark.dcp_files("the records are DCP's torch.save archives, written again by a zip tool")
-@pytest.mark.req("ML-28")
-@pytest.mark.rank_timeout(30)
-def test_a_record_written_again_by_a_zip_tool_loads_as_torch_reads_it(dist, impl) -> None:
-    """The records of a replicated tensor, of the last rank's shard of a sharded one and of a value,
-    each written again with an extra field and a comment on every entry (as ``zip`` writes them; a
-    zip64 record carries an extra field too): every rank loads what was saved, as ``torch.load`` of
-    the same bytes does."""
-    ops = checkpoint_ops(impl)
-    group = group_of(dist)
-    path = dist.tmp_dir / "ckpt"
-    full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(7))
-    saved_b = torch.arange(5.0) - 2.5
-    ops.save({"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "b": saved_b, "note": "saved"}, path, process_group=group)
-    dist.barrier()
-
-    def repack() -> None:
-        for key, offset in (("b", None), ("w", (4 * (dist.world_size - 1), 0)), ("note", None)):
-            record = repacked_record(path, key, offset)
-            torch.load(io.BytesIO(record), weights_only=True)  # the oracle: torch reads the repacked record
-            replace_record(path, key, record, offset)
-
-    dist.on_one_rank(repack)
-    sd: dict[str, Any] = {"w": dtensor_of(torch.zeros_like(full), dist.mesh(), [Shard(0)]), "b": different_like(saved_b), "note": ""}
-    ops.load(sd, path, process_group=group)
-    assert_bitwise_equal(sd["b"], saved_b, what=f"b on rank {dist.rank}")
-    assert_bitwise_equal(sd["w"].to_local(), full.chunk(dist.world_size)[dist.rank], what=f"w's shard on rank {dist.rank}")
-    assert sd["note"] == "saved", f"note on rank {dist.rank}: {sd['note']!r}"
-
-
 #: (what is crafted, the route, who reads it). ``object``: the record of the non-tensor value ``note``
 #: (asked for by every rank, or by the last only); ``tensor``: the record of the replicated tensor ``b``
 #: (every rank reads it) or of the last rank's shard of ``w`` (only that rank reads it); ``metadata``:
@@ -1159,3 +1129,33 @@ def test_a_crafted_checkpoint_runs_no_code(dist, impl, target: str, route: str, 
             lambda: fails_alike(dist, lambda: reraise(exc), keys=(key,) if key else (), needles=needles, what=what),
         "ML-27.c": lambda: assert_unchanged(before, state_dict=checked(), where=f"rank {dist.rank}"),
     })
+
+
+@pytest.mark.dcp_files("the records are DCP's torch.save archives, written again by a zip tool")
+@pytest.mark.req("ML-28")
+@pytest.mark.rank_timeout(30)
+def test_a_record_written_again_by_a_zip_tool_loads_as_torch_reads_it(dist, impl) -> None:
+    """The records of a replicated tensor, of the last rank's shard of a sharded one and of a value,
+    each written again with an extra field and a comment on every entry (as ``zip`` writes them; a
+    zip64 record carries an extra field too): every rank loads what was saved, as ``torch.load`` of
+    the same bytes does."""
+    ops = checkpoint_ops(impl)
+    group = group_of(dist)
+    path = dist.tmp_dir / "ckpt"
+    full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(7))
+    saved_b = torch.arange(5.0) - 2.5
+    ops.save({"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "b": saved_b, "note": "saved"}, path, process_group=group)
+    dist.barrier()
+
+    def repack() -> None:
+        for key, offset in (("b", None), ("w", (4 * (dist.world_size - 1), 0)), ("note", None)):
+            record = repacked_record(path, key, offset)
+            torch.load(io.BytesIO(record), weights_only=True)  # the oracle: torch reads the repacked record
+            replace_record(path, key, record, offset)
+
+    dist.on_one_rank(repack)
+    sd: dict[str, Any] = {"w": dtensor_of(torch.zeros_like(full), dist.mesh(), [Shard(0)]), "b": different_like(saved_b), "note": ""}
+    ops.load(sd, path, process_group=group)
+    assert_bitwise_equal(sd["b"], saved_b, what=f"b on rank {dist.rank}")
+    assert_bitwise_equal(sd["w"].to_local(), full.chunk(dist.world_size)[dist.rank], what=f"w's shard on rank {dist.rank}")
+    assert sd["note"] == "saved", f"note on rank {dist.rank}: {sd['note']!r}"
