@@ -38,6 +38,12 @@ class Defect:
 
 DEFECTS: tuple[Defect, ...] = (
     Defect(
+        "caught-state-dict-taken-for-an-enclosing-wrapper", "the reference's own, fixed at 83b1358 (SPEC FP-12)",
+        "reference/flat_param/prefix_hooks.py",
+        "    if frames and _encloses(frames[-1], module, prefix):\n", "    if frames and prefix.startswith(frames[-1].inner):\n",
+        "raised_inside_another", test_file="conformance/test_flat_param.py",
+    ),
+    Defect(
         "uniform-cast-misses-the-plan-cache-key", "pytorch/pytorch PR #147343, PR #148577 (SPEC ML-30)",
         "reference/checkpoint/plan_cache.py",
         "    return _digest((packed, list(paths.items())))\n", "    return _digest((packed[0], list(paths.items())))\n",
