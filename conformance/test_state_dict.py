@@ -53,6 +53,7 @@ from conformance.asserts import (
     snapshot,
 )
 from conformance.compare import fqn_keyed_optim, on_cpu
+from conformance.flat_param_support import WRAPPINGS
 from conformance.fqn import canonical_fqn
 from conformance.harness.context import RankContext
 from conformance.state_dict_sharded_support import (
@@ -273,6 +274,29 @@ def test_submodules_select_entries(impl: Adapter, name: str, paths: tuple[str, .
     with recording_deprecations(ops):
         got = ops.get_model_state_dict(wrapped, submodules=submodules)
     assert_same_state(got, expected, what=f"entries selected by {paths}")
+
+
+#: Selections in the "nested" model wrapped three deep by the implementation's own flat wrapper: the
+#: module a wrapper wraps ("1", "1.inner", the root), one whose parameters the root wrapper flattened.
+OWN_FLAT_SELECTIONS = [("1",), ("1.inner",), ("10",), ("1", "10.proj"), ("",)]
+
+
+@pytest.mark.req("SD-4")
+@pytest.mark.parametrize("paths", OWN_FLAT_SELECTIONS, ids=["+".join(p) or "root" for p in OWN_FLAT_SELECTIONS])
+def test_submodules_select_entries_under_the_implementations_own_flat_wrapper(impl: Adapter, paths: tuple[str, ...]) -> None:
+    """A model wrapped by the implementation's own FlatParameter wrapper (its FP capability), three
+    deep: selecting a module a wrapper wraps, or one inside it, selects the entries the unwrapped
+    model has there, the flattened ones included. The implementation's state_dict functions must see
+    through its own wrapper's path segment, as through torch's."""
+    ops = sd_ops(impl)
+    flat = impl.require("flat_param")
+    model = zoo.build("nested")
+    expected = {k: v.clone() for k, v in model.state_dict().items() if k in select_keys(model, paths)}
+    submodules = {model.get_submodule(p) for p in paths}  # resolved before wrapping: the user's modules
+    wrapped = WRAPPINGS["nested"](flat, model)
+    with recording_deprecations(ops):
+        got = ops.get_model_state_dict(wrapped, submodules=submodules)
+    assert_same_state(got, expected, what=f"entries selected by {paths} under the implementation's flat wrappers")
 
 
 @pytest.mark.req("SD-4")
