@@ -12,8 +12,8 @@ interrupted run leaves nothing mutated) and judged twice:
    --world-size 1,2 -x``), in a fresh pytest process: what a fork running the suite would see. This is
    the suite's power, the figure the report leads with;
    When they pass, the conformance tests of every other section whose code imports the mutated module
-   (:mod:`tools.mutation_reach`) run too: a fork runs all of ``conformance/``, and FP's
-   ``even_shard_range`` is exercised by OS's sharding, not by FP's tests;
+   (:mod:`tools.mutation_reach`) run too: a fork runs all of ``conformance/``, and the FlatParameter
+   wrapper's registration with the canonical-FQN rule matters only to SD's submodule selection;
 2. when those pass, by the section's self-tests under ``tests/reference/`` too: what the project's own
    tests add. A mutant the conformance tests catch needs no second run.
 

@@ -2,12 +2,12 @@
 mutant by every conformance test that can run its code, not only its own section's.
 
 A section's mutant is judged first by its section's conformance tests. Its code may also run under
-another section's tests: ``reference/fsdp/sharding.py`` (OS) shards with
-``reference/flat_param/wrapper.py``'s ``even_shard_range`` (FP), so a fork with that helper wrong fails
-OS tests although FP's pass. A fork runs all of ``conformance/``; a mutant any of it catches is caught
-for the fork. The graph is read from the ``import`` statements (``ast``, nothing is imported), so it
-over-approximates: an import under ``TYPE_CHECKING`` counts, and a module imported but never called
-only costs the time of tests that will pass.
+another section's tests: ``reference/flat_param/wrapper.py`` (FP) registers its wrapper's path segment
+with the canonical-FQN rule, which only SD's submodule selection reads, so a fork with that wrong
+fails an SD test although FP's pass. A fork runs all of ``conformance/``; a mutant any of it catches
+is caught for the fork. The graph is read from the ``import`` statements (``ast``: nothing is
+imported), so it over-approximates: an import under ``TYPE_CHECKING`` counts, and a module imported
+but never called only costs the time of tests that will pass.
 """
 
 from __future__ import annotations
