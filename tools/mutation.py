@@ -171,10 +171,12 @@ PLAIN_PATH_ENV = {"SDC_REFERENCE_FAST_PATHS": "0"}
 STATUSES = ("killed", "survived", "timeout", "equivalent", "error")
 
 
-def reaching_tests(root: Path, section: Section, path: str, sections: Iterable[Section] | None = None) -> list[str]:
+def reaching_tests(root: Path, section: Section, path: str, sections: Iterable[Section] | None = None,
+                   graph: dict[str, set[str]] | None = None) -> list[str]:
     """The conformance files of the other sections whose code imports ``path`` (directly or not), less
-    ``section``'s own: the rest of ``conformance/`` that can run a mutant of ``path``."""
-    graph = import_graph(root)
+    ``section``'s own: the rest of ``conformance/`` that can run a mutant of ``path``. ``graph``: the
+    import graph of ``root`` when the caller has it (:func:`tools.mutation_reach.import_graph`)."""
+    graph = import_graph(root) if graph is None else graph
     target = module_of(path)
     own = set(section.test_files(root))
     out: list[str] = []
@@ -801,7 +803,10 @@ def _plan(
                 break
             limits[stage] = args.timeout_factor * seconds + extra
         else:
-            reaching = {m.path: tuple(reaching_tests(scratch, s, m.path)) for m, known in pending if known is None}
+            # One parse of reference/ for the section, one lookup per mutated file (not per mutant).
+            graph = import_graph(scratch)
+            paths = {m.path for m, known in pending if known is None}
+            reaching = {path: tuple(reaching_tests(scratch, s, path, graph=graph)) for path in paths}
             union = sorted({f for files in reaching.values() for f in files})
             if union:
                 _log(f"[{s.name}] unmutated run of the other sections' conformance tests that reach its code: {' '.join(union)}")
