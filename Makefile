@@ -113,7 +113,7 @@ STACKS_WORLD_SIZE ?= 1,2
 stacks: setup
 	TORCH_SPEC="$(TORCH_SPEC)" $(PY) -m tools.stacks run $(foreach s,$(subst $(comma), ,$(STACKS)),--stack $(s)) --world-size $(STACKS_WORLD_SIZE) $(if $(PYTEST_ARGS),-- $(PYTEST_ARGS),)
 
-# The suite STRESS_RUNS times with fresh random examples under glibc's heap checks (MALLOC_CHECK_=3,
+# The suite STRESS_RUNS times with fresh random examples under glibc's heap checks (its per-thread cache off,
 # MALLOC_PERTURB_): reports every test that failed in any run; exits non-zero if one did.
 STRESS_RUNS ?= 5
 stress: setup

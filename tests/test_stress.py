@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,3 +39,23 @@ def test_a_failure_in_one_run_fails_the_loop(tmp_path: Path, capsys: pytest.Capt
     out = capsys.readouterr().out
     assert code == 1
     assert "failed in runs [1, 2] of 2" in out and "boom" in out
+
+
+def test_the_heap_checks_catch_a_write_past_a_blocks_end_at_its_free() -> None:
+    """Under :func:`stress.heap_check_env` a one-byte overflow of a malloc'd block aborts the process at
+    the block's ``free``, naming the corruption; with glibc's defaults (its per-thread cache on) the
+    same program goes on past the ``free`` as if nothing happened, and a stress run would have called
+    a corrupting test clean."""
+    overflow = ("import ctypes; libc = ctypes.CDLL(None); libc.malloc.restype = ctypes.c_void_p; "
+                "p = libc.malloc(1000); ctypes.memset(p, 0x5a, 1001); libc.free(ctypes.c_void_p(p)); print('freed', flush=True)")
+    plain = subprocess.run([sys.executable, "-c", overflow], env={k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_"))},
+                           capture_output=True, text=True)
+    checked = subprocess.run([sys.executable, "-c", overflow], env=stress.heap_check_env(165), capture_output=True, text=True)
+    assert "freed" in plain.stdout, plain.stderr
+    assert checked.returncode == -signal.SIGABRT and "freed" not in checked.stdout, (checked.returncode, checked.stdout, checked.stderr)
+    assert "free(): " in checked.stderr or "corruption" in checked.stderr, checked.stderr
+
+
+def test_heap_check_env_keeps_the_environments_other_tunables() -> None:
+    env = stress.heap_check_env(7, {"LD_PRELOAD": "libx.so", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=7:glibc.malloc.arena_max=2"})
+    assert env == {"LD_PRELOAD": "libx.so", "GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{stress.NO_TCACHE}", "MALLOC_PERTURB_": "7", "MALLOC_CHECK_": "3"}

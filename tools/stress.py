@@ -3,10 +3,11 @@ report every test that failed in any run (a flaky test, or memory corrupted at a
 on timing or layout, fails some runs only).
 
 Each run is ``pytest conformance tests`` with the ``stress`` hypothesis profile and its own
-``--hypothesis-seed``, under ``MALLOC_CHECK_=3`` (abort on a detected heap inconsistency) and
-``MALLOC_PERTURB_`` set to a different byte each run (freed and fresh memory filled with it, so a use
-after free or an uninitialised read sees garbage). Rank processes inherit the environment. A rank
-killed by an abort shows as a failed test ("the rank process died (signal 6)").
+``--hypothesis-seed``, under glibc's heap checks (:func:`heap_check_env`: abort on a detected heap
+inconsistency, a write past a block's end among them) and ``MALLOC_PERTURB_`` set to a different byte
+each run (freed and fresh memory filled with it, so a use after free or an uninitialised read sees
+garbage). Rank processes inherit the environment. A rank killed by an abort shows as a failed test ("the rank
+process died (signal 6)").
 
     python -m tools.stress --runs 5 [--world-size 1,2] [--impl reference] [--profile thorough] [-- pytest args]
 
@@ -25,9 +26,15 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Failure", "failures_of", "main"]
+__all__ = ["Failure", "failures_of", "heap_check_env", "main"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+#: glibc's per-thread cache hands a freed block back without looking at its neighbours, so a write
+#: past a block's end goes unseen until the block's memory is consolidated, often at exit or never.
+#: With the cache off every free checks the block and the next one's header, at the free. (Since
+#: glibc 2.34 ``MALLOC_CHECK_`` does nothing unless ``libc_malloc_debug.so`` is preloaded, which was
+#: no better here at finding an overflow and made the suite several times slower: the cache is the check.)
+NO_TCACHE = "glibc.malloc.tcache_count=0"
 
 
 @dataclass
@@ -49,6 +56,17 @@ def failures_of(junit_xml: Path) -> dict[str, str]:
                 name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
                 out[name] = (node.get("message") or (node.text or "")).strip().splitlines()[0][:200] if (node.get("message") or node.text) else tag
     return out
+
+
+def heap_check_env(perturb: int, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default: this process's) with glibc's heap checks on: the per-thread cache off
+    (:data:`NO_TCACHE`, added to any other ``GLIBC_TUNABLES``), ``MALLOC_CHECK_=3`` (glibc before 2.34)
+    and ``MALLOC_PERTURB_=perturb``."""
+    env = dict(os.environ if environ is None else environ)
+    env.update({"MALLOC_CHECK_": "3", "MALLOC_PERTURB_": str(perturb)})
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.tcache_count=")]
+    env["GLIBC_TUNABLES"] = ":".join([*tunables, NO_TCACHE])
+    return env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                    "--hypothesis-profile", args.profile, f"--hypothesis-seed={seed}", f"--junitxml={xml}", "-q", "-p", "no:cacheprovider"]
         if args.impl:
             command += ["--impl", args.impl]
-        env = {**os.environ, "MALLOC_CHECK_": "3", "MALLOC_PERTURB_": str(perturb)}
+        env = heap_check_env(perturb)
         print(f"run {run}/{args.runs}: hypothesis seed {seed}, MALLOC_PERTURB_={perturb}", flush=True)
         done = subprocess.run(command, cwd=REPO_ROOT, env=env)
         if not xml.exists():
