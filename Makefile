@@ -18,7 +18,8 @@ PYTEST_ARGS ?=
 # torchrun (TORCHRUN=...) always one.
 JOBS       ?= 2
 # Adapters whose rank tests are run once more after a segfault (--rerun-crashes, SPEC HX-33): upstream
-# torch's CPU/gloo build segfaults now and then in a gloo thread while DTensor gathers optimizer state.
+# torch's CPU/gloo build segfaults now and then in a gloo thread while DTensor gathers optimizer state,
+# or aborts there on glibc's "malloc(): unaligned tcache chunk detected".
 # A fork's adapter is not among them (not even one derived from torch's): its crashes fail the run.
 # `make test RERUN_CRASHES=` turns it off; `make stress` never reruns.
 RERUN_CRASHES ?= torch,torch-fsdp2

@@ -600,6 +600,25 @@ def test_crashes_always(dist, impl):
     _attempt(dist, f"always-{impl.name}", crash_on=(1, 2, 3))
 
 
+def _abort_once(dist, name, message):
+    """Rank 0 writes ``message`` to its stderr, as glibc does, and aborts, on the first run only."""
+    log = Path(__file__).parent / f"attempts-{name}-{dist.rank}"
+    with log.open("a") as f:
+        f.write("run\\n")
+    if dist.rank == 0 and len(log.read_text().splitlines()) == 1:
+        os.write(2, message.encode())
+        os.abort()
+    dist.barrier()
+
+
+def test_heap_abort_once(dist, impl):
+    _abort_once(dist, f"heap-{impl.name}", "malloc(): unaligned tcache chunk detected\\n")
+
+
+def test_plain_abort_once(dist, impl):
+    _abort_once(dist, f"abort-{impl.name}", "terminate called after throwing an instance of 'gloo::EnforceNotMet'\\n")
+
+
 def test_killed(dist, impl):
     if dist.rank == 0:
         _attempt(dist, f"killed-{impl.name}", crash_on=())
@@ -624,10 +643,11 @@ def _runs(suite: pytest.Pytester, name: str) -> int:
 
 @pytest.mark.req("HX-33")
 def test_rerun_crashes_reruns_a_segfault_of_the_named_adapter_once_and_reports_it(suite: pytest.Pytester) -> None:
-    """``--rerun-crashes upstream``: a segfault in a test of ``upstream`` runs the test once more on a
-    fresh pool, whose outcome counts; the crash is listed in the summary and the JSON report. A crash
-    on the second run too fails with both runs; SIGKILL, a crash its known deviation pins, and every
-    test of an adapter derived from ``upstream`` are not rerun."""
+    """``--rerun-crashes upstream``: a segfault in a test of ``upstream``, or glibc's abort on a corrupt
+    heap, runs the test once more on a fresh pool, whose outcome counts; the crash is listed in the
+    summary and the JSON report. A crash on the second run too fails with both runs; SIGKILL, any other
+    abort, a crash its known deviation pins, and every test of an adapter derived from ``upstream``
+    are not rerun."""
     suite.makepyfile(crash_adapters=CRASH_ADAPTERS, test_crashes=CRASHES)
     xfails = suite.path / "xfails.txt"
     xfails.write_text("test_crashes.py::test_pinned_crash  raises=DIED ranks=0  # dies of SIGSEGV\n")
@@ -636,31 +656,37 @@ def test_rerun_crashes_reruns_a_segfault_of_the_named_adapter_once_and_reports_i
         "--rerun-crashes", "upstream", "--xfails", str(xfails), "--report-json", "out.json",
     )
     out = result.stdout.str()
-    # upstream: once passes on its rerun; always and killed fail; pinned is xfailed. fork: once,
-    # always and killed fail on their first run; pinned is xfailed. test_after passes for both.
-    result.assert_outcomes(passed=3, failed=5, xfailed=2)
+    # upstream: once and heap pass on their rerun; always, killed and abort fail; pinned is xfailed.
+    # fork: once, always, killed, heap and abort fail on their first run; pinned is xfailed.
+    # test_after passes for both.
+    result.assert_outcomes(passed=4, failed=8, xfailed=2)
     assert "test_crashes_once[ws2-upstream] PASSED" in out and "test_crashes_once[ws2-fork] FAILED" in out
-    runs = {name: _runs(suite, name) for name in ("once-upstream", "always-upstream", "pinned-upstream", "once-fork", "always-fork")}
-    assert runs == {"once-upstream": 2, "always-upstream": 2, "pinned-upstream": 1, "once-fork": 1, "always-fork": 1}, runs
+    assert "test_heap_abort_once[ws2-upstream] PASSED" in out and "test_plain_abort_once[ws2-upstream] FAILED" in out
+    names = ("once-upstream", "always-upstream", "pinned-upstream", "once-fork", "always-fork", "heap-upstream", "abort-upstream", "heap-fork")
+    runs = {name: _runs(suite, name) for name in names}
+    assert runs == {"once-upstream": 2, "always-upstream": 2, "pinned-upstream": 1, "once-fork": 1, "always-fork": 1,
+                    "heap-upstream": 2, "abort-upstream": 1, "heap-fork": 1}, runs
     assert len((suite.path / "attempts-killed-upstream-0").read_text().splitlines()) == 1  # SIGKILL: no rerun
     summary = out[out.index("crashes rerun (--rerun-crashes)") : out.index("short test summary info")]
     assert "test_crashes_once[ws2-upstream]: rank 0 signal 11" in summary, summary
     assert "test_crashes_always[ws2-upstream]: rank 0 signal 11" in summary, summary
+    assert "test_heap_abort_once[ws2-upstream]: rank 0 signal 6" in summary and "unaligned tcache chunk" in summary, summary
     assert "Fatal Python error: Segmentation fault" in summary and "in _attempt" in summary  # the rank's stack
-    assert "fork]" not in summary and "pinned" not in summary and "killed" not in summary, summary
+    assert "fork]" not in summary and "pinned" not in summary and "killed" not in summary and "plain_abort" not in summary, summary
     assert "the test was run twice (--rerun-crashes): first run" in out  # the failed rerun shows the first run
     payload = json.loads((suite.path / "out.json").read_text())
     crashed = {test_id for test_id, record in payload["tests"].items() if record.get("crashes")}
-    assert crashed == {"test_crashes.py::test_crashes_once[ws2-upstream]", "test_crashes.py::test_crashes_always[ws2-upstream]"}, crashed
+    assert crashed == {"test_crashes.py::test_crashes_once[ws2-upstream]", "test_crashes.py::test_crashes_always[ws2-upstream]",
+                       "test_crashes.py::test_heap_abort_once[ws2-upstream]"}, crashed
 
 
 @pytest.mark.req("HX-33")
 def test_without_rerun_crashes_a_segfault_fails_its_test(suite: pytest.Pytester) -> None:
-    """The default: no adapter's crash is rerun."""
+    """The default: no adapter's crash is rerun, a segfault or a heap abort."""
     suite.makepyfile(crash_adapters=CRASH_ADAPTERS, test_crashes=CRASHES)
-    result = run_suite(suite, "--world-size", "2", "--impl", "crash_adapters:UpstreamAdapter", "-k", "once or after")
-    result.assert_outcomes(passed=1, failed=1)
-    assert _runs(suite, "once-upstream") == 1
+    result = run_suite(suite, "--world-size", "2", "--impl", "crash_adapters:UpstreamAdapter", "-k", "crashes_once or heap_abort or after")
+    result.assert_outcomes(passed=1, failed=2)
+    assert _runs(suite, "once-upstream") == 1 and _runs(suite, "heap-upstream") == 1
     assert "crashes rerun" not in result.stdout.str()
 
 

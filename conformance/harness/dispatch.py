@@ -8,6 +8,7 @@ fixtures stay in the plugin, where pytest finds them."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import tempfile
@@ -30,6 +31,7 @@ __all__ = [
     "ENTRY",
     "RANK_FAILURES",
     "ITEM_CRASHES",
+    "GLIBC_HEAP_ERROR",
     "MEMORY_ERROR_SIGNALS",
     "CRASH_OUTPUT_LINES",
     "item_reqs",
@@ -72,8 +74,16 @@ ITEM_CRASHES = pytest.StashKey[list[dict[str, Any]]]()
 #: Signals of a native memory error (the only deaths ``--rerun-crashes`` reruns): a segfault is
 #: the sign of a use-after-free or a race in native code, which another run may not meet; an exit
 #: code, SIGKILL (the OOM killer) or SIGABRT (gloo's checks on a mismatched collective, an assertion)
-#: is what the code decided, and repeats.
+#: is what the code decided, and repeats, except for the abort below.
 MEMORY_ERROR_SIGNALS = (signal.SIGSEGV, signal.SIGBUS)
+#: What glibc writes to stderr before it aborts a process whose heap it found corrupt (malloc.c's
+#: ``malloc_printerr``): the same memory error as a segfault, met at the allocator's next check
+#: instead of at a bad address. torch's CPU/gloo build dies both ways (in a gloo thread, while DTensor
+#: gathers: "malloc(): unaligned tcache chunk detected").
+GLIBC_HEAP_ERROR = re.compile(
+    r"\b(?:malloc|free|realloc|malloc_consolidate|munmap_chunk|tcache_thread_shutdown|_int_malloc|_int_free)\(\): [a-z]"
+    r"|double free or corruption|corrupted size vs\. prev_size|corrupted double-linked list"
+)
 #: Lines of a crashed rank's output kept with its record (faulthandler's stacks end there).
 CRASH_OUTPUT_LINES = 60
 
@@ -236,8 +246,12 @@ def run_on_ranks(
 # -- --rerun-crashes: an intermittent native crash of an adapter the suite does not test -------------
 
 
-def memory_error(code: int | None) -> bool:
-    return code is not None and code < 0 and -code in MEMORY_ERROR_SIGNALS
+def memory_error(code: int | None, output: str = "") -> bool:
+    """Whether a rank that ended with ``code`` (its exit status) having written ``output`` during the
+    test died of a native memory error: a segfault or bus error, or glibc's abort on a corrupt heap."""
+    if code is None or code >= 0:
+        return False
+    return -code in MEMORY_ERROR_SIGNALS or (-code == signal.SIGABRT and GLIBC_HEAP_ERROR.search(output) is not None)
 
 
 def crash_to_rerun(config: pytest.Config, item: pytest.Item, run: RankRun, timeout_s: float) -> bool:
@@ -250,7 +264,7 @@ def crash_to_rerun(config: pytest.Config, item: pytest.Item, run: RankRun, timeo
         return False
     if not config.stash[SESSION].runner.contains_crashes:  # a dead rank ended the run: nothing reruns
         return False
-    if not any(memory_error(code) for code in run.died.values()):
+    if not any(memory_error(code, run.output.get(rank, "")) for rank, code in run.died.items()):
         return False
     entry = item.stash.get(ENTRY, None)
     if entry is None:

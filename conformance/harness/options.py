@@ -44,7 +44,8 @@ def add_options(parser: pytest.Parser) -> None:
         default=[],
         metavar="NAMES",
         help="adapter names (Adapter.name; comma-separated or repeated) whose rank tests are run once more on a fresh pool "
-        "when a rank dies of SIGSEGV or SIGBUS that its known deviation does not pin (an intermittent crash in "
+        "when a rank dies of SIGSEGV, SIGBUS or glibc's abort on a corrupt heap that its known deviation does not pin "
+        "(an intermittent crash in "
         "native code the suite does not test, e.g. upstream torch's); every such crash is still listed in the "
         "summary and the JSON report. Default none: every crash fails its test",
     )
