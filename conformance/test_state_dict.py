@@ -439,7 +439,11 @@ def test_sharded_submodule_keyed_load(dist: RankContext, impl: Adapter, path: st
 
 
 @pytest.mark.req("SD-7")
-def test_nonstrict_partial_load_reports_keys(impl: Adapter) -> None:
+@pytest.mark.parametrize("call", ("set_model_state_dict", "set_state_dict"))
+def test_nonstrict_partial_load_reports_keys(impl: Adapter, call: str) -> None:
+    """A partial, over-full model state dict loaded non-strict, alone or beside an optimizer state dict
+    (``set_state_dict`` reports the model's keys as ``set_model_state_dict`` does): the given entries
+    load, the others stay, and the result names exactly the keys left out and the keys added."""
     ops = sd_ops(impl)
     source, target = zoo.build("nested", seed=0), zoo.build("nested", seed=1)
     make_differ(target, source)
@@ -448,9 +452,16 @@ def test_nonstrict_partial_load_reports_keys(impl: Adapter) -> None:
     dropped = keys[::2]
     given = {k: v.clone() for k, v in source.state_dict().items() if k not in dropped}
     extra = {"1.inner.0.extra": torch.ones(2), "11.weight": torch.ones(3)}
-    result = ops.set_model_state_dict(target, {**copy.deepcopy(given), **extra}, options=ops.options(strict=False))
-    assert sorted(result.missing_keys) == sorted(dropped)
-    assert sorted(result.unexpected_keys) == sorted(extra)
+    model_sd, options = {**copy.deepcopy(given), **extra}, ops.options(strict=False)
+    if call == "set_model_state_dict":
+        result = ops.set_model_state_dict(target, model_sd, options=options)
+    else:
+        optim = torch.optim.SGD(target.parameters(), lr=0.1)
+        optim_sd = ops.get_optimizer_state_dict(target, optim)
+        result = ops.set_state_dict(target, optim, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+    reported = (sorted(getattr(result, "missing_keys", ["<no missing_keys>"])), sorted(getattr(result, "unexpected_keys", ["<no unexpected_keys>"])))
+    if reported != (sorted(dropped), sorted(extra)):
+        fail(f"{call}: the keys a non-strict load reports (missing, unexpected)", reported, (sorted(dropped), sorted(extra)))
     after = target.state_dict()
     assert_same_state({k: after[k] for k in given}, given, what="given entries")
     assert_same_state({k: after[k] for k in dropped}, {k: before[k] for k in dropped}, what="entries not given")

@@ -315,16 +315,18 @@ def test_optimizers_own_state_dict_loads(impl: Any, kind: str) -> None:
 
 
 #: Ways an id-keyed dict does not fit the optimizers it is given with.
-ID_KEYED_MISFITS = ("other-groups", "two-optimizers")
+ID_KEYED_MISFITS = ("other-groups", "one-group-more", "two-optimizers")
 
 
 @pytest.mark.req("SD-32")
 @pytest.mark.parametrize("misfit", ID_KEYED_MISFITS)
 def test_optimizers_own_state_dict_that_does_not_fit_changes_nothing(impl: Any, misfit: str) -> None:
-    """An id-keyed dict whose groups do not fit the optimizer (one group for the target's two), or given
-    with two optimizers (its ids name positions in one: the dict of the first, which would load into it,
-    given with both) is refused with a ``ValueError`` or ``RuntimeError``, and neither optimizer nor the
-    model changes; the same dict given with an optimizer it fits loads."""
+    """An id-keyed dict whose groups do not fit the optimizer (one group for the target's two; or two
+    groups that fit the target's first two, which has a third, empty one: matching groups pairwise
+    until one list ends would load it), or given with two optimizers (its ids name positions in one:
+    the dict of the first, which would load into it, given with both) is refused with a ``ValueError``
+    or ``RuntimeError``, and neither optimizer nor the model changes; the same dict given with an
+    optimizer it fits loads."""
     ops: StateDictOps = impl.require("state_dict")
     target_model = build(1)
     trunk = [p for n, p in target_model.named_parameters() if "head" not in n.split(".")]
@@ -335,6 +337,15 @@ def test_optimizers_own_state_dict_that_does_not_fit_changes_nothing(impl: Any, 
         given = source.optim.state_dict()
         fits = (source.model, source.optim)
         optims: list[torch.optim.Optimizer] = [OPTIMIZERS["adamw"]([{"params": trunk + head}])]
+    elif misfit == "one-group-more":
+        twin = build(2)
+        twin_optim = OPTIMIZERS["adamw"]([{"params": [p for n, p in twin.named_parameters() if "head" not in n.split(".")]},
+                                          {"params": [p for n, p in twin.named_parameters() if "head" in n.split(".")]}])
+        twin(batch(3), use_aux=True).pow(2).mean().backward()
+        twin_optim.step()
+        given = twin_optim.state_dict()
+        fits = (twin, twin_optim)
+        optims = [OPTIMIZERS["adamw"]([{"params": trunk}, {"params": head}, {"params": []}])]
     else:
         # The first optimizer's own dict, from another seed's model: alone, that optimizer takes it.
         twin = build(2)
