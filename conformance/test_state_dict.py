@@ -309,6 +309,19 @@ def test_submodule_not_in_model_is_an_error(impl: Adapter) -> None:
                      what="get with a submodule that is not part of the model")
 
 
+@pytest.mark.req("SD-4")
+@pytest.mark.parametrize("entry", ("path", "parameter"))
+def test_submodules_entry_that_is_no_module_is_an_error(impl: Adapter, entry: str) -> None:
+    """``submodules={"1"}`` (a module's path, as a user may write it) or ``{model.1.proj.weight}`` selects
+    nothing a module would: an error naming the entry's type, never the whole model's entries or none."""
+    ops = sd_ops(impl)
+    model = zoo.build("nested")
+    given = "1" if entry == "path" else model.get_parameter("1.proj.weight")
+    with recording_deprecations(ops):
+        expect_error(lambda: ops.get_model_state_dict(model, submodules={given}), (TypeError, ValueError),
+                     needles=[type(given).__name__], what=f"get with submodules={{{entry}}}")
+
+
 @pytest.mark.req("SD-4", "SD-5")
 @pytest.mark.parametrize("keep", (True, False), ids=("keep-prefixes", "strip-prefixes"))
 @pytest.mark.parametrize("path", ("1", "10", "1.inner"))
