@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 from typing import Any
 
 import pytest
@@ -1155,3 +1156,42 @@ def test_sharded_on_a_subgroup_without_global_rank0(dist: RankContext, impl: Ada
     assert_same_optim(got_optim, everywhere[1], "optimizer after a broadcast from the group's first rank", where=where)
     assert_same_state(hyperparameters(target_optim), [{k: v for k, v in g.items() if k != "params"} for g in everywhere[1]["param_groups"]],
                       what="the optimizer's own param groups after the broadcast", where=where)
+
+
+#: What a trainer calls, and a set that fails (a strict set with a key the model lacks).
+GC_CALLS = ("get_model", "get_optimizer", "get_both", "set_model", "set_optimizer", "set_both", "failing_set")
+
+
+@pytest.mark.req("SD-38")
+@pytest.mark.parametrize("collector", ("enabled", "disabled"))
+@pytest.mark.parametrize("call", GC_CALLS)
+def test_calls_leave_the_garbage_collector_as_the_caller_had_it(impl: Adapter, call: str, collector: str) -> None:
+    """An implementation may pause Python's cyclic garbage collector while it builds dicts of many
+    tensors; after the call, returned or raised, the collector is as the caller had it: still enabled,
+    or still disabled (torchtitan trains with it disabled and collects by hand, on every rank at once)."""
+    ops = sd_ops(impl)
+    pair = plain_pair("nested")
+    model_sd = copy.deepcopy(ops.get_model_state_dict(pair.source))
+    optim_sd = copy.deepcopy(ops.get_optimizer_state_dict(pair.source, pair.source_optim))
+    calls: dict[str, Any] = {
+        "get_model": lambda: ops.get_model_state_dict(pair.target),
+        "get_optimizer": lambda: ops.get_optimizer_state_dict(pair.target, pair.target_optim),
+        "get_both": lambda: ops.get_state_dict(pair.target, pair.target_optim),
+        "set_model": lambda: ops.set_model_state_dict(pair.target, model_sd),
+        "set_optimizer": lambda: ops.set_optimizer_state_dict(pair.target, pair.target_optim, optim_sd),
+        "set_both": lambda: ops.set_state_dict(pair.target, pair.target_optim, model_state_dict=model_sd, optim_state_dict=optim_sd),
+        "failing_set": lambda: ops.set_model_state_dict(pair.target, {**model_sd, "ghost.weight": torch.ones(1)},
+                                                        options=ops.options(strict=True)),
+    }
+    caller_had = gc.isenabled()
+    try:
+        gc.enable() if collector == "enabled" else gc.disable()
+        error = raised(calls[call])
+        after = gc.isenabled()
+    finally:
+        gc.enable() if caller_had else gc.disable()
+    if (error is None) != (call != "failing_set"):
+        fail(call, "a normal return" if error is None else f"{type(error).__name__}: {error}"[:400],
+             "an error (a key the model lacks, strict)" if call == "failing_set" else "a normal return")
+    if after != (collector == "enabled"):
+        fail(f"the garbage collector after {call}", "enabled" if after else "disabled", f"{collector}, as the caller had it")
