@@ -317,7 +317,7 @@ def test_submodules_entry_that_is_no_module_is_an_error(impl: Adapter, entry: st
     nothing a module would: an error naming the entry's type, never the whole model's entries or none."""
     ops = sd_ops(impl)
     model = zoo.build("nested")
-    given = "1" if entry == "path" else model.get_parameter("1.proj.weight")
+    given: Any = "1" if entry == "path" else model.get_parameter("1.proj.weight")
     with recording_deprecations(ops):
         expect_error(lambda: ops.get_model_state_dict(model, submodules={given}), (TypeError, ValueError),
                      needles=[type(given).__name__], what=f"get with submodules={{{entry}}}")
