@@ -267,17 +267,24 @@ def test_set_while_parameters_hold_gradients_loads_the_state(impl: Any) -> None:
 @pytest.mark.req("SD-27")
 def test_loaded_state_shares_no_tensor_with_the_given_dict(impl: Any) -> None:
     """In pytorch/pytorch#196083 the loaded state aliased the source's tensors in one process, so two
-    optimizers stepped one state."""
+    optimizers stepped one state. Each entry also holds what other optimizers keep beside tensors (as
+    LBFGS does): a list of tensors, whose tensors must not be shared either, and a Python int."""
     ops: StateDictOps = impl.require("state_dict")
     source, saved = trained_source(impl)
+    for entry in saved["state"].values():
+        entry["history"] = [entry["exp_avg"] * 2, entry["exp_avg_sq"] * 3]
+        entry["evaluations"] = 7
     expected = copy.deepcopy(fqn_keyed_optim(source.model, source.optim))
+    for fqn, entry in expected["state"].items():
+        entry.update(copy.deepcopy({k: saved["state"][fqn][k] for k in ("history", "evaluations")}))
     target = make_run(impl, None, "adamw", 1, use_orig_params=None)
     ops.set_optimizer_state_dict(target.model, target.optim, saved)  # the get's own dict, not a copy
     source.step(3, "cpu", use_aux=True)
     for entry in saved["state"].values():
         for value in entry.values():
-            if isinstance(value, torch.Tensor):
-                value.add_(1.0)
+            for tensor in value if isinstance(value, list) else [value]:
+                if isinstance(tensor, torch.Tensor):
+                    tensor.add_(1.0)
     assert_same_state(fqn_keyed_optim(target.model, target.optim)["state"], expected["state"],
                       what="the target's optimizer state after the source stepped and the given dict changed", check_order=False)
 
