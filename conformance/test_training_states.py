@@ -322,7 +322,7 @@ def test_optimizers_own_state_dict_loads(impl: Any, kind: str) -> None:
 
 
 #: Ways an id-keyed dict does not fit the optimizers it is given with.
-ID_KEYED_MISFITS = ("other-groups", "one-group-more", "two-optimizers")
+ID_KEYED_MISFITS = ("other-groups", "one-group-more", "an-fqn-among-ids", "two-optimizers")
 
 
 @pytest.mark.req("SD-32")
@@ -330,20 +330,32 @@ ID_KEYED_MISFITS = ("other-groups", "one-group-more", "two-optimizers")
 def test_optimizers_own_state_dict_that_does_not_fit_changes_nothing(impl: Any, misfit: str) -> None:
     """An id-keyed dict whose groups do not fit the optimizer (one group for the target's two; or two
     groups that fit the target's first two, which has a third, empty one: matching groups pairwise
-    until one list ends would load it), or given with two optimizers (its ids name positions in one:
-    the dict of the first, which would load into it, given with both) is refused with a ``ValueError``
-    or ``RuntimeError``, and neither optimizer nor the model changes; the same dict given with an
-    optimizer it fits loads."""
+    until one list ends would load it; or one id written as its parameter's FQN, a dict mixing the two
+    forms), or given with two optimizers (its ids name positions in one: the dict of the first, which
+    would load into it, given with both) is refused with a ``ValueError`` or ``RuntimeError``, and
+    neither optimizer nor the model changes; the same dict (the mixed one before its id was written
+    over) given with an optimizer it fits loads."""
     ops: StateDictOps = impl.require("state_dict")
     target_model = build(1)
     trunk = [p for n, p in target_model.named_parameters() if "head" not in n.split(".")]
     head = [p for n, p in target_model.named_parameters() if "head" in n.split(".")]
+    fitting: dict[str, Any] = {}
     if misfit == "other-groups":
         source = make_run(impl, None, "adamw", 0, use_orig_params=None)
         source.step(0, "cpu", use_aux=True)
         given = source.optim.state_dict()
         fits = (source.model, source.optim)
         optims: list[torch.optim.Optimizer] = [OPTIMIZERS["adamw"]([{"params": trunk + head}])]
+    elif misfit == "an-fqn-among-ids":
+        # The target's own dict with one id of its first group written as that parameter's FQN.
+        source = make_run(impl, None, "adamw", 0, use_orig_params=None)
+        source.step(0, "cpu", use_aux=True)
+        fits = (source.model, source.optim)
+        fitting = source.optim.state_dict()
+        optims = [OPTIMIZERS["adamw"]([{"params": trunk}, {"params": head}])]
+        given = copy.deepcopy(fitting)
+        given["param_groups"][0]["params"][0] = next(n for n, p in source.model.named_parameters()
+                                                     if p is source.optim.param_groups[0]["params"][0])
     elif misfit == "one-group-more":
         twin = build(2)
         twin_optim = OPTIMIZERS["adamw"]([{"params": [p for n, p in twin.named_parameters() if "head" not in n.split(".")]},
@@ -366,7 +378,7 @@ def test_optimizers_own_state_dict_that_does_not_fit_changes_nothing(impl: Any, 
     for optim in optims:
         optim.step()
     with clause("SD-32.a"):  # the same dict loads where it fits: a set that refuses everything does not pass
-        ops.set_optimizer_state_dict(*fits, copy.deepcopy(given))
+        ops.set_optimizer_state_dict(*fits, copy.deepcopy(fitting if misfit == "an-fqn-among-ids" else given))
     before = snapshot(model=target_model, optims=optims)
     exc = raised(lambda: ops.set_optimizer_state_dict(target_model, optims if len(optims) > 1 else optims[0], copy.deepcopy(given)))
     where = f"id-keyed dict, {misfit}"
