@@ -380,6 +380,7 @@ ERROR_CLAUSES = {
     "SD-10": ("SD-10.a", "SD-10.b"),
     "SD-14": ("SD-14.a", "SD-14.b"),
     "SD-33": ("SD-33.a", "SD-33.b"),
+    "SD-39": ("SD-39.a", "SD-39.b"),
 }
 
 ERROR_CASES = {
@@ -397,6 +398,8 @@ ERROR_CASES = {
         # Adam's state of one trainable parameter dropped, the parameter still listed in its group.
         ErrorCase("optim-state-missing", "SD-33", "nested", "optim", RuntimeError, key="1.proj.weight"),
         ErrorCase("broadcast-options", "SD-14", "nested", "options", ValueError, needle="full_state_dict"),
+        # No optimizer state dict at all: its "param_groups" left out (a trainer's own dict, or part of one).
+        ErrorCase("optim-malformed", "SD-39", "nested", "optim", ValueError, key="param_groups"),
     )
 }
 
@@ -432,6 +435,8 @@ def break_input(case: ErrorCase, model_sd: dict[str, Any], optim_sd: dict[str, A
         optim_sd["param_groups"] = [{**g, "params": [p for p in g["params"] if p != case.key]} for g in optim_sd["param_groups"]]
     elif case.kind == "optim-unexpected":
         optim_sd["state"][case.key] = copy.deepcopy(next(iter(optim_sd["state"].values())))
+    elif case.kind == "optim-malformed":
+        optim_sd = {"state": optim_sd["state"]}
     elif case.kind != "broadcast-options":
         raise ValueError(case.kind)
     return model_sd, optim_sd

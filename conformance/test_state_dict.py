@@ -523,6 +523,7 @@ REQ_MARKS = {
     "SD-14": pytest.mark.req("SD-14"),
     "SD-17": pytest.mark.req("SD-17"),
     "SD-33": pytest.mark.req("SD-33"),
+    "SD-39": pytest.mark.req("SD-39"),
 }
 
 
@@ -622,7 +623,7 @@ def test_strict_load_into_dtensor_parameters_missing_a_key_on_one_rank(dist: Ran
 #: The error cases of sharded loads: the model and optimizer state are full dicts, except "shape-dtensor"
 #: (a DTensor of the wrong global shape in a sharded dict); "broadcast-options" breaks the options.
 SHARDED_ERROR_KINDS = ("missing", "unexpected", "shape", "shape-dtensor", "empty", "optim-missing", "optim-unexpected",
-                       "optim-state-missing", "broadcast-options")
+                       "optim-state-missing", "broadcast-options", "optim-malformed")
 
 
 @pytest.mark.rank_timeout(PROMPTLY_S)
@@ -633,7 +634,7 @@ def test_sharded_load_error(dist: RankContext, impl: Adapter, kind: str) -> None
 
 
 #: The one-rank cases: one per requirement and kind of input that reaches a collective.
-ONE_RANK_ERROR_KINDS = ("missing", "shape-dtensor", "empty", "optim-missing", "optim-state-missing", "broadcast-options")
+ONE_RANK_ERROR_KINDS = ("missing", "shape-dtensor", "empty", "optim-missing", "optim-state-missing", "broadcast-options", "optim-malformed")
 
 
 @pytest.mark.world_size(min=2)
