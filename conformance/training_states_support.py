@@ -97,6 +97,10 @@ OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]]], torch.optim.Optimizer]] =
     "adam": lambda groups: torch.optim.Adam(groups, lr=0.05, weight_decay=0.1),
     "sgd-momentum": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=0.1),
     "sgd": lambda groups: torch.optim.SGD(groups, lr=0.05),
+    # optimizers whose state starts from the learning rate: Rprop's step sizes, ASGD's eta (and ASGD
+    # decays the parameters by lambd * eta at every step, a gradient or none)
+    "rprop": lambda groups: torch.optim.Rprop(groups, lr=0.05),
+    "asgd": lambda groups: torch.optim.ASGD(groups, lr=0.05, lambd=1e-2, t0=1.0),
 }
 
 

@@ -47,8 +47,11 @@ ParamFQNs = Mapping[torch.Tensor, list[str]]  # parameter -> its canonical FQNs,
 
 
 #: The hyperparameters zeroed while state is materialized: with a zero gradient, these are what would
-#: otherwise move a parameter or its moments (decoupled and coupled weight decay).
-_INERT_HYPERPARAMETERS = ("lr", "weight_decay")
+#: otherwise move a parameter or its moments (decoupled and coupled weight decay, ASGD's decay). The
+#: learning rate is not among them: with a zero gradient and no decay every ``torch.optim`` update is
+#: zero whatever it is, and some optimizers start their state from it (Rprop's step sizes, ASGD's
+#: eta): made at a zero learning rate, Rprop's step sizes start at 0 and never grow.
+_INERT_HYPERPARAMETERS = ("weight_decay", "lambd")
 #: State entries that count steps: set back to zero after materializing, so the first real update is
 #: the optimizer's first (bias correction of Adam/AdamW at step 1).
 _STEP_COUNTERS = ("step",)
@@ -60,9 +63,10 @@ def init_state(optim: torch.optim.Optimizer, only: Collection[torch.Tensor] | No
 
     Per parameter, not per optimizer: a parameter that has not received a gradient yet (an MoE expert
     no token was routed to) gets its state even when the others have theirs. The state comes from one
-    ``step()`` in which only those parameters have a gradient, of zeros, with every group's learning
-    rate and weight decay at 0; the step counters it advanced are then set back to 0, so that for
-    Adam, AdamW and SGD (dampening 0) the materialized state computes exactly what no state would.
+    ``step()`` in which only those parameters have a gradient, of zeros, with every group's weight
+    decay (and ASGD's decay) at 0; the step counters it advanced are then set back to 0, so that for
+    Adam, AdamW, SGD (dampening 0), Rprop and ASGD the materialized state computes exactly what no
+    state would.
     Everything else is as before: parameters with state keep it untouched (their ``grad`` is ``None``
     during the step), every ``grad`` (accumulated gradients included) and hyperparameter is restored,
     and an optimizer that keeps no state (SGD without momentum) is left with no entry at all.
