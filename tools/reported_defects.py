@@ -38,6 +38,12 @@ class Defect:
 
 DEFECTS: tuple[Defect, ...] = (
     Defect(
+        "materialized-state-starts-from-a-zero-lr", "the reference's own (as torch's _init_optim_state), fixed at b78da8b (SPEC SD-20)",
+        "reference/state_dict/optim_fqn.py",
+        '_INERT_HYPERPARAMETERS = ("weight_decay", "lambd")\n', '_INERT_HYPERPARAMETERS = ("lr", "weight_decay")\n',
+        "test_get_never_changes_the_optimizers_future and (rprop or asgd)", test_file="conformance/test_training_states.py",
+    ),
+    Defect(
         "caught-state-dict-taken-for-an-enclosing-wrapper", "the reference's own, fixed at 83b1358 (SPEC FP-12)",
         "reference/flat_param/prefix_hooks.py",
         "    if frames and _encloses(frames[-1], module, prefix):\n", "    if frames and prefix.startswith(frames[-1].inner):\n",
