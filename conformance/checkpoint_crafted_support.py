@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from conformance.checkpoint_support import in_checkpoint, no_record
-from conformance.dcp_files import dcp_directory, read_metadata
+from conformance.dcp_files import dcp_directory, member_data_start, read_metadata
 
 __all__ = [
     "extension_for_exec",
@@ -172,8 +172,7 @@ def repacked_record(path: Path, fqn: str, offset: tuple[int, ...] | None = None)
 def _member_bytes(record: bytes, info: Any) -> bytes:
     """The stored bytes of zip member ``info`` of ``record``, read from its local header on: records
     may carry no CRC-32 (``zipfile``'s reader would refuse them), and every record member is stored."""
-    name_len, extra_len = struct.unpack_from("<HH", record, info.header_offset + 26)
-    start = info.header_offset + 30 + name_len + extra_len
+    start = member_data_start(record, info)
     return record[start : start + info.compress_size]
 
 

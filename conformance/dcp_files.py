@@ -20,7 +20,7 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-__all__ = ["dcp_directory", "read_metadata", "storage_bytes_range"]
+__all__ = ["dcp_directory", "member_data_start", "read_metadata", "storage_bytes_range"]
 
 #: Size of a zip local file header before its name and extra field (APPNOTE 4.3.7).
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
@@ -59,9 +59,16 @@ def storage_bytes_range(file: Any, offset: int, length: int) -> tuple[int, int]:
     if len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED:
         raise ValueError(f"the record at {offset} (+{length}) does not hold one uncompressed storage: {[i.filename for i in storages]}")
     info = storages[0]
-    fields = _LOCAL_HEADER.unpack_from(blob, info.header_offset)
-    if fields[0] != b"PK\x03\x04":
-        raise ValueError(f"the record at {offset} (+{length}): no local header at {info.header_offset}")
-    name_length, extra_length = fields[9], fields[10]
-    start = offset + info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+    start = offset + member_data_start(blob, info)
     return start, start + info.file_size
+
+
+def member_data_start(archive: bytes, info: zipfile.ZipInfo) -> int:
+    """Where the stored bytes of member ``info`` of the zip ``archive`` begin: after its local header,
+    whose name and extra field may differ from the central directory's (``zipfile`` reads the member
+    only after checking a CRC-32 that records may not carry). Raises ValueError without a local header."""
+    fields = _LOCAL_HEADER.unpack_from(archive, info.header_offset)
+    if fields[0] != b"PK\x03\x04":
+        raise ValueError(f"no local header of {info.filename!r} at {info.header_offset}")
+    name_length, extra_length = fields[9], fields[10]
+    return info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
