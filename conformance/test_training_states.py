@@ -80,14 +80,15 @@ def test_saved_extra_keys_are_restored_into_groups_that_lack_them(impl: Any) -> 
 
 @pytest.mark.req("SD-20")
 @pytest.mark.parametrize("situation", ("fresh", "partial", "accumulating"))
-@pytest.mark.parametrize("kind", ("adamw", "adam", "sgd-momentum", "adamw-tensor-lr", "rprop", "asgd"))
+@pytest.mark.parametrize("kind", ("adamw", "adam", "sgd-momentum", "adamw-tensor-lr", "rprop", "asgd", "nadam"))
 def test_get_never_changes_the_optimizers_future(impl: Any, kind: str, situation: str) -> None:
     """A get of a never-stepped optimizer (``fresh``), of one with state for some parameters only
     (``partial``: the aux head has none), or between micro-batches (``accumulating``: every parameter
     holds a gradient) changes no parameter, grad or hyperparameter, and the next real step computes
     bit for bit what it computes in the run that took no state dict (a zero-lr step that counts would
     make Adam's first update use step-2 bias correction: pytorch/pytorch#164929; a state made at a zero
-    learning rate starts Rprop's step sizes at 0, which then never grow, and ASGD's eta at 0)."""
+    learning rate starts Rprop's step sizes at 0, which then never grow, and ASGD's eta at 0; a step
+    that counts starts NAdam's momentum product one coefficient on)."""
     with_get = future_after(impl, kind, situation, take=True)
     without = future_after(impl, kind, situation, take=False)
     where = f"{kind}, {situation}"

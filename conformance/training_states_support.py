@@ -101,6 +101,8 @@ OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]]], torch.optim.Optimizer]] =
     # decays the parameters by lambd * eta at every step, a gradient or none)
     "rprop": lambda groups: torch.optim.Rprop(groups, lr=0.05),
     "asgd": lambda groups: torch.optim.ASGD(groups, lr=0.05, lambd=1e-2, t0=1.0),
+    # a state that multiplies a factor in at every step (the product of NAdam's momentum coefficients)
+    "nadam": lambda groups: torch.optim.NAdam(groups, lr=0.05, weight_decay=0.1),
 }
 
 

@@ -55,6 +55,9 @@ _INERT_HYPERPARAMETERS = ("weight_decay", "lambd")
 #: State entries that count steps: set back to zero after materializing, so the first real update is
 #: the optimizer's first (bias correction of Adam/AdamW at step 1).
 _STEP_COUNTERS = ("step",)
+#: State entries that multiply a factor in at every step: set back to one after materializing (NAdam's
+#: product of momentum coefficients, which its first real update would otherwise start one step on).
+_STEP_PRODUCTS = ("mu_product",)
 
 
 def init_state(optim: torch.optim.Optimizer, only: Collection[torch.Tensor] | None = None) -> None:
@@ -64,9 +67,9 @@ def init_state(optim: torch.optim.Optimizer, only: Collection[torch.Tensor] | No
     Per parameter, not per optimizer: a parameter that has not received a gradient yet (an MoE expert
     no token was routed to) gets its state even when the others have theirs. The state comes from one
     ``step()`` in which only those parameters have a gradient, of zeros, with every group's weight
-    decay (and ASGD's decay) at 0; the step counters it advanced are then set back to 0, so that for
-    Adam, AdamW, SGD (dampening 0), Rprop and ASGD the materialized state computes exactly what no
-    state would.
+    decay (and ASGD's decay) at 0; the step counters it advanced are then set back to 0 (and NAdam's
+    momentum product to 1), so that for Adam, AdamW, SGD (dampening 0), Rprop, ASGD and NAdam the
+    materialized state computes exactly what no state would.
     Everything else is as before: parameters with state keep it untouched (their ``grad`` is ``None``
     during the step), every ``grad`` (accumulated gradients included) and hyperparameter is restored,
     and an optimizer that keeps no state (SGD without momentum) is left with no entry at all.
@@ -97,12 +100,13 @@ def init_state(optim: torch.optim.Optimizer, only: Collection[torch.Tensor] | No
         if not entry:
             optim.state.pop(p, None)  # a stateless optimizer: no empty entry left behind
             continue
-        for name in _STEP_COUNTERS:
-            counter = entry.get(name)
-            if isinstance(counter, torch.Tensor):
-                counter.zero_()
-            elif isinstance(counter, (int, float)):
-                entry[name] = type(counter)(0)
+        for names, start in ((_STEP_COUNTERS, 0), (_STEP_PRODUCTS, 1)):
+            for name in names:
+                value = entry.get(name)
+                if isinstance(value, torch.Tensor):
+                    value.fill_(start)
+                elif isinstance(value, (int, float)):
+                    entry[name] = type(value)(start)
 
 
 def stateful_after_load(optim: torch.optim.Optimizer, hyper_of: Mapping[torch.Tensor, Mapping[str, Any]]) -> set[torch.Tensor]:
