@@ -38,6 +38,12 @@ class Defect:
 
 DEFECTS: tuple[Defect, ...] = (
     Defect(
+        "materialized-momentum-product-one-step-on", "the reference's own (as torch's _init_optim_state), fixed at b67f59e (SPEC SD-20)",
+        "reference/state_dict/optim_fqn.py",
+        '_STEP_PRODUCTS = ("mu_product",)\n', "_STEP_PRODUCTS: tuple[str, ...] = ()\n",
+        "test_get_never_changes_the_optimizers_future and nadam", test_file="conformance/test_training_states.py",
+    ),
+    Defect(
         "materialized-state-starts-from-a-zero-lr", "the reference's own (as torch's _init_optim_state), fixed at b78da8b (SPEC SD-20)",
         "reference/state_dict/optim_fqn.py",
         '_INERT_HYPERPARAMETERS = ("weight_decay", "lambd")\n', '_INERT_HYPERPARAMETERS = ("lr", "weight_decay")\n',
