@@ -265,6 +265,8 @@ def bad_osd(kind: str, osd: dict[str, Any]) -> tuple[dict[str, Any], str]:
         groups[0]["params"].remove("net.4.bias")
         groups.append({**{k: v for k, v in groups[0].items() if k != "params"}, "params": ["net.4.bias"]})
         fqn = "net.4.bias"
+    elif kind == "malformed":  # no optimizer state dict at all: its param_groups left out
+        return {"state": state}, "param_groups"
     else:
         raise AssertionError(kind)
     return {"state": state, "param_groups": groups}, fqn

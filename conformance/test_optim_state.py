@@ -416,14 +416,15 @@ def test_fqn_to_param_info_from_any_module(dist, impl, use_orig_params: bool) ->
 @pytest.mark.rank_timeout(30)
 @parametrize_where
 @pytest.mark.parametrize(("use_orig_params", "form"), [(False, "full"), (True, "full"), (True, "sharded")], ids=["flat-full", "orig-full", "orig-sharded"])
-@pytest.mark.parametrize("kind", ["unknown-fqn", "wrong-shape", "same-numel", "group-mismatch", "extra-group"])
+@pytest.mark.parametrize("kind", ["unknown-fqn", "wrong-shape", "same-numel", "group-mismatch", "extra-group", "malformed"])
 def test_bad_optimizer_state_dict_is_a_clear_error(dist, impl, kind: str, use_orig_params: bool, form: str, where: str) -> None:
     """A broken optimizer state dict, full or sharded (on every rank, or on the last rank only while
     the others load a good one): every rank raises the same ValueError/RuntimeError naming the FQN
     whole, and on every rank the optimizer (state, param groups, order) and the model are as they
     were. "extra-group": one more saved param group than the optimizer has, listing parameters of the
     model the optimizer does not hold (frozen ones). "same-numel": a positional state of another shape
-    with the parameter's number of elements."""
+    with the parameter's number of elements. "malformed": no optimizer state dict at all, its
+    ``param_groups`` left out; the error names ``param_groups`` (never a bare ``KeyError``)."""
     ops = impl.require("optim_state")
     run = Run(dist, impl, Setup(model="frozen" if kind == "extra-group" else "mlp", use_orig_params=use_orig_params))
     run.train(1)
