@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from conformance import models
 from conformance.adapters.sharding import hybrid_mesh_shape
-from conformance.asserts import assert_names_key, assert_same_error_on_every_rank, expected_local_chunk, fail
+from conformance.asserts import assert_names_key, assert_same_error_on_every_rank, assert_unchanged, expected_local_chunk, fail
 from conformance.asserts import bits as bits_of
 from conformance.fqn import canonical_fqn
 from conformance.harness.context import RankContext
@@ -34,6 +34,7 @@ __all__ = [
     "edge_state",
     "write_state",
     "check_error",
+    "assert_not_wrapped",
     "bad_osd",
     "bad_layout",
     "InjectedFault",
@@ -222,6 +223,16 @@ def write_state(run: Run, values: dict[str, dict[str, torch.Tensor]]) -> None:
 
 # Where the bad input is (WHERE: on every rank, or on the last rank only while the others get a good
 # one) and whether this rank gets it (bad_input_here): conformance/error_cases.py.
+
+
+def assert_not_wrapped(before: Any, model: nn.Module, where: str) -> None:
+    """``model`` is as its ``snapshot`` ``before`` says, and no module of it is a sharding unit (a
+    refused construction wraps nothing)."""
+    __tracebackhide__ = True
+    assert_unchanged(before, where=where, model=model)
+    wrapped = [type(m).__name__ for m in model.modules() if "FullyShard" in type(m).__name__ or "FSDP" in type(m).__name__]
+    if wrapped:
+        fail("a refused construction wrapped the module", wrapped, "no unit", where)
 
 
 def check_error(dist: RankContext, exc: BaseException | None, types: tuple[type[BaseException], ...], keys: tuple[str, ...], where: str) -> None:

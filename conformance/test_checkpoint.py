@@ -130,6 +130,49 @@ def test_round_trip_restores_every_value(dist, impl, kind: str) -> None:
     assert_same_bits(target.values, state_of(dist, kind, "saved").values)
 
 
+#: What each entry of :func:`test_a_state_dict_of_thousands_of_entries_round_trips` is named after: a
+#: transformer layer's parameters, each with Adam's two states (the keys a trainer's optimizer state dict
+#: holds, by FQN).
+_LAYER_PARAMS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm")
+_LARGE_MODEL_LAYERS = 80  # a 70B Llama's
+
+
+def _large_model_state(dist: Any, offset: int) -> tuple[dict[str, Any], dict[tuple[Any, ...], torch.Tensor]]:
+    """A large model's model and optimizer state as FSDP2 leaves it: every entry a 1-D DTensor sharded
+    over every rank (values of its own: ``offset`` plus its position), and a step per parameter."""
+    values: dict[str, Any] = {}
+    fulls: dict[tuple[Any, ...], torch.Tensor] = {}
+    mesh, length = dist.mesh(), 2 * dist.world_size
+    for layer in range(_LARGE_MODEL_LAYERS):
+        for name in _LAYER_PARAMS:
+            fqn = f"model.layers.{layer}.{name}.weight"
+            for key in (fqn, f"optim.state.{fqn}.exp_avg", f"optim.state.{fqn}.exp_avg_sq"):
+                full = torch.arange(length, dtype=torch.float32) + offset + len(values)
+                values[key], fulls[(key,)] = dtensor_of(full, mesh, [Shard(0)]), full
+            values[f"optim.state.{fqn}.step"] = torch.tensor(float(offset + layer))
+    return values, fulls
+
+
+@pytest.mark.req("ML-1")
+@pytest.mark.world_size(min=2)
+def test_a_state_dict_of_thousands_of_entries_round_trips(dist, impl) -> None:
+    """2,560 entries, named as a transformer's model and optimizer state (80 layers of eight
+    parameters, each with two states and a step): every value loads back, each DTensor's local shard
+    on every rank. What the ranks exchange to plan such a save (each rank's items, by name) outgrows
+    a small fixed buffer an implementation might carry it in (the reference's frames of 64 KiB send
+    the rest point to point); one that cuts it short or drops what did not fit loads wrong values or
+    fails. At one rank nothing is exchanged: ML-1's other tests cover it."""
+    ops = checkpoint_ops(impl)
+    path = dist.tmp_dir / "ckpt"
+    saved, fulls = _large_model_state(dist, 0)
+    ops.save(saved, path, process_group=group_of(dist))
+    target, _ = _large_model_state(dist, -100_000)
+    call_or_skip(lambda: ops.load(target, path, process_group=group_of(dist)))
+    assert_local_shards(dist, target, fulls, what="loaded")
+    assert_same_bits(target, _large_model_state(dist, 0)[0])
+
+
 @pytest.mark.dcp_format("ML-2 loads a checkpoint of one implementation with the other (the reference reads and writes DCP's format)")
 @pytest.mark.req("ML-2")
 @pytest.mark.parametrize("saver", ["impl-saves", "reference-saves"])

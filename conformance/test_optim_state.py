@@ -30,6 +30,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from conformance import models
 from conformance.adapters.sharding import STRATEGIES, ShardingPlan
 from conformance.asserts import (
     assert_bitwise_equal,
@@ -39,12 +40,15 @@ from conformance.asserts import (
     assert_unchanged,
     check_each,
     clause,
+    expect_error,
     fail,
     raised,
     snapshot,
 )
-from conformance.error_cases import EVERY_RANK, ONE_RANK, bad_input_here, parametrize_where
+from conformance.checkpoint_support import dtensor_of
+from conformance.error_cases import EVERY_RANK, ONE_RANK, WHERE, bad_input_here, parametrize_where
 from conformance.optim_state_inputs_support import (
+    assert_not_wrapped,
     FAILING_CALLS,
     InjectedFault,
     Layout,
@@ -229,6 +233,38 @@ def test_load_into_other_strategy(dist, impl, trip) -> None:
     source.train(2)
     target = load_target(dist, impl, Setup(strategy=s2, use_orig_params=u2, optimizer="adamw"))
     assert_continues(target, source, where=trip_id(trip))
+
+
+@pytest.mark.req("OS-6", "OS-24")
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("stateless", ["net.0.weight", "net.0.bias"], ids=["first-of-its-unit", "last-of-its-unit"])
+def test_a_parameter_without_state_into_flat_parameters(dist, impl, stateless: str, optimizer: str) -> None:
+    """A full optimizer state dict in which one parameter has no state (it has had no gradient yet: a
+    layer no batch reached, an expert no token was routed to), the first or the last of its unit, saved
+    with ``use_orig_params=True`` and loaded into flat parameters, which hold one state for all their
+    parameters. SGD keeps no scalar state: the dict loads, and every other parameter's state is back
+    bit for bit (a loader that lays the saved values out from the wrong offset shifts every value after
+    the gap). AdamW's ``step`` is a scalar: the parameter without one would take the others' (OS-24), so
+    the load is a ValueError naming it that changes nothing."""
+    ops = impl.require("optim_state")
+    source = Run(dist, impl, Setup(use_orig_params=True, optimizer=optimizer))
+    source.train(2)
+    osd = ops.optim_state_dict(source.model, source.optim)
+    saved = {"state": {fqn: entry for fqn, entry in osd["state"].items() if fqn != stateless}, "param_groups": osd["param_groups"]}
+    target = load_target(dist, impl, Setup(use_orig_params=False, optimizer=optimizer))
+    where = f"{optimizer}, no state for {stateless}, rank {dist.rank}"
+    if optimizer == "adamw":
+        with clause("OS-24"):
+            untouched = snapshot(optim=target.optim)
+            expect_error(lambda: ops.load_optim_state_dict(target.model, target.optim, saved), ValueError, keys=[stateless],
+                         what="loading a parameter without a step into a flat parameter whose others have one", where=where)
+            assert_unchanged(untouched, optim=target.optim, where=where)
+        return
+    with clause("OS-6"):
+        ops.load_optim_state_dict(target.model, target.optim, saved)
+        loaded = ops.optim_state_dict(target.model, target.optim)["state"]
+        assert_same_state({fqn: loaded.get(fqn) for fqn in saved["state"]}, saved["state"], what="optimizer state after the load",
+                          where=where, check_order=False)
 
 
 @pytest.mark.req("OS-7")
@@ -504,14 +540,42 @@ def test_bad_layout_is_a_clear_error(dist, impl, kind: str, where: str, strategy
         attach_optimizer(ops, wrapped, torch.optim.SGD([p for _, p in ops.optimizer_params(wrapped)], lr=0.1))
 
     exc = raised(shard_and_attach)
+    check_each({
+        "OS-17.a": lambda: check_error(dist, exc, (ValueError,), names, f"{kind} on {where}"),
+        "OS-17.b": lambda: assert_not_wrapped(before, model, f"{kind} on {where}: rank {dist.rank}"),
+    })
 
-    def unwrapped() -> None:
-        assert_unchanged(before, where=f"{kind} on {where}: rank {dist.rank}", model=model)
-        wrapped = [type(m).__name__ for m in model.modules() if "FullyShard" in type(m).__name__ or "FSDP" in type(m).__name__]
-        if wrapped:
-            fail(f"{kind}: the module was wrapped", wrapped, "no unit", f"rank {dist.rank}")
 
-    check_each({"OS-17.a": lambda: check_error(dist, exc, (ValueError,), names, f"{kind} on {where}"), "OS-17.b": unwrapped})
+#: OS-17's meshes that do not fit the strategy: (strategy, the mesh's shape at a world size).
+_MISFIT_MESHES = {
+    "hybrid-on-a-1d-mesh": ("HYBRID_SHARD", lambda world: (world,)),
+    "full-shard-on-a-2d-mesh": ("FULL_SHARD", lambda world: (1, world)),
+}
+
+
+@pytest.mark.req("OS-17")
+@pytest.mark.rank_timeout(30)
+@pytest.mark.parametrize("case", list(_MISFIT_MESHES))
+def test_mesh_that_does_not_fit_is_a_clear_error(dist, impl, case: str) -> None:
+    """HYBRID_SHARD given a 1-D mesh (it needs one of (replicate, shard)), FULL_SHARD given a 2-D one
+    (it shards over one dim): every rank raises the same ValueError naming the mesh, and the module is
+    as it was, unwrapped. The same model then shards with the strategy's own mesh (the adapter's
+    default): the error was the misfit's, not the call's. An implementation that reads a misfit mesh
+    as another strategy trains with a layout nobody asked for."""
+    strategy, shape = _MISFIT_MESHES[case]
+    sharding = impl.require("sharding")
+    model = models.build("mlp", device=dist.device)
+    before = snapshot(model=model)
+    misfit = ShardingPlan(strategy, device=dist.device, mesh=dist.mesh(*shape(dist.world_size)))
+    exc = raised(lambda: sharding.shard(model, misfit))
+
+    def names_the_mesh() -> None:
+        check_error(dist, exc, (ValueError,), (), f"{case}, a mesh of shape {shape(dist.world_size)}")
+        if "mesh" not in str(exc).lower():
+            fail(f"{case}: the error names the mesh", str(exc), "a message about the mesh", f"rank {dist.rank}")
+
+    check_each({"OS-17.a": names_the_mesh, "OS-17.b": lambda: assert_not_wrapped(before, model, f"{case}: rank {dist.rank}")})
+    sharding.shard(model, ShardingPlan(strategy, device=dist.device))
 
 
 @pytest.mark.req("OS-18")
@@ -593,25 +657,45 @@ def test_sharded_model_state_dict(dist, impl, strategy: str, use_orig_params: bo
         assert_same_state(ops.full_state_dict(target.model), full, what="full model state dict after loading the sharded one", where=str(run.setup))
 
 
+#: OS-19's bad model state dicts: (kind, which state dict, use_orig_params, where). A sharded entry given
+#: as a plain tensor is a valid sharded dict when every rank gives it (plain full tensors load); only a
+#: mix, a DTensor on some ranks and not on others, is an error.
+_BAD_MODEL_STATES = [
+    *((kind, state, orig, where) for kind in ("wrong-shape", "missing-key") for state in ("full", "sharded")
+      for orig in (False, True) for where in WHERE),
+    *(("plain-for-a-dtensor", "sharded", orig, ONE_RANK) for orig in (False, True)),
+]
+
+
 @pytest.mark.req("OS-19")
 @pytest.mark.rank_timeout(30)
-@parametrize_where
-@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
-@pytest.mark.parametrize("kind", ["wrong-shape", "missing-key"])
-def test_bad_model_state_dict_is_a_clear_error(dist, impl, kind: str, use_orig_params: bool, where: str) -> None:
-    """A full model state dict with a wrongly shaped or a missing entry (on every rank, or on the last
-    rank only): every rank raises the same ValueError/RuntimeError naming the key whole, and every
-    rank's model is as it was."""
+@pytest.mark.parametrize(("kind", "state", "use_orig_params", "where"), _BAD_MODEL_STATES,
+                         ids=[f"{kind}-{state}-{'orig' if orig else 'flat'}-{where}" for kind, state, orig, where in _BAD_MODEL_STATES])
+def test_bad_model_state_dict_is_a_clear_error(dist, impl, kind: str, state: str, where: str, use_orig_params: bool) -> None:
+    """A full or sharded model state dict with a wrongly shaped entry (a DTensor in a sharded one) or a
+    missing one (on every rank, or on the last rank only), or a sharded one whose parameter is a plain tensor on the last rank only (a
+    DTensor on the others: the ranks would gather different entries): every rank raises the same
+    ValueError/RuntimeError naming the key whole, and every rank's model is as it was."""
     ops = impl.require("optim_state")
     run = Run(dist, impl, Setup(model="tied", use_orig_params=use_orig_params))
-    good = ops.full_state_dict(run.model)
-    key = "body.weight" if kind == "wrong-shape" else "body.bias"
-    bad = {**good, key: torch.zeros(2, 3)} if kind == "wrong-shape" else {k: v for k, v in good.items() if k != key}
+    get, load = ((ops.full_state_dict, ops.load_full_state_dict) if state == "full"
+                 else (ops.sharded_state_dict, ops.load_sharded_state_dict))
+    good = get(run.model)
+    key = "body.bias" if kind == "missing-key" else "body.weight"
+    if kind == "missing-key":
+        bad = {k: v for k, v in good.items() if k != key}
+    elif kind == "wrong-shape":
+        wrong = torch.zeros(2 * dist.world_size, 3)
+        sharded = isinstance(good[key], DTensor)  # a wrong shape of the entry's own kind
+        bad = {**good, key: dtensor_of(wrong, good[key].device_mesh, good[key].placements) if sharded else wrong}
+    else:
+        bad = {**good, key: ops.full_state_dict(run.model)[key]}
     before = snapshot(model=run.model)
-    exc = raised(lambda: ops.load_full_state_dict(run.model, bad if bad_input_here(dist, where) else good))
+    exc = raised(lambda: load(run.model, bad if bad_input_here(dist, where) else good))
+    label = f"{kind} in the {state} state dict on {where}"
     check_each({
-        "OS-19.d": lambda: check_error(dist, exc, (ValueError, RuntimeError), (key,), f"{kind} on {where}"),
-        "OS-19.e": lambda: assert_unchanged(before, where=f"{kind} on {where}: rank {dist.rank}", model=run.model),
+        "OS-19.d": lambda: check_error(dist, exc, (ValueError, RuntimeError), (key,), label),
+        "OS-19.e": lambda: assert_unchanged(before, where=f"{label}: rank {dist.rank}", model=run.model),
     })
 
 

@@ -368,6 +368,16 @@ def _scalar_bits(value: Any) -> Any:
     return (type(value).__name__, repr(value))
 
 
+class _NoState:
+    """What a parameter saved without a scalar state holds in :func:`_check_one_scalar`'s comparison."""
+
+    def __repr__(self) -> str:
+        return "no state"
+
+
+_NO_STATE = _NoState()
+
+
 def _check_one_scalar(name: str, values: list[tuple[str, Any]]) -> None:
     """Invariant of a flat parameter: one optimizer state for all its parameters, so one value of each
     scalar state. Saved per parameter (``use_orig_params``), they may differ (an expert that got no
@@ -587,8 +597,10 @@ def _optim_state_dict_to_load(
         for name in dict.fromkeys(n for _, e in present for n in e):
             first = next(e[name] for _, e in present if name in e)
             if not _is_positional(first) or info is None:
-                if len(present) > 1:
-                    _check_one_scalar(name, [(fqn, e[name]) for fqn, e in present if name in e])
+                if len(entries) > 1:
+                    # A parameter without this state (none at all: no gradient yet) would get the others'
+                    # value in the flat parameter: that differs as much as another value does (SPEC OS-24).
+                    _check_one_scalar(name, [(fqn, e.get(name, _NO_STATE) if e is not None else _NO_STATE) for fqn, e in entries])
                 local[name] = checked(present[0][0], name, first)
                 continue
             handle = info.handle
