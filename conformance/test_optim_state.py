@@ -48,10 +48,10 @@ from conformance.asserts import (
 from conformance.checkpoint_support import dtensor_of
 from conformance.error_cases import EVERY_RANK, ONE_RANK, WHERE, bad_input_here, parametrize_where
 from conformance.optim_state_inputs_support import (
-    assert_not_wrapped,
     FAILING_CALLS,
     InjectedFault,
     Layout,
+    assert_not_wrapped,
     bad_layout,
     bad_osd,
     check_error,

@@ -38,6 +38,12 @@ class Defect:
 
 DEFECTS: tuple[Defect, ...] = (
     Defect(
+        "stateless-parameter-takes-the-flat-step", "the reference's own, fixed at ba37637 (SPEC OS-24)",
+        "reference/fsdp/optim_keys.py",
+        "                if len(entries) > 1:\n", "                if len(present) > 1:\n",
+        "test_a_parameter_without_state_into_flat_parameters and adamw", test_file="conformance/test_optim_state.py",
+    ),
+    Defect(
         "materialized-momentum-product-one-step-on", "the reference's own (as torch's _init_optim_state), fixed at b67f59e (SPEC SD-20)",
         "reference/state_dict/optim_fqn.py",
         '_STEP_PRODUCTS = ("mu_product",)\n', "_STEP_PRODUCTS: tuple[str, ...] = ()\n",
