@@ -47,6 +47,7 @@ from conformance.asserts import (
 )
 from conformance.checkpoint_support import dtensor_of
 from conformance.error_cases import EVERY_RANK, ONE_RANK, WHERE, bad_input_here, parametrize_where
+from conformance.fqn import canonical_fqn
 from conformance.optim_state_inputs_support import (
     FAILING_CALLS,
     InjectedFault,
@@ -395,6 +396,37 @@ def test_zoo_model(dist, impl, case: Setup, use_orig_params: bool) -> None:
     osd = ops.optim_state_dict(run.model, run.optim)
     assert_osd_matches(osd, run.oracle_osd(), str(setup))
     assert_continues(load_target(dist, impl, setup), run, osd, where=f"{setup} reloaded")
+
+
+@pytest.mark.req("OS-11")
+def test_frozen_parameters_stay_frozen_inside_forward(dist, impl) -> None:
+    """``use_orig_params=True`` with frozen and trainable parameters in one unit (``frozen``'s stem,
+    body and head share the root's): inside the sharded model's forward, as in the unwrapped model's,
+    the frozen parameters read ``requires_grad=False`` and the trainable ones ``True``, and after the
+    step the frozen ones have no gradient. Code branches on that flag (PEFT's adapters, a frozen
+    encoder's ``torch.no_grad`` shortcut), and a frozen parameter whose view still requires grad makes
+    backward compute its gradient: the memory freezing was to save (pytorch/pytorch#91167)."""
+    run = Run(dist, impl, Setup(model="frozen", use_orig_params=True))
+    seen: dict[str, list[bool]] = {}
+
+    def record(name: str) -> Any:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            seen.setdefault(name, [module.weight.requires_grad, module.bias.requires_grad])
+
+        return hook
+
+    handles = [run.module(name).register_forward_pre_hook(record(name)) for name in ("stem", "body")]
+    try:
+        run.train(1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    expected = {"stem": [False, False], "body": [True, True]}
+    if seen != expected:
+        fail("requires_grad of (weight, bias) inside forward", seen, expected, f"rank {dist.rank}")
+    grads = {n: p.grad is not None for n, p in run.model.named_parameters() if canonical_fqn(n).startswith("stem.")}
+    if any(grads.values()):
+        fail("frozen parameters with a gradient after the step", grads, "none", f"rank {dist.rank}")
 
 
 @pytest.mark.req("OS-13")
