@@ -174,9 +174,11 @@ def step_state(dist: RankContext, target: str, *, saved: bool, planning: str | N
     """The state dict of the step tests, as saved (``saved=True``: tensors plain for ``target="plain"``,
     DTensors otherwise) or as a load target whose every value differs from the saved one: ``plain``
     tensors and ``dtensor`` DTensors filled in place, or ``meta`` (a meta DTensor, a meta Parameter, a
-    meta tensor). Tensors are nested under ``model``, non-tensor values under ``extra``, beside two
-    top-level ``Stateful`` values. ``planning`` is the key asked for with another shape; ``refusing``
-    the key whose value refuses what is loaded (:data:`_STEP_FAULTS`)."""
+    meta tensor). Tensors are nested under ``model``, non-tensor values under ``extra``, beside a
+    top-level non-tensor value (``epoch``, as trainers keep one beside the model: the load replaces
+    it in the caller's dict, so a failed load must put it back) and two top-level ``Stateful`` values.
+    ``planning`` is the key asked for with another shape; ``refusing`` the key whose value refuses what
+    is loaded (:data:`_STEP_FAULTS`)."""
     model: dict[str, Any] = {}
     for key, (shape, dtype, placement) in _STEP_TENSORS.items():
         if f"model.{key}" == planning:
@@ -195,11 +197,12 @@ def step_state(dist: RankContext, target: str, *, saved: bool, planning: str | N
         else:
             model[key] = torch.empty(shape, dtype=dtype, device="meta")
     if saved:
-        return {"model": model, "extra": {"step": 7, "note": "saved"}, "a_counter": _Progress(3, "run-a"), "b_progress": _Progress(5, "run-b")}
+        return {"model": model, "extra": {"step": 7, "note": "saved"}, "epoch": 4, "a_counter": _Progress(3, "run-a"),
+                "b_progress": _Progress(5, "run-b")}
     first, last = (_REFUSALS[i] if refusing == _STEP_FAULTS["committing"][i] else None for i in (0, 1))
     extra = {"step": 0, "note": ""}
-    return {"model": model, "extra": extra if last is None else _ReadOnlyEntry(extra, "note", last), "a_counter": _Progress(0, ""),
-            "b_progress": _Progress(0, "", refuse=first)}
+    return {"model": model, "extra": extra if last is None else _ReadOnlyEntry(extra, "note", last), "epoch": 0,
+            "a_counter": _Progress(0, ""), "b_progress": _Progress(0, "", refuse=first)}
 
 
 def skeleton_of(value: Any) -> Any:

@@ -28,6 +28,7 @@ __all__ = [
     "state_of",
     "KINDS",
     "mixed_state",
+    "large_model_state",
     "RECORD_OVERHEAD",
 ]
 
@@ -199,6 +200,30 @@ def mixed_state(dist: RankContext, role: str, seed: int) -> State:
     parts = {kind: state_of(dist, kind, role, seed) for kind in KINDS if kind != "int-keys"}
     fulls = {(kind, *path): full for kind, part in parts.items() for path, full in part.fulls.items()}
     return State({kind: part.values for kind, part in parts.items()}, fulls)
+
+
+#: What each entry of :func:`large_model_state` is named after: a transformer layer's parameters, each
+#: with Adam's two states (the keys a trainer's optimizer state dict holds, by FQN).
+_LAYER_PARAMS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm")
+_LARGE_MODEL_LAYERS = 80  # a 70B Llama's
+
+
+def large_model_state(dist: RankContext, offset: int) -> tuple[dict[str, Any], dict[tuple[Any, ...], torch.Tensor]]:
+    """A large model's model and optimizer state as FSDP2 leaves it, 2,560 entries: every parameter and
+    state a 1-D DTensor sharded over every rank (values of its own: ``offset`` plus its position), and
+    a step per parameter. Also each entry's full value, by its path."""
+    values: dict[str, Any] = {}
+    fulls: dict[tuple[Any, ...], torch.Tensor] = {}
+    mesh, length = dist.mesh(), 2 * dist.world_size
+    for layer in range(_LARGE_MODEL_LAYERS):
+        for name in _LAYER_PARAMS:
+            fqn = f"model.layers.{layer}.{name}.weight"
+            for key in (fqn, f"optim.state.{fqn}.exp_avg", f"optim.state.{fqn}.exp_avg_sq"):
+                full = torch.arange(length, dtype=torch.float32) + offset + len(values)
+                values[key], fulls[(key,)] = dtensor_of(full, mesh, [Shard(0)]), full
+            values[f"optim.state.{fqn}.step"] = torch.tensor(float(offset + layer))
+    return values, fulls
 
 
 #: Bytes a record may take beyond its elements' (torch.save's zip headers: about 1.5 KiB).

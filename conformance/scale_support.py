@@ -67,16 +67,21 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
 
 
 @contextmanager
-def counting_opens() -> Iterator[Callable[[str], int]]:
+def counting_opens() -> Iterator[Callable[[str | Callable[[str], bool]], int]]:
     """Within the block, every file this process opens (Python's ``open`` audit event) is recorded;
-    yields ``count(name)``: how many opened paths end in ``name``. An audit hook cannot be removed:
-    it is added once per process and records only inside this block."""
+    yields ``count(name)``: how many opened paths end in ``name`` (or, given a predicate, how many
+    opened paths' file names it accepts). An audit hook cannot be removed: it is added once per
+    process and records only inside this block."""
     if not _HOOKED:
         sys.addaudithook(_audit)
         _HOOKED.append(True)
     opened: list[str] = []
     _OPENS.append(opened)
     try:
-        yield lambda name: sum(1 for path in opened if os.path.basename(path) == name)
+        def count(name: str | Callable[[str], bool]) -> int:
+            accepts = name if callable(name) else name.__eq__
+            return sum(1 for path in opened if accepts(os.path.basename(path)))
+
+        yield count
     finally:
         _OPENS.pop()

@@ -411,7 +411,7 @@ def test_frozen_parameters_stay_frozen_inside_forward(dist, impl) -> None:
 
     def record(name: str) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:
-            seen.setdefault(name, [module.weight.requires_grad, module.bias.requires_grad])
+            seen.setdefault(name, [bool(getattr(module, attr).requires_grad) for attr in ("weight", "bias")])
 
         return hook
 
@@ -578,31 +578,25 @@ def test_bad_layout_is_a_clear_error(dist, impl, kind: str, where: str, strategy
     })
 
 
-#: OS-17's meshes that do not fit the strategy: (strategy, the mesh's shape at a world size).
-_MISFIT_MESHES = {
-    "hybrid-on-a-1d-mesh": ("HYBRID_SHARD", lambda world: (world,)),
-    "full-shard-on-a-2d-mesh": ("FULL_SHARD", lambda world: (1, world)),
-}
-
-
 @pytest.mark.req("OS-17")
 @pytest.mark.rank_timeout(30)
-@pytest.mark.parametrize("case", list(_MISFIT_MESHES))
-def test_mesh_that_does_not_fit_is_a_clear_error(dist, impl, case: str) -> None:
-    """HYBRID_SHARD given a 1-D mesh (it needs one of (replicate, shard)), FULL_SHARD given a 2-D one
-    (it shards over one dim): every rank raises the same ValueError naming the mesh, and the module is
-    as it was, unwrapped. The same model then shards with the strategy's own mesh (the adapter's
-    default): the error was the misfit's, not the call's. An implementation that reads a misfit mesh
-    as another strategy trains with a layout nobody asked for."""
-    strategy, shape = _MISFIT_MESHES[case]
+@pytest.mark.parametrize(("strategy", "mesh_dims"), [("HYBRID_SHARD", 1), ("FULL_SHARD", 2)], ids=["hybrid-on-a-1d-mesh", "full-shard-on-a-2d-mesh"])
+def test_mesh_that_does_not_fit_is_a_clear_error(dist, impl, strategy: str, mesh_dims: int) -> None:
+    """HYBRID_SHARD given a 1-D mesh (it needs one of (replicate, shard)), FULL_SHARD given a 2-D one,
+    ``(1, world)`` (it shards over one dim): every rank raises the same ValueError naming the mesh, and
+    the module is as it was, unwrapped. The same model then shards with the strategy's own mesh (the
+    adapter's default): the error was the misfit's, not the call's. An implementation that reads a
+    misfit mesh as another strategy trains with a layout nobody asked for."""
+    shape = (dist.world_size,) if mesh_dims == 1 else (1, dist.world_size)
+    case = f"{strategy} on a mesh of shape {shape}"
     sharding = impl.require("sharding")
     model = models.build("mlp", device=dist.device)
     before = snapshot(model=model)
-    misfit = ShardingPlan(strategy, device=dist.device, mesh=dist.mesh(*shape(dist.world_size)))
+    misfit = ShardingPlan(strategy, device=dist.device, mesh=dist.mesh(*shape))
     exc = raised(lambda: sharding.shard(model, misfit))
 
     def names_the_mesh() -> None:
-        check_error(dist, exc, (ValueError,), (), f"{case}, a mesh of shape {shape(dist.world_size)}")
+        check_error(dist, exc, (ValueError,), (), case)
         if "mesh" not in str(exc).lower():
             fail(f"{case}: the error names the mesh", str(exc), "a message about the mesh", f"rank {dist.rank}")
 
