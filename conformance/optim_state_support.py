@@ -224,8 +224,16 @@ class Run:
         return fqn_keyed_optim(self.oracle, self.oracle_optim)
 
     def module(self, fqn: str) -> nn.Module:
-        """The submodule of the wrapped model whose clean name is ``fqn``."""
-        return next(m for n, m in self.model.named_modules() if canonical_fqn(n) == fqn)
+        """The submodule of the wrapped model whose clean name is ``fqn``; under an engine that holds the
+        model as an attribute of its own (DeepSpeed's ``module.``), the one module whose clean name ends
+        in ``.fqn``."""
+        names = {canonical_fqn(n): m for n, m in self.model.named_modules()}
+        if fqn in names:
+            return names[fqn]
+        found = [m for n, m in names.items() if n.endswith("." + fqn)]
+        if len(found) != 1:
+            raise LookupError(f"the sharded model has {len(found)} submodules named {fqn!r} under a prefix: {sorted(names)[:12]}")
+        return found[0]
 
 
 def load_target(dist: RankContext, impl: Adapter, setup: Setup) -> Run:
