@@ -68,6 +68,7 @@ __all__ = [
     "mesh_2d_of",
     "fails_alike",
     "assert_local_shards",
+    "assert_round_trips",
     "no_record",
 ]
 
@@ -345,3 +346,18 @@ def assert_local_shards(dist: RankContext, got: Any, fulls: dict[tuple[Any, ...]
     for path, full in fulls.items():
         assert_local_shard(_at(got, path), full, what=f"{what} {'.'.join(map(str, path))}",
                            where=f"rank {dist.rank} of {dist.world_size}")
+
+
+def assert_round_trips(dist: RankContext, impl: Adapter, state: Callable[[float], tuple[Any, dict[tuple[Any, ...], torch.Tensor]]],
+                       saved: float, target: float, *, what: str) -> None:
+    """``state(saved)`` (a state dict and the full value of each DTensor in it, by path) saved, then
+    loaded into ``state(target)``, whose every value differs: each DTensor's local shard is its
+    documented piece on this rank, and the whole is ``state(saved)`` bit for bit."""
+    __tracebackhide__ = True
+    ops, path = checkpoint_ops(impl), dist.tmp_dir / "ckpt"
+    values, fulls = state(saved)
+    ops.save(values, path, process_group=group_of(dist))
+    loaded, _ = state(target)
+    call_or_skip(lambda: ops.load(loaded, path, process_group=group_of(dist)))
+    assert_local_shards(dist, loaded, fulls, what=what)
+    assert_same_bits(loaded, state(saved)[0], what=f"{what} (rank {dist.rank})")

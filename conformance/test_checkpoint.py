@@ -89,6 +89,7 @@ from conformance.checkpoint_models_support import (
 from conformance.checkpoint_support import (
     SAVE_FAULTS,
     assert_local_shards,
+    assert_round_trips,
     assert_same_bits,
     call_or_skip,
     checkpoint_ops,
@@ -151,14 +152,7 @@ def test_a_state_dict_of_thousands_of_entries_round_trips(dist, impl) -> None:
     a small fixed buffer an implementation might carry it in (the reference's frames of 64 KiB send
     the rest point to point); one that cuts it short or drops what did not fit loads wrong values or
     fails. At one rank nothing is exchanged: ML-1's other tests cover it."""
-    ops = checkpoint_ops(impl)
-    path = dist.tmp_dir / "ckpt"
-    saved, fulls = large_model_state(dist, 0)
-    ops.save(saved, path, process_group=group_of(dist))
-    target, _ = large_model_state(dist, -100_000)
-    call_or_skip(lambda: ops.load(target, path, process_group=group_of(dist)))
-    assert_local_shards(dist, target, fulls, what="loaded")
-    assert_same_bits(target, large_model_state(dist, 0)[0])
+    assert_round_trips(dist, impl, lambda offset: large_model_state(dist, int(offset)), 0, -100_000, what="a large model's state")
 
 
 @pytest.mark.dcp_format("ML-2 loads a checkpoint of one implementation with the other (the reference reads and writes DCP's format)")

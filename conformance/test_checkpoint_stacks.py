@@ -18,7 +18,7 @@ from conformance.adapters.base import Adapter
 from conformance.asserts import check_each, fail, raised, reraise
 from conformance.checkpoint_stacks_support import GRACE_S, mixed_lists
 from conformance.checkpoint_support import (
-    assert_local_shards,
+    assert_round_trips,
     assert_same_bits,
     call_or_skip,
     checkpoint_ops,
@@ -39,14 +39,7 @@ def test_lists_mixing_tensors_and_values_round_trip(dist: RankContext, impl: Ada
     containers, saved and loaded into a state dict of the same layout whose every value differs: every
     item comes back bit for bit, lists as lists and tuples as tuples, the DTensor's local shard its
     documented piece on every rank."""
-    ops = checkpoint_ops(impl)
-    path = dist.tmp_dir / "ckpt"
-    saved, fulls = mixed_lists(dist, 3.0)
-    ops.save(saved, path, process_group=group_of(dist))
-    target, _ = mixed_lists(dist, -11.0)
-    call_or_skip(lambda: ops.load(target, path, process_group=group_of(dist)))
-    assert_local_shards(dist, target, fulls, what="the DTensor inside a list")
-    assert_same_bits(target, mixed_lists(dist, 3.0)[0], what=f"lists mixing tensors and values (rank {dist.rank})")
+    assert_round_trips(dist, impl, lambda fill: mixed_lists(dist, fill), 3.0, -11.0, what="lists mixing tensors and values")
 
 
 @pytest.mark.req("ML-32")
