@@ -22,6 +22,7 @@ from conformance.dcp_files import dcp_directory, member_data_start, read_metadat
 __all__ = [
     "extension_for_exec",
     "CODE_ROUTES",
+    "LAYOUT_ROUTE",
     "NAME_LIES",
     "EXT_CODES",
     "crafted_pickle",
@@ -42,6 +43,11 @@ __all__ = [
 #: loading process's ``copyreg`` registry resolves: :data:`EXT_CODES`). An error must name the global
 #: asked for whichever opcodes pushed its names.
 CODE_ROUTES = ("global", "stack-global", "pickled", "memo-put", "build", "persistent-id", "ext1", "ext2", "ext4")
+#: A route of the metadata alone: ``torch.serialization._get_layout``, the allowed global by which torch
+#: pickles a tensor's layout, asked for ``"torch.save"``, no layout; a loader that resolves any torch
+#: attribute by that name hands out ``torch.save``, which the pickle then calls to write a file (the
+#: marker: a file written where the checkpoint says is code run, the next login's shell profile).
+LAYOUT_ROUTE = "layout-name"
 #: Zip containers whose member names lie: a second ``data.pkl`` (the first a harmless value), a
 #: ``data.pkl`` of another archive folder, a ``..`` name; the extra member holds the ``global`` route.
 NAME_LIES = ("duplicate-data-pkl", "other-folder", "dot-dot")
@@ -88,10 +94,17 @@ def _short(text: str) -> bytes:
     return b"\x8c" + bytes([len(data)]) + data  # SHORT_BINUNICODE
 
 
-def crafted_pickle(route: str, code: str) -> bytes:
+def crafted_pickle(route: str, code: str, marker: str = "") -> bytes:
     """A pickle that runs ``exec(code)`` when loaded by an unpickler that lets ``route`` through (see
-    :data:`CODE_ROUTES`); written opcode by opcode, as an attacker would."""
+    :data:`CODE_ROUTES`); for :data:`LAYOUT_ROUTE`, one that calls ``torch.save`` to write the file
+    ``marker``. Written opcode by opcode, as an attacker would."""
     call = _unicode(code) + b"\x85R"  # (code,) then REDUCE
+    if route == LAYOUT_ROUTE:
+        if not marker:
+            raise ValueError(f"route {route!r} writes a marker file: give its path")
+        # _get_layout("torch.save"), then that called with ("ran", marker): TUPLE2 and REDUCE.
+        return (b"\x80\x02ctorch.serialization\n_get_layout\n" + _unicode("torch.save") + b"\x85R"
+                + _unicode("ran") + _unicode(marker) + b"\x86R.")
     if route == "global":
         return b"\x80\x02cbuiltins\nexec\n" + call + b"."
     if route == "stack-global":

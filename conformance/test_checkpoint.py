@@ -49,6 +49,7 @@ from conformance.asserts import (
 )
 from conformance.checkpoint_crafted_support import (
     CODE_ROUTES,
+    LAYOUT_ROUTE,
     NAME_LIES,
     RAN_ENV,
     crafted_pickle,
@@ -1113,7 +1114,7 @@ def test_a_save_that_changes_one_property_of_its_layout_holds_its_own(dist, impl
 _CRAFTED = (
     [("object", route, where) for route in CODE_ROUTES + NAME_LIES for where in WHERE]
     + [("tensor", route, where) for route in ("global", "stack-global", "ext1", "duplicate-data-pkl", "other-folder") for where in WHERE]
-    + [("metadata", route, EVERY_RANK) for route in CODE_ROUTES]
+    + [("metadata", route, EVERY_RANK) for route in (*CODE_ROUTES, LAYOUT_ROUTE)]
 )
 
 
@@ -1125,7 +1126,8 @@ def test_a_crafted_checkpoint_runs_no_code(dist, impl, target: str, route: str, 
     """A good checkpoint with a record (of ``note``, or of a tensor chunk) or its ``.metadata`` replaced
     by a crafted one (:data:`_CRAFTED`). The crafted code would create a marker file and set an
     environment variable: afterwards neither exists on any rank. The global every code route asks for
-    is ``builtins.exec``, which the error must name."""
+    is ``builtins.exec``, which the error must name; the layout route asks for ``torch.save`` (it would
+    write the marker file), which the error must name."""
     bad_input_here(dist, where)  # skips the one-rank case at world size 1
     ops = checkpoint_ops(impl)
     group = group_of(dist)
@@ -1140,7 +1142,7 @@ def test_a_crafted_checkpoint_runs_no_code(dist, impl, target: str, route: str, 
     key = {"object": "note", "metadata": None, "tensor": "b" if where == EVERY_RANK else "w"}[target]
     def craft() -> str:
         if target == "metadata":
-            (dcp_directory(path) / ".metadata").write_bytes(crafted_pickle(route, code))
+            (dcp_directory(path) / ".metadata").write_bytes(crafted_pickle(route, code, marker=str(marker)))
             return ".metadata"
         offset = (4 * (dist.world_size - 1), 0) if key == "w" else None
         return replace_record(path, str(key), crafted_record(route, code), offset)
@@ -1164,7 +1166,7 @@ def test_a_crafted_checkpoint_runs_no_code(dist, impl, target: str, route: str, 
             fail(f"{what}: the crafted code ran", [f"rank {r}: marker file {c}, environment variable {e}" for r, (c, e) in enumerate(ran)],
                  "nothing from the checkpoint runs", f"rank {dist.rank}")
 
-    needles = (name,) if route in NAME_LIES else (name, "builtins.exec")
+    needles = (name,) if route in NAME_LIES else (name, "torch.save" if route == LAYOUT_ROUTE else "builtins.exec")
     check_each({
         "ML-27.b": no_code_ran,
         # a record whose member names lie is ML-28's refusal; one that asks for a global, ML-27's
