@@ -282,13 +282,16 @@ def damage(dist: RankContext, path: Path, case: str, where: str) -> str:
         # check of what was unpickled tells it from the checkpoint's metadata.
         meta.write_bytes(pickle.dumps({"version": "1.0.0", "state_dict_metadata": {}}))
         return ".metadata"
-    if case == "unknown-version":
+    if case in ("unknown-version", "no-storage-data"):
         with open(meta, "rb") as f:
             metadata = pickle.load(f)  # our own file, written a moment ago
-        metadata.version = "99.0.0"
+        if case == "unknown-version":
+            metadata.version = "99.0.0"
+        else:  # DCP's Metadata as a writer that never set where the data lies leaves it: storage_data=None
+            metadata.storage_data = None
         with open(meta, "wb") as f:
             pickle.dump(metadata, f)
-        return "99.0.0"
+        return "99.0.0" if case == "unknown-version" else ".metadata"
     raise ValueError(case)
 
 
