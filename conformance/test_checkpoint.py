@@ -381,6 +381,26 @@ def test_per_rank_value_under_one_key_is_an_error(dist, impl, where: str) -> Non
                  what="save of a per-rank value")
 
 
+@pytest.mark.req("ML-9")
+@pytest.mark.rank_timeout(30)
+@pytest.mark.world_size(min=2)
+@pytest.mark.parametrize("differs", ["dtype", "shape", "dtensor-dtype"])
+def test_a_tensor_held_differently_by_the_ranks_is_an_error(dist, impl, differs: str) -> None:
+    """The tensor ``w``, a plain tensor held by every rank (or a DTensor sharded over them), is float64 or
+    one row longer on the last rank only (a rank that cast or resized its model by mistake): every
+    rank's save raises the same error naming the key. One that keeps one rank's dtype or shape in the
+    metadata writes the other rank's bytes under it, or drops them."""
+    ops = checkpoint_ops(impl)
+    last = dist.rank == dist.world_size - 1
+    dtype = torch.float64 if last and differs != "shape" else torch.float32
+    if differs == "dtensor-dtype":
+        w: torch.Tensor = dtensor_of(torch.ones(2 * dist.world_size, 3, dtype=dtype), dist.mesh(), [Shard(0)])
+    else:
+        w = torch.ones(4 if last and differs == "shape" else 3, 3, dtype=dtype)
+    fails_alike(dist, lambda: ops.save({"w": w, "step": 3}, dist.tmp_dir / "ckpt", process_group=group_of(dist)), keys=("w",),
+                what=f"save of a tensor whose {differs} differs on the last rank")
+
+
 @pytest.mark.req("ML-10")
 @pytest.mark.rank_timeout(30)
 @parametrize_where
