@@ -69,11 +69,16 @@ _F32 = torch.float32
 GOOD = {"proj.weight": ((4, 3), _F32), "proj.bias": ((2,), _F32)}
 
 
-#: mismatch -> (what the bad rank asks for, the key the error must name, what else it must say)
-MISMATCHES: dict[str, tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], str, tuple[str, ...]]] = {
-    "missing-key": ({**GOOD, "extra.scale": ((2,), _F32)}, "extra.scale", ()),
-    "shape": ({**GOOD, "proj.weight": ((3, 4), _F32)}, "proj.weight", ("3, 4", "4, 3")),
-    "dtype": ({**GOOD, "proj.weight": ((4, 3), torch.float64)}, "proj.weight", ("float64", "float32")),
+#: mismatch -> (what the bad rank asks for, the keys the error must name, what else it must say). With
+#: two keys that do not match (two shapes; a dtype, then a shape) the error names both: a load that
+#: stops at the first sends its user round again for each.
+MISMATCHES: dict[str, tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], tuple[str, ...], tuple[str, ...]]] = {
+    "missing-key": ({**GOOD, "extra.scale": ((2,), _F32)}, ("extra.scale",), ()),
+    "shape": ({**GOOD, "proj.weight": ((3, 4), _F32)}, ("proj.weight",), ("3, 4", "4, 3")),
+    "two-shapes": ({"proj.weight": ((3, 4), _F32), "proj.bias": ((3,), _F32)}, ("proj.weight", "proj.bias"), ("3, 4", "4, 3")),
+    "a-dtype-then-a-shape": ({"proj.weight": ((4, 3), torch.float64), "proj.bias": ((3,), _F32)}, ("proj.weight", "proj.bias"),
+                             ("float64", "float32")),
+    "dtype": ({**GOOD, "proj.weight": ((4, 3), torch.float64)}, ("proj.weight",), ("float64", "float32")),
 }
 
 

@@ -406,19 +406,19 @@ def test_a_tensor_held_differently_by_the_ranks_is_an_error(dist, impl, differs:
 @parametrize_where
 @pytest.mark.parametrize("mismatch", list(MISMATCHES))
 def test_strict_load_names_the_key_and_changes_nothing(dist, impl, mismatch: str, where: str) -> None:
-    """A key missing from the checkpoint, a shape or a dtype that differs (on every rank, or on the last
-    rank only while the others ask for exactly the checkpoint), loading into CPU tensors and then into
+    """A key missing from the checkpoint, a shape (of one key, or of two: both named) or a dtype that
+    differs (on every rank, or on the last rank only while the others ask for exactly the checkpoint), loading into CPU tensors and then into
     meta tensors: every rank raises the same error naming the key (with both shapes or dtypes), and
     every rank's state dict is unchanged, deeply (meta entries and identities included)."""
     ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     ops.save(error_checkpoint(), path, process_group=group_of(dist))
-    spec, key, needles = MISMATCHES[mismatch]
+    spec, keys, needles = MISMATCHES[mismatch]
     asked = spec if bad_input_here(dist, where) else GOOD
     for device in ("cpu", "meta"):
         sd = asking_for(asked, device)
         before = snapshot(state_dict=sd)
-        fails_alike(dist, lambda: ops.load(sd, path, process_group=group_of(dist)), keys=(key,), needles=needles,
+        fails_alike(dist, lambda: ops.load(sd, path, process_group=group_of(dist)), keys=keys, needles=needles,
                      what=f"strict load into {device} tensors with a {mismatch} mismatch")
         assert_unchanged(before, state_dict=sd, where=f"rank {dist.rank}, {device} tensors")
 
