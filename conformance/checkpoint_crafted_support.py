@@ -23,6 +23,7 @@ __all__ = [
     "extension_for_exec",
     "CODE_ROUTES",
     "LAYOUT_ROUTE",
+    "reverse_chunks",
     "NAME_LIES",
     "EXT_CODES",
     "crafted_pickle",
@@ -208,3 +209,19 @@ def replace_record(path: Path, fqn: str, data: bytes, offset: tuple[int, ...] | 
                 pickle.dump(metadata, f)
             return in_checkpoint(path, info.relative_path)
     no_record(path, fqn, offset)
+
+
+def reverse_chunks(path: Path) -> None:
+    """Make the ``.metadata`` of the checkpoint at ``path`` (our own file, written a moment ago) list
+    each tensor's chunks in reverse. DCP's format does not order them: a writer that lists them by rank
+    lists a 2-D mesh's column-major shards out of offset order."""
+    import dataclasses
+
+    meta = dcp_directory(path) / ".metadata"
+    with open(meta, "rb") as f:
+        metadata = pickle.load(f)  # our own file, written by the save a moment ago
+    for key, entry in metadata.state_dict_metadata.items():
+        if hasattr(entry, "chunks"):
+            metadata.state_dict_metadata[key] = dataclasses.replace(entry, chunks=entry.chunks[::-1])
+    with open(meta, "wb") as f:
+        pickle.dump(metadata, f)

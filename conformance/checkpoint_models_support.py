@@ -54,16 +54,20 @@ def _shard(impl: Adapter, model: nn.Module, dist: RankContext) -> nn.Module:
 # -- ML-4 meta loading ------------------------------------------------------------------------------
 
 
-def check_built(dist: RankContext, loaded: dict[str, Any], saved: State) -> None:
+def check_built(dist: RankContext, loaded: dict[str, Any], saved: State, parameters: frozenset[str] = frozenset()) -> None:
     """ML-4's checks of a meta load: every value built on the process group's device, no meta left,
-    DTensors keep mesh, placements, global shape and stride, and every value (each rank's local
-    shard of a DTensor) holds the saved bits."""
+    a Parameter exactly where the meta target was one (``parameters``: those keys), DTensors keep
+    mesh, placements, global shape and stride, and every value (each rank's local shard of a DTensor)
+    holds the saved bits."""
     __tracebackhide__ = True
     for key, want in saved.values.items():
         got = loaded[key]
         local = got.to_local() if isinstance(got, DTensor) else got
         if local.device != dist.device:
             fail("a meta value was built on the wrong device", local.device, dist.device, f"{key}, rank {dist.rank}")
+        if isinstance(got, nn.Parameter) != (key in parameters):
+            fail("a meta value was built as another kind", f"a Parameter: {isinstance(got, nn.Parameter)}",
+                 f"a Parameter: {key in parameters}, as the meta target", f"{key}, rank {dist.rank}")
         if isinstance(want, DTensor):
             if not isinstance(got, DTensor):
                 fail("a meta DTensor was built as another type", type(got).__name__, "DTensor", key)

@@ -57,6 +57,7 @@ from conformance.checkpoint_crafted_support import (
     extension_for_exec,
     repacked_record,
     replace_record,
+    reverse_chunks,
 )
 from conformance.checkpoint_failing_load_support import (
     GOOD,
@@ -239,16 +240,21 @@ def test_replicated_data_is_written_once(dist, impl) -> None:
 def test_meta_load_builds_every_value(dist, impl) -> None:
     """Edge values of every dtype, plain (views too) and as DTensors on 1-D and 2-D meshes, loaded into
     meta tensors of the same layout: each becomes a tensor on the process group's device with the
-    saved bits, each DTensor keeping its layout and holding its documented local shard."""
+    saved bits, each DTensor keeping its layout and holding its documented local shard. The first
+    value of each kind is a meta Parameter (as a model's own tensors are, FSDP2's DTensor ones too):
+    it comes back a Parameter, and the others plain tensors."""
     ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     kinds = ("plain", "dtensor-1d", "dtensor-2d")
     saved = {kind: state_of(dist, kind, "saved") for kind in kinds}
     ops.save({kind: state.values for kind, state in saved.items()}, path, process_group=group_of(dist))
     target = {kind: state_of(dist, kind, "meta").values for kind in kinds}
+    first = {kind: next(iter(target[kind])) for kind in kinds}
+    for kind, key in first.items():
+        target[kind][key] = torch.nn.Parameter(target[kind][key], requires_grad=False)
     call_or_skip(lambda: ops.load(target, path, process_group=group_of(dist)))
     for kind in kinds:
-        check_built(dist, target[kind], saved[kind])
+        check_built(dist, target[kind], saved[kind], parameters=frozenset({first[kind]}))
 
 
 @pytest.mark.req("ML-4")
@@ -1025,6 +1031,29 @@ def test_checkpoint_format_matches_upstream_across_world_sizes(pools, world_size
     path = str(tmp_path / "ckpt")
     pools.run(saved_at, format_save, impl, route, path, 7)
     pools.run(loaded_at, format_load, impl, route, path, 7, str(tmp_path / "converted.pt"))
+
+
+@pytest.mark.dcp_files("the chunks are reordered in DCP's .metadata")
+@pytest.mark.req("ML-25")
+@pytest.mark.world_size(min=2)
+def test_chunks_listed_in_any_order_load_alike(dist, impl) -> None:
+    """A checkpoint of a DTensor sharded over every rank whose ``.metadata`` then lists its chunks in
+    reverse (:func:`~conformance.checkpoint_crafted_support.reverse_chunks`): loaded whole into a
+    plain tensor on every rank, and as the same DTensor, every value is the saved one. A reader that
+    finds a tensor's chunks by assuming them in offset order misses some and fails, or reads them
+    wrong."""
+    ops = checkpoint_ops(impl)
+    path = dist.tmp_dir / "ckpt"
+    full = torch.arange(4.0 * dist.world_size * 3).reshape(4 * dist.world_size, 3)
+    ops.save({"w": dtensor_of(full, dist.mesh(), [Shard(0)])}, path, process_group=group_of(dist))
+    dist.barrier()
+    dist.on_one_rank(lambda: reverse_chunks(path))
+    whole = {"w": different_like(full)}
+    call_or_skip(lambda: ops.load(whole, path, process_group=group_of(dist)))
+    assert_same_bits(whole, {"w": full}, what=f"the whole tensor read from chunks listed in reverse (rank {dist.rank})")
+    sharded = {"w": dtensor_of(different_like(full), dist.mesh(), [Shard(0)])}
+    ops.load(sharded, path, process_group=group_of(dist))
+    assert_local_shards(dist, sharded, {("w",): full}, what="the shard read from chunks listed in reverse")
 
 
 @pytest.mark.req("ML-26")
