@@ -42,6 +42,7 @@ __all__ = [
     "outcome",
     "Resources",
     "signal_writer_processes",
+    "writer_processes",
     "isolated",
     "PUBLICATION_DELAY_S",
     "loaded_state",
@@ -208,22 +209,25 @@ def settled_growth(before: Resources, settle_s: float = 2.0) -> list[str]:
         time.sleep(0.1)
 
 
-def signal_writer_processes(signum: int, ops: Any = None, *, among: Collection[int] | None = None) -> list[int]:
-    """Send ``signum`` to the processes writing this process's async saves in the background; the pids it
-    reached. They are what ``ops.writer_processes()`` names where the adapter's ops declare it (a stack
-    whose other helper processes, megatron-core's ``multiprocessing`` manager, are not writers), else
-    every child process of this one that multiprocessing started (an async save's writer process,
-    whatever the implementation), of ``among`` only where given (the processes a save started: another
-    adapter's writer kept in this rank is not this one's). SIGSTOP first, then the save, then SIGKILL:
-    the writer dies with the save's write surely not done."""
+def writer_processes(ops: Any = None, *, among: Collection[int] | None = None) -> list[int]:
+    """The processes writing this process's async saves in the background. They are what
+    ``ops.writer_processes()`` names where the adapter's ops declare it (a stack whose other helper
+    processes, megatron-core's ``multiprocessing`` manager, are not writers), else every child process of
+    this one that multiprocessing started (an async save's writer process, whatever the implementation),
+    of ``among`` only where given (the processes a save started: another adapter's writer kept in this
+    rank is not this one's)."""
     declared = getattr(ops, "writer_processes", None)
     if declared is not None:
-        targets = list(declared())
-    else:
-        targets = [pid for pid, command in child_processes().items()
-                   if ("multiprocessing" in command or "spawn_main" in command) and (among is None or pid in among)]
+        return list(declared())
+    return [pid for pid, command in child_processes().items()
+            if ("multiprocessing" in command or "spawn_main" in command) and (among is None or pid in among)]
+
+
+def signal_writer_processes(signum: int, ops: Any = None, *, among: Collection[int] | None = None) -> list[int]:
+    """Send ``signum`` to the :func:`writer_processes`; the pids it reached. SIGSTOP first, then the save,
+    then SIGKILL: the writer dies with the save's write surely not done."""
     reached = []
-    for pid in targets:
+    for pid in writer_processes(ops, among=among):
         error = raised(lambda pid=pid: os.kill(pid, signum))  # type: ignore[misc]
         if error is None:
             reached.append(pid)

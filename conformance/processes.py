@@ -4,13 +4,16 @@ implementation leaves no process behind (ML-32, AS-7) and the faults that stop o
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-__all__ = ["child_processes", "kill_with_children", "process_state", "still_running"]
+__all__ = ["child_processes", "debugger_stop", "kill_with_children", "process_state", "still_running"]
 
 
 def process_state(pid: int) -> str | None:
@@ -69,3 +72,94 @@ def still_running(pids: Callable[[], Iterable[int]], grace_s: float = 5.0) -> li
         if not running or time.monotonic() > deadline:
             return running
         time.sleep(0.1)
+
+
+# ptrace(2) requests and the wait flag for a traced child (<linux/ptrace.h>, <linux/wait.h>): the stdlib
+# names neither.
+_PTRACE_SEIZE = 0x4206
+_PTRACE_INTERRUPT = 0x4207
+_WALL = 0x40000000
+
+
+def debugger_stop(pid: int, timeout_s: float = 10.0) -> None:
+    """Stop process ``pid`` as a debugger attaching to it does (``gdb -p``: each of its threads seized,
+    then interrupted), and return once it is stopped. Unlike SIGSTOP's stop, SIGCONT does not end this one
+    and SIGTERM only waits in its queue: SIGKILL alone ends the process. As a debugger does, a thread of
+    this process stays the tracer until the process ends and takes the ends of its threads (a killed
+    process whose traced threads nobody waits for never ends). Raises OSError where the kernel refuses to
+    trace it."""
+    stopped = threading.Event()
+    errors: list[BaseException] = []
+
+    def trace() -> None:
+        try:
+            threads = _seize_and_interrupt(pid, timeout_s)
+        except BaseException as error:  # noqa: B036 - handed to the caller
+            errors.append(error)
+            return
+        finally:
+            stopped.set()
+        # A tracer that ends lets its tracees go on: this thread lasts until the process has ended. Its
+        # threads' ends come here, to the tracer, before the process's end can reach its parent; the main
+        # thread's end is the parent's to take (the implementation's wait for its writer), so it is only
+        # looked at, not taken.
+        with contextlib.suppress(ChildProcessError):
+            for tid in threads - {pid}:
+                while not _ended(os.waitpid(tid, _WALL)[1]):
+                    pass
+            while not _has_ended(pid):
+                os.waitpid(pid, _WALL | os.WNOHANG)  # a stop, reported to the tracer: taken, not left
+
+    threading.Thread(target=trace, name=f"debugger-of-{pid}", daemon=True).start()
+    stopped.wait()
+    if errors:
+        raise errors[0]
+
+
+def _has_ended(pid: int) -> bool:
+    """Wait for process ``pid``'s next report and say whether it ended, leaving its end to be taken."""
+    report = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | _WALL)
+    return report is not None and report.si_code in (os.CLD_EXITED, os.CLD_KILLED, os.CLD_DUMPED)
+
+
+def _ended(status: int) -> bool:
+    return os.WIFEXITED(status) or os.WIFSIGNALED(status)
+
+
+def _seize_and_interrupt(pid: int, timeout_s: float) -> set[int]:
+    """Trace every thread of process ``pid`` from the calling thread and stop each; the thread ids."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    libc.ptrace.restype = ctypes.c_long
+
+    def request(number: int, name: str, tid: int) -> None:
+        if libc.ptrace(number, tid, None, None) == -1:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"{name} of thread {tid} of process {pid}: {os.strerror(errno)}")
+
+    # Every thread, as a debugger stops them: a thread left running takes a SIGTERM for the whole process
+    # and ends it. A thread a running one started meanwhile shows in the next listing; once all are
+    # stopped, none starts another.
+    traced: set[int] = set()
+    while True:
+        try:
+            threads = {int(tid) for tid in os.listdir(f"/proc/{pid}/task")} - traced
+        except FileNotFoundError:
+            raise ProcessLookupError(f"process {pid} is gone") from None
+        if not threads:
+            break
+        for tid in sorted(threads):
+            request(_PTRACE_SEIZE, "PTRACE_SEIZE", tid)
+            request(_PTRACE_INTERRUPT, "PTRACE_INTERRUPT", tid)
+            traced.add(tid)
+    # Each stop is reported to the tracer's process, which is the writer's parent too: taken here, no
+    # report reaches the implementation's own wait for its writer, which would read a stop where it
+    # expects an exit status (multiprocessing's join raises on one).
+    deadline = time.monotonic() + timeout_s
+    for tid in sorted(traced):
+        while os.waitpid(tid, _WALL | os.WNOHANG)[0] != tid:
+            if time.monotonic() > deadline:
+                raise OSError(f"thread {tid} of process {pid} did not stop within {timeout_s:.0f} s of "
+                              f"PTRACE_INTERRUPT (state {process_state(tid)})")
+            time.sleep(0.01)
+    return traced

@@ -1,0 +1,81 @@
+"""conformance.processes.debugger_stop: the stop AS-7 puts a writer process in is a debugger's. Every
+thread stays stopped through SIGCONT and SIGTERM (a stop a shutdown without SIGKILL would end passes
+that shutdown by accident), SIGKILL ends the process, and its parent still takes its exit status (a
+stop the tracer left unreaped would hang a correct implementation's join)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from conformance.processes import debugger_stop, process_state
+
+#: A child with three threads besides its main one, each asleep, as a writer process waits for work.
+_THREADED_CHILD = (
+    "import threading, time\n"
+    "for _ in range(3): threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+@pytest.fixture
+def child() -> Iterator[subprocess.Popen[str]]:
+    process = subprocess.Popen([sys.executable, "-c", _THREADED_CHILD], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+    yield process
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=10)
+
+
+def _thread_states(pid: int) -> dict[int, str | None]:
+    return {int(tid): process_state(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_every_thread_stays_stopped_through_sigcont_and_sigterm(child: subprocess.Popen[str]) -> None:
+    debugger_stop(child.pid)
+    states = _thread_states(child.pid)
+    assert len(states) == 4 and set(states.values()) == {"t"}, states
+    os.kill(child.pid, signal.SIGCONT)
+    os.kill(child.pid, signal.SIGTERM)
+    time.sleep(1.0)
+    assert child.poll() is None
+    assert set(_thread_states(child.pid).values()) == {"t"}
+
+
+def test_sigkill_ends_it_and_the_parent_takes_its_exit_status(child: subprocess.Popen[str]) -> None:
+    debugger_stop(child.pid)
+    tracers = {thread.name for thread in threading.enumerate()}
+    assert f"debugger-of-{child.pid}" in tracers
+    child.kill()
+    assert child.wait(timeout=10) == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while f"debugger-of-{child.pid}" in {thread.name for thread in threading.enumerate()}:
+        assert time.monotonic() < deadline, "the tracer thread outlived the process it traced"
+        time.sleep(0.05)
+
+
+def test_a_sigstop_stop_is_another_kind_that_sigcont_ends(child: subprocess.Popen[str]) -> None:
+    os.kill(child.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while process_state(child.pid) != "T":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.kill(child.pid, signal.SIGCONT)
+    os.kill(child.pid, signal.SIGTERM)
+    assert child.wait(timeout=10) == -signal.SIGTERM
+
+
+def test_a_process_that_is_gone_is_an_oserror_naming_it(child: subprocess.Popen[str]) -> None:
+    child.kill()
+    child.wait(timeout=10)
+    with pytest.raises(OSError, match=str(child.pid)):
+        debugger_stop(child.pid)
