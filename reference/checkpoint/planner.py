@@ -65,6 +65,7 @@ from reference.checkpoint.flatten import FlatStateDict, ObjPath, flatten_state_d
 from reference.checkpoint.layout import Chunk, Overlap, check_tiling, local_chunk, overlaps
 from reference.checkpoint.metadata_io import CURRENT_VERSION
 from reference.checkpoint.records import read_object_record
+from reference.host_bytes import element_bytes
 
 __all__ = ["ReferenceSavePlanner", "ReferenceLoadPlanner", "LoadResult", "RankSaveData"]
 
@@ -301,7 +302,12 @@ class ReferenceSavePlanner(SavePlanner):
         if local.device.type != "cpu":
             return local
         if local.untyped_storage().nbytes() != local.numel() * local.element_size():
-            # torch.save writes a view's whole storage: write only this tensor's bytes.
+            # torch.save writes a view's whole storage: write only this tensor's bytes. Where they lie
+            # together (a piece of a replicated chunk, cut along its first dimension), a tensor over the
+            # same memory holds exactly them: a copy would be one more of the piece in memory, beside
+            # the staged copies AS-5 bounds. A lazy conjugate or negation is the clone's to resolve.
+            if local.is_contiguous() and local.numel() > 0 and not (local.is_conj() or local.is_neg()):
+                return torch.frombuffer(element_bytes(local), dtype=local.dtype, count=local.numel()).view(local.shape)
             return local.clone()
         return local
 

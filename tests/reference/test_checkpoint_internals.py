@@ -228,6 +228,36 @@ def test_small_replicated_items_are_spread_by_count_large_ones_by_bytes() -> Non
     assert abs(big_bytes[0] - big_bytes[1]) <= 4 * (1 << 13), big_bytes
 
 
+def test_a_piece_of_a_replicated_tensor_is_written_from_its_own_memory() -> None:
+    """A replicated tensor cut into pieces (one per holder) is resolved for writing as a tensor over the
+    piece's own bytes of the state, not a copy: a copy per piece was one more copy of the state in the
+    training process beside AS-5's two staged ones (a thread-executor save measured 43-51 MiB for four
+    saves of 16 MiB against AS-5's bound of 48). A lazy conjugate is still resolved (a copy)."""
+    from reference.checkpoint.planner import REPLICA_PIECE_BYTES
+
+    rows = 4 * REPLICA_PIECE_BYTES // (4 * 8)
+    state = {"big": torch.arange(rows * 8, dtype=torch.float32).reshape(rows, 8), "z": torch.ones(rows, 8, dtype=torch.complex64).conj()}
+    planners = [ReferenceSavePlanner() for _ in range(2)]
+    for planner in planners:
+        planner.set_up_planner(state)
+    new_plans, _ = planners[0].create_global_plan([planner.create_local_plan() for planner in planners])
+    pieces = 0
+    for planner, plan in zip(planners, new_plans):
+        for item in planner.finish_plan(plan).items:
+            data = planner.resolve_data(item)
+            assert isinstance(data, torch.Tensor)
+            chunk = item.tensor_data.chunk
+            expected = state[item.index.fqn][chunk.offsets[0]:chunk.offsets[0] + chunk.sizes[0]]
+            assert torch.equal(data.resolve_conj(), expected.resolve_conj())
+            assert data.untyped_storage().nbytes() == data.numel() * data.element_size()  # torch.save writes it all
+            if item.index.fqn == "big" and tuple(chunk.sizes) != (rows, 8):
+                pieces += 1
+                assert data.data_ptr() == expected.data_ptr(), "a piece was copied"
+            if item.index.fqn == "z" and tuple(chunk.sizes) != (rows, 8):
+                assert data.data_ptr() != expected.data_ptr() and not data.is_conj(), "a lazy conjugate written as its raw bytes"
+    assert pieces == 2
+
+
 def test_ranks_disagreeing_on_a_value_are_named() -> None:
     plans = [_local_plan({"seed": 10 + rank, "w": torch.ones(2, rank + 1)}) for rank in range(2)]
     with pytest.raises(StateDictError) as info:
