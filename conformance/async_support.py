@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import signal
 import sys
 import threading
 import time
@@ -27,7 +28,7 @@ from conformance.adapters.base import Adapter, Unsupported
 from conformance.asserts import assert_same_error_on_every_rank, check_each, fail, raised
 from conformance.checkpoint_support import assert_same_bits, checkpoint_ops, dtensor_of
 from conformance.harness.context import RankContext
-from conformance.processes import child_processes
+from conformance.processes import child_processes, debugger_stop
 
 __all__ = [
     "SHUTDOWN_TIMEOUT_S",
@@ -43,6 +44,7 @@ __all__ = [
     "Resources",
     "signal_writer_processes",
     "writer_processes",
+    "WRITER_STOPS",
     "isolated",
     "PUBLICATION_DELAY_S",
     "loaded_state",
@@ -207,6 +209,16 @@ def settled_growth(before: Resources, settle_s: float = 2.0) -> list[str]:
         if not grown or time.monotonic() >= deadline:
             return grown
         time.sleep(0.1)
+
+
+#: How a writer process is stopped so that it does not answer: SIGSTOP's stop (Ctrl-Z, ``kill -STOP``),
+#: which SIGCONT ends, and a debugger's (``gdb -p``, ``py-spy dump``'s pause), which only SIGKILL ends. A
+#: shutdown that continues its writers first ends the first kind without a kill; only the second shows
+#: that it kills the writer that still does not answer.
+WRITER_STOPS: dict[str, Callable[[int], None]] = {
+    "SIGSTOP": lambda pid: os.kill(pid, signal.SIGSTOP),
+    "debugger": debugger_stop,
+}
 
 
 def writer_processes(ops: Any = None, *, among: Collection[int] | None = None) -> list[int]:

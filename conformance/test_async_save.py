@@ -15,7 +15,6 @@ import multiprocessing.resource_tracker
 import os
 import signal
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from conformance.async_support import (
     MAX_LOADS_DURING_WRITE,
     PUBLICATION_DELAY_S,
     SHUTDOWN_TIMEOUT_S,
+    WRITER_STOPS,
     RefusingStateful,
     Resources,
     assert_holds,
@@ -56,7 +56,7 @@ from conformance.checkpoint_values_support import mixed_state
 from conformance.dcp_files import dcp_directory
 from conformance.error_cases import WHERE, bad_input_here
 from conformance.faults import slowed_publication
-from conformance.processes import child_processes, debugger_stop, process_state, still_running
+from conformance.processes import child_processes, process_state, still_running
 
 # A save that never ends is cut here, not at the suite's default of 120 s (see async_support.outcome).
 pytestmark = pytest.mark.rank_timeout(60)
@@ -467,16 +467,6 @@ def test_training_collectives_during_the_background_write(dist, impl, executor: 
 # -- AS-7 resources ----------------------------------------------------------------------------------------------------
 
 
-#: How a writer process is stopped so that it does not answer: SIGSTOP's stop (Ctrl-Z, ``kill -STOP``),
-#: which SIGCONT ends, and a debugger's (``gdb -p``, ``py-spy dump``'s pause), which only SIGKILL ends. A
-#: shutdown that continues its writers first ends the first kind without a kill; only the second shows
-#: that it kills the writer that still does not answer.
-WRITER_STOPS: dict[str, Callable[[int], None]] = {
-    "SIGSTOP": lambda pid: os.kill(pid, signal.SIGSTOP),
-    "debugger": debugger_stop,
-}
-
-
 @pytest.mark.req("AS-7")
 @pytest.mark.rank_timeout(90)
 @pytest.mark.largest_world_size
@@ -503,7 +493,7 @@ def test_shutdown_ends_a_writer_process_that_does_not_answer(dist, impl, stop: s
             writers[pid] = spawned.get(pid, "")
         elif process_state(pid) not in (None, "Z"):  # a writer that ended meanwhile was not refused
             refused.append(f"rank {dist.rank}: {error}")
-    everyone_refused = sum(dist.all_gather_object(refused), [])
+    everyone_refused: list[str] = sum(dist.all_gather_object(refused), [])
     if everyone_refused:
         for pid in writers:  # stopped here, not on another rank: no rank tests a half-stopped job
             os.kill(pid, signal.SIGKILL)
