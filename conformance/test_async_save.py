@@ -23,7 +23,7 @@ import torch
 import torch.distributed as torch_dist
 
 from conformance.adapters.base import Adapter
-from conformance.asserts import fail, raised
+from conformance.asserts import assert_same_error_on_every_rank, expect_error, fail, raised, reraise
 from conformance.async_support import (
     EXECUTORS,
     MAX_LOADS_DURING_WRITE,
@@ -107,6 +107,34 @@ def test_every_kind_of_value_is_staged_as_it_was(dist, impl, executor: str) -> N
     target = mixed_state(dist, "target", seed=5)
     checkpoint_ops(impl).load(target.values, path, process_group=dist.group)
     assert_same_bits(target.values, mixed_state(dist, "saved", seed=5).values, what=f"every kind of value after an async save ({executor})")
+
+
+@pytest.mark.req("AS-1", "ML-38")
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("executor", EXECUTORS)
+@isolated
+def test_a_meta_tensor_in_an_async_save_is_an_error_naming_its_key(dist, impl, executor: str, where: str) -> None:
+    """ML-38 in the background: an async save whose state holds a parameter left on the meta device (on
+    every rank or on the last only) fails on every rank, at the call or in its completion future, with
+    an error naming the key; the checkpoint saved before still loads whole. Staging copies each tensor
+    on its own: one that skips a meta tensor, or copies nothing into its place, publishes a checkpoint
+    without its values."""
+    ops = async_ops(impl, executor)
+    path = dist.tmp_dir / "ckpt"
+    save_and_wait(dist, impl, executor, path, 1.0)
+    state = training_state(dist, 2.0)
+    if bad_input_here(dist, where):
+        state["model"]["w"] = torch.empty_like(state["model"]["w"], device="meta")
+    issued: list[Any] = []
+    error = raised(lambda: issued.append(async_save(ops, state, path, dist, executor)))
+    if error is None:
+        error = outcome(issued[0].upload_completion, "the completion future of the save of a meta tensor", f"rank {dist.rank}")
+    assert_same_error_on_every_rank(dist, error, what=f"an async save of a meta tensor ({executor}, {where})")
+    assert error is not None
+    expect_error(lambda: reraise(error), BaseException, keys=("model.w",), what=f"an async save of a meta tensor ({executor})",
+                 where=f"rank {dist.rank}")
+    dist.barrier()
+    assert_holds(dist, impl, path, 1.0, what="the checkpoint saved before an async save of a meta tensor")
 
 
 @pytest.mark.req("AS-1")
