@@ -159,4 +159,4 @@ class TorchAsyncCheckpointOps(_BothExecutors):
             child.join(timeout=5)
             if child.is_alive():
                 child.terminate()
-                child.join(timeout=5)
+                child.join(timeout=2)  # SIGTERM's default action ends a writer able to act on it at once

@@ -100,7 +100,7 @@ class WriterProcess:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the process: asked to end, terminated if it has not within ``timeout`` seconds, and killed
-        if it has not ``timeout`` seconds after that (a stopped process acts on no other signal)."""
+        if it has not a second after that (a stopped process acts on no other signal)."""
         # A writer stopped by SIGSTOP or Ctrl-Z (not a debugger's stop) is continued first, so that it
         # reads the request to end now instead of waiting out both timeouts frozen.
         if self.process.pid is not None:
@@ -115,7 +115,8 @@ class WriterProcess:
         self.process.join(timeout)
         if self.process.is_alive():
             self.process.terminate()
-            self.process.join(timeout)
+            # The writer sets no SIGTERM handler: a writer able to act on it ends at once.
+            self.process.join(min(timeout, 1.0))
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
