@@ -64,7 +64,8 @@ EXECUTORS = ("thread", pytest.param("process", marks=pytest.mark.largest_world_s
 #: Seconds a future gets to resolve once its save should have ended (AS-4's "within seconds"); a
 #: future still pending then is a hang, reported as such instead of stopping the run.
 OUTCOME_TIMEOUT_S = 30.0
-#: Seconds ``shutdown`` gets with a stopped writer process (the reference: SIGTERM, then SIGKILL, 5 s each).
+#: Seconds ``shutdown`` gets with a stopped writer process (the reference asks, then SIGTERM after 2 s, then
+#: SIGKILL after 1 s more; torch's process executor waits 5 s for its writer to answer).
 SHUTDOWN_TIMEOUT_S = 30.0
 #: Seconds a staging future gets to resolve once the completion future of its save has.
 STAGING_AFTER_COMPLETION_S = 5.0

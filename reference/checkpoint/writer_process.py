@@ -98,9 +98,12 @@ class WriterProcess:
         results: list[WriteResult] = payload
         return results
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = 2.0) -> None:
         """Stop the process: asked to end, terminated if it has not within ``timeout`` seconds, and killed
         if it has not a second after that (a stopped process acts on no other signal)."""
+        # close() runs after the last save: the writer is idle, and one that can act on the request ends
+        # within a fraction of a second (its interpreter's exit). Two seconds leave a loaded machine room;
+        # a writer that takes longer is not answering, and ending it loses nothing.
         # A writer stopped by SIGSTOP or Ctrl-Z (not a debugger's stop) is continued first, so that it
         # reads the request to end now instead of waiting out both timeouts frozen.
         if self.process.pid is not None:
