@@ -5,8 +5,10 @@ process's threads, child processes and file descriptors."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
+import re
 import signal
 import sys
 import threading
@@ -26,11 +28,15 @@ from torch.distributed.tensor import DTensor, Shard
 from conformance.adapters.async_checkpoint import AsyncCheckpointOps, AsyncSave
 from conformance.adapters.base import Adapter, Unsupported
 from conformance.asserts import assert_same_error_on_every_rank, check_each, fail, raised
-from conformance.checkpoint_support import assert_same_bits, checkpoint_ops, dtensor_of
+from conformance.checkpoint_support import FAULT_ERRNO, assert_same_bits, checkpoint_ops, dtensor_of
 from conformance.harness.context import RankContext
 from conformance.processes import child_processes, debugger_stop
 
 __all__ = [
+    "ASYNC_FAULT_ERRNO",
+    "WRITER_FAULTS",
+    "WRITER_FILE_LIMIT",
+    "error_text",
     "SHUTDOWN_TIMEOUT_S",
     "settled_growth",
     "EXECUTORS",
@@ -212,6 +218,33 @@ def settled_growth(before: Resources, settle_s: float = 2.0) -> list[str]:
         time.sleep(0.1)
 
 
+#: The operating system's error each fault of AS-4 is, where it is one (AS-4.f): ML-13's I/O faults, and a
+#: full disk in a process executor's writer process (a file size limit on it: ``EFBIG``).
+ASYNC_FAULT_ERRNO: dict[str, int] = {**FAULT_ERRNO, "writer-disk-full": errno.EFBIG}
+#: AS-4's faults of a process executor's writer process: killed, or its disk full.
+WRITER_FAULTS = ("writer-dies", "writer-disk-full")
+#: The file size limit of ``writer-disk-full``: far below a rank's 1 MiB of data, far above nothing.
+WRITER_FILE_LIMIT = 64 << 10
+
+
+#: Errors of an implementation's own code, not of what it was asked to do: one that surfaces from inside a
+#: failed save (a writer's error reply read as write results, a reply never assigned) hides the failure.
+_INTERNAL_ERROR = re.compile(r"\b(AssertionError|AttributeError|IndexError|KeyError|NameError|TypeError|UnboundLocalError)\b")
+
+
+def error_text(error: BaseException) -> str:
+    """All an error tells its reader: its type and message, then those of the exceptions it was raised
+    from or while handling (torch's ``CheckpointException`` prints each failing rank's error itself)."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        parts.append(f"{type(current).__name__}: {current}")
+        current = current.__cause__ or current.__context__
+    return "\n".join(parts)
+
+
 #: How a writer process is stopped so that it does not answer: SIGSTOP's stop (Ctrl-Z, ``kill -STOP``),
 #: which SIGCONT ends, and a debugger's (``gdb -p``, ``py-spy dump``'s pause), which only SIGKILL ends. A
 #: shutdown that continues its writers first ends the first kind without a kill; only the second shows
@@ -319,6 +352,18 @@ def check_after_a_failure(dist: RankContext, impl: Adapter, executor: str, path:
         if error is not None and str(path) not in str(error) and path.name not in str(error):
             fail(f"the error of an async save with {fault}", f"{type(error).__name__}: {error}"[:400], f"a message naming {str(path)!r}", f"rank {dist.rank}")
 
+    def says_what_failed() -> None:
+        if error is None:
+            return
+        text, code = error_text(error), ASYNC_FAULT_ERRNO.get(fault)
+        if code is not None and os.strerror(code) not in text:
+            fail(f"the error of an async save with {fault}", text[:600],
+                 f"the operating system's error in its message or its causes: {os.strerror(code)!r} (errno {code})", f"rank {dist.rank}")
+        internal = _INTERNAL_ERROR.search(text)
+        if internal:
+            fail(f"the error of an async save with {fault}", text[:600],
+                 f"what failed, not an error of the implementation's own code ({internal.group(0)})", f"rank {dist.rank}")
+
     def previous_whole() -> None:
         dist.barrier()
         assert_holds(dist, impl, path, 1.0, what=f"the previous checkpoint after an async save failed with {fault}")
@@ -335,6 +380,7 @@ def check_after_a_failure(dist: RankContext, impl: Adapter, executor: str, path:
         "AS-4.c": previous_whole,
         "AS-4.d": next_save,
         "AS-4.e": staging_resolved,
+        "AS-4.f": says_what_failed,
     })
 
 

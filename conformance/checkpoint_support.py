@@ -46,6 +46,7 @@ from conformance.faults import failing_fsync, failing_writes, is_data_file
 from conformance.harness.context import RankContext, per_group_cache
 
 __all__ = [
+    "FAULT_ERRNO",
     "SAVE_FAULTS",
     "ExactFloat",
     "exact",
@@ -77,6 +78,9 @@ __all__ = [
 #: a few bytes of it (ENOSPC), every fsync fails (EIO), or the file system is read-only (EROFS), on the last
 #: rank only or on every rank.
 SAVE_FAULTS = ("full-disk-before-data", "full-disk-mid-data", "fsync-fails", "read-only")
+#: The operating system's error each save fault is: what an error that reports it carries (AS-4.f).
+FAULT_ERRNO = {"full-disk-before-data": errno.ENOSPC, "full-disk-mid-data": errno.ENOSPC, "fsync-fails": errno.EIO,
+               "read-only": errno.EROFS}
 
 
 def checkpoint_ops(impl: Adapter) -> CheckpointOps:
@@ -176,11 +180,12 @@ def injected_fault(dist: RankContext, path: Path, fault: str, where: str) -> con
     last rank only (``"one-rank"``, and ``"last-rank"`` as test_async_save.py spells it)."""
     if where in (ONE_RANK, "last-rank") and dist.rank != dist.world_size - 1:
         return contextlib.nullcontext()
+    code = FAULT_ERRNO[fault]
     if fault == "fsync-fails":
-        return failing_fsync()
+        return failing_fsync(code)
     if fault == "read-only":  # every file of the directory, metadata too (root ignores chmod, so it is injected)
-        return failing_writes(path, code=errno.EROFS, which=lambda name: True, at_open=True)
-    return failing_writes(path, after_bytes=0 if fault == "full-disk-before-data" else 64)
+        return failing_writes(path, code=code, which=lambda name: True, at_open=True)
+    return failing_writes(path, after_bytes=0 if fault == "full-disk-before-data" else 64, code=code)
 
 
 def sharded_values(dist: RankContext, fill: float) -> dict[str, Any]:

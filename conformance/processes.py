@@ -7,13 +7,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import resource
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-__all__ = ["child_processes", "debugger_stop", "kill_with_children", "process_state", "still_running"]
+__all__ = ["child_processes", "debugger_stop", "file_size_limit", "kill_with_children", "process_state", "still_running"]
 
 
 def process_state(pid: int) -> str | None:
@@ -163,3 +164,29 @@ def _seize_and_interrupt(pid: int, timeout_s: float) -> set[int]:
                               f"PTRACE_INTERRUPT (state {process_state(tid)})")
             time.sleep(0.01)
     return traced
+
+
+@contextlib.contextmanager
+def file_size_limit(pids: Iterable[int], limit_bytes: int) -> Iterator[list[int]]:
+    """Within the block, processes ``pids`` cannot grow a file past ``limit_bytes`` (``RLIMIT_FSIZE``,
+    set from outside with ``prlimit``): a write past it fails with ``EFBIG`` ("File too large"), as a
+    write to a full disk fails with ``ENOSPC``, in that process alone and whatever it writes with. Python
+    ignores ``SIGXFSZ`` (the kernel's signal for it), so a Python writer gets the error; a process that
+    does not is ended by the signal. Yields the pids limited (a process that ended is left out); on
+    leaving, those still running get their limit back."""
+    limited: dict[int, tuple[int, int]] = {}
+    try:
+        for pid in pids:
+            try:
+                soft, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+                # The soft limit only: lowering it needs no privilege, and it can be raised back.
+                resource.prlimit(pid, resource.RLIMIT_FSIZE, (limit_bytes, hard))
+            except ProcessLookupError:
+                continue
+            limited[pid] = (soft, hard)
+        yield list(limited)
+    finally:
+        for pid, previous in limited.items():
+            with contextlib.suppress(ProcessLookupError):
+                resource.prlimit(pid, resource.RLIMIT_FSIZE, previous)
+

@@ -29,6 +29,8 @@ from conformance.async_support import (
     MAX_LOADS_DURING_WRITE,
     PUBLICATION_DELAY_S,
     SHUTDOWN_TIMEOUT_S,
+    WRITER_FAULTS,
+    WRITER_FILE_LIMIT,
     WRITER_STOPS,
     RefusingStateful,
     Resources,
@@ -56,7 +58,7 @@ from conformance.checkpoint_values_support import mixed_state
 from conformance.dcp_files import dcp_directory
 from conformance.error_cases import WHERE, bad_input_here
 from conformance.faults import slowed_publication
-from conformance.processes import child_processes, process_state, still_running
+from conformance.processes import child_processes, file_size_limit, process_state, still_running
 
 # A save that never ends is cut here, not at the suite's default of 120 s (see async_support.outcome).
 pytestmark = pytest.mark.rank_timeout(60)
@@ -327,8 +329,10 @@ def test_an_async_save_killed_on_one_rank_of_two_leaves_one_whole_checkpoint(imp
 
 
 #: Faults of the background write: the I/O faults of ML-13 (injected into the training process's file
-#: I/O, where a thread executor writes), a refusing ``Stateful``, and the writer process killed.
-_FAULTS = ("full-disk-mid-data", "fsync-fails", "read-only", "refusing-stateful", "writer-dies")
+#: I/O, where a thread executor writes), a refusing ``Stateful``, and two of a process executor's writer
+#: process: killed, or its disk full (a write past a file size limit set on that process alone fails with
+#: ``EFBIG``, as one to a full disk fails with ``ENOSPC``; the writer lives on and must report it).
+_FAULTS = ("full-disk-mid-data", "fsync-fails", "read-only", "refusing-stateful", "writer-dies", "writer-disk-full")
 
 
 @pytest.mark.req("AS-4")
@@ -343,9 +347,9 @@ def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, faul
     the call raises so on every rank); the previous checkpoint loads whole; the next async save succeeds;
     the failed save's staging future has resolved too."""
     ops = async_ops(impl, executor)
-    if fault == "writer-dies" and executor != "process":
-        pytest.skip("a thread executor has no writer process to kill")
-    if fault not in ("refusing-stateful", "writer-dies") and executor == "process":
+    if fault in WRITER_FAULTS and executor != "process":
+        pytest.skip("a thread executor has no writer process (its full disk is full-disk-mid-data)")
+    if fault not in ("refusing-stateful", *WRITER_FAULTS) and executor == "process":
         pytest.skip("faults.py breaks file I/O of the training process; a process executor writes in another "
                     "(its failure is tried as writer-dies)")
     here = bad_input_here(dist, where)
@@ -362,15 +366,23 @@ def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, faul
     killed: list[int] = []  # the writer processes killed (writer-dies)
 
     def failing_save() -> None:
-        if fault in ("refusing-stateful", "writer-dies"):
-            if fault == "writer-dies" and here:
-                # A writer kept from the save before is frozen first, so that it dies with this save's
-                # write surely not done (a fresh writer of this save is killed once staging completed).
+        if fault in ("refusing-stateful", *WRITER_FAULTS):
+            if fault in WRITER_FAULTS and here:
+                # A writer kept from the save before is frozen first, so that the fault meets it with this
+                # save's write surely not done (a fresh writer of this save is met once staging completed).
                 signal_writer_processes(signal.SIGSTOP, ops)
             response = async_save(ops, state, path, dist, executor)
             issued.append(response)
-            if fault == "writer-dies" and here:
+            if fault in WRITER_FAULTS and here:
                 outcome(response.staging_completion, "the staging future", f"rank {dist.rank}")
+                if fault == "writer-disk-full":
+                    with file_size_limit(writer_processes(ops), WRITER_FILE_LIMIT) as limited:
+                        if not limited:
+                            fail("a writer process whose disk to fill", "none: no child process of this rank was spawned by multiprocessing",
+                                 "the executor's writer process", f"rank {dist.rank}")
+                        signal_writer_processes(signal.SIGCONT, ops)
+                        reraise(outcome(response.upload_completion, "the completion future of a failing save", f"rank {dist.rank}"))
+                    return
                 killed.extend(signal_writer_processes(signal.SIGKILL, ops))
                 if not killed:
                     fail("a writer process to kill", "none: no child process of this rank was spawned by multiprocessing",
@@ -389,18 +401,18 @@ def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, faul
 
     error = raised(failing_save)
     try:
-        if fault == "writer-dies" and not any(dist.all_gather_object(error is not None)):
-            # The writer was killed before the save handed it the write (the background steps before the
+        if fault in WRITER_FAULTS and not any(dist.all_gather_object(error is not None)):
+            # The fault met the writer before the save handed it the write (the background steps before the
             # write ran late on a loaded machine), and the implementation wrote with a new one: no write
             # failed. That is only so if the save is whole, every rank's, and no killed writer writes now.
-            assert_holds(dist, impl, path, 2.0, what="an async save whose writer was killed before it was handed the write")
+            assert_holds(dist, impl, path, 2.0, what=f"an async save whose writer met {fault} before it was handed the write")
             replaced = set(killed) & set(signal_writer_processes(0, ops))
             if replaced:
                 fail("the writer processes after a save completed without the killed writer", sorted(replaced), "new ones", f"rank {dist.rank}")
             return
         check_after_a_failure(dist, impl, executor, path, fault, where, error, issued[0].staging_completion if issued else None)
     finally:
-        if fault == "writer-dies":
+        if fault in WRITER_FAULTS:
             ops.shutdown()  # whatever this implementation kept of its dead writer is not the next test's
 
 

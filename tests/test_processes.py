@@ -1,10 +1,15 @@
 """conformance.processes.debugger_stop: the stop AS-7 puts a writer process in is a debugger's. Every
 thread stays stopped through SIGCONT and SIGTERM (a stop a shutdown without SIGKILL would end passes
 that shutdown by accident), SIGKILL ends the process, and its parent still takes its exit status (a
-stop the tracer left unreaped would hang a correct implementation's join)."""
+stop the tracer left unreaped would hang a correct implementation's join).
+
+conformance.processes.file_size_limit: AS-4's full disk in a writer process. The limited process's
+writes past the limit fail with EFBIG and it lives on to report them; no other process is limited, and
+the limit is lifted on leaving."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -12,10 +17,11 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from conformance.processes import debugger_stop, process_state
+from conformance.processes import debugger_stop, file_size_limit, process_state
 
 #: A child with three threads besides its main one, each asleep, as a writer process waits for work.
 _THREADED_CHILD = (
@@ -79,3 +85,47 @@ def test_a_process_that_is_gone_is_an_oserror_naming_it(child: subprocess.Popen[
     child.wait(timeout=10)
     with pytest.raises(OSError, match=str(child.pid)):
         debugger_stop(child.pid)
+
+
+#: A child that writes ``size`` bytes to the file named on each line it reads, answering "ok" or the
+#: errno of its failure, as a writer process reports a failed write.
+_WRITING_CHILD = (
+    "import sys\n"
+    "for line in sys.stdin:\n"
+    "    name, size = line.split()\n"
+    "    try:\n"
+    "        with open(name, 'wb') as f: f.write(b'x' * int(size))\n"
+    "        print('ok', flush=True)\n"
+    "    except OSError as e:\n"
+    "        print(e.errno, flush=True)\n"
+)
+
+
+def test_a_file_size_limit_fails_that_process_s_writes_past_it_and_is_lifted_after(tmp_path: Path) -> None:
+    writer = subprocess.Popen([sys.executable, "-c", _WRITING_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    requests, answers = writer.stdin, writer.stdout
+    assert requests is not None and answers is not None
+
+    def write(name: str, size: int) -> str:
+        requests.write(f"{tmp_path / name} {size}\n")
+        requests.flush()
+        return answers.readline().strip()
+
+    try:
+        with file_size_limit([writer.pid], 4096) as limited:
+            assert limited == [writer.pid]
+            assert write("small", 1000) == "ok"
+            assert write("big", 1 << 16) == str(errno.EFBIG)  # the process lives on: it answered
+            (tmp_path / "mine").write_bytes(b"x" * (1 << 16))  # this process is not limited
+        assert write("after", 1 << 16) == "ok"
+    finally:
+        writer.kill()
+        writer.wait(timeout=10)
+
+
+def test_a_file_size_limit_leaves_out_a_process_that_is_gone() -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)
+    with file_size_limit([gone.pid], 4096) as limited:
+        assert limited == []
+
