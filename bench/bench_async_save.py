@@ -12,7 +12,8 @@ ratios compare like with like (see :mod:`bench.workloads.async_save`). The class
 - ``AsyncWrite.track_raw_over_write``: raw's write of the same bytes over the background write's time
   (1 is the machine's limit; the goal is at least 0.9).
 
-``BENCH_QUICK=1`` keeps the smallest size.
+``BENCH_QUICK=1`` keeps the smallest size and world size (make test's benchmark job: bench/test_async_save.py
+runs every saver at each world size there).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from bench.workloads import checkpoint as ck
 
 SIZES: list[int] = config.checkpoint_sizes()
 SIZE_LABELS: list[str] = [config.size_label(n) for n in SIZES]
-WORLD_SIZES: list[int] = list(config.CHECKPOINT_WORLD_SIZES)
+WORLD_SIZES: list[int] = config.grid(list(config.CHECKPOINT_WORLD_SIZES))
 SAVERS: list[str] = [s for s in aw.SAVERS if not s.endswith("/sync")]
 
 Key = tuple[str, str, int]  # (saver, size label, world size)

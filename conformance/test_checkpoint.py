@@ -356,6 +356,40 @@ def test_meta_load_allocates_local_shards_once(dist, impl, records: int, rows: i
              f"below 1.5 x {local_bytes / 2**20:.1f} MiB of local shards", f"rank {dist.rank}")
 
 
+@pytest.mark.req("ML-39")
+@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+def test_a_save_writes_host_tensors_from_their_own_memory(dist, impl, layout: str) -> None:
+    """A save of 32 MiB per rank of CPU tensors (4 of 8 MiB, each replicated on every rank or a shard of
+    a DTensor) raises the process's peak RSS by less than a third of those bytes: it writes each
+    tensor, or the piece of it this rank writes, from the tensor's own memory, or copies one at a time.
+    A save that copies each piece before writing and keeps the copies until its files are written (the
+    reference's own defect, fixed at 8f1df9f; torch's writer keeping every staged tensor until its file
+    ends, pytorch/pytorch#195982), or stages the whole state to host memory first (megatron-core's
+    synchronous save, radixark/Megatron-LM PR #61), needs about as much again as the state."""
+    if dist.device.type != "cpu":
+        pytest.skip("a save of tensors on a GPU copies every byte to the host to write it: the bound is about host tensors")
+    ops = checkpoint_ops(impl)
+    rows, cols, count = 2048, 1024, 4  # 8 MiB of float32 each: large enough to be cut into pieces among its holders
+    gen = torch.Generator().manual_seed(dist.world_size)
+    if layout == "replicated":
+        state: dict[str, Any] = {f"w{i:02d}": torch.randn(rows, cols, generator=gen) for i in range(count)}
+        local_bytes = count * rows * cols * 4
+    else:
+        state = {f"w{i:02d}": dtensor_of(torch.randn(rows * dist.world_size, cols, generator=gen), dist.mesh(), [Shard(0)])
+                 for i in range(count)}
+        local_bytes = sum(v.to_local().numel() * 4 for v in state.values())
+    path = dist.tmp_dir / "ckpt"
+    ops.save({"w00": state["w00"]}, path / "warm-up", process_group=group_of(dist))  # what a first save sets up once
+    peak, measured = peak_bytes_during(dist.device, lambda: ops.save(state, path / "measured", process_group=group_of(dist)))
+    if peak >= local_bytes / 3:
+        fail(f"a save of {local_bytes >> 20} MiB of {layout} CPU tensors raised the {measured} too much", f"{peak / 2**20:.1f} MiB",
+             f"below a third of the state, {local_bytes / 3 / 2**20:.1f} MiB", f"rank {dist.rank}")
+    target = {k: torch.zeros_like(v) if layout == "replicated" else dtensor_of(torch.zeros(rows * dist.world_size, cols), dist.mesh(), [Shard(0)])
+              for k, v in state.items()}
+    ops.load(target, path / "measured", process_group=group_of(dist))
+    assert_same_bits(target, state, what=f"the {layout} state the measured save wrote")
+
+
 @pytest.mark.req("ML-8")
 @pytest.mark.parametrize("name", ["groups", "dtypes"])  # zoo "mlp" is resharded by the tensor-parallel test
 def test_reshard_model_and_optimizer_state(pools, world_size_pair, impl, tmp_path: Path, name: str) -> None:

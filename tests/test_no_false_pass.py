@@ -27,7 +27,7 @@ def outcomes_of(adapters: tuple[type[Adapter], ...], tmp_path: Path) -> dict[str
     report = tmp_path / "report.json"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "conformance", "--impl", ",".join(f"tests.null_adapters:{a.__name__}" for a in adapters),
-         "--world-size", "1,2", "-q", "--tb=no", "-p", "no:cacheprovider", "--report-json", str(report)],
+         "--world-size", "1,2", "-q", "--tb=no", "-p", "no:cacheprovider", "-p", "no:logging", "--report-json", str(report)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
     )
     if not report.exists():

@@ -74,6 +74,20 @@ DEFECTS: tuple[Defect, ...] = (
         "does_not_answer", world_size="2",
     ),
     Defect(
+        "replicated-piece-copied", "the reference's own, fixed at 8f1df9f (SPEC ML-39)",
+        "reference/checkpoint/planner.py",
+        "            if local.is_contiguous() and local.numel() > 0 and not (local.is_conj() or local.is_neg()):\n"
+        "                return torch.frombuffer(element_bytes(local), dtype=local.dtype, count=local.numel()).view(local.shape)\n",
+        "", "from_their_own_memory and replicated", test_file="conformance/test_checkpoint.py", world_size="2",
+    ),
+    Defect(
+        "writer-error-hides-the-os-error", "awslabs/awsome-distributed-ai PR #1225",
+        "reference/checkpoint/writer_process.py",
+        '            raise CheckpointError(f"{kind}: {message}")\n',
+        '            raise CheckpointError(f"{path}: the checkpoint writer process failed")\n',
+        "writer-disk-full", world_size="2",
+    ),
+    Defect(
         "load-not-restarted-after-a-publication", "the reference's own, fixed at 4d5a9c4 (SPEC ML-13.g)",
         "reference/checkpoint/api.py",
         "_LOADS_AFTER_A_PUBLICATION = 2\n", "_LOADS_AFTER_A_PUBLICATION = 0\n",
