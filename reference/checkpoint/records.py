@@ -107,6 +107,24 @@ class FileWindow(io.RawIOBase):
 _CRC32_SWITCH = threading.Lock()
 
 
+class _RecordingWrites:
+    """``stream`` for ``torch.save``, keeping the first ``OSError`` a write raised."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self._stream = stream
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._stream.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
 def write_record(stream: BinaryIO, value: torch.Tensor | bytes | memoryview) -> int:
     """Append one record at the stream's position and return its length in bytes.
 
@@ -124,8 +142,16 @@ def write_record(stream: BinaryIO, value: torch.Tensor | bytes | memoryview) -> 
         with _CRC32_SWITCH:
             before = torch.serialization.get_crc32_options()
             torch.serialization.set_crc32_options(False)
+            recording = _RecordingWrites(stream)
             try:
-                torch.save(value, stream)
+                torch.save(value, cast(BinaryIO, recording))  # a buffer: torch.save calls its write and flush
+            except RuntimeError:
+                # torch.save's archive writer swallows the OSError of a refused write (a full disk)
+                # and reports only that its file position no longer matches ("unexpected pos"): the
+                # operating system's error is what the caller must see (SPEC AS-4.f).
+                if recording.error is not None:
+                    raise recording.error  # noqa: B904 - the RuntimeError stays as its context
+                raise
             finally:
                 torch.serialization.set_crc32_options(before)
     else:

@@ -27,6 +27,7 @@ record must be refused alike. What each test catches:
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import io
 import os
@@ -419,6 +420,23 @@ def test_a_record_of_a_tensor_in_the_wrong_shape_is_refused_alike(tmp_path: Path
         assert type(exc) is CheckpointFormatError and "shape [6]" in str(exc), f"{mode} path: {exc!r}"
         errors[mode] = str(exc).replace(str(path), "<ckpt>")
     assert errors["fast"] == errors["plain"], errors
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_write_the_os_refuses_raises_the_os_error_on_both_paths(mode: str) -> None:
+    """A stream whose writes fail past 1 KiB (a full disk): writing a 16 KiB tensor record raises that
+    OSError on both paths. torch.save's archive writer swallows it and reports a file position that
+    no longer matches; the plain path puts the OS's error back (SPEC AS-4.f)."""
+
+    class FillsUp(io.BytesIO):
+        def write(self, data: Any) -> int:
+            if self.tell() + len(memoryview(data).cast("B")) > 1024:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(data)
+
+    with _mode(mode):
+        exc = raised(lambda: records.write_record(FillsUp(), torch.ones(4096)))
+    assert isinstance(exc, OSError) and exc.errno == errno.ENOSPC, f"{mode} path: {exc!r}"
 
 
 # -- the switch ----------------------------------------------------------------------------------------
