@@ -27,7 +27,9 @@ from bench.workloads import checkpoint as ck
 SIZES: list[int] = config.checkpoint_sizes()
 SIZE_LABELS: list[str] = [config.size_label(n) for n in SIZES]
 DEVICE: str = config.DEVICE
-WORLD_SIZES: list[int] = config.checkpoint_world_sizes(DEVICE)
+# Quick mode (asv --quick, make test) measures the smallest world size only: bench/test_checkpoint.py
+# runs every implementation's save, load and meta load at both.
+WORLD_SIZES: list[int] = config.grid(config.checkpoint_world_sizes(DEVICE))
 LAYOUTS: list[str] = list(ck.LAYOUTS)
 IMPLS: list[str] = ck.impls()
 #: Whose speed ``CheckpointSpeedup`` reports: the reference and the implementations under test.

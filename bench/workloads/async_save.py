@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from bench import config
 from bench import impls as _impls
 from bench.ranks import timed
 from bench.workloads import checkpoint as ck
@@ -45,6 +46,8 @@ RAW_ASYNC = "raw/thread"
 _STEP_WIDTH = 192
 #: Steps of the no-save loop at least, and the shortest time it runs.
 _MIN_IDLE_STEPS, _MIN_IDLE_S = 20, 0.2
+#: Quick mode's pause after each step of the loop during a write (see measure_once).
+_QUICK_STEP_PAUSE_S = 0.01
 
 
 def savers() -> list[str]:
@@ -206,6 +209,11 @@ def measure_once(saver: str, directory: str) -> dict[str, float]:
         while not upload.done():
             _train_step(tensor)
             steps += 1
+            if config.QUICK:
+                # Quick mode (make test) checks that the benchmark runs, not its figures: a step loop
+                # at full speed would only take the core the writer it waits for needs (a writer
+                # process's start is an import of torch).
+                time.sleep(_QUICK_STEP_PAUSE_S)
         during = time.perf_counter() - stepping
         upload.result()
         write = time.perf_counter() - start
