@@ -81,6 +81,11 @@ SAVE_FAULTS = ("full-disk-before-data", "full-disk-mid-data", "fsync-fails", "re
 #: The operating system's error each save fault is: what an error that reports it carries (AS-4.f).
 FAULT_ERRNO = {"full-disk-before-data": errno.ENOSPC, "full-disk-mid-data": errno.ENOSPC, "fsync-fails": errno.EIO,
                "read-only": errno.EROFS}
+#: Elements of the float32 tensor ``b`` of the bad-checkpoint tests: 16 KiB, a record larger than the few
+#: KiB a reader may read of its start and of its end to parse it.
+BIG_RECORD_ELEMENTS = 4096
+#: The signature of a zip central-directory entry (PKWARE APPNOTE 4.3.12), which the damaged-record case zeroes.
+ZIP_CENTRAL_ENTRY = b"PK\x01\x02"
 
 
 def checkpoint_ops(impl: Adapter) -> CheckpointOps:
@@ -262,9 +267,13 @@ def damage(dist: RankContext, path: Path, case: str, where: str) -> str:
 
     Data files: for ``every-rank`` the file holding ``b``, which every rank reads; for ``one-rank`` a
     file holding one rank's shard of ``w`` and nothing else, which only that rank reads.
-    A truncation cuts that record in half."""
+    A truncation cuts that record in half. A damaged record keeps its length and every byte but one:
+    the signature of its last zip central-directory entry (torch.save's archive; DCP writes each tensor
+    so) is zeroed, so the record no longer is the archive it was, while a record of the same length
+    and the same first bytes was read by the load before (a parse kept for such a record must not
+    stand for this one)."""
     meta = dcp_directory(path) / ".metadata"
-    if case in ("missing-data-file", "truncated-data-file"):
+    if case in ("missing-data-file", "truncated-data-file", "damaged-record"):
         if where == EVERY_RANK:
             name, offset, length = record_location(path, "b")
         else:
@@ -272,9 +281,19 @@ def damage(dist: RankContext, path: Path, case: str, where: str) -> str:
         data = path / name
         if case == "missing-data-file":
             data.unlink()
-        else:
+        elif case == "truncated-data-file":
             with open(data, "r+b") as f:
                 f.truncate(offset + length // 2)
+        else:
+            with open(data, "r+b") as f:
+                f.seek(offset)
+                record = f.read(length)
+                entry = record.rfind(ZIP_CENTRAL_ENTRY)
+                if entry < 0:
+                    pytest.skip(f"the record at {name}:{offset} is not a torch.save archive (no zip central directory): "
+                                "its in-place damage is defined for DCP's tensor records")
+                f.seek(offset + entry)
+                f.write(b"\0")
         return name
     if case == "missing-metadata":
         meta.unlink()

@@ -89,6 +89,7 @@ from conformance.checkpoint_models_support import (
     zoo_model,
 )
 from conformance.checkpoint_support import (
+    BIG_RECORD_ELEMENTS,
     SAVE_FAULTS,
     assert_local_shards,
     assert_round_trips,
@@ -700,7 +701,7 @@ def test_a_load_that_a_save_publishes_over_gets_one_whole_checkpoint(dist, impl)
 
 
 _BAD_CHECKPOINTS = [
-    *((case, where) for case in ("missing-data-file", "truncated-data-file") for where in WHERE),
+    *((case, where) for case in ("missing-data-file", "truncated-data-file", "damaged-record") for where in WHERE),
     *((case, EVERY_RANK) for case in ("missing-metadata", "corrupt-metadata", "not-metadata", "unknown-version", "no-storage-data")),
 ]
 
@@ -719,10 +720,13 @@ def test_bad_checkpoint_fails_fast_naming_the_file(dist, impl, case: str, where:
     ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(5))
-    ops.save({"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "b": torch.arange(5.0)}, path, process_group=group_of(dist))
+    # ``b`` is some KiB, a shard of ``w`` some bytes: a reader that reads a record's first and last bytes
+    # apart, and one that reads a small record whole, each meet a damaged record.
+    b = torch.arange(BIG_RECORD_ELEMENTS, dtype=torch.float32)
+    ops.save({"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "b": b}, path, process_group=group_of(dist))
 
     def target_state() -> dict[str, torch.Tensor]:
-        return {"w": dtensor_of(different_like(full), dist.mesh(), [Shard(0)]), "b": different_like(torch.arange(5.0))}
+        return {"w": dtensor_of(different_like(full), dist.mesh(), [Shard(0)]), "b": different_like(b)}
 
     is_data = data_files_of(path)
     with counting_opens() as opened:
