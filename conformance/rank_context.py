@@ -140,6 +140,8 @@ class RankContext:
                 outcome = ("ok", fn())
             except pytest.skip.Exception as exc:
                 outcome = ("skip", str(exc.msg))
+            except pytest.fail.Exception as exc:  # the suite's own fail() (a BaseException, not an Exception)
+                outcome = ("error", str(exc.msg))
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 outcome = ("error", f"{type(exc).__name__}: {exc}")
         kind, value = self.broadcast_object(outcome, src=src)

@@ -207,6 +207,41 @@ def test_skips_propagate_and_disagreement_is_reported(suite: pytest.Pytester) ->
     result.assert_outcomes(passed=3, skipped=5, failed=1)
 
 
+ON_ONE_RANK = '''
+import pytest
+
+
+def test_value(dist):
+    assert dist.on_one_rank(lambda: f"made on rank {dist.rank}", src=1) == "made on rank 1"
+
+
+def test_skip(dist):
+    dist.on_one_rank(lambda: pytest.skip("the file is not what this case damages"))
+
+
+def test_error(dist):
+    dist.on_one_rank(lambda: 1 / 0)
+
+
+def test_suite_failure(dist):
+    dist.on_one_rank(lambda: pytest.fail("no data file holds one rank's shard alone", pytrace=False))
+'''
+
+
+@pytest.mark.req("HX-3", "HX-4")
+def test_set_up_on_one_rank_ends_alike_on_every_rank(suite: pytest.Pytester) -> None:
+    """What the set-up function of ``on_one_rank`` ends with (its value, a skip, an error, the suite's own
+    ``fail()``, which is a BaseException) reaches every rank: none waits for a broadcast that never comes."""
+    suite.makepyfile(test_one_rank=ON_ONE_RANK)
+    result = run_suite(suite, "--world-size", "2", "--rank-timeout", "20")
+    out = result.stdout.str()
+    assert "HUNG" not in out, out
+    assert "test set-up on rank 0 failed: ZeroDivisionError" in out, out
+    assert "test set-up on rank 0 failed: no data file holds one rank's shard alone" in out, out
+    assert "the file is not what this case damages" in out, out
+    result.assert_outcomes(passed=1, skipped=1, failed=2)
+
+
 LARGEST = '''
 import pytest
 
