@@ -156,13 +156,18 @@ def crafted_record(route: str, code: str) -> bytes:
     return out.getvalue()
 
 
-def repacked_record(path: Path, fqn: str, offset: tuple[int, ...] | None = None) -> bytes:
+def repacked_record(path: Path, fqn: str, offset: tuple[int, ...] | None = None, *, zip64: bool = False) -> bytes:
     """The record of ``fqn`` (the chunk at ``offset``) in the checkpoint at ``path``, written again as
     zip tools write an archive: every entry with an extra field (Info-ZIP's extended timestamp, which
     ``zip`` adds; a zip64 record of 4 GiB and more carries one too) in its local header and in the
-    central directory, and a comment. The same members and bytes: ``torch.load`` reads it alike."""
+    central directory, and a comment. The same members and bytes: ``torch.load`` reads it alike.
+
+    ``zip64``: in the zip64 form a record of 4 GiB or more has (torch.save writes it so for an embedding
+    or optimizer state of that size): each entry's sizes and offset in a zip64 extra field, with
+    0xFFFFFFFF in their usual fields, and the directory found through a zip64 end record and locator."""
     import io
     import zipfile
+    from unittest import mock
 
     for index, info in read_metadata(path).storage_data.items():
         if index.fqn == fqn and (offset is None or tuple(index.offset) == offset):
@@ -174,13 +179,24 @@ def repacked_record(path: Path, fqn: str, offset: tuple[int, ...] | None = None)
         no_record(path, fqn, offset)
     source = zipfile.ZipFile(io.BytesIO(record))
     out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
-        for number, info in enumerate(source.infolist()):
-            entry = zipfile.ZipInfo(info.filename, date_time=(2026, 1, 1, 0, 0, 0))
-            entry.extra = struct.pack("<HHBI", 0x5455, 5, 1, 1767225600 + number)  # "UT": flags, mtime
-            entry.comment = f"entry {number}".encode()
-            archive.writestr(entry, _member_bytes(record, info))
-    return out.getvalue()
+    # zipfile writes the zip64 form only for sizes and offsets past ZIP64_LIMIT, which it reads at write
+    # time: below every value, it writes that form for a record of any size.
+    with mock.patch.object(zipfile, "ZIP64_LIMIT", -1 if zip64 else zipfile.ZIP64_LIMIT):
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
+            for number, info in enumerate(source.infolist()):
+                entry = zipfile.ZipInfo(info.filename, date_time=(2026, 1, 1, 0, 0, 0))
+                entry.extra = struct.pack("<HHBI", 0x5455, 5, 1, 1767225600 + number)  # "UT": flags, mtime
+                entry.comment = f"entry {number}".encode()
+                archive.writestr(entry, _member_bytes(record, info))
+    repacked = bytearray(out.getvalue())
+    if zip64:
+        if repacked.rfind(b"PK\x06\x06") < 0:
+            raise AssertionError("test set-up: zipfile wrote no zip64 end record")
+        # zipfile keeps the values that fit in the classic end record; a record of 4 GiB has none that
+        # do there, and the field values say to look in the zip64 one: 0xFFFF entries, 0xFFFFFFFF bytes.
+        end = repacked.rfind(b"PK\x05\x06")
+        repacked[end + 8:end + 20] = struct.pack("<HHII", 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF)
+    return bytes(repacked)
 
 
 def _member_bytes(record: bytes, info: Any) -> bytes:

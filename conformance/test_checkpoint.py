@@ -1269,11 +1269,13 @@ def test_a_crafted_checkpoint_runs_no_code(dist, impl, target: str, route: str, 
 @pytest.mark.dcp_files("the records are DCP's torch.save archives, written again by a zip tool")
 @pytest.mark.req("ML-28")
 @pytest.mark.rank_timeout(30)
-def test_a_record_written_again_by_a_zip_tool_loads_as_torch_reads_it(dist, impl) -> None:
+@pytest.mark.parametrize("form", ["zip", "zip64"])
+def test_a_record_written_again_by_a_zip_tool_loads_as_torch_reads_it(dist, impl, form: str) -> None:
     """The records of a replicated tensor, of the last rank's shard of a sharded one and of a value,
-    each written again with an extra field and a comment on every entry (as ``zip`` writes them; a
-    zip64 record carries an extra field too): every rank loads what was saved, as ``torch.load`` of
-    the same bytes does."""
+    each written again with an extra field and a comment on every entry (as ``zip`` writes them), and
+    in the zip64 form a record of 4 GiB or more has (sizes and offsets in zip64 extra fields, the
+    directory found through a zip64 end record): every rank loads what was saved, as ``torch.load``
+    of the same bytes does."""
     ops = checkpoint_ops(impl)
     group = group_of(dist)
     path = dist.tmp_dir / "ckpt"
@@ -1285,7 +1287,7 @@ def test_a_record_written_again_by_a_zip_tool_loads_as_torch_reads_it(dist, impl
 
     def repack() -> None:
         for key, offset in (("b", None), ("w", (4 * (dist.world_size - 1), 0)), ("extra.note", None)):
-            record = repacked_record(path, key, offset)
+            record = repacked_record(path, key, offset, zip64=form == "zip64")
             torch.load(io.BytesIO(record), weights_only=True)  # the oracle: torch reads the repacked record
             replace_record(path, key, record, offset)
 
