@@ -192,10 +192,11 @@ def repacked_record(path: Path, fqn: str, offset: tuple[int, ...] | None = None,
     if zip64:
         if repacked.rfind(b"PK\x06\x06") < 0:
             raise AssertionError("test set-up: zipfile wrote no zip64 end record")
-        # zipfile keeps the values that fit in the classic end record; a record of 4 GiB has none that
-        # do there, and the field values say to look in the zip64 one: 0xFFFF entries, 0xFFFFFFFF bytes.
+        # In the classic end record, a record of 4 GiB has its entry count and directory size (they fit)
+        # and 0xFFFFFFFF for the directory's offset (it does not: look in the zip64 record), as
+        # torch.save's writer (miniz) writes them.
         end = repacked.rfind(b"PK\x05\x06")
-        repacked[end + 8:end + 20] = struct.pack("<HHII", 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF)
+        repacked[end + 16:end + 20] = struct.pack("<I", 0xFFFFFFFF)
     return bytes(repacked)
 
 
