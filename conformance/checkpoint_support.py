@@ -84,8 +84,11 @@ FAULT_ERRNO = {"full-disk-before-data": errno.ENOSPC, "full-disk-mid-data": errn
 #: Elements of the float32 tensor ``b`` of the bad-checkpoint tests: 16 KiB, a record larger than the few
 #: KiB a reader may read of its start and of its end to parse it.
 BIG_RECORD_ELEMENTS = 4096
-#: The signature of a zip central-directory entry (PKWARE APPNOTE 4.3.12), which the damaged-record case zeroes.
-ZIP_CENTRAL_ENTRY = b"PK\x01\x02"
+#: The signatures of a zip central-directory entry and of a local file header (PKWARE APPNOTE 4.3.12,
+#: 4.3.7), which the damaged-record cases zero.
+ZIP_CENTRAL_ENTRY, ZIP_LOCAL_HEADER = b"PK\x01\x02", b"PK\x03\x04"
+#: The bad-checkpoint cases of a tensor record damaged in place (:func:`damage`).
+DAMAGED_RECORDS = ("damaged-directory", "damaged-header")
 
 
 def checkpoint_ops(impl: Adapter) -> CheckpointOps:
@@ -268,12 +271,12 @@ def damage(dist: RankContext, path: Path, case: str, where: str) -> str:
     Data files: for ``every-rank`` the file holding ``b``, which every rank reads; for ``one-rank`` a
     file holding one rank's shard of ``w`` and nothing else, which only that rank reads.
     A truncation cuts that record in half. A damaged record keeps its length and every byte but one:
-    the signature of its last zip central-directory entry (torch.save's archive; DCP writes each tensor
-    so) is zeroed, so the record no longer is the archive it was, while a record of the same length
-    and the same first bytes was read by the load before (a parse kept for such a record must not
-    stand for this one)."""
+    the signature of its last zip central-directory entry (``damaged-directory``) or of its storage
+    member's local header (``damaged-header``) is zeroed (torch.save's archive; DCP writes each tensor
+    so), so the record no longer is the archive it was, while the load read the intact record, of the
+    same length, before (a parse kept for such a record must not stand for this one)."""
     meta = dcp_directory(path) / ".metadata"
-    if case in ("missing-data-file", "truncated-data-file", "damaged-record"):
+    if case in ("missing-data-file", "truncated-data-file", *DAMAGED_RECORDS):
         if where == EVERY_RANK:
             name, offset, length = record_location(path, "b")
         else:
@@ -288,11 +291,11 @@ def damage(dist: RankContext, path: Path, case: str, where: str) -> str:
             with open(data, "r+b") as f:
                 f.seek(offset)
                 record = f.read(length)
-                entry = record.rfind(ZIP_CENTRAL_ENTRY)
-                if entry < 0:
-                    pytest.skip(f"the record at {name}:{offset} is not a torch.save archive (no zip central directory): "
+                at = _signature_to_damage(record, case)
+                if at is None:
+                    pytest.skip(f"the record at {name}:{offset} is not a torch.save archive (no zip entry of its storage): "
                                 "its in-place damage is defined for DCP's tensor records")
-                f.seek(offset + entry)
+                f.seek(offset + at)
                 f.write(b"\0")
         return name
     if case == "missing-metadata":
@@ -317,6 +320,21 @@ def damage(dist: RankContext, path: Path, case: str, where: str) -> str:
             pickle.dump(metadata, f)
         return "99.0.0" if case == "unknown-version" else ".metadata"
     raise ValueError(case)
+
+
+def _signature_to_damage(record: bytes, case: str) -> int | None:
+    """Where in ``record`` the signature that ``case`` zeroes starts: its last central-directory entry's,
+    or the local header's of its storage member (``.../data/<key>``); None if it has none."""
+    if case == "damaged-directory":
+        at = record.rfind(ZIP_CENTRAL_ENTRY)
+        return at if at >= 0 else None
+    at = record.find(ZIP_LOCAL_HEADER)
+    while at >= 0:
+        name_length = struct.unpack_from("<H", record, at + 26)[0] if at + 30 <= len(record) else 0
+        if b"/data/" in record[at + 30:at + 30 + name_length]:
+            return at
+        at = record.find(ZIP_LOCAL_HEADER, at + 1)
+    return None
 
 
 def is_same_bits(got: Any, expected: Any) -> bool:
