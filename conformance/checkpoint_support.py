@@ -298,6 +298,8 @@ def damage(dist: RankContext, path: Path, case: str, where: str) -> str:
                 f.seek(offset + at)
                 f.write(b"\0")
         return name
+    if case == "swapped-records":
+        return _swap_b_with_a_shard(path)
     if case == "missing-metadata":
         meta.unlink()
         return ".metadata"
@@ -320,6 +322,39 @@ def damage(dist: RankContext, path: Path, case: str, where: str) -> str:
             pickle.dump(metadata, f)
         return "99.0.0" if case == "unknown-version" else ".metadata"
     raise ValueError(case)
+
+
+def bad_checkpoint_b(case: str, where: str) -> torch.Tensor:
+    """The replicated tensor ``b`` of the bad-checkpoint test of ``case``: 16 KiB where a record damaged in
+    place is ``b``'s (a reader that reads a big record's first and last bytes apart meets it; a shard of
+    ``w`` is a small record, read whole), a 3 x 4 tensor where ``b``'s record is swapped with a 4 x 3
+    shard's (the same bytes, another shape), and small otherwise (where a stack balances replicated
+    records by size, a big ``b`` moves)."""
+    if case in DAMAGED_RECORDS and where == EVERY_RANK:
+        return torch.arange(BIG_RECORD_ELEMENTS, dtype=torch.float32)
+    if case == "swapped-records":
+        return torch.arange(12, dtype=torch.float32).reshape(3, 4) - 5.5
+    return torch.arange(5, dtype=torch.float32)
+
+
+def _swap_b_with_a_shard(path: Path) -> str:
+    """Point the metadata's record of ``b`` at the record of the shard of ``w`` in the same data file, and
+    that shard's at ``b``'s: each record parses, but holds the other tensor (a metadata written for
+    another save, a record overwritten by another's). Returns the data file."""
+    meta = dcp_directory(path) / ".metadata"
+    with open(meta, "rb") as f:
+        metadata = pickle.load(f)  # our own file, written a moment ago
+    records = metadata.storage_data
+    b = next((index for index in records if index.fqn == "b"), None)
+    shard = next((index for index in records if b is not None and index.fqn == "w"
+                  and records[index].relative_path == records[b].relative_path), None)
+    if b is None or shard is None or records[b].length != records[shard].length:
+        pytest.skip("the implementation stored b and a shard of w in different files, or in records of different "
+                    "lengths: no two records to swap")
+    records[b], records[shard] = records[shard], records[b]
+    with open(meta, "wb") as f:
+        pickle.dump(metadata, f)
+    return in_checkpoint(path, records[shard].relative_path)
 
 
 def _signature_to_damage(record: bytes, case: str) -> int | None:

@@ -89,12 +89,12 @@ from conformance.checkpoint_models_support import (
     zoo_model,
 )
 from conformance.checkpoint_support import (
-    BIG_RECORD_ELEMENTS,
     DAMAGED_RECORDS,
     SAVE_FAULTS,
     assert_local_shards,
     assert_round_trips,
     assert_same_bits,
+    bad_checkpoint_b,
     call_or_skip,
     checkpoint_ops,
     damage,
@@ -703,7 +703,8 @@ def test_a_load_that_a_save_publishes_over_gets_one_whole_checkpoint(dist, impl)
 
 _BAD_CHECKPOINTS = [
     *((case, where) for case in ("missing-data-file", "truncated-data-file", *DAMAGED_RECORDS) for where in WHERE),
-    *((case, EVERY_RANK) for case in ("missing-metadata", "corrupt-metadata", "not-metadata", "unknown-version", "no-storage-data")),
+    *((case, EVERY_RANK) for case in ("swapped-records", "missing-metadata", "corrupt-metadata", "not-metadata", "unknown-version",
+                                      "no-storage-data")),
 ]
 
 
@@ -721,10 +722,7 @@ def test_bad_checkpoint_fails_fast_naming_the_file(dist, impl, case: str, where:
     ops = checkpoint_ops(impl)
     path = dist.tmp_dir / "ckpt"
     full = torch.randn(4 * dist.world_size, 3, generator=torch.Generator().manual_seed(5))
-    # A damaged ``b`` is some KiB, a damaged shard of ``w`` some bytes: a reader that reads a record's
-    # first and last bytes apart, and one that reads a small record whole, each meet a damaged record.
-    # (``b`` is small otherwise: where a stack balances replicated records by size, a big ``b`` moves.)
-    b = torch.arange(BIG_RECORD_ELEMENTS if case in DAMAGED_RECORDS and where == EVERY_RANK else 5, dtype=torch.float32)
+    b = bad_checkpoint_b(case, where)
     ops.save({"w": dtensor_of(full, dist.mesh(), [Shard(0)]), "b": b}, path, process_group=group_of(dist))
 
     def target_state() -> dict[str, torch.Tensor]:
