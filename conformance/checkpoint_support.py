@@ -300,6 +300,15 @@ def damage(dist: RankContext, path: Path, case: str, where: str) -> str:
         return name
     if case == "swapped-records":
         return _swap_b_with_a_shard(path)
+    if case == "record-not-in-metadata":
+        # A metadata that lists b's chunk but not where its bytes are (one rank's write results lost
+        # between the writes and the publication, a metadata edited by hand): nothing says where to read.
+        with open(meta, "rb") as f:
+            metadata = pickle.load(f)  # our own file, written a moment ago
+        metadata.storage_data = {index: info for index, info in metadata.storage_data.items() if index.fqn != "b"}
+        with open(meta, "wb") as f:
+            pickle.dump(metadata, f)
+        return ".metadata"
     if case == "missing-metadata":
         meta.unlink()
         return ".metadata"

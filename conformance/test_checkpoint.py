@@ -703,7 +703,7 @@ def test_a_load_that_a_save_publishes_over_gets_one_whole_checkpoint(dist, impl)
 
 _BAD_CHECKPOINTS = [
     *((case, where) for case in ("missing-data-file", "truncated-data-file", *DAMAGED_RECORDS) for where in WHERE),
-    *((case, EVERY_RANK) for case in ("swapped-records", "missing-metadata", "corrupt-metadata", "not-metadata", "unknown-version",
+    *((case, EVERY_RANK) for case in ("swapped-records", "record-not-in-metadata", "missing-metadata", "corrupt-metadata", "not-metadata", "unknown-version",
                                       "no-storage-data")),
 ]
 

@@ -451,7 +451,7 @@ class FileSystemReader(StorageReader):
         if type(info) is not StorageInfo and (info is None or not all(hasattr(info, f) for f in ("relative_path", "offset", "length"))):
             where = "" if item.storage_index.offset is None else f" (chunk at {list(item.storage_index.offset)})"
             raise CheckpointFormatError(
-                f"{self.path}: key {item.storage_index.fqn!r}{where}: the metadata has no storage record for it"
+                f"{self.path / METADATA_FILE}: key {item.storage_index.fqn!r}{where}: the metadata has no storage record for it"
             )
         return cast(StorageInfo, info)
 
