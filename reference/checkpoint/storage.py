@@ -450,8 +450,9 @@ class FileSystemReader(StorageReader):
         info = self.storage_data.get(item.storage_index)
         if type(info) is not StorageInfo and (info is None or not all(hasattr(info, f) for f in ("relative_path", "offset", "length"))):
             where = "" if item.storage_index.offset is None else f" (chunk at {list(item.storage_index.offset)})"
+            metadata_file = METADATA_FILE if self.path is None else self.path / METADATA_FILE
             raise CheckpointFormatError(
-                f"{self.path / METADATA_FILE}: key {item.storage_index.fqn!r}{where}: the metadata has no storage record for it"
+                f"{metadata_file}: key {item.storage_index.fqn!r}{where}: the metadata has no storage record for it"
             )
         return cast(StorageInfo, info)
 
