@@ -20,7 +20,7 @@ import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import pytest
 import torch
@@ -81,6 +81,8 @@ SAVE_FAULTS = ("full-disk-before-data", "full-disk-mid-data", "fsync-fails", "re
 #: The operating system's error each save fault is: what an error that reports it carries (AS-4.f).
 FAULT_ERRNO = {"full-disk-before-data": errno.ENOSPC, "full-disk-mid-data": errno.ENOSPC, "fsync-fails": errno.EIO,
                "read-only": errno.EROFS}
+_T = TypeVar("_T")
+
 #: Elements of the float32 tensor ``b`` of the bad-checkpoint tests: 16 KiB, a record larger than the few
 #: KiB a reader may read of its start and of its end to parse it.
 BIG_RECORD_ELEMENTS = 4096
@@ -303,11 +305,10 @@ def damage(dist: RankContext, path: Path, case: str, where: str) -> str:
     if case == "record-not-in-metadata":
         # A metadata that lists b's chunk but not where its bytes are (one rank's write results lost
         # between the writes and the publication, a metadata edited by hand): nothing says where to read.
-        with open(meta, "rb") as f:
-            metadata = pickle.load(f)  # our own file, written a moment ago
-        metadata.storage_data = {index: info for index, info in metadata.storage_data.items() if index.fqn != "b"}
-        with open(meta, "wb") as f:
-            pickle.dump(metadata, f)
+        def drop_b(metadata: Any) -> None:
+            metadata.storage_data = {index: info for index, info in metadata.storage_data.items() if index.fqn != "b"}
+
+        _edit_metadata(meta, drop_b)
         return ".metadata"
     if case == "missing-metadata":
         meta.unlink()
@@ -320,16 +321,13 @@ def damage(dist: RankContext, path: Path, case: str, where: str) -> str:
         # check of what was unpickled tells it from the checkpoint's metadata.
         meta.write_bytes(pickle.dumps({"version": "1.0.0", "state_dict_metadata": {}}))
         return ".metadata"
-    if case in ("unknown-version", "no-storage-data"):
-        with open(meta, "rb") as f:
-            metadata = pickle.load(f)  # our own file, written a moment ago
-        if case == "unknown-version":
-            metadata.version = "99.0.0"
-        else:  # DCP's Metadata as a writer that never set where the data lies leaves it: storage_data=None
-            metadata.storage_data = None
-        with open(meta, "wb") as f:
-            pickle.dump(metadata, f)
-        return "99.0.0" if case == "unknown-version" else ".metadata"
+    if case == "unknown-version":
+        _edit_metadata(meta, lambda metadata: setattr(metadata, "version", "99.0.0"))
+        return "99.0.0"
+    if case == "no-storage-data":
+        # DCP's Metadata as a writer that never set where the data lies leaves it: storage_data=None.
+        _edit_metadata(meta, lambda metadata: setattr(metadata, "storage_data", None))
+        return ".metadata"
     raise ValueError(case)
 
 
@@ -350,20 +348,29 @@ def _swap_b_with_a_shard(path: Path) -> str:
     """Point the metadata's record of ``b`` at the record of the shard of ``w`` in the same data file, and
     that shard's at ``b``'s: each record parses, but holds the other tensor (a metadata written for
     another save, a record overwritten by another's). Returns the data file."""
-    meta = dcp_directory(path) / ".metadata"
+    def swap(metadata: Any) -> str:
+        records = metadata.storage_data
+        b = next((index for index in records if index.fqn == "b"), None)
+        shard = next((index for index in records if b is not None and index.fqn == "w"
+                      and records[index].relative_path == records[b].relative_path), None)
+        if b is None or shard is None or records[b].length != records[shard].length:
+            pytest.skip("the implementation stored b and a shard of w in different files, or in records of "
+                        "different lengths: no two records to swap")
+        records[b], records[shard] = records[shard], records[b]
+        return str(records[shard].relative_path)
+
+    return in_checkpoint(path, _edit_metadata(dcp_directory(path) / ".metadata", swap))
+
+
+def _edit_metadata(meta: Path, edit: Callable[[Any], _T]) -> _T:
+    """Rewrite the checkpoint metadata file ``meta`` as ``edit`` changes its unpickled ``Metadata`` (our
+    own file, written a moment ago); ``edit``'s value. A skip or error in ``edit`` leaves the file as it was."""
     with open(meta, "rb") as f:
-        metadata = pickle.load(f)  # our own file, written a moment ago
-    records = metadata.storage_data
-    b = next((index for index in records if index.fqn == "b"), None)
-    shard = next((index for index in records if b is not None and index.fqn == "w"
-                  and records[index].relative_path == records[b].relative_path), None)
-    if b is None or shard is None or records[b].length != records[shard].length:
-        pytest.skip("the implementation stored b and a shard of w in different files, or in records of different "
-                    "lengths: no two records to swap")
-    records[b], records[shard] = records[shard], records[b]
+        metadata = pickle.load(f)
+    result = edit(metadata)
     with open(meta, "wb") as f:
         pickle.dump(metadata, f)
-    return in_checkpoint(path, records[shard].relative_path)
+    return result
 
 
 def _signature_to_damage(record: bytes, case: str) -> int | None:
