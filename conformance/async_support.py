@@ -30,7 +30,7 @@ from conformance.adapters.base import Adapter, Unsupported
 from conformance.asserts import assert_same_error_on_every_rank, check_each, fail, raised
 from conformance.checkpoint_support import FAULT_ERRNO, assert_same_bits, checkpoint_ops, dtensor_of
 from conformance.harness.context import RankContext
-from conformance.processes import child_processes, debugger_stop
+from conformance.processes import child_processes, debugger_stop, process_state, still_running
 
 __all__ = [
     "ASYNC_FAULT_ERRNO",
@@ -51,6 +51,7 @@ __all__ = [
     "signal_writer_processes",
     "writer_processes",
     "WRITER_STOPS",
+    "stop_writers_and_shut_down",
     "isolated",
     "PUBLICATION_DELAY_S",
     "loaded_state",
@@ -298,6 +299,53 @@ def save_and_wait(dist: RankContext, impl: Adapter, executor: str, path: Path, f
     error = outcome(response.upload_completion, f"async save of fill {fill}", f"rank {dist.rank}")
     if error is not None:
         fail(f"async save of fill {fill} to {path}", f"{type(error).__name__}: {error}"[:600], "success", f"rank {dist.rank}")
+
+
+def stop_writers_and_shut_down(dist: RankContext, impl: Adapter, ops: Any, stop: str, path: Path) -> list[str]:
+    """One round of AS-7's stopped writer: a save, its writers stopped by ``stop``, a shutdown that must
+    return within seconds and leave none of them. Returns this rank's refusals of a debugger's stop (the
+    writer then stopped by SIGSTOP instead)."""
+    # What this implementation kept from earlier tests ends here, so that the processes that appear with
+    # the save below are its own (another adapter's writer left in this rank is not its to end).
+    ops.shutdown()
+    before = set(child_processes())
+    save_and_wait(dist, impl, "process", path, 1.0)
+    spawned = {pid: command for pid, command in child_processes().items() if pid not in before}
+    writers: dict[int, str] = {}
+    refused: list[str] = []
+    for pid in writer_processes(ops, among=spawned):
+        error = raised(lambda pid=pid: WRITER_STOPS[stop](pid))  # type: ignore[misc]
+        if error is not None and process_state(pid) not in (None, "Z"):  # a writer that ended meanwhile was not refused
+            refused.append(f"rank {dist.rank}: {error}")
+            error = raised(lambda pid=pid: WRITER_STOPS["SIGSTOP"](pid))  # type: ignore[misc]
+        if error is None:
+            writers[pid] = spawned.get(pid, "")
+    if not any(dist.all_gather_object(bool(writers))):
+        pytest.skip(f"{impl.name}'s process executor keeps no writer process after a save: none to stop")
+    returned = threading.Event()
+    errors: list[BaseException] = []
+
+    def shut_down() -> None:
+        try:
+            ops.shutdown()
+        except BaseException as exc:  # noqa: B036 - reported below
+            errors.append(exc)
+        finally:
+            returned.set()
+
+    threading.Thread(target=shut_down, daemon=True).start()
+    in_time = returned.wait(SHUTDOWN_TIMEOUT_S)
+    left = {pid: f"{writers[pid]} (state {process_state(pid)})" for pid in still_running(lambda: writers)}
+    for pid in left:  # leave no frozen process to the tests after this one
+        os.kill(pid, signal.SIGKILL)
+    what = f"shutdown with a writer process stopped by {stop}"
+    if not in_time:
+        fail(what, f"still running after {SHUTDOWN_TIMEOUT_S:.0f} s", "returns within seconds", f"rank {dist.rank}")
+    if errors:
+        fail(what, f"{type(errors[0]).__name__}: {errors[0]}"[:600], "a normal return", f"rank {dist.rank}")
+    if left:
+        fail(f"processes left after {what}", left, "none: the stopped writer ended", f"rank {dist.rank}")
+    return refused
 
 
 def assert_holds(dist: RankContext, impl: Adapter, path: Path, fill: float, *, what: str) -> None:

@@ -12,9 +12,7 @@ save that never ends fails its test instead of stopping the run.
 from __future__ import annotations
 
 import multiprocessing.resource_tracker
-import os
 import signal
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,6 @@ from conformance.async_support import (
     EXECUTORS,
     MAX_LOADS_DURING_WRITE,
     PUBLICATION_DELAY_S,
-    SHUTDOWN_TIMEOUT_S,
     WRITER_FAULTS,
     WRITER_FILE_LIMIT,
     WRITER_STOPS,
@@ -47,6 +44,7 @@ from conformance.async_support import (
     save_and_wait,
     settled_growth,
     signal_writer_processes,
+    stop_writers_and_shut_down,
     subgroup_save,
     train_on,
     training_state,
@@ -58,7 +56,7 @@ from conformance.checkpoint_values_support import mixed_state
 from conformance.dcp_files import dcp_directory
 from conformance.error_cases import WHERE, bad_input_here
 from conformance.faults import slowed_publication
-from conformance.processes import child_processes, file_size_limit, process_state, still_running
+from conformance.processes import child_processes, file_size_limit, still_running
 
 # A save that never ends is cut here, not at the suite's default of 120 s (see async_support.outcome).
 pytestmark = pytest.mark.rank_timeout(60)
@@ -513,61 +511,29 @@ def test_training_collectives_during_the_background_write(dist, impl, executor: 
 @pytest.mark.req("AS-7")
 @pytest.mark.rank_timeout(90)
 @pytest.mark.largest_world_size
-@pytest.mark.parametrize("stop", WRITER_STOPS)
 @isolated
-def test_shutdown_ends_a_writer_process_that_does_not_answer(dist, impl, stop: str) -> None:
-    """An async save on the process executor, then every writer process it left is stopped (by SIGSTOP,
-    or by a debugger attaching to it) and the implementation shut down: ``shutdown`` returns within
-    seconds and no stopped process is left behind; the next async save starts afresh and loads. (The
-    reference's own defect, fixed at db3507c: ``shutdown`` raised on a writer that a stop had frozen, and
-    left it there.)"""
+def test_shutdown_ends_a_writer_process_that_does_not_answer(dist, impl) -> None:
+    """An async save on the process executor, then every writer process it left is stopped and the
+    implementation shut down: ``shutdown`` returns within seconds and no stopped process is left behind;
+    the next async save starts afresh and loads. Each stop of :data:`WRITER_STOPS` (SIGSTOP, a debugger
+    attaching) is met in one run: rank r stops its writers the r-th way (the ranks of one job are
+    stopped both ways at once, as a job's are when one rank is under a debugger), and a job of fewer
+    ranks than stops takes one round per stop. (The reference's own defect, fixed at db3507c:
+    ``shutdown`` raised on a writer that a stop had frozen, and left it there.)"""
     ops = async_ops(impl, "process")
-    # What this implementation kept from earlier tests ends here, so that the processes that appear with
-    # the save below are its own (another adapter's writer left in this rank is not its to end).
-    ops.shutdown()
-    before = set(child_processes())
-    save_and_wait(dist, impl, "process", dist.tmp_dir / "first", 1.0)
-    spawned = {pid: command for pid, command in child_processes().items() if pid not in before}
-    writers: dict[int, str] = {}
-    refused: list[str] = []
-    for pid in writer_processes(ops, among=spawned):
-        error = raised(lambda pid=pid: WRITER_STOPS[stop](pid))  # type: ignore[misc]
-        if error is None:
-            writers[pid] = spawned.get(pid, "")
-        elif process_state(pid) not in (None, "Z"):  # a writer that ended meanwhile was not refused
-            refused.append(f"rank {dist.rank}: {error}")
+    stops = list(WRITER_STOPS)
+    rounds = 1 if dist.world_size >= len(stops) else len(stops)
+    refused: list[str] = []  # a kernel that refuses a rank's debugger its writer: that writer is SIGSTOPped
+    for round_ in range(rounds):
+        stop = stops[(dist.rank + round_) % len(stops)]
+        refused += stop_writers_and_shut_down(dist, impl, ops, stop, dist.tmp_dir / f"round{round_}")
+    dist.barrier()
+    save_and_wait(dist, impl, "process", dist.tmp_dir / "after", 2.0)
+    assert_same_bits(loaded_state(dist, impl, dist.tmp_dir / "after"), training_state(dist, 2.0), what="the save after the shutdown")
     everyone_refused: list[str] = sum(dist.all_gather_object(refused), [])
     if everyone_refused:
-        for pid in writers:  # stopped here, not on another rank: no rank tests a half-stopped job
-            os.kill(pid, signal.SIGKILL)
-        pytest.skip(f"this kernel does not let a rank trace its writer process: {everyone_refused[0]}")
-    if not any(dist.all_gather_object(bool(writers))):
-        pytest.skip(f"{impl.name}'s process executor keeps no writer process after a save: none to stop")
-    returned = threading.Event()
-    errors: list[BaseException] = []
-
-    def shut_down() -> None:
-        try:
-            ops.shutdown()
-        except BaseException as exc:  # noqa: B036 - reported below
-            errors.append(exc)
-        finally:
-            returned.set()
-
-    threading.Thread(target=shut_down, daemon=True).start()
-    in_time = returned.wait(SHUTDOWN_TIMEOUT_S)
-    left = {pid: f"{writers[pid]} (state {process_state(pid)})" for pid in still_running(lambda: writers)}
-    for pid in left:  # leave no frozen process to the tests after this one
-        os.kill(pid, signal.SIGKILL)
-    if not in_time:
-        fail("shutdown with a stopped writer process", f"still running after {SHUTDOWN_TIMEOUT_S:.0f} s", "returns within seconds", f"rank {dist.rank}")
-    if errors:
-        fail("shutdown with a stopped writer process", f"{type(errors[0]).__name__}: {errors[0]}"[:600], "a normal return", f"rank {dist.rank}")
-    if left:
-        fail("processes left after shutdown", left, "none: the stopped writer ended", f"rank {dist.rank}")
-    dist.barrier()
-    save_and_wait(dist, impl, "process", dist.tmp_dir / "second", 2.0)
-    assert_same_bits(loaded_state(dist, impl, dist.tmp_dir / "second"), training_state(dist, 2.0), what="the save after the shutdown")
+        pytest.skip(f"the SIGSTOP case held; the debugger's was not tried: this kernel does not let a rank trace its writer "
+                    f"process ({everyone_refused[0]})")
 
 
 @pytest.mark.req("AS-7")
