@@ -195,11 +195,15 @@ def test_flattened_optimizer_state_dict(impl: Adapter, name: str) -> None:
 def test_flattened_nested_state_round_trips(impl: Adapter) -> None:
     """Per-parameter state that holds dicts (by name and by int) flattens to ``state.<fqn>.ema.fast`` and
     ``state.<fqn>.history.0``, and a set of that flat dict into a target whose nested state differs
-    restores it as it was: int keys as ints, every tensor bit for bit."""
+    restores it as it was: int keys as ints, every tensor bit for bit. A group key with dots in it
+    (``sdc.schedule.phase``, flat ``param_groups.<fqn>.sdc.schedule.phase``) comes back whole: the flat
+    key is split at the parameter's FQN, and the rest is the group's key."""
     ops = sd_ops(impl)
     options = ops.options(flatten_optimizer_state_dict=True)
     source = zoo.build("nested", seed=0)
     source_optim = add_source_extras(NestedStateAdam(zoo.param_groups(source)))
+    for index, group in enumerate(source_optim.param_groups):
+        group["sdc.schedule.phase"] = f"warm-up-{index}"
     train(source, source_optim, "nested", range(2))
     expected = fqn_keyed_optim(source, source_optim)
     try:
@@ -362,6 +366,20 @@ def test_strip_submodule_prefixes(impl: Adapter, name: str, path: str, how: str)
     with recording_deprecations(ops):
         got = ops.get_model_state_dict(wrapped, submodules={sub}, options=ops.options(keep_submodule_prefixes=False))
     assert_same_state(got, expected, what=f"state dict of {path!r} with prefixes stripped")
+
+
+@pytest.mark.req("SD-5")
+def test_nested_submodules_key_an_entry_relative_to_each(impl: Adapter) -> None:
+    """``submodules={model.1, model.1.inner}`` with prefixes stripped: an entry of ``1.inner`` lies in
+    both, and appears relative to each (``inner.0.weight`` and ``0.weight``): the two modules' own
+    ``state_dict()`` together, as torch gives them."""
+    ops = sd_ops(impl)
+    model = zoo.build("nested")
+    outer, inner = model.get_submodule("1"), model.get_submodule("1.inner")
+    expected = {**copy.deepcopy(outer.state_dict()), **copy.deepcopy(inner.state_dict())}
+    with recording_deprecations(ops):
+        got = ops.get_model_state_dict(model, submodules={outer, inner}, options=ops.options(keep_submodule_prefixes=False))
+    assert_same_state(got, expected, what="state dict of '1' and '1.inner' with prefixes stripped", check_order=False)
 
 
 @pytest.mark.req("SD-5")

@@ -16,7 +16,7 @@ from torch import nn
 
 from conformance.adapters.sharding import ShardingPlan, child_units
 from conformance.adapters.state_dict import StateDictOps
-from conformance.asserts import assert_names_key, assert_same_state, fail
+from conformance.asserts import assert_names_key, assert_same_state, assert_unchanged, check_each, clause, fail, raised, snapshot
 from conformance.compare import fqn_keyed_optim
 from conformance.values import perturb_hyperparameters
 
@@ -43,6 +43,7 @@ __all__ = [
     "EMPTY_LAYOUTS",
     "groups_in_layout",
     "empty_groups_round_trip",
+    "unequal_empty_groups_under_strict",
     "without_state",
     "names_a_parameter",
     "check_missing_state_error",
@@ -331,6 +332,38 @@ def empty_groups_round_trip(impl: Any, dist: Any, use_orig_params: bool | None) 
     ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(saved), options=options)
     assert_same_state(_empty_groups(target.optim), expected,
                       what="the groups without parameters after the load, in order (the k-th takes the k-th saved)", where=where)
+
+
+def unequal_empty_groups_under_strict(impl: Any, dist: Any, use_orig_params: bool | None, saved_has: str) -> None:
+    """SD-25 and SD-8 on groups without parameters that do not pair: the saved dict has one and the
+    target's optimizer none (``saved_has="an-empty-group"``), or the other way round. A strict set
+    raises ``RuntimeError`` or ``ValueError`` and changes neither the model nor the optimizer; the same
+    dict then loads without ``strict``. Plain when ``dist`` is None, else sharded, full state dicts."""
+    __tracebackhide__ = True
+    ops: StateDictOps = impl.require("state_dict")
+    device = dist.device if dist is not None else "cpu"
+    where = where_of(dist, "adamw", use_orig_params) + f", {saved_has} saved"
+    source = make_run(impl, dist, "adamw", 0, use_orig_params=use_orig_params, empty_group_lr=0.125 if saved_has == "an-empty-group" else None)
+    source.step(0, device, use_aux=True)
+    saved = on_cpu(ops.get_optimizer_state_dict(source.model, source.optim, options=full_options(ops, dist)))
+    target = make_run(impl, dist, "adamw", 1, use_orig_params=use_orig_params, empty_group_lr=None if saved_has == "an-empty-group" else 0.5)
+    target.step(3, device, use_aux=True)
+    before = snapshot(model=target.model, optim=target.optim)
+    exc = raised(lambda: ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(saved), options=full_options(ops, dist, strict=True)))
+
+    def raises() -> None:
+        if not isinstance(exc, (RuntimeError, ValueError)):
+            fail(f"a strict set whose groups without parameters do not pair ({saved_has} saved)",
+                 "no error" if exc is None else f"{type(exc).__name__}: {exc}", "a RuntimeError or ValueError", where)
+
+    check_each({
+        "SD-8.a": raises,
+        "SD-8.b": lambda: assert_unchanged(before, where=f"{where}, after the refused strict set", model=target.model, optim=target.optim),
+    })
+    with clause("SD-25"):  # the refusal above is no pass: the same dict loads when not strict
+        ops.set_optimizer_state_dict(target.model, target.optim, copy.deepcopy(saved), options=full_options(ops, dist, strict=False))
+        got = on_cpu(ops.get_optimizer_state_dict(target.model, target.optim, options=full_options(ops, dist)))
+        assert_same_state(got["state"], saved["state"], what="optimizer state after the non-strict set", where=where, check_order=False)
 
 
 def without_state(saved: Mapping[str, Any], *, flatten: bool, drop: str) -> dict[str, Any]:

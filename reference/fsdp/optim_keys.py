@@ -640,13 +640,17 @@ def _load_param_groups(
     param_id = 0
     # A group without parameters cannot be matched by them: the k-th such local group takes the k-th
     # saved one, so its hyperparameters survive the load (pytorch/pytorch#143828).
-    empty_saved = iter([g for g in saved_groups if not g.get("params")])
+    # A local one left without a saved match keeps its own (SD-25 without strict; a strict load was
+    # refused before, by the key checks).
+    empty_saved = iter([index for index, g in enumerate(saved_groups) if not g.get("params")])
+    taken: set[int] = set()  # the saved groups some local group took
     for local_index, group in enumerate(optim.param_groups):
         ids = list(range(param_id, param_id + len(group["params"])))
         param_id += len(group["params"])
         if not group["params"]:
             match = next(empty_saved, None)
-            hyper = match if match is not None else group
+            hyper = saved_groups[match] if match is not None else group
+            taken.update(() if match is None else (match,))
             param_groups.append({**copy.deepcopy({k: v for k, v in hyper.items() if k != "params"}), "params": []})
             continue
         fqns = [f for p in group["params"] for f in key_of(p).unflat_param_names]
@@ -660,14 +664,19 @@ def _load_param_groups(
                 + ", ".join(f"{fqn!r} in saved group {home}" for fqn, home in homes.items())
             )
         home = next(index for index in homes.values() if index is not None)
+        taken.add(home)
         loaded = copy.deepcopy({k: v for k, v in saved_groups[home].items() if k != "params"})
         loaded["params"] = ids
         param_groups.append(loaded)
-    # Checked after the per-group check above, whose message names the FQNs that moved.
-    if len(saved_groups) != len(optim.param_groups):
+    # Checked after the per-group check above, whose message names the FQNs that moved: a saved group
+    # that no local group took (a second listing of taken parameters, a group without parameters more
+    # than the optimizer has) would be dropped silently.
+    left = [index for index in range(len(saved_groups)) if index not in taken]
+    if left:
         raise ValueError(
             f"optimizer state dict has {len(saved_groups)} param groups "
-            f"({[list(g.get('params', [])) for g in saved_groups]}), the optimizer has {len(optim.param_groups)}"
+            f"({[list(g.get('params', [])) for g in saved_groups]}), and no param group of the optimizer (it has "
+            f"{len(optim.param_groups)}) takes group(s) {left}"
         )
     return param_groups
 
