@@ -18,7 +18,7 @@ import pytest
 from conformance.child_process import run_child
 from conformance.harness.axes import DistSpec, below_the_largest_world_size
 from conformance.harness.config import SETTINGS, HarnessConfig
-from conformance.harness.shards import COSTS_FILE, CostTable, deal, load_costs
+from conformance.harness.shards import COSTS_FILE, CostTable, deal, deal_together, load_costs
 from tests.conftest import REPO_ROOT, run_suite
 from tests.forked import python_c
 
@@ -820,6 +820,48 @@ def test_the_deal_balances_what_position_dealing_does_not() -> None:
     assert sum(dealt) == sum(costs)
     assert max(dealt) - min(dealt) <= max(costs)
     assert max(dealt) < max(by_position) - 100, (dealt, by_position)
+
+
+@pytest.mark.req("HX-35")
+def test_tests_that_share_a_set_up_go_to_one_part_at_their_summed_cost() -> None:
+    """Three tests of one module fixture (cost 4, with the fixture in its first) stay in one part; the
+    rest balance around them; every test in exactly one part, the same deal every time."""
+    costs = [4.0, 1.0, 1.0] + [2.0] * 6
+    together = ["m", "m", "m", *range(6)]
+    owners = deal_together(costs, together, 2)
+    assert owners == deal_together(list(costs), list(together), 2)
+    assert len({owners[0], owners[1], owners[2]}) == 1
+    assert sorted(_loads(costs, owners, 2)) == [8.0, 10.0]
+    assert deal_together(costs, list(range(len(costs))), 2) == deal(costs, 2)  # nothing shared: the plain deal
+
+
+@pytest.mark.req("HX-35")
+def test_a_run_in_parts_keeps_a_modules_fixture_to_one_part(suite: pytest.Pytester) -> None:
+    """A module whose tests share a module-scoped fixture lands whole in one part of a run in parts (the
+    fixture is set up once in the run), while tests without one are dealt alone."""
+    suite.makepyfile(test_shared="""
+import pytest
+
+@pytest.fixture(scope="module")
+def expensive():
+    return object()
+
+@pytest.mark.parametrize("i", range(6))
+def test_uses(expensive, i):
+    pass
+
+@pytest.mark.parametrize("i", range(12))
+def test_alone(i):
+    pass
+""")
+    parts = []
+    for k in (1, 2):
+        result = run_suite(suite, "--world-size", "1", f"--shard={k}/2", "-v")
+        parts.append({line.split("::")[1].split(" ")[0] for line in result.stdout.lines if "PASSED" in line and "::" in line})
+    uses = {f"test_uses[{i}]" for i in range(6)}
+    assert parts[0] | parts[1] == uses | {f"test_alone[{i}]" for i in range(12)} and not parts[0] & parts[1]
+    assert uses <= parts[0] or uses <= parts[1], parts
+    assert sorted(len(p) for p in parts) == [9, 9], parts  # the tests alone balance the parts around it
 
 
 @pytest.mark.req("HX-35")

@@ -72,7 +72,7 @@ from conformance.harness.pool import PoolRunner
 from conformance.harness.report_json import SESSION_RESULTS, record_report, report_payload
 from conformance.harness.requirements import load_spec
 from conformance.harness.runner import Runner
-from conformance.harness.shards import deal, load_costs
+from conformance.harness.shards import deal_together, load_costs
 from conformance.harness.torchrun import launched, start_runner
 from conformance.harness.worker import DIST_ARG, SUPPORT_MODULES
 from conformance.harness.xfails import XfailEntry
@@ -348,12 +348,24 @@ def _deselect_other_shards(config: pytest.Config, items: list[pytest.Item], test
         costs = load_costs()
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
-    owners = deal([costs.cost(test_ids[item]) for item in items], n)
+    owners = deal_together([costs.cost(test_ids[item]) for item in items], [_set_up_with(item) for item in items], n)
     keep = [item for item, owner in zip(items, owners) if owner == k - 1]
     other = [item for item, owner in zip(items, owners) if owner != k - 1]
     if other:
         config.hook.pytest_deselected(items=other)
     items[:] = keep
+
+
+def _set_up_with(item: pytest.Item) -> object:
+    """What ``item`` shares its set-up with, for the deal into parts: its module where it uses a fixture
+    of module, package or class scope (set up once for the tests that share it: an installed copy of the
+    suite, torchrun jobs, a group of ranks), else the test alone. Read from pytest's fixture info of the
+    item (``_fixtureinfo``, not public: no public API says a test's fixtures' scopes)."""
+    info = getattr(item, "_fixtureinfo", None)
+    for definitions in getattr(info, "name2fixturedefs", {}).values():
+        if definitions and definitions[-1].scope in ("module", "package", "class"):
+            return ("module", item.nodeid.partition("::")[0])
+    return ("test", item.nodeid)
 
 
 @pytest.fixture

@@ -13,11 +13,11 @@ the balance, never which tests run.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["COSTS_FILE", "USUAL", "CostTable", "deal", "load_costs", "split_test_id"]
+__all__ = ["COSTS_FILE", "USUAL", "CostTable", "deal", "deal_together", "load_costs", "split_test_id"]
 
 #: The measured costs the suite ships (package data, so an installed suite deals by them too).
 COSTS_FILE = Path(__file__).resolve().with_name("shard_costs.json")
@@ -82,4 +82,20 @@ def deal(costs: Sequence[float], parts: int) -> list[int]:
         part = min(range(parts), key=lambda p: (loads[p], p))
         owner[position] = part
         loads[part] += costs[position]
+    return owner
+
+
+def deal_together(costs: Sequence[float], together: Sequence[Hashable], parts: int) -> list[int]:
+    """:func:`deal` of units instead of tests: the tests of one key of ``together`` (one per test, in
+    collection order) go to one part, at their summed cost. A key shared by tests that share something
+    set up once (a module's fixture) keeps it set up once in the run, not once per part."""
+    units: dict[Hashable, list[int]] = {}
+    for position, key in enumerate(together):
+        units.setdefault(key, []).append(position)
+    members = list(units.values())
+    unit_owner = deal([sum(costs[i] for i in unit) for unit in members], parts)
+    owner = [0] * len(costs)
+    for unit, part in zip(members, unit_owner):
+        for position in unit:
+            owner[position] = part
     return owner

@@ -71,13 +71,20 @@ def _local_plans(states: RankStateDicts) -> list[Any]:
     return plans
 
 
-@functools.cache  # three tests plan the same first saves; deterministic, and nothing mutates the metadata
 def _global_step(layout: str, world_size: int) -> tuple[Any, int, int]:
     """(metadata, calls of the coordinator's global plan, local items it was given)."""
     plans = _local_plans(RankStateDicts(LAYOUTS[layout], world_size, TENSORS))
     plan_cache.clear()
     (_, metadata), calls = _calls(lambda: ReferenceSavePlanner().create_global_plan(plans))
     return metadata, calls, sum(len(p.items) for p in plans)
+
+
+@pytest.fixture(scope="module")
+def global_step() -> Callable[[str, int], tuple[Any, int, int]]:
+    """:func:`_global_step` with its results kept for this module's tests: three plan the same first
+    saves (deterministic, and nothing mutates the metadata). A module fixture, so that a run in parts
+    keeps those tests in one part and plans each save once."""
+    return functools.cache(_global_step)
 
 
 def _load_calls(layout: str, world_size: int, metadata: Any, rank: int) -> tuple[int, int]:
@@ -95,12 +102,12 @@ def _load_calls(layout: str, world_size: int, metadata: Any, rank: int) -> tuple
 
 @pytest.mark.req("ML-34")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_the_global_plan_grows_no_faster_than_ranks_times_items(layout: str) -> None:
+def test_the_global_plan_grows_no_faster_than_ranks_times_items(layout: str, global_step: Callable[[str, int], tuple[Any, int, int]]) -> None:
     """The coordinator's global plan of a first save, at 64 and 256 ranks of the same model: its calls
     grow at most as N log N does (the items it is given grow 4x). Catches a tiling check or dedup that
     compares every rank's chunk with every other's (the sweep along dim 0 on column shards, issue 47)."""
-    _, small, small_items = _global_step(layout, SMALL)
-    _, large, large_items = _global_step(layout, LARGE)
+    _, small, small_items = global_step(layout, SMALL)
+    _, large, large_items = global_step(layout, LARGE)
     items_growth = large_items / small_items
     assert large / small <= MAX_GROWTH * items_growth / 4, (
         f"layout {layout}: the global plan made {small:,} calls at {SMALL} ranks ({small_items:,} items) and "
@@ -111,16 +118,16 @@ def test_the_global_plan_grows_no_faster_than_ranks_times_items(layout: str) -> 
 
 @pytest.mark.req("ML-34", "ML-37")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_rank_s_load_planning_grows_with_its_own_items_only(layout: str) -> None:
+def test_a_rank_s_load_planning_grows_with_its_own_items_only(layout: str, global_step: Callable[[str, int], tuple[Any, int, int]]) -> None:
     """One rank's load planning from the metadata of a save at the same world size, at 64 and 256 ranks:
     its own items do not grow with the world (a FSDP rank holds one piece of each tensor), so its calls
     must not either (at most 1.5x, the binary searches' log). Catches a search of every rank's chunks for
     this rank's (a linear ``_same_chunk``; ``overlaps`` over all saved chunks). Rank 0 and the last rank
     (whose pieces may be empty) are both planned."""
     for rank_of in (lambda n: 0, lambda n: n - 1):
-        metadata_small, _, _ = _global_step(layout, SMALL)
+        metadata_small, _, _ = global_step(layout, SMALL)
         small, small_reads = _load_calls(layout, SMALL, metadata_small, rank_of(SMALL))
-        metadata_large, _, _ = _global_step(layout, LARGE)
+        metadata_large, _, _ = global_step(layout, LARGE)
         large, large_reads = _load_calls(layout, LARGE, metadata_large, rank_of(LARGE))
         allowed = 1.5 * max(large_reads, 1) / max(small_reads, 1)
         assert large / small <= max(allowed, 1.5), (
@@ -131,13 +138,13 @@ def test_a_rank_s_load_planning_grows_with_its_own_items_only(layout: str) -> No
 
 @pytest.mark.req("ML-34", "ML-37")
 @pytest.mark.parametrize("layout", ["fsdp", "tp", "fsdp-tp", "hsdp"])
-def test_a_resharding_load_plans_in_proportion_to_what_it_reads(layout: str) -> None:
+def test_a_resharding_load_plans_in_proportion_to_what_it_reads(layout: str, global_step: Callable[[str, int], tuple[Any, int, int]]) -> None:
     """A rank of half the world loading a save of the whole: its calls per read item stay within 1.5x
     from 64 to 256 saving ranks. Catches a reshard that intersects the wanted piece with every saved
     chunk of the tensor."""
     per_read = []
     for world_size in (SMALL, LARGE):
-        metadata, _, _ = _global_step(layout, world_size)
+        metadata, _, _ = global_step(layout, world_size)
         calls, reads = _load_calls(layout, world_size // 2, metadata, 0)
         per_read.append(calls / max(reads, 1))
     assert per_read[1] / per_read[0] <= 1.5, (
