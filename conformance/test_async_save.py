@@ -592,8 +592,7 @@ def test_shutdown_releases_threads_processes_and_descriptors(dist, impl, executo
 @pytest.mark.req("AS-8")
 @pytest.mark.rank_timeout(60)  # a save that waits for ranks outside its group waits until it is cut
 @pytest.mark.largest_world_size
-# The save of the job first: its group made before any subgroup's (see docs/async.md, "Background groups").
-@pytest.mark.parametrize("before", ["after-a-save-of-the-job", "first-save"])
+@pytest.mark.parametrize("before", ["first-save", "after-a-save-of-the-job"])
 @pytest.mark.parametrize("executor", EXECUTORS)
 @isolated
 def test_an_async_save_over_a_subgroup_involves_its_ranks_alone(dist, impl, executor: str, before: str) -> None:

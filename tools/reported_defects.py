@@ -74,6 +74,12 @@ DEFECTS: tuple[Defect, ...] = (
         "does_not_answer", world_size="2",
     ),
     Defect(
+        "job-group-named-after-a-subgroup", "the reference's own, found by AS-8's save of the job after a stage's (SPEC AS-8)",
+        "reference/checkpoint/async_save.py",
+        "use_local_synchronization=not whole_job)", "use_local_synchronization=True)",
+        "over_a_subgroup_involves and reference", world_size="2",
+    ),
+    Defect(
         "replicated-piece-copied", "the reference's own, fixed at 8f1df9f (SPEC ML-39)",
         "reference/checkpoint/planner.py",
         "            if local.is_contiguous() and local.numel() > 0 and not (local.is_conj() or local.is_neg()):\n"

@@ -118,7 +118,13 @@ class _AsyncSaver:
         ranks = tuple(dist.get_process_group_ranks(process_group if process_group is not None else dist.group.WORLD))
         group = self.groups.get(ranks)
         if group is None:
-            group = dist.new_group(list(ranks), backend="gloo", timeout=ASYNC_GROUP_TIMEOUT, use_local_synchronization=True)
+            # A subgroup's ranks make its group alone (AS-8: the others call nothing). torch names such a
+            # group by its ranks and by how many groups the calling rank has made, so after a subgroup's
+            # save its ranks count one more than the others, and a group of the whole job made that way
+            # would get another name on each side and never form. Every rank of the job is in a save
+            # of the whole job: its group is made as new_group asks, by every rank, named in order.
+            whole_job = len(ranks) == dist.get_world_size()
+            group = dist.new_group(list(ranks), backend="gloo", timeout=ASYNC_GROUP_TIMEOUT, use_local_synchronization=not whole_job)
             self.groups[ranks] = group
         return group
 
