@@ -74,7 +74,7 @@ DEFECTS: tuple[Defect, ...] = (
         "does_not_answer", world_size="2",
     ),
     Defect(
-        "job-group-named-after-a-subgroup", "the reference's own, found by AS-8's save of the job after a stage's (SPEC AS-8)",
+        "job-group-named-after-a-subgroup", "the reference's own, fixed at f8d351f (SPEC AS-8)",
         "reference/checkpoint/async_save.py",
         "use_local_synchronization=not whole_job)", "use_local_synchronization=True)",
         "over_a_subgroup_involves and reference", world_size="2",
