@@ -649,8 +649,10 @@ def _load_param_groups(
         param_id += len(group["params"])
         if not group["params"]:
             match = next(empty_saved, None)
-            hyper = saved_groups[match] if match is not None else group
-            taken.update(() if match is None else (match,))
+            hyper: Mapping[str, Any] = group
+            if match is not None:
+                hyper = saved_groups[match]
+                taken.add(match)
             param_groups.append({**copy.deepcopy({k: v for k, v in hyper.items() if k != "params"}), "params": []})
             continue
         fqns = [f for p in group["params"] for f in key_of(p).unflat_param_names]
