@@ -221,7 +221,8 @@ def no_record(path: Path, fqn: str, offset: tuple[int, ...] | None = None) -> No
     """A test that places a fault in the record of ``fqn`` finds none in DCP's metadata: a skip, since
     the stack keeps that value elsewhere (megatron-core: non-tensor values in its common state), so the
     fault this test is about cannot be placed; the stack's own format would need its own test."""
-    pytest.skip(f"{path}: the checkpoint has no DCP record of {fqn!r}" + (f" at {offset}" if offset else "")
+    # The checkpoint is named, not its temporary directory: reports group skips by their reason.
+    pytest.skip(f"the checkpoint {path.name!r} has no DCP record of {fqn!r}" + (f" at {offset}" if offset else "")
                 + " to place the fault in (the stack keeps it outside DCP's records)")
 
 
