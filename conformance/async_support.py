@@ -36,6 +36,7 @@ __all__ = [
     "ASYNC_FAULT_ERRNO",
     "WRITER_FAULTS",
     "WRITER_FILE_LIMIT",
+    "handover_entries",
     "error_text",
     "SHUTDOWN_TIMEOUT_S",
     "settled_growth",
@@ -148,6 +149,13 @@ def full_training_state(world_size: int, fill: float, shard: Callable[[torch.Ten
         "progress": {"epoch": int(fill) % 7, "losses": [fill, fill / 2], "data": {"shard": f"part-{fill}"},
                      "sampler": (torch.arange(5, dtype=torch.int64) + int(fill), int(fill))},
     }
+
+
+def handover_entries(count: int = 4096) -> dict[str, torch.Tensor]:
+    """``count`` one-element tensors, the same on every rank: a save whose plan alone (an item for each
+    entry a rank writes) is far larger than a socket's buffer, so that handing it to a writer process
+    that does not read blocks the rank, whatever the implementation sends."""
+    return {str(i): torch.full((1,), float(i)) for i in range(count)}
 
 
 def train_on(state: dict[str, Any]) -> None:

@@ -1,12 +1,13 @@
 """The child processes of the calling process, read from ``/proc`` (Linux): what the checks that an
 implementation leaves no process behind (ML-32, AS-7) and the faults that stop or kill a writer process
-(AS-4, AS-7) look at."""
+(AS-4, AS-7) look at; and the calling process's own threads, for the moment a fault is placed at."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import os
+import platform
 import resource
 import signal
 import threading
@@ -14,7 +15,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-__all__ = ["child_processes", "debugger_stop", "file_size_limit", "kill_with_children", "process_state", "still_running"]
+__all__ = ["child_processes", "debugger_stop", "file_size_limit", "kill_with_children", "process_state", "still_running",
+           "thread_blocked_writing"]
 
 
 def process_state(pid: int) -> str | None:
@@ -190,3 +192,44 @@ def file_size_limit(pids: Iterable[int], limit_bytes: int) -> Iterator[list[int]
             with contextlib.suppress(ProcessLookupError):
                 resource.prlimit(pid, resource.RLIMIT_FSIZE, previous)
 
+
+
+#: The system calls that write to a descriptor (write, writev, sendto, sendmsg), by machine: the number
+#: the kernel shows first in ``/proc/<pid>/task/<tid>/syscall`` for a thread blocked in one.
+_WRITE_CALLS = {"x86_64": {1, 20, 44, 46}, "aarch64": {64, 66, 206, 211}}
+
+
+def thread_blocked_writing(timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Whether a thread of this process is seen, within ``timeout_s``, in the same write to a socket or a
+    pipe at two looks ``poll_s`` apart: blocked, since whatever reads the other end does not (a process
+    that was stopped, whose buffer filled). False where the kernel does not say (another machine, no
+    ``/proc``) or no thread got there in time."""
+    calls = _WRITE_CALLS.get(platform.machine())
+    if calls is None:
+        return False
+    deadline = time.monotonic() + timeout_s
+    before: set[tuple[int, int]] = set()
+    while True:
+        now = _threads_writing(calls)
+        if now & before:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        before = now
+        time.sleep(poll_s)
+
+
+def _threads_writing(calls: set[int]) -> set[tuple[int, int]]:
+    """(thread id, descriptor) of each thread of this process inside one of ``calls`` on a socket or pipe."""
+    found: set[tuple[int, int]] = set()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "syscall").read_text().split()
+            if len(fields) < 2 or not fields[0].isdigit() or int(fields[0]) not in calls:
+                continue  # "running", or another call
+            fd = int(fields[1], 16)
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(("socket:", "pipe:")):
+                found.add((int(task.name), fd))
+        except (OSError, ValueError):  # the thread ended, or the descriptor closed, meanwhile
+            continue
+    return found

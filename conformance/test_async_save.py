@@ -37,6 +37,7 @@ from conformance.async_support import (
     check_after_a_failure,
     check_next_group_of_the_job,
     full_training_state,
+    handover_entries,
     isolated,
     loaded_state,
     on_every_rank,
@@ -56,7 +57,7 @@ from conformance.checkpoint_values_support import mixed_state
 from conformance.dcp_files import dcp_directory
 from conformance.error_cases import WHERE, bad_input_here
 from conformance.faults import slowed_publication
-from conformance.processes import child_processes, file_size_limit, still_running
+from conformance.processes import child_processes, file_size_limit, still_running, thread_blocked_writing
 
 # A save that never ends is cut here, not at the suite's default of 120 s (see async_support.outcome).
 pytestmark = pytest.mark.rank_timeout(60)
@@ -329,8 +330,12 @@ def test_an_async_save_killed_on_one_rank_of_two_leaves_one_whole_checkpoint(imp
 #: Faults of the background write: the I/O faults of ML-13 (injected into the training process's file
 #: I/O, where a thread executor writes), a refusing ``Stateful``, and two of a process executor's writer
 #: process: killed, or its disk full (a write past a file size limit set on that process alone fails with
-#: ``EFBIG``, as one to a full disk fails with ``ENOSPC``; the writer lives on and must report it).
+#: ``EFBIG``, as one to a full disk fails with ``ENOSPC``; the writer lives on and must report it). A
+#: writer is killed while the rank hands it the save, where the rank's hand-over blocks on the frozen
+#: writer: a send that fails halfway.
 _FAULTS = ("full-disk-mid-data", "fsync-fails", "read-only", "refusing-stateful", "writer-dies", "writer-disk-full")
+#: Seconds the background steps get to reach the hand-over to a frozen writer before it is killed anyway.
+HANDOVER_WAIT_S = 3.0
 
 
 @pytest.mark.req("AS-4")
@@ -355,6 +360,8 @@ def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, faul
     save_and_wait(dist, impl, executor, path, 1.0)
     dist.barrier()
     state: dict[str, Any] = training_state(dist, 2.0)
+    if fault == "writer-dies":
+        state["handover"] = handover_entries()
     if fault == "refusing-stateful" and here:
         state["loader"] = RefusingStateful()
     elif fault == "refusing-stateful":
@@ -381,6 +388,9 @@ def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, faul
                         signal_writer_processes(signal.SIGCONT, ops)
                         reraise(outcome(response.upload_completion, "the completion future of a failing save", f"rank {dist.rank}"))
                     return
+                # The frozen writer is handed more than a socket holds, so the hand-over blocks: killed then,
+                # the writer dies inside the rank's send (where the background steps get there in time).
+                thread_blocked_writing(HANDOVER_WAIT_S)
                 killed.extend(signal_writer_processes(signal.SIGKILL, ops))
                 if not killed:
                     fail("a writer process to kill", "none: no child process of this rank was spawned by multiprocessing",

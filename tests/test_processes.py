@@ -5,13 +5,17 @@ stop the tracer left unreaped would hang a correct implementation's join).
 
 conformance.processes.file_size_limit: AS-4's full disk in a writer process. The limited process's
 writes past the limit fail with EFBIG and it lives on to report them; no other process is limited, and
-the limit is lifted on leaving."""
+the limit is lifted on leaving.
+
+conformance.processes.thread_blocked_writing: the moment AS-4 kills a writer mid-hand-over. A thread
+blocked sending to a socket nobody reads is seen; a thread that is not (asleep, or reading) is not."""
 
 from __future__ import annotations
 
 import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.processes import debugger_stop, file_size_limit, process_state
+from conformance.processes import debugger_stop, file_size_limit, process_state, thread_blocked_writing
 
 #: A child with three threads besides its main one, each asleep, as a writer process waits for work.
 _THREADED_CHILD = (
@@ -129,3 +133,27 @@ def test_a_file_size_limit_leaves_out_a_process_that_is_gone() -> None:
     with file_size_limit([gone.pid], 4096) as limited:
         assert limited == []
 
+
+
+def test_a_thread_blocked_sending_to_a_socket_nobody_reads_is_seen() -> None:
+    ours, theirs = socket.socketpair()
+    sender = threading.Thread(target=lambda: _send_until_refused(ours, 64 << 20), daemon=True)
+    try:
+        assert not thread_blocked_writing(0.3)  # only a reading (this) thread so far
+        sender.start()
+        assert thread_blocked_writing(10.0)
+        reader = threading.Thread(target=theirs.recv, args=(1,), daemon=True)
+        reader.start()  # blocked too, but reading: not a write
+    finally:
+        theirs.close()  # the send fails now, and the sender ends
+        sender.join(timeout=10)
+        ours.close()
+    assert not sender.is_alive()
+    assert not thread_blocked_writing(0.3)
+
+
+def _send_until_refused(connection: socket.socket, size: int) -> None:
+    try:
+        connection.sendall(b"x" * size)
+    except OSError:  # the other end closed
+        pass
