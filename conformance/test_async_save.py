@@ -369,13 +369,14 @@ def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, faul
 
     issued: list[Any] = []  # the failing save's response, when the call returned one
     killed: list[int] = []  # the writer processes killed (writer-dies)
+    frozen: list[int] = []  # the writer processes kept from the save before, frozen before this one
 
     def failing_save() -> None:
         if fault in ("refusing-stateful", *WRITER_FAULTS):
             if fault in WRITER_FAULTS and here:
                 # A writer kept from the save before is frozen first, so that the fault meets it with this
                 # save's write surely not done (a fresh writer of this save is met once staging completed).
-                signal_writer_processes(signal.SIGSTOP, ops)
+                frozen.extend(signal_writer_processes(signal.SIGSTOP, ops))
             response = async_save(ops, state, path, dist, executor)
             issued.append(response)
             if fault in WRITER_FAULTS and here:
@@ -388,9 +389,11 @@ def test_a_background_failure_reaches_every_rank(dist, impl, executor: str, faul
                         signal_writer_processes(signal.SIGCONT, ops)
                         reraise(outcome(response.upload_completion, "the completion future of a failing save", f"rank {dist.rank}"))
                     return
-                # The frozen writer is handed more than a socket holds, so the hand-over blocks: killed then,
-                # the writer dies inside the rank's send (where the background steps get there in time).
-                thread_blocked_writing(HANDOVER_WAIT_S)
+                # A frozen writer is handed more than a socket holds, so the hand-over blocks: killed then,
+                # the writer dies inside the rank's send (where the background steps get there in time). A
+                # fresh writer of this save is killed at once: it reads its work, and may be done soon.
+                if frozen:
+                    thread_blocked_writing(HANDOVER_WAIT_S)
                 killed.extend(signal_writer_processes(signal.SIGKILL, ops))
                 if not killed:
                     fail("a writer process to kill", "none: no child process of this rank was spawned by multiprocessing",
