@@ -638,3 +638,31 @@ def test_an_async_save_over_a_subgroup_involves_its_ranks_alone(dist, impl, exec
     # local synchronization put their count of groups ahead of the others': the names differ, and the
     # next group every rank makes meets no one.)
     check_next_group_of_the_job(dist, "after an async save over a subgroup")
+
+
+@pytest.mark.req("AS-8")
+@pytest.mark.rank_timeout(60)  # a save whose ranks never meet waits until it is cut
+@pytest.mark.world_size(min=3)
+@pytest.mark.parametrize("executor", EXECUTORS)
+@isolated
+def test_async_saves_over_overlapping_subgroups_each_involve_their_ranks_alone(dist, impl, executor: str) -> None:
+    """Ranks 0 and 1 async-save over a group of their own, then ranks 1 and 2 over theirs (rank 1 in both,
+    as a rank is in a tensor-parallel and a data-parallel group), the other ranks calling nothing: each
+    save completes and loads back over its group, and the job's next group joins every rank. Background
+    machinery named by what each rank made before (``new_group`` with local synchronization counts the
+    groups a rank has made) gets another name on rank 1 than on rank 2 after the first save, and the
+    second save waits for ever."""
+    async_ops(impl, executor).shutdown()  # what earlier tests left decides nothing here
+    groups = {savers: torch_dist.new_group(list(savers)) for savers in ((0, 1), (1, 2))}  # by every rank, as new_group asks
+    for fill, (savers, group) in enumerate(groups.items(), start=2):
+        path = dist.tmp_dir / f"ranks-{savers[0]}-{savers[1]}"
+        failed = subgroup_save(dist, impl, executor, group, list(savers), path, float(fill))
+        if failed:
+            fail(f"an async save over ranks {list(savers)} of {dist.world_size} ({executor}) after one over "
+                 f"{list(next(iter(groups)))}" if fill > 2 else f"an async save over ranks {list(savers)} ({executor})",
+                 failed, "success on each of them", f"rank {dist.rank}")
+        if dist.rank in savers:
+            target = full_training_state(len(savers), -7.0)
+            checkpoint_ops(impl).load(target, path, process_group=group)
+            assert_same_bits(target, full_training_state(len(savers), float(fill)), what=f"the checkpoint ranks {list(savers)} saved over their group")
+    check_next_group_of_the_job(dist, "after async saves over two overlapping subgroups")

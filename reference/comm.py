@@ -3,7 +3,10 @@
 
 Vocabulary. A *group* is a ``torch.distributed`` process group, or ``None`` for "no group": a trivial
 axis of size 1 on which every function is a local no-op (never the default group; callers that mean
-the default group pass :func:`default_group`). The *coordinator* of a group is its first rank (group
+the default group pass :func:`default_group`). A group may also be a gloo backend made directly and
+never registered with ``torch.distributed`` (async saves' background groups,
+:mod:`reference.checkpoint.async_save`): only calls that take it as it is are made on a group here (its
+own rank and size, group-relative sources and destinations), never ones that look it up. The *coordinator* of a group is its first rank (group
 rank 0, whatever its global rank): it is the rank that ``rank0_only`` results land on and that
 ``broadcast_from_rank0`` sends from.
 
@@ -87,7 +90,7 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
     """This process's rank on this axis (0 for ``None``)."""
-    return 0 if group is None else dist.get_rank(group)
+    return 0 if group is None else group.rank()
 
 
 def is_coordinator(group: dist.ProcessGroup | None) -> bool:
@@ -160,7 +163,10 @@ def group_device(group: dist.ProcessGroup | None) -> torch.device:
 
 
 def _backends(group: dist.ProcessGroup | None) -> set[str]:
-    # "nccl", "gloo", or per-device pairs such as "cpu:gloo,cuda:nccl".
+    # "nccl", "gloo", or per-device pairs such as "cpu:gloo,cuda:nccl". A backend made directly (never
+    # registered, so get_backend cannot look it up) is its own one backend.
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        return {group.name()}
     return {part.split(":")[-1] for part in str(dist.get_backend(group)).split(",")}
 
 
@@ -305,6 +311,20 @@ def _payload(frame: memoryview, rest: torch.Tensor | None) -> _Payload:
     return bytes(frame[_HEADER.size :]) + bytes(element_bytes(rest.cpu())[:overflow])
 
 
+def _send(tensor: torch.Tensor, group: dist.ProcessGroup | None, group_dst: int) -> None:
+    if isinstance(group, dist.ProcessGroup):
+        dist.send(tensor, group=group, group_dst=group_dst)
+    else:  # a backend made directly: dist.send and dist.recv look its ranks up in torch's registry
+        cast(Any, group).send([tensor], group_dst, 0).wait()
+
+
+def _recv(tensor: torch.Tensor, group: dist.ProcessGroup | None, group_src: int) -> None:
+    if isinstance(group, dist.ProcessGroup):
+        dist.recv(tensor, group=group, group_src=group_src)
+    else:
+        cast(Any, group).recv([tensor], group_src, 0).wait()
+
+
 def _gather_bytes(data: bytes, group: dist.ProcessGroup | None) -> list[_Payload]:
     """Every rank's ``data`` at the coordinator, in rank order, except its own (an empty slot: it sends
     nothing to itself); ``[]`` on the other ranks. One gather of frames; a rank whose data outgrew its
@@ -314,14 +334,14 @@ def _gather_bytes(data: bytes, group: dist.ProcessGroup | None) -> list[_Payload
     if not is_coordinator(group):
         dist.gather(_frame(data, size, device), None, group=group, group_dst=0)
         if (rest := _rest(data, size, device)) is not None:
-            dist.send(rest, group=group, group_dst=0)
+            _send(rest, group, 0)
         return []
     frames = _empty_frames(world, size, device)
     dist.gather(_frame(b"", size, device), list(frames.unbind(0)), group=group, group_dst=0)
     received: list[_Payload] = [b""]
     for rank, frame in enumerate(_rows(frames)[1:], start=1):
         if (rest := _rest_buffer(frame, device)) is not None:
-            dist.recv(rest, group=group, group_src=rank)
+            _recv(rest, group, rank)
         received.append(_payload(frame, rest))
     return received
 
@@ -339,13 +359,13 @@ def _scatter_bytes(outgoing: list[bytes] | None, group: dist.ProcessGroup | None
         dist.scatter(_empty_frames(1, size, device)[0], frames, group=group, group_src=0)
         for rank, data in enumerate(outgoing):
             if (rest := _rest(data, size, device)) is not None:
-                dist.send(rest, group=group, group_dst=rank)
+                _send(rest, group, rank)
         return b""
     frame = _empty_frames(1, size, device)
     dist.scatter(frame[0], None, group=group, group_src=0)
     view = _rows(frame)[0]
     if (rest := _rest_buffer(view, device)) is not None:
-        dist.recv(rest, group=group, group_src=0)
+        _recv(rest, group, 0)
     return _payload(view, rest)
 
 

@@ -38,8 +38,8 @@ What the caller can rely on, and why:
   per rank at a time, and staging buffers are never refilled while a write still reads them
   (Megatron-LM PR #2288). Its outcome stays in its own future.
 - :func:`async_shutdown` waits for the save in flight and releases the thread, the writer process and
-  the staging arenas. The async group, made once per group of ranks, stays until the default group is
-  destroyed.
+  the staging arenas. The async group, made once per group of ranks by those ranks alone, stays for the
+  process's life (a default group made again gets groups of its own).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
@@ -107,27 +107,21 @@ class _AsyncSaver:
         self.thread: ThreadPoolExecutor | None = None
         self.stagers: dict[AsyncCheckpointerType, Stager] = {}
         self.writer: WriterProcess | None = None
-        self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self.groups: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
         self.in_flight: Future[Metadata] | None = None
 
     def background_group(self, process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-        """The gloo group of ``process_group``'s ranks for the background write (made collectively by
-        those ranks on their first async save); None without ``torch.distributed``."""
+        """The gloo group of ``process_group``'s ranks for the background write (made by those ranks on
+        their first async save, and only by them); None without ``torch.distributed``."""
         if process_group is None and not (dist.is_available() and dist.is_initialized()):
             return None
         ranks = tuple(dist.get_process_group_ranks(process_group if process_group is not None else dist.group.WORLD))
-        group = self.groups.get(ranks)
+        key = (id(dist.group.WORLD), ranks)  # a default group made again has another store
+        group = self.groups.get(key)
         if group is None:
-            # A subgroup's ranks make its group alone (AS-8: the others call nothing). torch names such a
-            # group by its ranks and by how many groups the calling rank has made, so after a subgroup's
-            # save its ranks count one more than the others, and a group of the whole job made that way
-            # would get another name on each side and never form. Every rank of the job is in a save
-            # of the whole job: its group is made as new_group asks, by every rank, named in order.
-            whole_job = len(ranks) == dist.get_world_size()
-            group = dist.new_group(list(ranks), backend="gloo", timeout=ASYNC_GROUP_TIMEOUT, use_local_synchronization=not whole_job)
-            self.groups[ranks] = group
+            group = _unregistered_gloo_group(ranks)
+            self.groups[key] = group
         return group
-
     def stager(self, kind: AsyncCheckpointerType) -> Stager:
         stager = self.stagers.get(kind)
         if stager is None:
@@ -165,9 +159,25 @@ class _AsyncSaver:
         for stager in self.stagers.values():
             stager.release()
         self.stagers.clear()
-        # The async groups stay: a group of the same ranks made again gets the same name (it is made
-        # with local synchronization, named by its ranks), and its rendezvous would find the destroyed
-        # group's addresses in the store. They go with the default group (destroy_process_group()).
+        # The async groups stay: a group of the same ranks made again would meet under the same name,
+        # and its rendezvous would find the first one's addresses in the store.
+
+
+def _unregistered_gloo_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """A gloo group of ``ranks`` (global ranks, this one among them), made by those ranks alone and never
+    registered with ``torch.distributed``.
+
+    Not ``new_group``: torch names a group that some ranks make alone after its ranks and a count kept
+    by each rank (the groups it has registered in torch 2.13; in 2.14 a counter that also names the
+    groups every rank makes), so a group of {0, 1} puts its ranks' count ahead of rank 2's, and a later
+    group of {1, 2}, or in 2.14 the job's next ``new_group``, gets another name on each side and never
+    forms. This group is met in the default group's store under a name of the reference's own, the same
+    on every one of its ranks whatever each has made before, and changes no count of torch's."""
+    # torch.distributed has no public accessor for the default group's store, which every rank of the
+    # job reaches (torchrun's or init_process_group's); _get_default_store is it.
+    store = dist.PrefixStore(f"statedict-conformance/async/{'_'.join(map(str, ranks))}/", dist.distributed_c10d._get_default_store())
+    group = dist.ProcessGroupGloo(store, ranks.index(dist.get_rank()), len(ranks), ASYNC_GROUP_TIMEOUT)
+    return cast(dist.ProcessGroup, group)  # a backend, used as comm uses groups (see reference.comm)
 
 
 _SAVER = _AsyncSaver()
