@@ -76,8 +76,17 @@ DEFECTS: tuple[Defect, ...] = (
     Defect(
         "job-group-named-after-a-subgroup", "the reference's own, fixed at f8d351f (SPEC AS-8)",
         "reference/checkpoint/async_save.py",
-        "use_local_synchronization=not whole_job)", "use_local_synchronization=True)",
+        "            group = _unregistered_gloo_group(ranks)\n",
+        "            group = dist.new_group(list(ranks), backend=\"gloo\", timeout=ASYNC_GROUP_TIMEOUT, use_local_synchronization=True)\n",
         "over_a_subgroup_involves and reference", world_size="2",
+    ),
+    Defect(
+        "overlapping-subgroups-named-by-counts", "the reference's own, fixed at 9069843 (SPEC AS-8)",
+        "reference/checkpoint/async_save.py",
+        "            group = _unregistered_gloo_group(ranks)\n",
+        "            whole_job = len(ranks) == dist.get_world_size()\n"
+        "            group = dist.new_group(list(ranks), backend=\"gloo\", timeout=ASYNC_GROUP_TIMEOUT, use_local_synchronization=not whole_job)\n",
+        "overlapping_subgroups and reference", world_size="3",
     ),
     Defect(
         "replicated-piece-copied", "the reference's own, fixed at 8f1df9f (SPEC ML-39)",
@@ -147,8 +156,8 @@ DEFECTS: tuple[Defect, ...] = (
     Defect(
         "collectives-on-the-callers-group", "KempnerForge #104",
         "reference/checkpoint/async_save.py",
-        "        group = self.groups.get(ranks)\n",
-        "        return process_group if process_group is not None else dist.group.WORLD\n        group = self.groups.get(ranks)\n",
+        "        group = self.groups.get(key)\n",
+        "        return process_group if process_group is not None else dist.group.WORLD\n        group = self.groups.get(key)\n",
         "training_collectives",
     ),
     Defect(
