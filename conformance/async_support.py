@@ -36,6 +36,7 @@ __all__ = [
     "ASYNC_FAULT_ERRNO",
     "WRITER_FAULTS",
     "WRITER_FILE_LIMIT",
+    "HANDOVER_WAIT_S",
     "handover_entries",
     "error_text",
     "SHUTDOWN_TIMEOUT_S",
@@ -232,6 +233,8 @@ def settled_growth(before: Resources, settle_s: float = 2.0) -> list[str]:
 ASYNC_FAULT_ERRNO: dict[str, int] = {**FAULT_ERRNO, "writer-disk-full": errno.EFBIG}
 #: AS-4's faults of a process executor's writer process: killed, or its disk full.
 WRITER_FAULTS = ("writer-dies", "writer-disk-full")
+#: Seconds the background steps get to reach the hand-over to a frozen writer before it is killed anyway.
+HANDOVER_WAIT_S = 3.0
 #: The file size limit of ``writer-disk-full``: far below a rank's 1 MiB of data, far above nothing.
 WRITER_FILE_LIMIT = 64 << 10
 

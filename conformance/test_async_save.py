@@ -24,6 +24,7 @@ from conformance.adapters.base import Adapter
 from conformance.asserts import assert_same_error_on_every_rank, expect_error, fail, raised, reraise
 from conformance.async_support import (
     EXECUTORS,
+    HANDOVER_WAIT_S,
     MAX_LOADS_DURING_WRITE,
     PUBLICATION_DELAY_S,
     WRITER_FAULTS,
@@ -334,8 +335,6 @@ def test_an_async_save_killed_on_one_rank_of_two_leaves_one_whole_checkpoint(imp
 #: writer is killed while the rank hands it the save, where the rank's hand-over blocks on the frozen
 #: writer: a send that fails halfway.
 _FAULTS = ("full-disk-mid-data", "fsync-fails", "read-only", "refusing-stateful", "writer-dies", "writer-disk-full")
-#: Seconds the background steps get to reach the hand-over to a frozen writer before it is killed anyway.
-HANDOVER_WAIT_S = 3.0
 
 
 @pytest.mark.req("AS-4")

@@ -25,6 +25,7 @@ TORCH_PRIVATE_ATTRIBUTES = {
     "_orig_mod",  # torch.compile's OptimizedModule holds the module there (no public accessor)
     "_make_subclass",  # how nn.Parameter builds a subclass instance around existing data
     "_spec",  # an async save's staged DTensor keeps a GPU mesh's shard on the host (from_local moves it)
+    "_get_default_store",  # async saves' background groups meet in the default group's store (no public accessor)
 }
 #: Private names that are part of the public API on purpose.
 PUBLIC_PRIVATE_NAMES = {"_OptimStateKey"}  # mirrors torch's private class name (SPEC OS)
