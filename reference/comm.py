@@ -5,10 +5,10 @@ Vocabulary. A *group* is a ``torch.distributed`` process group, or ``None`` for 
 axis of size 1 on which every function is a local no-op (never the default group; callers that mean
 the default group pass :func:`default_group`). A group may also be a gloo backend made directly and
 never registered with ``torch.distributed`` (async saves' background groups,
-:mod:`reference.checkpoint.async_save`): only calls that take it as it is are made on a group here (its
-own rank and size, group-relative sources and destinations), never ones that look it up. The *coordinator* of a group is its first rank (group
-rank 0, whatever its global rank): it is the rank that ``rank0_only`` results land on and that
-``broadcast_from_rank0`` sends from.
+:mod:`reference.checkpoint.async_save`): only calls that take it as it is are made on a group here
+(its own rank and size, group-relative sources and destinations), never ones that look it up. The
+*coordinator* of a group is its first rank (group rank 0, whatever its global rank): it is the rank
+that ``rank0_only`` results land on and that ``broadcast_from_rank0`` sends from.
 
 Two kinds of functions, both *collective over the group they are given* (every rank of the group calls
 them, in the same order, with tensors of the same shape):

@@ -107,7 +107,7 @@ class _AsyncSaver:
         self.thread: ThreadPoolExecutor | None = None
         self.stagers: dict[AsyncCheckpointerType, Stager] = {}
         self.writer: WriterProcess | None = None
-        self.groups: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
+        self.groups: dict[tuple[dist.ProcessGroup | None, tuple[int, ...]], dist.ProcessGroup] = {}
         self.in_flight: Future[Metadata] | None = None
 
     def background_group(self, process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -116,12 +116,15 @@ class _AsyncSaver:
         if process_group is None and not (dist.is_available() and dist.is_initialized()):
             return None
         ranks = tuple(dist.get_process_group_ranks(process_group if process_group is not None else dist.group.WORLD))
-        key = (id(dist.group.WORLD), ranks)  # a default group made again has another store
+        # Keyed by the default group itself (kept alive by the key, so never mistaken for a later one):
+        # a default group made again has another store, and groups of its own.
+        key = (dist.group.WORLD, ranks)
         group = self.groups.get(key)
         if group is None:
             group = _unregistered_gloo_group(ranks)
             self.groups[key] = group
         return group
+
     def stager(self, kind: AsyncCheckpointerType) -> Stager:
         stager = self.stagers.get(kind)
         if stager is None:
