@@ -129,6 +129,9 @@ def objects(role: str) -> dict[str, Any]:
             "name": "adam-ß-🙂",
             "raw": b"\x00\xff\x10",
             "no_bytes": b"",  # pickle protocol 2 spells it as a call of bytes(), not as encoded text
+            # One value of torch's types and pickle's together: a reader that unpickles pickle's own
+            # types itself hands this one to torch.load, which must allow what it allowed alone.
+            "size_and_no_bytes": (torch.Size([2, 3]), b"", b"\x00"),
             "nothing": None,
             "pair": (3, (4.5, "x")),
             "ids": [1, 2, "three"],  # a list without tensors or dicts: one value
@@ -148,6 +151,7 @@ def objects(role: str) -> dict[str, Any]:
         "name": "",
         "raw": b"",
         "no_bytes": b"\x01",
+        "size_and_no_bytes": (torch.Size([0]), b"\x01", b""),
         "nothing": "None",
         "pair": (0, (0.0, "")),
         "ids": [0],

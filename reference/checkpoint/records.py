@@ -10,8 +10,8 @@ bytes ``torch.save`` writes for the value (a small zip archive: ``data.pkl`` des
 The plain path, first in this module, is that definition in code: :func:`write_record` calls
 ``torch.save``; :func:`load_tensor_record` and :func:`read_object_record` call
 ``torch.load(weights_only=True)`` once the archive's member names are checked. What a record may ask
-for (SPEC ML-27, ML-28): the globals ``torch.load(weights_only=True)`` allows, and nothing wider; a
-refusal names the globals the record asked for (:func:`asked_globals`). A record whose zip member
+for (SPEC ML-27, ML-28): the globals ``torch.load(weights_only=True)`` allows, with ``io.BytesIO``
+and an empty ``bytes`` value (:data:`_ALSO_ALLOWED`), and nothing wider; a refusal names the globals the record asked for (:func:`asked_globals`). A record whose zip member
 names are ambiguous (a second ``data.pkl``, another folder, a ``..`` name) is refused before anything
 reads it: two readers would read different members of it.
 
@@ -321,17 +321,39 @@ def _short_name(name: str, folder: str, seen: Collection[str]) -> str:
     return short
 
 
+def _bytes_called_empty(*args: Any) -> bytes:
+    """``bytes`` as ``torch.load`` may call it: with no argument only, which is how pickle protocol 2
+    (``torch.save``'s) spells an empty ``bytes`` value. torch's own allow-list has ``_codecs.encode``,
+    protocol 2's spelling of every other ``bytes`` value (pytorch/pytorch#133163), but not this one, so
+    ``torch.load(weights_only=True)`` refuses ``torch.save(b"")``. With an argument, ``bytes`` could
+    allocate any size: refused."""
+    if args:
+        raise ValueError("the record calls bytes() with an argument; only an empty bytes value is written so")
+    return b""
+
+
+#: What ``torch.load`` may build beyond its own ``weights_only`` allow-list, as the fast path's
+#: unpickler (:class:`_PlainUnpickler`) does, so that both paths load the same records: an
+#: ``io.BytesIO`` (bytes and a position; its ``__setstate__`` runs no code of the record's: a module's
+#: extra state may be one, SD-29, and torch's DCP loads it) and an empty ``bytes`` value (ML-1).
+_ALSO_ALLOWED: list[Any] = [io.BytesIO, (_bytes_called_empty, "builtins.bytes")]
+
+
 def _load(stream: BinaryIO | FileWindow, archive: zipfile.ZipFile, **kwargs: Any) -> Any:
     """``torch.load(stream, weights_only=True, **kwargs)`` of the record ``archive`` was read from; a
     refusal names the globals its ``data.pkl`` asks for (:func:`_refused`)."""
     stream.seek(0)
+    return _weights_only_load(stream, lambda: _data_pkl(archive), **kwargs)
+
+
+def _weights_only_load(stream: BinaryIO | FileWindow, pickled: Callable[[], bytes | None], **kwargs: Any) -> Any:
+    """``torch.load(stream, weights_only=True, **kwargs)`` with :data:`_ALSO_ALLOWED`; a refusal names
+    the globals that ``pickled()`` (the record's ``data.pkl``, read only then) asks for."""
     try:
-        # io.BytesIO as the fast path's unpickler allows it (_PlainUnpickler): a module's extra state may
-        # be one (SD-29), and both paths must load the same records.
-        with torch.serialization.safe_globals([io.BytesIO]):
+        with torch.serialization.safe_globals(_ALSO_ALLOWED):
             return torch.load(stream, weights_only=True, **kwargs)  # type: ignore[arg-type]  # a RawIOBase is a binary file; torch's stub lists IO[bytes] only
     except pickle.UnpicklingError as exc:
-        refusal = _refused(exc, _data_pkl(archive))
+        refusal = _refused(exc, pickled())
         if refusal is exc:
             raise
         raise refusal from exc
@@ -1060,13 +1082,7 @@ def _torch_load(data: bytes | memoryview | FileWindow, pickled: bytes | None, **
     """``torch.load(data, weights_only=True)``; a refusal names the globals that ``pickled`` (the
     record's ``data.pkl``) asks for (:func:`_refused`)."""
     stream = io.BytesIO(data) if isinstance(data, (bytes, memoryview)) else data
-    try:
-        return torch.load(stream, weights_only=True, **kwargs)  # type: ignore[arg-type]  # a RawIOBase is a binary file; torch's stub lists IO[bytes] only
-    except pickle.UnpicklingError as exc:
-        refusal = _refused(exc, pickled)
-        if refusal is exc:
-            raise
-        raise refusal from exc
+    return _weights_only_load(stream, lambda: pickled, **kwargs)
 
 
 # -- reading ----------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from conformance.asserts import raised
 from conformance.checkpoint_crafted_support import CODE_ROUTES, NAME_LIES, crafted_record, extension_for_exec, replace_record
 from conformance.checkpoint_support import assert_same_bits, dtensor_of
+from conformance.checkpoint_values_support import objects
 from conformance.child_process import run_child
 from conformance.values import EDGE_DTYPES, edge_tensors
 from reference.checkpoint import (
@@ -134,17 +135,12 @@ def _every_dtype() -> dict[str, torch.Tensor]:
 
 
 def _non_tensor_values() -> dict[str, Any]:
-    """Values a checkpoint stores as ``torch.save`` records of objects (DCP's encoding)."""
+    """Values a checkpoint stores as ``torch.save`` records of objects (DCP's encoding): every kind the
+    suite's ML-1 saves, and an optimizer's hyperparameters."""
     return {
-        "step": 7,
-        "lr": -0.0,
-        "nan": float("nan"),
-        "name": "run-a",
-        "nothing": None,
+        **objects("saved"),
         "betas": (0.9, 0.999),
         "milestones": [3, 6, 9],
-        "raw": b"\x00\xffbytes",
-        "size": torch.Size([2, 3]),
         "options": {"momentum": 0.9, "nesterov": True, "groups": [[0, 1], [2]]},
     }
 
