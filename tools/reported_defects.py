@@ -89,6 +89,13 @@ DEFECTS: tuple[Defect, ...] = (
         "overlapping_subgroups and reference", world_size="3",
     ),
     Defect(
+        "empty-bytes-refused-beside-torch-types", "the reference's own, fixed at 6f265a5 (SPEC ML-1)",
+        "reference/checkpoint/records.py",
+        '_ALSO_ALLOWED: list[Any] = [io.BytesIO, (_bytes_called_empty, "builtins.bytes")]\n',
+        "_ALSO_ALLOWED: list[Any] = [io.BytesIO]\n",
+        "test_round_trip_restores_every_value and objects", test_file="conformance/test_checkpoint.py",
+    ),
+    Defect(
         "replicated-piece-copied", "the reference's own, fixed at 8f1df9f (SPEC ML-39)",
         "reference/checkpoint/planner.py",
         "            if local.is_contiguous() and local.numel() > 0 and not (local.is_conj() or local.is_neg()):\n"
