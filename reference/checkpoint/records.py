@@ -11,9 +11,10 @@ The plain path, first in this module, is that definition in code: :func:`write_r
 ``torch.save``; :func:`load_tensor_record` and :func:`read_object_record` call
 ``torch.load(weights_only=True)`` once the archive's member names are checked. What a record may ask
 for (SPEC ML-27, ML-28): the globals ``torch.load(weights_only=True)`` allows, with ``io.BytesIO``
-and an empty ``bytes`` value (:data:`_ALSO_ALLOWED`), and nothing wider; a refusal names the globals the record asked for (:func:`asked_globals`). A record whose zip member
-names are ambiguous (a second ``data.pkl``, another folder, a ``..`` name) is refused before anything
-reads it: two readers would read different members of it.
+and an empty ``bytes`` value (:data:`_ALSO_ALLOWED`), and nothing wider; a refusal names the globals
+the record asked for (:func:`asked_globals`). A record whose zip member names are ambiguous (a second
+``data.pkl``, another folder, a ``..`` name) is refused before anything reads it: two readers would
+read different members of it.
 
 The fast paths, after it, run while :func:`reference.checkpoint.fast_paths.enabled` (the default). They
 exist for speed only, write the same bytes, read the same values and refuse the same records: a
