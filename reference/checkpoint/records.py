@@ -163,16 +163,22 @@ def write_record(stream: BinaryIO, value: torch.Tensor | bytes | memoryview) -> 
 def load_tensor_record(file: ReadableFile, offset: int, length: int, *, map_location: str = "cpu") -> torch.Tensor:
     """The tensor of the record at ``[offset, offset + length)`` of ``file``, as
     ``torch.load(record, weights_only=True, map_location=map_location)`` returns it; with
-    ``map_location="meta"``, its dtype and geometry without reading its bytes.
+    ``map_location="meta"``, its dtype and geometry without reading its bytes, every member's local
+    header checked as a read of it would check it (a check made before a load reads anything must
+    find a damaged storage header then, not once other keys are written: ML-14).
 
     Raises ValueError for a record that is not one ``torch.save`` archive every reader reads alike (not
     a zip archive, ambiguous member names) or holds no tensor, ``pickle.UnpicklingError`` naming the
     globals it asked for when ``torch.load`` refuses it, and whatever ``torch.load`` raises for a
     damaged one."""
     window = FileWindow(file, offset, length)
-    value = _load(window, _archive(window), map_location=map_location)
+    archive = _archive(window)
+    value = _load(window, archive, map_location=map_location)
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"not a tensor record: it holds a {type(value).__name__}")
+    if map_location == "meta":  # torch.load read no storage member: open each (its header only)
+        for info in archive.infolist():
+            _open_member(archive, info).close()
     return value
 
 
