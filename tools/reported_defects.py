@@ -6,7 +6,7 @@ Each defect is a small edit of ``reference/`` that reintroduces what a report de
 buffer refilled while the write still reads it, completion before publication, a swallowed background
 error, ...). It is applied to a scratch copy of the checkout (the working tree is never written), and
 the tests named for it (a ``-k`` expression over one conformance file) run there against ``--impl
-reference``. A defect is *caught* when they fail.
+reference`` (with the fast paths off, ``SDC_REFERENCE_FAST_PATHS=0``, for a defect of the plain path). A defect is *caught* when they fail.
 The exit status is 1 if any defect survives, so this is also a check of the suite, run by hand (a few
 minutes) and not by ``make test``. Automatic mutants of the same modules: ``make mutation``.
 """
@@ -14,6 +14,7 @@ minutes) and not by ``make test``. Automatic mutants of the same modules: ``make
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,7 @@ class Defect:
     tests: str  #: a pytest ``-k`` expression over ``test_file``
     test_file: str = "conformance/test_async_save.py"  #: relative to the checkout
     world_size: str = ""  #: the world sizes its tests need, when not those of ``--world-size``
+    plain_path: bool = False  #: a defect of the plain path: its tests run with the fast paths off
 
 
 DEFECTS: tuple[Defect, ...] = (
@@ -94,6 +96,13 @@ DEFECTS: tuple[Defect, ...] = (
         '_ALSO_ALLOWED: list[Any] = [io.BytesIO, (_bytes_called_empty, "builtins.bytes")]\n',
         "_ALSO_ALLOWED: list[Any] = [io.BytesIO]\n",
         "test_round_trip_restores_every_value and objects", test_file="conformance/test_checkpoint.py",
+    ),
+    Defect(
+        "plain-path-storage-header-found-while-reading", "the reference's own, fixed at acffbaf (SPEC ML-14)",
+        "reference/checkpoint/records.py",
+        "            _open_member(archive, info).close()\n", "            pass\n",
+        "test_bad_checkpoint_fails_fast_naming_the_file and damaged-header", test_file="conformance/test_checkpoint.py",
+        plain_path=True,
     ),
     Defect(
         "replicated-piece-copied", "the reference's own, fixed at 8f1df9f (SPEC ML-39)",
@@ -377,7 +386,8 @@ def _run(defect: Defect, world_sizes: str, timeout: float) -> tuple[str, str]:
         command = [sys.executable, "-m", "pytest", defect.test_file, "--impl", "reference", "--world-size", defect.world_size or world_sizes,
                    "-k", defect.tests, "-q", "-x", "-p", "no:cacheprovider", "--rank-timeout", "60"]
         try:
-            done = subprocess.run(command, cwd=scratch / "repo", capture_output=True, text=True, timeout=timeout)
+            environment = {**os.environ, **({"SDC_REFERENCE_FAST_PATHS": "0"} if defect.plain_path else {})}
+            done = subprocess.run(command, cwd=scratch / "repo", capture_output=True, text=True, timeout=timeout, env=environment)
         except subprocess.TimeoutExpired:
             return "caught", f"the run outlived {timeout:.0f} s"  # a hang the rank timeout did not cut
         lines = done.stdout.strip().splitlines() or [""]
