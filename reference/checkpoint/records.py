@@ -344,6 +344,10 @@ def _bytes_called_empty(*args: Any) -> bytes:
 #: ``io.BytesIO`` (bytes and a position; its ``__setstate__`` runs no code of the record's: a module's
 #: extra state may be one, SD-29, and torch's DCP loads it) and an empty ``bytes`` value (ML-1).
 _ALSO_ALLOWED: list[Any] = [io.BytesIO, (_bytes_called_empty, "builtins.bytes")]
+#: ``safe_globals`` edits torch's process-wide list and, on leaving, puts back the list it found: two
+#: blocks overlapping in two threads (the fast path's readers) would take the allowance away from one
+#: load, or leave it in torch's list for good. One block at a time.
+_ALSO_ALLOWED_LOCK = threading.Lock()
 
 
 def _load(stream: BinaryIO | FileWindow, archive: zipfile.ZipFile, **kwargs: Any) -> Any:
@@ -357,7 +361,7 @@ def _weights_only_load(stream: BinaryIO | FileWindow, pickled: Callable[[], byte
     """``torch.load(stream, weights_only=True, **kwargs)`` with :data:`_ALSO_ALLOWED`; a refusal names
     the globals that ``pickled()`` (the record's ``data.pkl``, read only then) asks for."""
     try:
-        with torch.serialization.safe_globals(_ALSO_ALLOWED):
+        with _ALSO_ALLOWED_LOCK, torch.serialization.safe_globals(_ALSO_ALLOWED):
             return torch.load(stream, weights_only=True, **kwargs)  # type: ignore[arg-type]  # a RawIOBase is a binary file; torch's stub lists IO[bytes] only
     except pickle.UnpicklingError as exc:
         refusal = _refused(exc, pickled())

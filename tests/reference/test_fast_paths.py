@@ -35,6 +35,7 @@ import pickle
 import re
 import shutil
 import signal
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -416,6 +417,33 @@ def test_a_record_of_a_tensor_in_the_wrong_shape_is_refused_alike(tmp_path: Path
         assert type(exc) is CheckpointFormatError and "shape [6]" in str(exc), f"{mode} path: {exc!r}"
         errors[mode] = str(exc).replace(str(path), "<ckpt>")
     assert errors["fast"] == errors["plain"], errors
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_records_torch_load_reads_in_many_threads_at_once(mode: str) -> None:
+    """A record that only ``torch.load`` reads, and only with the reference's extra allowance (a
+    ``torch.Size``, an empty ``bytes`` value, an ``io.BytesIO``), read by four threads at once (the
+    fast path's readers): every read succeeds, and torch's list of safe globals is left as it was."""
+    stream = io.BytesIO()
+    torch.save((torch.Size([2]), b"", io.BytesIO(b"state")), stream)
+    record, before, failures = stream.getvalue(), torch.serialization.get_safe_globals(), []
+
+    def read_many() -> None:
+        for _ in range(100):
+            try:
+                value = records.read_object_record(record)
+                assert value[:2] == (torch.Size([2]), b"") and value[2].getvalue() == b"state", value
+            except Exception as exc:
+                failures.append(exc)
+
+    with _mode(mode):
+        threads = [threading.Thread(target=read_many) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not failures, f"{len(failures)} of 400 reads failed; the first: {failures[0]!r}"
+    assert torch.serialization.get_safe_globals() == before, "torch's safe globals were left changed"
 
 
 @pytest.mark.parametrize("mode", MODES)
