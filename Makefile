@@ -49,7 +49,7 @@ IMPL_ARG := $(if $(IMPL),--impl $(IMPL),)
 RERUN_ARG := $(if $(RERUN_CRASHES),--rerun-crashes $(RERUN_CRASHES),)
 BENCH_ENV := $(if $(IMPL),BENCH_IMPL=$(IMPL),)
 
-.PHONY: setup bytecode conformance lint test test-bench stress bench asv asv-gate mutation matrix stacks clean
+.PHONY: setup bytecode conformance lint test test-plain test-bench stress bench asv asv-gate mutation matrix stacks clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -95,13 +95,19 @@ conformance: setup
 SHARDS := $(shell seq 1 $(JOBS))
 BENCH_JOB := $(if $(filter-out 1,$(JOBS)),test-bench,)
 test: setup
-	@$(MAKE) --no-print-directory -j$(words lint $(SHARDS) $(BENCH_JOB)) -Otarget lint $(addprefix test-shard-,$(SHARDS)) $(BENCH_JOB)
+	@$(MAKE) --no-print-directory -j$(words lint test-plain $(SHARDS) $(BENCH_JOB)) -Otarget lint test-plain $(addprefix test-shard-,$(SHARDS)) $(BENCH_JOB)
 	$(if $(BENCH_JOB),,@$(MAKE) --no-print-directory test-bench)
 
 # Every pytest benchmark once at its smallest size, and every asv benchmark once as `asv run --quick`
 # calls it (bench/test_asv_suite.py, through asv's runner library): a benchmark broken under either fails.
 test-bench: setup
 	$(PY) -m pytest bench --benchmark-disable -q -p no:cacheprovider
+
+# The reference's plain path (SDC_REFERENCE_FAST_PATHS=0: what a reviewer checks against SPEC.md) judged
+# by the checkpoint tests at world size 1, 14 s: the parts judge the fast paths only, and two plain-path
+# defects (an empty bytes value refused, a damaged record met only while reading) passed them unseen.
+test-plain: setup
+	SDC_REFERENCE_FAST_PATHS=0 $(PY) -m pytest conformance/test_checkpoint.py --impl reference --world-size 1 -q -p no:logging -p no:cacheprovider
 
 # `-p no:logging`: pytest's log capture attaches its handlers to every non-propagating logger (torch has
 # 55) around each phase of each of the ~9,000 tests, about 5% of a part's CPU; nothing here reads
