@@ -193,7 +193,6 @@ def file_size_limit(pids: Iterable[int], limit_bytes: int) -> Iterator[list[int]
                 resource.prlimit(pid, resource.RLIMIT_FSIZE, previous)
 
 
-
 #: The system calls that write to a descriptor (write, writev, sendto, sendmsg), by machine: the number
 #: the kernel shows first in ``/proc/<pid>/task/<tid>/syscall`` for a thread blocked in one.
 _WRITE_CALLS = {"x86_64": {1, 20, 44, 46}, "aarch64": {64, 66, 206, 211}}

@@ -134,7 +134,6 @@ def test_a_file_size_limit_leaves_out_a_process_that_is_gone() -> None:
         assert limited == []
 
 
-
 def test_a_thread_blocked_sending_to_a_socket_nobody_reads_is_seen() -> None:
     ours, theirs = socket.socketpair()
     sender = threading.Thread(target=lambda: _send_until_refused(ours, 64 << 20), daemon=True)

@@ -6,8 +6,8 @@ Each defect is a small edit of ``reference/`` that reintroduces what a report de
 buffer refilled while the write still reads it, completion before publication, a swallowed background
 error, ...). It is applied to a scratch copy of the checkout (the working tree is never written), and
 the tests named for it (a ``-k`` expression over one conformance file) run there against ``--impl
-reference`` (with the fast paths off, ``SDC_REFERENCE_FAST_PATHS=0``, for a defect of the plain path). A defect is *caught* when they fail.
-The exit status is 1 if any defect survives, so this is also a check of the suite, run by hand (a few
+reference`` (with the fast paths off, ``SDC_REFERENCE_FAST_PATHS=0``, for a defect of the plain path).
+A defect is *caught* when they fail. The exit status is 1 if any defect survives, so this is also a check of the suite, run by hand (a few
 minutes) and not by ``make test``. Automatic mutants of the same modules: ``make mutation``.
 """
 
